@@ -1,0 +1,5 @@
+import sys
+
+from pyro_bdl.cli import main
+
+sys.exit(main())

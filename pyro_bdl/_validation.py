@@ -1,0 +1,78 @@
+"""Argument checks shared by every public boundary.
+
+Each check raises a ``ValueError``/``TypeError`` that names the argument, states the expected and
+the actual value, and proposes a fix (RELIABILITY.md), whether or not Pyro's validation is on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return f"{value.item()!r}"
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)
+
+
+def check_positive(name: str, value: float | torch.Tensor, *, fix: str = "") -> None:
+    """Require a finite, strictly positive number (or tensor of them)."""
+    t = (
+        torch.as_tensor(value, dtype=torch.float64)
+        if not isinstance(value, torch.Tensor)
+        else value
+    )
+    if t.numel() == 0:
+        raise ValueError(f"{name} must be a finite positive number; got an empty tensor. {fix}")
+    bad = ~torch.isfinite(t) | (t <= 0)
+    if bad.any():
+        first = t.flatten()[bad.flatten().nonzero()[0, 0]].item()
+        raise ValueError(
+            f"{name} must be finite and > 0; got {_describe(value)} (offending value {first!r}). "
+            + (fix or f"Pass a positive {name}.")
+        )
+
+
+def check_probability(name: str, value: float, *, open_interval: bool = True) -> None:
+    """Require 0 < value < 1 (or 0 <= value < 1 when ``open_interval`` is False)."""
+    v = float(value)
+    ok = (0.0 < v < 1.0) if open_interval else (0.0 <= v < 1.0)
+    if not ok or math.isnan(v):
+        interval = "(0, 1)" if open_interval else "[0, 1)"
+        raise ValueError(f"{name} must lie in {interval}; got {value!r}.")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Require a Python integer >= 1 (bools are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1; got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1; got {value}. Use at least 1.")
+    return value
+
+
+def check_choice(name: str, value: str, options: Sequence[str]) -> str:
+    """Require ``value`` to be one of ``options`` (listed in the error)."""
+    if value not in options:
+        raise ValueError(
+            f"unknown {name} {value!r}; expected one of {', '.join(map(repr, options))}."
+        )
+    return value
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Refuse NaN/inf, naming the tensor, the count and the first offending index."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        bad = ~torch.isfinite(tensor)
+        if bad.any():
+            count = int(bad.sum())
+            first = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name} contains {count} non-finite value(s) (NaN or inf); the first is at index "
+                f"{first}. Clean or impute the data before training."
+            )

@@ -1,0 +1,17 @@
+"""The methods ``pyro-bdl compare`` knows: one line each (name -> fit function).
+
+A fit function takes a :class:`~pyro_bdl.compare.problem.Problem`, trains, and returns a
+predictor mapping test inputs to mean predictive probabilities. To add a method, write its fit
+function in a module of this package and add one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pyro_bdl.compare.map import fit_map
+from pyro_bdl.compare.problem import Predictor, Problem
+
+METHODS: dict[str, Callable[[Problem], Predictor]] = {
+    "map": fit_map,
+}

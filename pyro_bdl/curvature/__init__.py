@@ -1,0 +1,3 @@
+"""Curvature as plain functions of tensors: squared per-example gradients, subnetwork GGNs."""
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+"""Distributions that ``pyro_bdl`` adds to Pyro's, with their KL divergences registered."""
+
+from pyro_bdl.distributions.scale_mixture import ScaleMixtureNormal
+
+__all__ = ["ScaleMixtureNormal"]

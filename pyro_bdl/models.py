@@ -1,0 +1,120 @@
+"""Ready-made Pyro models around a lifted network, with the checks a user would otherwise forget.
+
+Users are free to write their own model with ``pyro.sample``; these helpers are what the
+``pyro-bdl`` command, the tests and the tutorials use. Both scale the likelihood by N/B through
+``pyro.plate("data", N, subsample_size=B)`` and return the network's output.
+
+Usage::
+
+    model = bdl.models.classifier(bnn, dataset_size=len(x_train))
+    svi.step(x_batch, y_batch)
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import torch
+from torch import nn
+
+from pyro_bdl._validation import check_finite, check_positive, check_positive_int
+
+__all__ = ["DATA_PLATE", "check_batch", "classifier", "data_plate", "regressor"]
+
+#: The name of the plate over examples; VOGN and the diagnostics look for it.
+DATA_PLATE = "data"
+
+
+def data_plate(dataset_size: int, batch_size: int) -> pyro.plate:
+    """The plate over examples: scales the likelihood by N/B (``batch_size`` may exceed N when
+    predicting on a larger test set, in which case no scaling applies)."""
+    if batch_size > dataset_size:
+        return pyro.plate(DATA_PLATE, batch_size)
+    return pyro.plate(DATA_PLATE, dataset_size, subsample_size=batch_size)
+
+
+def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
+    """Refuse the bad inputs of RELIABILITY.md items 1–5 with an error that says what to do."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(f"x must have at least one row; got shape {tuple(x.shape)}.")
+    check_finite("x", x)
+    if y is None:
+        return
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor or None; got {type(y).__name__}.")
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x and y must have the same number of rows; got x {tuple(x.shape)} and y "
+            f"{tuple(y.shape)}. Pass matching slices of the data."
+        )
+    if task == "classification":
+        if y.dim() != 1:
+            raise ValueError(
+                f"y must have shape ({x.shape[0]},) of class labels; got {tuple(y.shape)}. "
+                "Use y.reshape(-1) (or y.argmax(-1) for one-hot labels)."
+            )
+        if y.is_floating_point() or y.dtype == torch.bool:
+            raise ValueError(
+                f"y must hold integer class labels for a categorical likelihood; got dtype "
+                f"{y.dtype}. Use y.long()."
+            )
+        if num_classes is not None and y.numel() and (y.min() < 0 or y.max() >= num_classes):
+            raise ValueError(
+                f"class labels must lie in [0, {num_classes}); got min {int(y.min())}, max "
+                f"{int(y.max())}. Check the label encoding or the network's number of outputs."
+            )
+    else:
+        if not y.is_floating_point():
+            raise ValueError(
+                f"y must be floating point for a Gaussian likelihood; got dtype {y.dtype}. "
+                "Use y.float() (or a classifier for class labels)."
+            )
+        check_finite("y", y)
+
+
+def classifier(net: nn.Module, dataset_size: int):
+    """A categorical-likelihood model ``model(x, y=None) -> logits`` over ``net``'s outputs."""
+    check_positive_int("dataset_size", dataset_size)
+
+    def model(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        check_batch(x, y, task="classification")
+        logits = net(x)
+        if y is not None and (y.min() < 0 or y.max() >= logits.shape[-1]):
+            check_batch(x, y, task="classification", num_classes=logits.shape[-1])
+        with data_plate(dataset_size, x.shape[0]):
+            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+    model.likelihood = "categorical"  # type: ignore[attr-defined]
+    model.net = net  # type: ignore[attr-defined]
+    return model
+
+
+def regressor(net: nn.Module, dataset_size: int, noise_scale: float):
+    """A Gaussian-likelihood model ``model(x, y=None) -> mean`` with a fixed observation noise.
+
+    ``net`` must output shape ``(B,)`` or ``(B, 1)``; targets have shape ``(B,)``.
+    """
+    check_positive_int("dataset_size", dataset_size)
+    check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")
+
+    def model(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        check_batch(x, y, task="regression")
+        mean = net(x)
+        if mean.dim() == 2 and mean.shape[-1] == 1:
+            mean = mean.squeeze(-1)
+        if y is not None and y.shape != mean.shape:
+            raise ValueError(
+                f"y must have the network output's shape {tuple(mean.shape)}; got "
+                f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
+            )
+        with data_plate(dataset_size, x.shape[0]):
+            pyro.sample("y", dist.Normal(mean, noise_scale), obs=y)
+        return mean
+
+    model.likelihood = "gaussian"  # type: ignore[attr-defined]
+    model.net = net  # type: ignore[attr-defined]
+    model.noise_scale = noise_scale  # type: ignore[attr-defined]
+    return model

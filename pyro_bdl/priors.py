@@ -1,0 +1,178 @@
+"""Prior families over network weights.
+
+A prior maps ``(module, name, param)`` — the owning module, the parameter's name within it, and a
+tensor with the parameter's shape, dtype and device — to a distribution whose event shape is the
+parameter's shape. It also offers the initial location of the posterior (by default the module's
+current weights, so a pretrained network starts where it was).
+
+Usage::
+
+    bnn = bdl.bayesianize(net, prior=bdl.priors.LayerwiseNormal(method="kaiming"))
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+
+import pyro.distributions as dist
+import torch
+from torch import nn
+
+from pyro_bdl._validation import check_choice, check_positive, check_probability
+from pyro_bdl.distributions import ScaleMixtureNormal as ScaleMixtureDistribution
+
+__all__ = ["Laplace", "LayerwiseNormal", "Normal", "Prior", "ScaleMixtureNormal"]
+
+_INIT_OPTIONS = ("module", "prior_mean", "sample")
+
+
+class Prior(abc.ABC):
+    """Base class: an element-wise prior expanded to the parameter's shape.
+
+    Subclasses implement :meth:`element`, returning a distribution with scalar (or broadcastable)
+    batch shape on ``param``'s dtype and device; :meth:`__call__` expands it to the parameter's
+    shape and declares every dim an event dim.
+
+    :param str init: initial posterior location: ``"module"`` (the module's current weights, the
+        default), ``"prior_mean"`` or ``"sample"`` (a draw from the prior).
+    """
+
+    def __init__(self, *, init: str = "module"):
+        self.init = check_choice("init", init, _INIT_OPTIONS)
+
+    @abc.abstractmethod
+    def element(self, module: nn.Module, name: str, param: torch.Tensor) -> dist.Distribution:
+        """The element-wise distribution for one parameter (batch shape broadcastable to it)."""
+
+    def __call__(self, module: nn.Module, name: str, param: torch.Tensor) -> dist.Distribution:
+        return self.element(module, name, param).expand(param.shape).to_event(param.dim())
+
+    def init_loc(self, module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The initial posterior location for ``param`` (a new tensor, no gradient)."""
+        with torch.no_grad():
+            if self.init == "module":
+                return param.detach().clone()
+            d = self(module, name, param)
+            if self.init == "prior_mean":
+                return d.mean.detach().clone()
+            return d.sample().detach()
+
+    def _tensor(self, value: float, like: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class Normal(Prior):
+    r"""Isotropic Gaussian prior :math:`\mathcal N(\text{loc}, \text{scale}^2)` on every weight.
+
+    :param float loc: prior mean.
+    :param float scale: prior standard deviation (> 0).
+    """
+
+    def __init__(self, loc: float = 0.0, scale: float = 1.0, *, init: str = "module"):
+        super().__init__(init=init)
+        if not math.isfinite(float(loc)):
+            raise ValueError(f"Normal prior loc must be finite; got {loc!r}.")
+        check_positive("Normal prior scale", scale, fix="Pass scale > 0, for example scale=1.0.")
+        self.loc, self.scale = float(loc), float(scale)
+
+    def element(self, module, name, param):
+        return dist.Normal(self._tensor(self.loc, param), self._tensor(self.scale, param))
+
+
+def fan_in_out(module: nn.Module, param: torch.Tensor) -> tuple[int, int]:
+    """Fan-in and fan-out of the layer that owns ``param`` (biases use their layer's weight).
+
+    Read from the layer's own attributes (``in_features``, ``in_channels``, ``kernel_size``) so
+    that it works after the weight itself has become a sample site; other layers fall back to the
+    parameter's shape, as :func:`torch.nn.init._calculate_fan_in_and_fan_out` does.
+    """
+    if isinstance(module, nn.Linear) or hasattr(module, "in_features"):
+        return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
+    if isinstance(module, nn.modules.conv._ConvNd):
+        receptive = math.prod(module.kernel_size)
+        return (module.in_channels // module.groups) * receptive, module.out_channels * receptive
+    if param.dim() >= 2:
+        receptive = math.prod(param.shape[2:])
+        return param.shape[1] * receptive, param.shape[0] * receptive
+    return param.numel(), param.numel()
+
+
+class LayerwiseNormal(Prior):
+    r"""Zero-mean Gaussian whose scale follows the layer's fan-in.
+
+    ``method="kaiming"``: :math:`s = g\sqrt{2/n_\text{in}}` (He et al. 2015);
+    ``"xavier"``: :math:`s = g\sqrt{2/(n_\text{in} + n_\text{out})}` (Glorot & Bengio 2010);
+    ``"radford"``: :math:`s = g/\sqrt{n_\text{in}}` (Neal 1996). Biases use their layer's fan.
+
+    :param str method: one of ``"kaiming"``, ``"xavier"``, ``"radford"``.
+    :param float gain: multiplies the scale (> 0).
+    """
+
+    METHODS = ("kaiming", "xavier", "radford")
+
+    def __init__(self, method: str = "kaiming", gain: float = 1.0, *, init: str = "module"):
+        super().__init__(init=init)
+        self.method = check_choice("LayerwiseNormal method", method, self.METHODS)
+        check_positive("LayerwiseNormal gain", gain)
+        self.gain = float(gain)
+
+    def scale_for(self, module: nn.Module, param: torch.Tensor) -> float:
+        fan_in, fan_out = fan_in_out(module, param)
+        if self.method == "kaiming":
+            return self.gain * math.sqrt(2.0 / fan_in)
+        if self.method == "xavier":
+            return self.gain * math.sqrt(2.0 / (fan_in + fan_out))
+        return self.gain / math.sqrt(fan_in)
+
+    def element(self, module, name, param):
+        scale = self.scale_for(module, param)
+        return dist.Normal(self._tensor(0.0, param), self._tensor(scale, param))
+
+
+class Laplace(Prior):
+    """Zero-mean Laplace prior with the given ``scale`` (> 0) on every weight."""
+
+    def __init__(self, scale: float = 1.0, *, loc: float = 0.0, init: str = "module"):
+        super().__init__(init=init)
+        check_positive("Laplace prior scale", scale, fix="Pass scale > 0, for example scale=1.0.")
+        if not math.isfinite(float(loc)):
+            raise ValueError(f"Laplace prior loc must be finite; got {loc!r}.")
+        self.loc, self.scale = float(loc), float(scale)
+
+    def element(self, module, name, param):
+        return dist.Laplace(self._tensor(self.loc, param), self._tensor(self.scale, param))
+
+
+class ScaleMixtureNormal(Prior):
+    r"""Bayes-by-Backprop scale mixture :math:`\pi\mathcal N(0,s_1^2) + (1-\pi)\mathcal N(0,s_2^2)`.
+
+    :param float pi: weight of the first component, in (0, 1).
+    :param float scale1: first component's standard deviation (> 0).
+    :param float scale2: second component's standard deviation (> 0).
+    """
+
+    def __init__(
+        self,
+        pi: float = 0.5,
+        scale1: float = 1.0,
+        scale2: float = math.exp(-6),
+        *,
+        init: str = "module",
+    ):
+        super().__init__(init=init)
+        check_probability("ScaleMixtureNormal pi", pi)
+        check_positive("ScaleMixtureNormal scale1", scale1)
+        check_positive("ScaleMixtureNormal scale2", scale2)
+        self.pi, self.scale1, self.scale2 = float(pi), float(scale1), float(scale2)
+
+    def element(self, module, name, param):
+        return ScaleMixtureDistribution(
+            self._tensor(self.pi, param),
+            self._tensor(self.scale1, param),
+            self._tensor(self.scale2, param),
+        )
