@@ -1,0 +1,78 @@
+import pytest
+import torch
+from pyro import poutine
+from torch import nn
+
+from pyro_bdl import bayesianize, models
+
+
+def _classifier(n=100):
+    return models.classifier(bayesianize(nn.Linear(3, 4)), dataset_size=n)
+
+
+def _regressor(n=100):
+    return models.regressor(bayesianize(nn.Linear(3, 1)), dataset_size=n, noise_scale=0.5)
+
+
+def test_classifier_scales_likelihood_by_n_over_b():
+    model = _classifier(n=100)
+    x, y = torch.randn(10, 3), torch.randint(0, 4, (10,))
+    tr = poutine.trace(model).get_trace(x, y)
+    assert tr.nodes["y"]["scale"] == pytest.approx(10.0)
+    assert tr.nodes["y"]["fn"].batch_shape == (10,)
+    assert tr.nodes["_RETURN"]["value"].shape == (10, 4)
+
+
+def test_regressor_accepts_column_output_and_checks_target_shape():
+    model = _regressor()
+    x = torch.randn(6, 3)
+    tr = poutine.trace(model).get_trace(x, torch.randn(6))
+    assert tr.nodes["y"]["fn"].batch_shape == (6,)
+    with pytest.raises(ValueError, match=r"y must have the network output's shape \(6,\)"):
+        model(x, torch.randn(6, 1))
+
+
+def test_prediction_on_more_rows_than_the_dataset_is_unscaled():
+    model = _classifier(n=5)
+    tr = poutine.trace(model).get_trace(torch.randn(8, 3))
+    assert tr.nodes["y"]["scale"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "x, y, match",
+    [
+        (torch.randn(4, 3), torch.tensor([0, 1, 2]), "same number of rows"),
+        (torch.randn(4, 3), torch.zeros(4, 1, dtype=torch.long), r"shape \(4,\)"),
+        (torch.randn(4, 3), torch.zeros(4), "integer class labels"),
+        (torch.randn(4, 3), torch.tensor([0, 1, 2, 4]), r"\[0, 4\)"),
+        (torch.randn(4, 3), torch.tensor([0, -1, 2, 3]), r"\[0, 4\)"),
+        (torch.tensor([[0.0, float("nan"), 1.0]]), torch.tensor([0]), r"x contains 1 .* \(0, 1\)"),
+        (torch.randn(0, 3), torch.zeros(0, dtype=torch.long), "at least one row"),
+    ],
+)
+def test_classifier_bad_inputs(x, y, match):
+    with pytest.raises(ValueError, match=match):
+        _classifier()(x, y)
+
+
+@pytest.mark.parametrize(
+    "y, match",
+    [
+        (torch.tensor([0, 1, 2, 3]), "floating point"),
+        (torch.tensor([True, False, True, True]), "floating point"),
+        (torch.tensor([0.0, float("inf"), 1.0, 2.0]), r"y contains 1 .* \(1,\)"),
+    ],
+)
+def test_regressor_bad_targets(y, match):
+    with pytest.raises(ValueError, match=match):
+        _regressor()(torch.randn(4, 3), y)
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_bad_dataset_size_and_noise(bad):
+    with pytest.raises(ValueError, match="dataset_size"):
+        models.classifier(nn.Linear(2, 2), dataset_size=bad)
+    with pytest.raises(ValueError, match="noise_scale"):
+        models.regressor(nn.Linear(2, 1), dataset_size=10, noise_scale=bad)
+    with pytest.raises(TypeError, match="dataset_size"):
+        models.classifier(nn.Linear(2, 2), dataset_size=2.5)

@@ -1,0 +1,92 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pyro_bdl import priors
+from pyro_bdl.distributions import ScaleMixtureNormal
+from tests.common import assert_close
+
+
+def test_normal_prior_shape_and_log_prob():
+    lin = nn.Linear(3, 2)
+    d = priors.Normal(0.5, 2.0)(lin, "weight", lin.weight)
+    assert d.event_shape == (2, 3) and d.batch_shape == ()
+    w = torch.randn(2, 3)
+    expected = torch.distributions.Normal(0.5, 2.0).log_prob(w).sum()
+    assert_close(d.log_prob(w), expected)
+
+
+@pytest.mark.parametrize(
+    "method, expected",
+    [("kaiming", math.sqrt(2 / 12)), ("xavier", math.sqrt(2 / (12 + 20))), ("radford", 12**-0.5)],
+)
+def test_layerwise_normal_uses_fan_in(method, expected):
+    conv = nn.Conv2d(3, 5, kernel_size=2)  # fan_in = 3*2*2 = 12, fan_out = 5*2*2 = 20
+    prior = priors.LayerwiseNormal(method)
+    for name in ("weight", "bias"):
+        d = prior(conv, name, getattr(conv, name))
+        assert_close(d.base_dist.scale.unique(), [expected])
+    # The fan is read from the layer's attributes, so it agrees with torch's own computation.
+    fan_in, fan_out = torch.nn.init._calculate_fan_in_and_fan_out(conv.weight)
+    assert priors.fan_in_out(conv, conv.weight) == (fan_in, fan_out)
+
+
+def test_laplace_and_scale_mixture_log_prob():
+    lin = nn.Linear(2, 2)
+    w = torch.randn(2, 2, dtype=torch.float64)
+    lap = priors.Laplace(0.3)(lin, "weight", w)
+    assert_close(lap.log_prob(w), torch.distributions.Laplace(0.0, 0.3).log_prob(w).sum())
+    mix = priors.ScaleMixtureNormal(0.25, 1.0, 0.1)(lin, "weight", w)
+    one = torch.ones((), dtype=torch.float64)
+    n1 = torch.distributions.Normal(0 * one, one).log_prob(w).exp()
+    n2 = torch.distributions.Normal(0 * one, 0.1 * one).log_prob(w).exp()
+    assert_close(mix.log_prob(w), (0.25 * n1 + 0.75 * n2).log().sum(), rtol=1e-12)
+
+
+def test_scale_mixture_distribution_moments():
+    d = ScaleMixtureNormal(torch.tensor(0.3), torch.tensor(2.0), torch.tensor(0.5))
+    x = d.sample((200_000,))
+    # 4 standard errors of the sample variance: sd(x²)/√n with E[x⁴] = 3Σπₖsₖ⁴.
+    fourth = 3 * (0.3 * 2.0**4 + 0.7 * 0.5**4)
+    se = math.sqrt((fourth - float(d.variance) ** 2) / 200_000)
+    assert abs(float((x**2).mean()) - float(d.variance)) < 4 * se
+    assert d.expand((3,)).log_prob(torch.zeros(3)).shape == (3,)
+
+
+def test_init_options():
+    lin = nn.Linear(3, 2)
+    assert torch.equal(priors.Normal().init_loc(lin, "weight", lin.weight), lin.weight.detach())
+    mean = priors.Normal(0.7, 1.0, init="prior_mean").init_loc(lin, "weight", lin.weight)
+    assert torch.equal(mean, torch.full((2, 3), 0.7))
+    drawn = priors.Laplace(1.0, init="sample").init_loc(lin, "weight", lin.weight)
+    assert drawn.shape == (2, 3) and not torch.equal(drawn, lin.weight.detach())
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_scales_raise(scale):
+    for build in (
+        lambda: priors.Normal(scale=scale),
+        lambda: priors.Laplace(scale),
+        lambda: priors.ScaleMixtureNormal(0.5, scale, 1.0),
+        lambda: priors.ScaleMixtureNormal(0.5, 1.0, scale),
+        lambda: priors.LayerwiseNormal(gain=scale),
+    ):
+        with pytest.raises(ValueError, match="scale|gain"):
+            build()
+
+
+@pytest.mark.parametrize("pi", [0.0, 1.0, -0.1, 1.5, float("nan")])
+def test_bad_mixture_probability_raises(pi):
+    with pytest.raises(ValueError, match="pi"):
+        priors.ScaleMixtureNormal(pi, 1.0, 0.1)
+
+
+def test_unknown_options_list_the_choices():
+    with pytest.raises(ValueError, match="'kaiming', 'xavier', 'radford'"):
+        priors.LayerwiseNormal("he")
+    with pytest.raises(ValueError, match="init"):
+        priors.Normal(init="zeros")
+    with pytest.raises(ValueError, match="loc"):
+        priors.Normal(loc=float("nan"))
