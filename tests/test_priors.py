@@ -73,7 +73,7 @@ def test_bad_scales_raise(scale):
         lambda: priors.ScaleMixtureNormal(0.5, 1.0, scale),
         lambda: priors.LayerwiseNormal(gain=scale),
     ):
-        with pytest.raises(ValueError, match="scale|gain"):
+        with pytest.raises(ValueError, match=r"scale|gain"):
             build()
 
 

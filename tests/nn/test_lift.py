@@ -164,7 +164,7 @@ def test_bad_rules_and_priors_raise_before_changing_the_module(bad, error):
 
 
 def test_non_module_and_unlifted_module_errors():
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         bayesianize(lambda x: x)
     with pytest.raises(ValueError, match="bayesianize"):
         sites(nn.Linear(2, 2))
