@@ -1,4 +1,9 @@
 """Pyro guides for lifted networks. Every guide here is an ordinary Pyro guide: ``Predictive``,
 ``poutine``, ``state_dict`` checkpoints and the diagnostics work the same for all of them."""
 
-__all__: list[str] = []
+from pyro_bdl.guides.base import AutoLocScaleGuide
+from pyro_bdl.guides.meanfield import AutoMeanField
+from pyro_bdl.guides.radial import AutoRadial
+from pyro_bdl.guides.swag import AutoSWAG
+
+__all__: list[str] = ["AutoLocScaleGuide", "AutoMeanField", "AutoRadial", "AutoSWAG"]

@@ -1,0 +1,299 @@
+r"""Shared machinery of the per-site location-scale guides (:class:`AutoMeanField`,
+:class:`AutoRadial`).
+
+Every latent site gets its own location-scale distribution **on the site itself** (DESIGN.md 2,
+contract 2), so an ELBO sees the (posterior, prior) pair and can use an exact KL. The locations and
+the unconstrained scales of all sites are packed into two flat parameters, as Pyro's
+``AutoDiagonalNormal`` does: an optimizer then updates two tensors instead of two per site, and
+the scales go through one softplus per step. Each site reads a view of the flat vectors.
+
+A subclass overrides one method, :meth:`AutoLocScaleGuide.site_posterior`, returning the
+distribution over the unconstrained site given its location, scale and number of event dims.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide.initialization import InitMessenger
+from pyro.infer.autoguide.utils import helpful_support_errors
+from pyro.ops.tensor_utils import periodic_repeat
+from torch import nn
+from torch.distributions import biject_to
+from torch.distributions.transforms import ComposeTransform, IndependentTransform
+from torch.nn.functional import softplus
+
+from pyro_bdl._validation import check_positive
+from pyro_bdl.nn.lift import init_to_network
+
+__all__ = ["AutoLocScaleGuide", "SiteLayout", "inverse_softplus"]
+
+
+def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    """ρ with softplus(ρ) = x, stable for small and large x (x > 0)."""
+    return x + torch.log(-torch.expm1(-x))
+
+
+def _is_identity(transform) -> bool:
+    """Whether ``biject_to(support)`` is the identity (real support, possibly with event dims)."""
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    return isinstance(transform, ComposeTransform) and not transform.parts
+
+
+@dataclass(frozen=True)
+class SiteLayout:
+    """Where one site lives in the flat parameter vectors.
+
+    :ivar str name: the site name.
+    :ivar int start: first index in the flat vectors.
+    :ivar int stop: one past the last index.
+    :ivar torch.Size shape: the unconstrained shape at full plate size.
+    :ivar int event_dim: number of trailing event dims of the unconstrained value.
+    :ivar tuple frames: the site's vectorized plates, as ``(name, dim)``.
+    :ivar transform: maps the unconstrained value onto the site's support (``None``: identity).
+    """
+
+    name: str
+    start: int
+    stop: int
+    shape: torch.Size
+    event_dim: int
+    frames: tuple[tuple[str, int], ...]
+    transform: Any
+
+
+class AutoLocScaleGuide(AutoGuide):
+    r"""Base class: one location-scale posterior per latent site, sampled on the site itself.
+
+    Locations start from ``init_loc_fn`` (by default :func:`~pyro_bdl.init_to_network`, the
+    network's own weights); scales are ``softplus(ρ)`` with ρ initialised so that every scale
+    equals ``init_scale``. Sites with a constrained support get the distribution pushed through
+    ``biject_to(support)``.
+
+    :param callable model: the Pyro model.
+    :param float init_scale: initial posterior standard deviation of every unconstrained
+        coordinate (> 0).
+    :param callable init_loc_fn: per-site initialisation strategy.
+    :param callable create_plates: optional, as in :class:`~pyro.infer.autoguide.AutoGuide`.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        init_scale: float = 1e-2,
+        init_loc_fn=init_to_network,
+        create_plates=None,
+    ):
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)):
+            raise TypeError(
+                f"init_scale must be a float > 0; got {type(init_scale).__name__} {init_scale!r}."
+            )
+        check_positive(
+            "init_scale", float(init_scale), fix="Pass a small positive scale, e.g. 1e-2."
+        )
+        if not callable(init_loc_fn):
+            raise TypeError(
+                f"init_loc_fn must be callable (site -> tensor), e.g. pyro_bdl.init_to_network; "
+                f"got {type(init_loc_fn).__name__}."
+            )
+        self._init_scale = float(init_scale)
+        self.init_loc_fn = init_loc_fn
+        super().__init__(InitMessenger(init_loc_fn)(model), create_plates=create_plates)
+        self._layout: list[SiteLayout] = []
+
+    # -- the one hook a subclass overrides -----------------------------------------------------
+
+    def site_posterior(
+        self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int
+    ) -> dist.TorchDistribution:
+        """The posterior over one unconstrained site (``event_dim`` trailing dims form it)."""
+        raise NotImplementedError
+
+    def site_quantiles(
+        self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int, q: torch.Tensor
+    ) -> torch.Tensor:
+        """Marginal quantiles ``q`` (shape ``(Q,) + (1,) * loc.dim()``) of one site."""
+        raise NotImplementedError
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        layout, locs = [], []
+        start = 0
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            support = site["fn"].support
+            with helpful_support_errors(site):
+                transform = biject_to(support)
+            value = site["value"].detach()
+            init_loc = transform.inv(value).detach()
+            event_dim = site["fn"].event_dim + init_loc.dim() - value.dim()
+            frames = []
+            for frame in site["cond_indep_stack"]:
+                full_size = frame.full_size or frame.size
+                if full_size != frame.size:  # subsampled: keep parameters for the full plate
+                    init_loc = periodic_repeat(init_loc, full_size, frame.dim - event_dim)
+                frames.append((frame.name, frame.dim))
+            init_loc = init_loc.contiguous()
+            identity = _is_identity(transform)
+            layout.append(
+                SiteLayout(
+                    name=name,
+                    start=start,
+                    stop=start + init_loc.numel(),
+                    shape=init_loc.shape,
+                    event_dim=event_dim,
+                    frames=tuple(frames),
+                    transform=None if identity else transform,
+                )
+            )
+            locs.append(init_loc.reshape(-1))
+            start += init_loc.numel()
+        if not locs:
+            raise ValueError(
+                f"{type(self).__name__} found no latent sites in the model. Lift the network "
+                "with pyro_bdl.bayesianize(net) so that its weights become sample sites."
+            )
+        dtypes = {t.dtype for t in locs}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"{type(self).__name__} packs every site into one vector, so all latent sites "
+                f"must share a dtype; got {sorted(map(str, dtypes))}. Convert the network with "
+                "net.to(dtype) before lifting."
+            )
+        loc = torch.cat(locs)
+        self._layout = layout
+        self._sites = {s.name: s for s in layout}
+        self.loc = nn.Parameter(loc)
+        rho = inverse_softplus(torch.full_like(loc, self._init_scale))
+        self.scale_unconstrained = nn.Parameter(rho)
+
+    def _ensure_setup(self) -> None:
+        if self.prototype_trace is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has not seen the model yet; call the guide once with "
+                "the model's arguments (for example guide(x, y) or one svi.step(x, y)) first."
+            )
+
+    # -- the guide -----------------------------------------------------------------------------
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """All posterior scales, flat (``softplus`` of the free parameter)."""
+        return softplus(self.scale_unconstrained)
+
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Sample every latent site from its own posterior; returns ``{name: value}``."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        plates = self._create_plates(*args, **kwargs)
+        loc, scale = self.loc, softplus(self.scale_unconstrained)
+        result = {}
+        for site in self._layout:
+            site_loc = loc[site.start : site.stop].view(site.shape)
+            site_scale = scale[site.start : site.stop].view(site.shape)
+            if not site.frames:  # the common case for weights: no plate to enter
+                result[site.name] = pyro.sample(
+                    site.name, self._site_dist(site, site_loc, site_scale)
+                )
+                continue
+            with ExitStack() as stack:
+                for plate_name, dim in site.frames:
+                    plate = plates[plate_name]
+                    idx = stack.enter_context(plate)
+                    if plate.subsample_size < plate.size:
+                        site_loc = site_loc.index_select(dim - site.event_dim, idx)
+                        site_scale = site_scale.index_select(dim - site.event_dim, idx)
+                fn = self._site_dist(site, site_loc, site_scale)
+                result[site.name] = pyro.sample(site.name, fn)
+        return result
+
+    def _site_dist(self, site: SiteLayout, loc: torch.Tensor, scale: torch.Tensor):
+        fn = self.site_posterior(loc, scale, site.event_dim)
+        if site.transform is not None:
+            fn = dist.TransformedDistribution(fn, site.transform)
+        return fn
+
+    # -- per-site access, median, quantiles ----------------------------------------------------
+
+    def get_posterior(self, name: str) -> dist.TorchDistribution:
+        """The posterior distribution of site ``name`` (at full plate size)."""
+        self._ensure_setup()
+        site = self._site(name)
+        loc, scale = self._loc_scale(site)
+        return self._site_dist(site, loc, scale)
+
+    def _site(self, name: str) -> SiteLayout:
+        site = self._sites.get(name)
+        if site is None:
+            raise ValueError(
+                f"unknown site {name!r}; the guide's sites are {', '.join(map(repr, self._sites))}."
+            )
+        return site
+
+    def _loc_scale(self, site: SiteLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        loc = self.loc[site.start : site.stop].view(site.shape)
+        scale = softplus(self.scale_unconstrained[site.start : site.stop]).view(site.shape)
+        return loc, scale
+
+    def locs_and_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{name: (loc, scale)}`` of every site in unconstrained space (detached copies)."""
+        self._ensure_setup()
+        with torch.no_grad():
+            return {
+                s.name: tuple(t.detach().clone() for t in self._loc_scale(s))  # type: ignore[misc]
+                for s in self._layout
+            }
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Posterior median of every site (the location pushed onto the support)."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        out = {}
+        for site in self._layout:
+            loc, _ = self._loc_scale(site)
+            out[site.name] = (site.transform(loc) if site.transform else loc).clone()
+        return out
+
+    @torch.no_grad()
+    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Marginal posterior quantiles of every site, shape ``(len(quantiles),) + site shape``.
+
+        Usage::
+
+            lo, hi = guide.quantiles([0.05, 0.95])["0.weight"]
+        """
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        q = torch.as_tensor(quantiles, dtype=self.loc.dtype, device=self.loc.device)
+        if q.dim() != 1 or q.numel() == 0 or not bool(((q > 0) & (q < 1)).all()):
+            raise ValueError(
+                f"quantiles must be a non-empty 1-d list of numbers in (0, 1); got {quantiles!r}."
+            )
+        out = {}
+        for site in self._layout:
+            loc, scale = self._loc_scale(site)
+            qs = q.reshape((-1,) + (1,) * loc.dim())
+            values = self.site_quantiles(loc, scale, site.event_dim, qs)
+            out[site.name] = site.transform(values) if site.transform else values
+        return out
+
+    @property
+    def site_names(self) -> list[str]:
+        """Names of the latent sites, in the model's order."""
+        self._ensure_setup()
+        return [s.name for s in self._layout]
+
+    def num_latents(self) -> int:
+        """Total number of unconstrained latent numbers."""
+        self._ensure_setup()
+        return int(self.loc.numel())
