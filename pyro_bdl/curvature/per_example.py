@@ -1,0 +1,539 @@
+r"""Squared per-example gradients without a batch × parameters tensor (DESIGN.md 4.5).
+
+For per-example losses :math:`\ell_i` and a parameter tensor :math:`W`, VOGN needs the summed
+gradient :math:`\sum_i g_i` and the sum of squares :math:`\sum_i g_i \odot g_i`, where
+:math:`g_i = \nabla_W \ell_i`. Forward hooks save each layer's input :math:`a` and the gradient
+edge of its output; one backward pass gives :math:`\delta_i = \partial(\sum_j \ell_j)/\partial z_i`
+at every recorded output, and the per-layer rules below finish the job:
+
+- ``Linear`` on a ``(B, in)`` input: :math:`\sum_i (\delta_i a_i^\top)^2 = (\delta^2)^\top(a^2)`,
+  one extra matmul and no per-example storage at all.
+- ``Linear`` on ``(B, ..., in)`` inputs, ``Conv1d/2d/3d`` (any stride, padding, dilation, groups,
+  padding mode): the per-example gradient :math:`\sum_p \delta_{i,p} a_{i,p}^\top` over positions
+  :math:`p` of the unfolded input, squared after the sum, in chunks of the batch so the extra
+  memory stays below ``max_chunk_elements``.
+- ``BatchNorm`` affine parameters: per-example sums over positions of :math:`\delta \odot \hat x`
+  (weight) and :math:`\delta` (bias), :math:`\hat x` recomputed from the saved input.
+- Any other module with parameters: ``torch.func.vmap(grad)`` over chunks of examples of
+  :math:`\langle \delta_i, f(a_i; \theta)\rangle` (the same fallback that
+  :func:`vmap_squared_gradients`, the test oracle, uses on a whole loss).
+
+A module called several times in one forward pass (weight sharing) has its per-example gradients
+summed over calls before squaring. Lifted layers (:func:`pyro_bdl.bayesianize`) work the same way:
+the sampled weight is whatever the layer used in the forward pass.
+
+Two rules to know. Examples are dim 0 of every recorded layer's input and output. A BatchNorm
+layer in training mode couples the examples of a batch through its statistics; then
+:math:`\delta_i` is example :math:`i`'s share of the summed loss's gradient at the layer output
+(the per-example gradients still sum to the exact total gradient), the definition used by VOGN's
+reference implementation.
+
+References:
+
+- Goodfellow, "Efficient Per-Example Gradient Computations", arXiv 1510.01799, 2015.
+- Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019, Appendix B.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.func import grad, vmap
+
+__all__ = ["PerExampleGradients", "substitute", "vmap_squared_gradients"]
+
+#: Default bound on the number of elements of a chunk's per-example tensors (about 64 MB fp32).
+DEFAULT_MAX_CHUNK_ELEMENTS = 2**24
+
+Key = tuple[nn.Module, str]
+
+
+def _direct_targets(module: nn.Module) -> list[str]:
+    """Names of ``module``'s own trainable parameters and lifted (``PyroSample``) sites."""
+    names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
+    samples = module.__dict__.get("_pyro_samples")
+    if samples:
+        names += [n for n in samples if n not in names]
+    return names
+
+
+def _is(module: nn.Module, base: type[nn.Module]) -> bool:
+    """``module`` is a ``base`` whose forward is ``base``'s own (lifted classes included)."""
+    return isinstance(module, base) and type(module).forward is base.forward
+
+
+def _kind(module: nn.Module) -> str:
+    if _is(module, nn.Linear):
+        return "linear"
+    for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        if _is(module, conv):
+            return "conv"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+        type(module).forward is nn.modules.batchnorm._BatchNorm.forward
+    ):
+        return "batchnorm"
+    return "fallback"
+
+
+@dataclass
+class _Call:
+    """One recorded call of a layer."""
+
+    args: tuple
+    kwargs: dict
+    edge: Any  # the gradient edge of the output at call time (robust to later in-place ops)
+    versions: tuple[int, ...]
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    delta: torch.Tensor | None = None
+
+
+@contextmanager
+def substitute(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily replace parameters or lifted weight sites of ``module`` by given tensors.
+
+    Works on plain and :func:`~pyro_bdl.bayesianize` -lifted modules alike (a lifted site is then
+    read from ``values`` instead of being sampled), so a network can be called as a pure function
+    of its weights, for example inside :func:`torch.func.vmap`.
+
+    Usage::
+
+        with substitute(bnn, {"0.weight": w0, "0.bias": b0}):
+            out = bnn(x)
+
+    :param module: the network.
+    :param values: tensors keyed by dotted parameter (site) name.
+    """
+    modules = dict(module.named_modules())
+    entries = []
+    for name, value in values.items():
+        mod_name, _, pname = name.rpartition(".")
+        sub = modules.get(mod_name)
+        if sub is None or pname not in _direct_targets(sub) + list(sub._parameters):
+            valid = [f"{m}.{p}" if m else p for m, s in modules.items() for p in _direct_targets(s)]
+            raise ValueError(
+                f"substitute: {name!r} is not a parameter or weight site of "
+                f"{type(module).__name__}; valid names are {', '.join(map(repr, valid))}."
+            )
+        entries.append((sub, pname, value))
+    try:
+        for sub, pname, value in entries:
+            # An instance attribute shadows both nn.Module's parameter lookup and PyroModule's
+            # PyroSample lookup (both live in __getattr__), without touching the module's state.
+            sub.__dict__[pname] = value
+        yield
+    finally:
+        for sub, pname, _ in entries:
+            sub.__dict__.pop(pname, None)
+
+
+def _batch_slices(batch_size: int, per_example: int, max_elements: int, chunk_size: int | None):
+    size = chunk_size or max(1, min(batch_size, max_elements // max(per_example, 1)))
+    for lo in range(0, batch_size, size):
+        yield lo, min(lo + size, batch_size)
+
+
+def _accumulate(out: dict[str, list[torch.Tensor]], pname: str, pe: torch.Tensor) -> None:
+    """Add one chunk's per-example gradients (c, *shape) to the running sums and squares."""
+    g, s = pe.sum(0), pe.square().sum(0)
+    if pname in out:
+        out[pname][0].add_(g)
+        out[pname][1].add_(s)
+    else:
+        out[pname] = [g, s]
+
+
+# -- per-layer rules (plain functions of tensors) -----------------------------------------------
+
+
+def linear_per_example(a: torch.Tensor, delta: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-example weight and bias gradients of a ``Linear`` layer, ``(c, out, in)`` and
+    ``(c, out)``, from inputs ``(c, ..., in)`` and output gradients ``(c, ..., out)``."""
+    c = a.shape[0]
+    a3 = a.reshape(c, -1, a.shape[-1])
+    d3 = delta.reshape(c, -1, delta.shape[-1])
+    return {"weight": torch.bmm(d3.transpose(1, 2), a3), "bias": d3.sum(1)}
+
+
+def _unfold(conv: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
+    """The conv's input patches, ``(c, C_in·K, L)`` (what the conv multiplies its weight by)."""
+    nd = a.dim() - 2
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+        a = F.pad(a, conv._reversed_padding_repeated_twice, mode=mode)
+        padding: tuple[int, ...] = (0,) * nd
+    else:
+        padding = tuple(conv.padding)  # type: ignore[arg-type]
+    kernel, stride, dilation = conv.kernel_size, conv.stride, conv.dilation
+    if nd == 2:
+        return F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    if nd == 1:
+        return F.unfold(
+            a.unsqueeze(2),
+            (1, kernel[0]),
+            dilation=(1, dilation[0]),
+            padding=(0, padding[0]),
+            stride=(1, stride[0]),
+        )
+    # Conv3d: no im2col in torch; take strided windows of span d·(k−1)+1, then every d-th element.
+    a = F.pad(a, [p for p in reversed(padding) for _ in range(2)])
+    for i in range(nd):
+        a = a.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
+    index: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in dilation))
+    a = a[index]
+    c, cin = a.shape[:2]
+    positions = a.shape[2 : 2 + nd]
+    a = a.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+    return a.reshape(c, cin * math.prod(kernel), math.prod(positions))
+
+
+def conv_per_example(
+    conv: nn.modules.conv._ConvNd, a: torch.Tensor, delta: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per-example weight ``(c, *weight.shape)`` and bias ``(c, C_out)`` gradients of a conv."""
+    c, groups = a.shape[0], conv.groups
+    cols = _unfold(conv, a)  # (c, C_in·K, L)
+    d = delta.reshape(c, groups, conv.out_channels // groups, -1)  # (c, G, C_out/G, L)
+    cols = cols.reshape(c, groups, cols.shape[1] // groups, cols.shape[2])
+    w = torch.matmul(d, cols.transpose(-1, -2))  # (c, G, C_out/G, C_in/G·K)
+    weight_shape = (conv.out_channels, conv.in_channels // groups, *conv.kernel_size)
+    return {"weight": w.reshape(c, *weight_shape), "bias": d.sum(-1).reshape(c, -1)}
+
+
+def batchnorm_per_example(
+    bn: nn.modules.batchnorm._BatchNorm, a: torch.Tensor, delta: torch.Tensor, batch: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per-example gradients ``(c, C)`` of a BatchNorm's affine weight and bias.
+
+    ``a`` and ``delta`` are a chunk of the saved input and output gradient; ``batch`` is the whole
+    saved input, from which the batch statistics are recomputed in training mode.
+    """
+    dims = [0, *range(2, batch.dim())]
+    if bn.training or bn.running_mean is None:
+        mean = batch.mean(dims)
+        var = batch.var(dims, unbiased=False)
+    else:
+        assert bn.running_var is not None
+        mean, var = bn.running_mean, bn.running_var
+    shape = (1, -1) + (1,) * (a.dim() - 2)
+    x_hat = (a - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + bn.eps)
+    spatial = list(range(2, a.dim()))
+    w = (delta * x_hat).sum(spatial) if spatial else delta * x_hat
+    b = delta.sum(spatial) if spatial else delta
+    return {"weight": w, "bias": b}
+
+
+# -- the tape ----------------------------------------------------------------------------------
+
+
+class PerExampleGradients:
+    r"""Records a forward pass, then gives summed and squared per-example gradients.
+
+    Inside the ``with`` block, forward hooks save what each layer with parameters (or lifted
+    weight sites) needs; :meth:`squared_gradients` then runs one backward pass of the summed
+    per-example losses and returns, per parameter, :math:`\sum_i g_i` and
+    :math:`\sum_i g_i \odot g_i`. No tensor of shape batch × parameters is ever built: the
+    per-example gradients that are needed at all are formed in chunks of at most
+    ``max_chunk_elements`` numbers.
+
+    Usage::
+
+        with PerExampleGradients(net) as tape:
+            losses = F.cross_entropy(net(x), y, reduction="none")
+        grads, squared = tape.squared_gradients(losses)
+
+    :param torch.nn.Module module: the network; its submodules with trainable parameters or
+        lifted sites are hooked. ``None`` hooks every module called in the block (the process-
+        wide hooks VOGN uses when it runs a Pyro model; results are then keyed by
+        ``(module, name)``).
+    :param int chunk_size: examples per chunk (default: as many as fit in
+        ``max_chunk_elements``).
+    :param int max_chunk_elements: bound on the numbers held per chunk.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        *,
+        chunk_size: int | None = None,
+        max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
+    ):
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(
+                f"module must be a torch.nn.Module or None; got {type(module).__name__}."
+            )
+        for name, value in (("chunk_size", chunk_size), ("max_chunk_elements", max_chunk_elements)):
+            if value is None and name == "chunk_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (or None); got {value!r}.")
+        self.module = module
+        self.chunk_size = chunk_size
+        self.max_chunk_elements = max_chunk_elements
+        self.calls: dict[nn.Module, list[_Call]] = {}
+        self._handles: list[Any] = []
+        self._paused = False
+
+    # -- recording -----------------------------------------------------------------------------
+
+    def __enter__(self) -> PerExampleGradients:
+        self.calls = {}
+        if self.module is None:
+            self._handles = [
+                nn.modules.module.register_module_forward_hook(self._hook, with_kwargs=True)
+            ]
+        else:
+            self._handles = [
+                sub.register_forward_hook(self._hook, with_kwargs=True)
+                for sub in self.module.modules()
+                if _direct_targets(sub)
+            ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._paused or not torch.is_grad_enabled():
+            return None
+        targets = _direct_targets(module)
+        if not targets or not isinstance(output, torch.Tensor):
+            return None
+        if not output.requires_grad:
+            # Nothing upstream requires grad (sampled weights usually do not): make the output a
+            # leaf that does, so that the backward pass reaches this layer.
+            output = output.detach().requires_grad_()
+        kind = _kind(module)
+        values = {}
+        if kind == "fallback":
+            values = {name: getattr(module, name) for name in targets}
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        call = _Call(
+            args, kwargs, get_gradient_edge(output), tuple(t._version for t in tensors), values
+        )
+        self.calls.setdefault(module, []).append(call)
+        return output
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def compute(
+        self, losses: torch.Tensor, *, retain_graph: bool = False
+    ) -> dict[Key, tuple[torch.Tensor, torch.Tensor]]:
+        """``{(module, name): (Σᵢ gᵢ, Σᵢ gᵢ²)}`` for every recorded target."""
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.numel() == 0:
+            raise ValueError(
+                "losses must be a non-empty 1-d tensor of per-example losses (one per row of the "
+                f"batch); got {getattr(losses, 'shape', type(losses).__name__)}. Use "
+                "reduction='none' (and sum any other dims)."
+            )
+        if not self.calls:
+            raise RuntimeError(
+                "no layer was recorded: run the forward pass inside `with tape:` (with grad "
+                "enabled) before calling squared_gradients."
+            )
+        batch = losses.shape[0]
+        order = [(m, c) for m, calls in self.calls.items() for c in calls]
+        for module, call in order:
+            tensors = [
+                t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor)
+            ]
+            if tuple(t._version for t in tensors) != call.versions:
+                raise RuntimeError(
+                    f"the input of {type(module).__name__} was modified in place after the layer "
+                    "used it; per-example gradients need the input as the layer saw it."
+                )
+            first = call.args[0] if call.args else None
+            if not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] != batch:
+                raise ValueError(
+                    f"{type(module).__name__} was called with an input of shape "
+                    f"{getattr(first, 'shape', None)}; per-example gradients need dim 0 to be "
+                    f"the batch of {batch} examples (the length of losses)."
+                )
+        if not losses.requires_grad:
+            raise ValueError(
+                "losses do not depend on any recorded layer (they do not require grad); compute "
+                "them from the network's output inside the `with tape:` block."
+            )
+        deltas = torch.autograd.grad(
+            losses.sum(),
+            [c.edge for _, c in order],
+            allow_unused=True,
+            retain_graph=retain_graph,
+            materialize_grads=True,
+        )
+        for (_, call), delta in zip(order, deltas):
+            call.delta = delta
+        result: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
+        try:
+            with torch.no_grad():
+                for module, calls in self.calls.items():
+                    for name, (g, s) in self._module_sums(module, calls, batch).items():
+                        result[(module, name)] = (g, s)
+        finally:
+            for _, call in order:
+                call.delta = None
+        return result
+
+    def squared_gradients(
+        self, losses: torch.Tensor, *, retain_graph: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(grads, squared)``: Σᵢ gᵢ and Σᵢ gᵢ ⊙ gᵢ keyed by dotted parameter (site) name.
+
+        :param torch.Tensor losses: per-example losses, shape ``(B,)``.
+        :param bool retain_graph: keep the autograd graph (to backpropagate again).
+        """
+        if self.module is None:
+            raise ValueError(
+                "squared_gradients names results after the module given to PerExampleGradients; "
+                "this tape hooks every module (module=None), so use compute() instead."
+            )
+        names = {sub: prefix for prefix, sub in self.module.named_modules()}
+        raw = self.compute(losses, retain_graph=retain_graph)
+        grads, squared = {}, {}
+        for (sub, pname), (g, s) in raw.items():
+            prefix = names.get(sub)
+            key = f"{prefix}.{pname}" if prefix else pname
+            grads[key], squared[key] = g, s
+        return grads, squared
+
+    def _module_sums(self, module: nn.Module, calls: list[_Call], batch: int):
+        kind = _kind(module)
+        targets = _direct_targets(module)
+        deltas = [c.delta for c in calls]
+        inputs = [c.args[0] for c in calls]
+        if kind == "linear" and len(calls) == 1 and inputs[0].dim() == 2:
+            # The one rule with no per-example tensor at all: Σᵢ (δᵢ aᵢᵀ)² = (δ²)ᵀ(a²).
+            a, d = inputs[0], deltas[0]
+            assert d is not None
+            out = {"weight": (d.T @ a, d.square().T @ a.square())}
+            if "bias" in targets:
+                out["bias"] = (d.sum(0), d.square().sum(0))
+            return {k: v for k, v in out.items() if k in targets}
+        numel = sum(self._numel(module, name) for name in targets)
+        per_row = numel + sum(int(a[0].numel()) for a in inputs) * self._unfold_factor(module)
+        sums: dict[str, list[torch.Tensor]] = {}
+        for lo, hi in _batch_slices(batch, per_row, self.max_chunk_elements, self.chunk_size):
+            chunk: dict[str, torch.Tensor] = {}
+            for call in calls:
+                assert call.delta is not None
+                part = self._per_example(module, kind, call, lo, hi)
+                for name, pe in part.items():
+                    if name in targets:
+                        chunk[name] = chunk[name] + pe if name in chunk else pe
+            for name, pe in chunk.items():
+                _accumulate(sums, name, pe)
+        return {k: (v[0], v[1]) for k, v in sums.items()}
+
+    @staticmethod
+    def _numel(module: nn.Module, name: str) -> int:
+        param = module._parameters.get(name)
+        if param is not None:
+            return param.numel()
+        init = getattr(module, "_bdl_init_" + name, None)
+        return init.numel() if isinstance(init, torch.Tensor) else 1
+
+    @staticmethod
+    def _unfold_factor(module: nn.Module) -> int:
+        if isinstance(module, nn.modules.conv._ConvNd):
+            return math.prod(module.kernel_size)
+        return 1
+
+    def _per_example(self, module, kind, call: _Call, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        a, d = call.args[0][lo:hi], call.delta[lo:hi]  # type: ignore[index]
+        if kind == "linear":
+            return linear_per_example(a, d)
+        if kind == "conv":
+            return conv_per_example(module, a, d)
+        if kind == "batchnorm":
+            return batchnorm_per_example(module, a, d, call.args[0])
+        return self._fallback(module, call, lo, hi)
+
+    def _fallback(self, module: nn.Module, call: _Call, lo: int, hi: int):
+        """vmap(grad) of ⟨δᵢ, f(aᵢ; θ)⟩ over the chunk's examples, θ the module's own targets."""
+        batch = call.args[0].shape[0]
+
+        def split(t):
+            return (
+                (t[lo:hi], 0)
+                if isinstance(t, torch.Tensor) and t.shape[:1] == (batch,)
+                else (
+                    t,
+                    None,
+                )
+            )
+
+        args = [split(t) for t in call.args]
+        kw_names = list(call.kwargs)
+        kwargs = [split(call.kwargs[k]) for k in kw_names]
+        values = {k: v.detach() for k, v in call.values.items()}
+
+        def inner(theta, delta, *flat):
+            pos, kw = flat[: len(args)], flat[len(args) :]
+            pos = [p.unsqueeze(0) if dim == 0 else p for p, (_, dim) in zip(pos, args)]
+            kws = {
+                k: (v.unsqueeze(0) if dim == 0 else v)
+                for k, v, (_, dim) in zip(kw_names, kw, kwargs)
+            }
+            for name, value in theta.items():
+                module.__dict__[name] = value
+            try:
+                out = module.forward(*pos, **kws)
+            finally:
+                for name in theta:
+                    module.__dict__.pop(name, None)
+            return (out * delta.unsqueeze(0)).sum()
+
+        in_dims = (None, 0, *(dim for _, dim in args), *(dim for _, dim in kwargs))
+        assert call.delta is not None
+        self._paused = True
+        try:
+            with torch.enable_grad():
+                return vmap(grad(inner), in_dims=in_dims)(
+                    values, call.delta[lo:hi], *(t for t, _ in args), *(t for t, _ in kwargs)
+                )
+        finally:
+            self._paused = False
+
+
+def vmap_squared_gradients(
+    loss_fn: Callable[..., torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    *batch: torch.Tensor,
+    chunk_size: int | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    r"""Brute force: :math:`\sum_i g_i` and :math:`\sum_i g_i^2` by ``torch.func.vmap(grad)``.
+
+    ``loss_fn(params, *example)`` returns one example's scalar loss (each tensor of ``batch`` is
+    sliced along dim 0). This is the oracle :class:`PerExampleGradients` is tested against and the
+    fallback it uses for layers without a rule; it forms ``chunk_size`` × parameters at a time.
+
+    Usage::
+
+        def loss_fn(p, x, y):
+            with substitute(net, p):
+                return F.cross_entropy(net(x[None]), y[None])
+        grads, squared = vmap_squared_gradients(loss_fn, dict(net.named_parameters()), x, y)
+
+    :param int chunk_size: examples per vmap call (default: the whole batch).
+    """
+    if not batch:
+        raise ValueError("vmap_squared_gradients needs at least one batched tensor.")
+    size = batch[0].shape[0]
+    params = {k: v.detach() for k, v in params.items()}
+    per_example = vmap(grad(loss_fn), in_dims=(None, *(0,) * len(batch)))
+    sums: dict[str, list[torch.Tensor]] = {}
+    step = chunk_size or size
+    for lo in range(0, size, step):
+        pe = per_example(params, *(t[lo : lo + step] for t in batch))
+        for name, value in pe.items():
+            _accumulate(sums, name, value)
+    return {k: v[0] for k, v in sums.items()}, {k: v[1] for k, v in sums.items()}

@@ -1,0 +1,251 @@
+"""Squared per-example gradients against the ``vmap(grad)`` oracle (RELIABILITY.md: 1e-5)."""
+
+from __future__ import annotations
+
+import pyro.poutine as poutine
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models.resnet import BasicBlock
+
+from pyro_bdl import bayesianize, priors
+from pyro_bdl.curvature import PerExampleGradients, substitute, vmap_squared_gradients
+
+B = 5
+
+
+def small_resnet(width: int = 4, classes: int = 3) -> nn.Module:
+    down = nn.Sequential(
+        nn.Conv2d(width, 2 * width, 1, stride=2, bias=False), nn.BatchNorm2d(2 * width)
+    )
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        BasicBlock(width, width),
+        BasicBlock(width, 2 * width, stride=2, downsample=down),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, classes),
+    )
+
+
+class Shared(nn.Module):
+    """One Linear called twice (weight sharing): per-example gradients add before squaring."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+class Scaled(nn.Module):
+    """A layer with no rule of its own: handled by the vmap fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return x * self.scale + self.scale.square()
+
+
+CASES = {
+    "linear": (lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), (6,)),
+    "linear-sequence": (
+        lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Flatten(), nn.Linear(20, 3)),
+        (4, 6),
+    ),
+    "shared-linear": (Shared, (4,)),
+    "fallback": (lambda: nn.Sequential(nn.Linear(4, 3), Scaled(), nn.LayerNorm(3)), (4,)),
+    "conv1d": (
+        lambda: nn.Sequential(
+            nn.Conv1d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2, padding_mode="circular"),
+            nn.Flatten(),
+            nn.Linear(30, 3),
+        ),
+        (4, 9),
+    ),
+    "conv2d": (
+        lambda: nn.Sequential(
+            nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(2, 1), groups=2),
+            nn.Tanh(),
+            nn.Conv2d(6, 4, 3, padding="same", padding_mode="reflect"),
+            nn.Flatten(),
+            nn.Linear(4 * 3 * 10, 3),
+        ),
+        (4, 7, 7),
+    ),
+    "conv3d": (
+        lambda: nn.Sequential(
+            nn.Conv3d(
+                2, 4, (2, 3, 2), stride=(1, 2, 1), padding=(1, 0, 1), dilation=(2, 1, 1), groups=2
+            ),
+            nn.Flatten(),
+            nn.Linear(4 * 5 * 2 * 5, 3),
+        ),
+        (2, 5, 6, 4),
+    ),
+    "batchnorm": (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 4, 3),
+            nn.BatchNorm2d(4),
+            nn.ReLU(inplace=True),
+            nn.Flatten(),
+            nn.BatchNorm1d(36),
+            nn.Linear(36, 3),
+        ),
+        (3, 5, 5),
+    ),
+    "residual-block": (
+        lambda: nn.Sequential(BasicBlock(3, 3), nn.Flatten(), nn.Linear(3 * 16, 3)),
+        (3, 4, 4),
+    ),
+    "resnet": (small_resnet, (3, 8, 8)),
+}
+
+
+def make(case: str, dtype: torch.dtype):
+    build, shape = CASES[case]
+    torch.manual_seed(1)
+    net = build().to(dtype)
+    g = torch.Generator().manual_seed(2)
+    for m in net.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            # Non-trivial running statistics and affine parameters (eval mode uses them).
+            m.running_mean.uniform_(-0.5, 0.5, generator=g)
+            m.running_var.uniform_(0.5, 2.0, generator=g)
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5, generator=g)
+                m.bias.uniform_(-0.5, 0.5, generator=g)
+    net.eval()  # eval-mode BatchNorm treats examples independently, as the oracle does
+    x = torch.randn(B, *shape, generator=g, dtype=dtype)
+    y = torch.randint(0, 3, (B,), generator=g)
+    return net, x, y
+
+
+def oracle(net, params, x, y):
+    def loss_fn(p, xi, yi):
+        with substitute(net, p):
+            return F.cross_entropy(net(xi[None]), yi[None])
+
+    return vmap_squared_gradients(loss_fn, params, x, y, chunk_size=2)
+
+
+def assert_rel(actual: dict, expected: dict, rtol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        scale = expected[name].abs().max().clamp_min(torch.finfo(expected[name].dtype).tiny)
+        err = float((actual[name] - expected[name]).abs().max() / scale)
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
+
+
+# float64 agrees to rounding; float32 sums of up to a few hundred products of O(1) terms carry
+# relative rounding error ~1e-6, inside the 1e-5 of RELIABILITY.md.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_plain_matches_oracle(case, dtype):
+    net, x, y = make(case, dtype)
+    with PerExampleGradients(net, chunk_size=2) as tape:
+        losses = F.cross_entropy(net(x), y, reduction="none")
+    grads, squared = tape.squared_gradients(losses)
+    params = dict(net.named_parameters())
+    g0, s0 = oracle(net, params, x, y)
+    assert_rel(grads, g0, 1e-5)
+    assert_rel(squared, s0, 1e-5)
+    # The summed gradients are also exactly what autograd gives for the summed loss.
+    expected = torch.autograd.grad(
+        F.cross_entropy(net(x), y, reduction="sum"), list(params.values())
+    )
+    assert_rel(grads, dict(zip(params, expected)), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["linear", "conv2d", "batchnorm", "resnet", "fallback"])
+def test_lifted_matches_oracle(case, dtype):
+    net, x, y = make(case, dtype)
+    # Expose BatchNorm too, so its affine parameters are sampled sites as well.
+    bnn = bayesianize(net, priors.Normal(0.0, 1.0), hide=[])
+    g = torch.Generator().manual_seed(3)
+    weights = {
+        name: spec.init_value + 0.1 * torch.randn(spec.shape, generator=g, dtype=dtype)
+        for name, spec in bnn._bdl_sites.items()
+    }
+    with PerExampleGradients(bnn) as tape, poutine.condition(data=weights):
+        losses = F.cross_entropy(bnn(x), y, reduction="none")
+    grads, squared = tape.squared_gradients(losses)
+    g0, s0 = oracle(bnn, weights, x, y)
+    assert set(grads) == set(weights)
+    assert_rel(grads, g0, 1e-5)
+    assert_rel(squared, s0, 1e-5)
+
+
+def test_train_mode_batchnorm_sums_to_total_gradient():
+    # In training mode examples interact through the batch statistics; the per-example shares
+    # must still add up to autograd's gradient of the summed loss.
+    net, x, y = make("resnet", torch.float64)
+    net.train()
+    with PerExampleGradients(net) as tape:
+        losses = F.cross_entropy(net(x), y, reduction="none")
+    grads, squared = tape.squared_gradients(losses, retain_graph=True)
+    params = dict(net.named_parameters())
+    expected = torch.autograd.grad(losses.sum(), list(params.values()))
+    assert_rel(grads, dict(zip(params, expected)), 1e-10)
+    assert all(bool((s >= 0).all()) for s in squared.values())
+
+
+def test_chunking_bounds_memory_and_keeps_values():
+    net, x, y = make("conv2d", torch.float64)
+    results = []
+    for kwargs in ({"chunk_size": 1}, {"max_chunk_elements": 1}, {}):
+        with PerExampleGradients(net, **kwargs) as tape:
+            losses = F.cross_entropy(net(x), y, reduction="none")
+        results.append(tape.squared_gradients(losses))
+    for grads, squared in results[1:]:
+        assert_rel(grads, results[0][0], 1e-12)
+        assert_rel(squared, results[0][1], 1e-12)
+
+
+def test_never_holds_batch_by_parameters():
+    # Saved-for-backward and chunk tensors stay far below B × D when the chunk is one example.
+    net = nn.Sequential(nn.Linear(50, 200), nn.ReLU(), nn.Linear(200, 10)).double()
+    x, y = torch.randn(64, 50, dtype=torch.float64), torch.randint(0, 10, (64,))
+    biggest = []
+    original = torch.Tensor.square
+
+    def spy(t):
+        biggest.append(t.numel())
+        return original(t)
+
+    with PerExampleGradients(net, chunk_size=1) as tape:
+        losses = F.cross_entropy(net(x), y, reduction="none")
+    torch.Tensor.square = spy  # type: ignore[method-assign]
+    try:
+        tape.squared_gradients(losses)
+    finally:
+        torch.Tensor.square = original  # type: ignore[method-assign]
+    num_params = sum(p.numel() for p in net.parameters())
+    assert max(biggest) < 64 * num_params / 10
+
+
+def test_errors():
+    net, x, y = make("linear", torch.float64)
+    with pytest.raises(ValueError, match="chunk_size"):
+        PerExampleGradients(net, chunk_size=0)
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        PerExampleGradients("net")  # type: ignore[arg-type]
+    with PerExampleGradients(net) as tape:
+        out = net(x)
+    with pytest.raises(ValueError, match="1-d tensor"):
+        tape.squared_gradients(F.cross_entropy(out, y))
+    with pytest.raises(ValueError, match="dim 0"):
+        tape.squared_gradients(F.cross_entropy(out, y, reduction="none")[:3])
+    with pytest.raises(RuntimeError, match="no layer was recorded"):
+        PerExampleGradients(net).squared_gradients(torch.ones(3))
+    with pytest.raises(ValueError, match="valid names"):
+        with substitute(net, {"0.nope": torch.zeros(1)}):
+            pass
