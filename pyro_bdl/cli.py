@@ -1,5 +1,12 @@
 """The ``pyro-bdl`` command. ``pyro-bdl compare`` is the main job: train the same network as a
-point estimate and with every inference method, then print and save a table of test figures."""
+point estimate and with every inference method, then print and save a table of test figures
+(accuracy, NLL, ECE, Brier, OOD AUROC), each method's ArviZ data (.nc) and diagnostic plots.
+
+Out-of-distribution data: by default the digits of held-out classes (``--ood-classes``, 8 and 9):
+those classes are removed from training *and* testing, so the in-distribution task is the
+classification of the remaining classes and the OOD inputs are digits the network never saw. With
+``--ood PATH`` (a .npy/.npz/.pt of inputs scaled like the training data) all classes are kept and
+the file is the OOD set; ``--ood none`` keeps all classes and skips the OOD figures."""
 
 from __future__ import annotations
 
@@ -10,7 +17,10 @@ from pathlib import Path
 import torch
 
 from pyro_bdl.compare import METHODS, NETWORKS, Problem, format_table, run, write_json
-from pyro_bdl.data import DATASETS, load_dataset
+from pyro_bdl.data import DATASETS, hold_out_classes, load_dataset, load_ood
+
+#: Classes held out as OOD data by default (``--ood held-out``).
+DEFAULT_OOD_CLASSES = "8,9"
 
 
 def _positive_int(text: str) -> int:
@@ -60,12 +70,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    c.add_argument("--output", default="results", help="folder for results.json and plots")
+    c.add_argument(
+        "--ood",
+        default="held-out",
+        help="out-of-distribution data: 'held-out' (default: the classes of --ood-classes are "
+        "left out of training and testing and serve as OOD inputs), 'none', or a path to a "
+        ".npy/.npz/.pt file of inputs scaled like the training data",
+    )
+    c.add_argument(
+        "--ood-classes",
+        default=DEFAULT_OOD_CLASSES,
+        help="comma-separated classes held out with --ood held-out (default: %(default)s)",
+    )
+    c.add_argument(
+        "--output",
+        default="results",
+        help="folder for results.json, the ArviZ data (<method>.nc) and the plots",
+    )
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
 
 
 def compare(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window (the command may run headless)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -75,6 +104,7 @@ def compare(args: argparse.Namespace) -> int:
         )
         return 2
     dataset = load_dataset(args.dataset, args.data_dir, seed=args.seed)
+    dataset, ood_x, ood_name = _ood_data(dataset, args.ood, args.ood_classes)
     problem = Problem(
         dataset,
         network=args.network,
@@ -86,17 +116,44 @@ def compare(args: argparse.Namespace) -> int:
         num_samples=args.num_samples,
         num_kl_samples=args.num_kl_samples,
         progress=not args.no_progress,
+        ood_x=ood_x,
+        ood_name=ood_name,
     )
     print(
         f"dataset {dataset.name}: {problem.num_train} train / {len(dataset.y_test)} test, "
-        f"network {args.network}, {args.epochs} epochs, device {args.device}"
+        f"{dataset.num_classes} classes, network {args.network}, {args.epochs} epochs, "
+        f"device {args.device}"
     )
-    rows = run(problem, methods)
+    if ood_x is not None:
+        print(f"OOD data: {ood_name} ({len(ood_x)} inputs); score: predictive entropy")
+    output = Path(args.output)
+    rows = run(problem, methods, output=output)
     print(format_table(rows))
-    path = Path(args.output) / "results.json"
+    path = output / "results.json"
     write_json(rows, problem, path)
     print(f"wrote {path}")
+    for row in rows:
+        files = row.get("files", [])
+        nc = [f for f in files if f.endswith(".nc")]
+        png = [Path(f).name for f in files if f.endswith(".png")]
+        print(f"{row['method']}: ArviZ data {', '.join(nc)}; plots in {output}: {', '.join(png)}")
     return 0
+
+
+def _ood_data(dataset, ood: str, classes: str):
+    """``(in-distribution dataset, OOD inputs or None, description)`` for ``--ood``."""
+    if ood == "none":
+        return dataset, None, ""
+    if ood == "held-out":
+        try:
+            held = [int(c) for c in classes.split(",") if c.strip()]
+        except ValueError:
+            raise ValueError(
+                f"--ood-classes must be comma-separated integers like 8,9; got {classes!r}."
+            ) from None
+        inside, x_ood = hold_out_classes(dataset, held)
+        return inside, x_ood, f"held-out classes {', '.join(map(str, sorted(set(held))))}"
+    return dataset, load_ood(ood, dataset.input_shape), f"file {ood}"
 
 
 def main(argv: list[str] | None = None) -> int:

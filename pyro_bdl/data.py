@@ -15,14 +15,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pyro_bdl._validation import check_choice
+from pyro_bdl._validation import check_choice, check_finite
 
 __all__ = [
     "DATASETS",
     "Dataset",
+    "hold_out_classes",
     "load_dataset",
     "load_digits",
     "load_mnist",
+    "load_ood",
     "load_uci",
     "resolve_data_dir",
 ]
@@ -139,3 +141,87 @@ def load_dataset(name: str, data_dir=None, *, seed: int = 0) -> Dataset:
     if name == "digits":
         return load_digits(seed=seed)
     return load_mnist(data_dir, seed=seed)
+
+
+def hold_out_classes(dataset: Dataset, classes) -> tuple[Dataset, torch.Tensor]:
+    """Split a classification dataset into an in-distribution task and out-of-distribution inputs.
+
+    The examples of ``classes`` (from the train *and* test splits, since the model never sees
+    them) become the OOD inputs; the remaining classes are relabelled 0..K−1 in their original
+    order, so the in-distribution task is an ordinary K-class problem. ``info["class_names"]``
+    keeps the original label of each new class and ``info["held_out"]`` the held-out ones.
+
+    Usage::
+
+        digits, x_ood = hold_out_classes(load_digits(), [8, 9])   # train on 0-7, OOD = 8 and 9
+    """
+    if dataset.num_classes is None:
+        raise ValueError(f"dataset {dataset.name!r} is a regression dataset; it has no classes.")
+    held = sorted({int(c) for c in classes})
+    if not held:
+        raise ValueError("classes is empty; name at least one class to hold out, e.g. [8, 9].")
+    bad = [c for c in held if not 0 <= c < dataset.num_classes]
+    if bad:
+        raise ValueError(f"classes to hold out must lie in [0, {dataset.num_classes}); got {bad}.")
+    keep = [c for c in range(dataset.num_classes) if c not in held]
+    if len(keep) < 2:
+        raise ValueError(
+            f"holding out {held} leaves {len(keep)} class(es); keep at least two to classify."
+        )
+    relabel = torch.full((dataset.num_classes,), -1, dtype=torch.long)
+    relabel[keep] = torch.arange(len(keep))
+    held_t = torch.tensor(held)
+
+    def split(x: torch.Tensor, y: torch.Tensor):
+        out = torch.isin(y, held_t)
+        return x[~out], relabel[y[~out]], x[out]
+
+    x_train, y_train, ood_train = split(dataset.x_train, dataset.y_train)
+    x_test, y_test, ood_test = split(dataset.x_test, dataset.y_test)
+    info = {**dataset.info, "class_names": keep, "held_out": held}
+    name = f"{dataset.name}-without-{'-'.join(map(str, held))}"
+    inside = Dataset(name, x_train, y_train, x_test, y_test, len(keep), info)
+    return inside, torch.cat([ood_train, ood_test])
+
+
+def load_ood(path: str | os.PathLike, input_shape: tuple[int, ...], *, dtype=torch.float32):
+    """Out-of-distribution inputs from a file, reshaped to ``(n, *input_shape)``.
+
+    Accepts ``.npy`` (one array), ``.npz`` (the array ``x``, or its only array) and ``.pt``
+    (a tensor, or a dict with ``x``), with values already scaled like the training inputs
+    (digits and MNIST use [0, 1]).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"OOD data file {str(path)!r} does not exist.")
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        array = np.load(path, allow_pickle=False)
+    elif suffix == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            names = list(archive.keys())
+            if "x" not in names and len(names) != 1:
+                raise ValueError(
+                    f"{str(path)!r} holds arrays {names}; name the inputs 'x' or keep one array."
+                )
+            array = archive["x" if "x" in names else names[0]]
+    elif suffix == ".pt":
+        obj = torch.load(path, weights_only=True)
+        if isinstance(obj, dict):
+            if "x" not in obj:
+                raise ValueError(f"{str(path)!r} holds keys {list(obj)}; expected a key 'x'.")
+            obj = obj["x"]
+        array = torch.as_tensor(obj).numpy()
+    else:
+        raise ValueError(
+            f"OOD data file {str(path)!r} must end in .npy, .npz or .pt; got {suffix!r}."
+        )
+    x = torch.as_tensor(np.asarray(array, dtype=np.float64), dtype=dtype)
+    per_row = int(np.prod(input_shape))
+    if x.dim() == 0 or x.shape[0] == 0 or x[0].numel() != per_row:
+        raise ValueError(
+            f"OOD inputs in {str(path)!r} have shape {tuple(x.shape)}; expected (n, ...) with "
+            f"{per_row} values per row to reshape to {tuple(input_shape)}."
+        )
+    check_finite(f"OOD inputs in {str(path)!r}", x)
+    return x.reshape(-1, *input_shape)

@@ -1,36 +1,138 @@
-"""Runs the chosen methods on one :class:`Problem` and gathers one row of figures per method."""
+"""Runs the chosen methods on one :class:`Problem` and gathers one row of figures per method.
+
+For each method: accuracy, NLL, ECE, Brier on the test set; OOD AUROC (and FPR at 95% TPR in the
+JSON) with the predictive entropy as the score when ``problem.ood_x`` is set; and, when an output
+folder is given, the exported ArviZ data (``<method>.nc``) and the plots (reliability diagram,
+entropy histograms, ArviZ's PPC / LOO-k̂ / forest plots).
+"""
 
 from __future__ import annotations
 
 import json
 import platform
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import arviz as az
 import torch
 
-from pyro_bdl.compare.problem import Problem, seed_everything
+from pyro_bdl.compare.problem import Problem, record_posteriors, seed_everything
 from pyro_bdl.compare.registry import METHODS
-from pyro_bdl.diagnostics import metrics
+from pyro_bdl.diagnostics import export, metrics, ood, plots
 
-__all__ = ["COLUMNS", "format_table", "run", "write_json"]
+__all__ = ["COLUMNS", "evaluate", "export_method", "format_table", "run", "write_json"]
 
 #: (key, header, format) of the printed table, in order.
 COLUMNS = [
     ("method", "method", "{}"),
     ("accuracy", "accuracy", "{:.4f}"),
     ("nll", "test NLL", "{:.4f}"),
+    ("ece", "ECE", "{:.4f}"),
+    ("brier", "Brier", "{:.4f}"),
+    ("ood_auroc", "OOD AUROC", "{:.4f}"),
     ("fit_seconds", "fit time (s)", "{:.1f}"),
 ]
 
 
-def evaluate(probs: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """The figures of one method on the test set."""
-    return {"accuracy": metrics.accuracy(probs, y), "nll": metrics.nll(probs, y)}
+def evaluate(
+    probs: torch.Tensor, y: torch.Tensor, probs_ood: torch.Tensor | None = None
+) -> dict[str, float | None]:
+    """The figures of one method on the test set (and on the OOD inputs, if given)."""
+    row: dict[str, float | None] = {
+        "accuracy": metrics.accuracy(probs, y),
+        "nll": metrics.nll(probs, y),
+        "ece": metrics.ece(probs, y),
+        "brier": metrics.brier(probs, y),
+        "ood_auroc": None,
+        "ood_fpr95": None,
+    }
+    if probs_ood is not None:
+        row["ood_auroc"] = ood.ood_auroc(probs, probs_ood)
+        row["ood_fpr95"] = ood.fpr_at_95_tpr(probs, probs_ood)
+    return row
 
 
-def run(problem: Problem, methods: list[str]) -> list[dict]:
-    """Train every method in ``methods`` on ``problem``; one row of figures per method."""
+def _export_mean_only(probs: torch.Tensor, y: torch.Tensor):
+    """For a predictor with no model/guide to draw from: the mean predictive alone."""
+    import numpy as np
+    import xarray as xr
+
+    probs_np = probs.detach().double().cpu().numpy()[None, None]
+    dims = ("chain", "draw", "data", "class")
+    predictions = xr.Dataset(
+        {"probs": xr.DataArray(probs_np, dims=dims)},
+        attrs={"note": "the method's predictor exposes no model/guide: mean predictive only"},
+    )
+    observed = xr.Dataset({"y": xr.DataArray(y.cpu().numpy(), dims=("data",))})
+    coords = {"data": np.arange(len(y)), "class": np.arange(probs.shape[1])}
+    return export.package(
+        {
+            "predictions": predictions.assign_coords(coords),
+            "observed_data": observed.assign_coords({"data": coords["data"]}),
+        }
+    )
+
+
+def export_method(
+    name: str,
+    predict: Callable,
+    seen: list,
+    probs: torch.Tensor,
+    probs_ood: torch.Tensor | None,
+    problem: Problem,
+    output: Path,
+) -> list[Path]:
+    """Write ``<name>.nc`` and the plots of one method into ``output``; returns the paths."""
+    output.mkdir(parents=True, exist_ok=True)
+    x_test = problem.dataset.x_test.to(problem.device)
+    y_test = problem.dataset.y_test.to(problem.device)
+    model = getattr(predict, "model", None)
+    guide = getattr(predict, "guide", None)
+    if (model is None or guide is None) and seen:
+        model, guide = seen[-1]
+    if model is not None and guide is not None:
+        data = export.to_inference_data(
+            model, guide, x_test, y_test, num_samples=problem.num_samples
+        )
+    else:
+        data = _export_mean_only(probs, y_test)
+    written = [Path(export.save_inference_data(data, output / f"{name}.nc"))]
+
+    fig = plots.plot_reliability(
+        metrics.reliability(probs, y_test), title=f"{name}: reliability diagram"
+    )
+    written.append(_save(fig, output / f"{name}-reliability.png"))
+    entropy_ood = ood.predictive_entropy(probs_ood) if probs_ood is not None else None
+    fig = plots.plot_entropy(
+        ood.predictive_entropy(probs),
+        entropy_ood,
+        num_classes=probs.shape[1],
+        title=f"{name}: predictive entropy"
+        + (f" (OOD: {problem.ood_name})" if problem.ood_name else ""),
+    )
+    written.append(_save(fig, output / f"{name}-entropy.png"))
+    if isinstance(data, az.InferenceData) and "posterior" in data.groups():
+        try:
+            written += plots.save_arviz_plots(data, output, prefix=f"{name}-")
+        except Exception as err:  # an optional figure must not lose the run's results
+            warnings.warn(f"ArviZ plots for {name!r} failed: {err}", RuntimeWarning, stacklevel=2)
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def run(problem: Problem, methods: list[str], *, output: str | Path | None = None) -> list[dict]:
+    """Train every method in ``methods`` on ``problem``; one row of figures per method.
+
+    With ``output``, also write each method's ArviZ data and plots there (the paths are listed
+    in the row's ``"files"``).
+    """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(
@@ -40,19 +142,30 @@ def run(problem: Problem, methods: list[str]) -> list[dict]:
     rows = []
     x_test = problem.dataset.x_test.to(problem.device)
     y_test = problem.dataset.y_test.to(problem.device)
+    x_ood = problem.ood_x.to(problem.device) if problem.ood_x is not None else None
     for name in methods:
         seed_everything(problem.seed)
         start = time.perf_counter()
         predict = METHODS[name](problem)
         fit_seconds = time.perf_counter() - start
-        probs = predict(x_test)
-        rows.append({"method": name, **evaluate(probs, y_test), "fit_seconds": fit_seconds})
+        with record_posteriors() as seen:
+            probs = predict(x_test)
+        probs_ood = predict(x_ood) if x_ood is not None else None
+        row: dict[str, Any] = {"method": name, **evaluate(probs, y_test, probs_ood)}
+        row["fit_seconds"] = fit_seconds
+        if output is not None:
+            files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output))
+            row["files"] = [str(f) for f in files]
+        rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     headers = [h for _, h, _ in COLUMNS]
-    cells = [[fmt.format(row[k]) for k, _, fmt in COLUMNS] for row in rows]
+    cells = [
+        [("n/a" if row.get(k) is None else fmt.format(row[k])) for k, _, fmt in COLUMNS]
+        for row in rows
+    ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
     out = [line, "-" * len(line)]
@@ -75,6 +188,11 @@ def write_json(rows: list[dict], problem: Problem, path: Path) -> None:
         "prior": repr(problem.prior),
         "n_train": problem.num_train,
         "n_test": len(problem.dataset.y_test),
+        "num_classes": problem.dataset.num_classes,
+        "ood": problem.ood_name or None,
+        "n_ood": None if problem.ood_x is None else len(problem.ood_x),
+        "ece_bins": 15,
+        "ood_score": "predictive entropy",
     }
     machine = {
         "python": platform.python_version(),

@@ -1,9 +1,17 @@
-"""The shared set-up of ``pyro-bdl compare``: data, network, minibatches and training loops."""
+"""The shared set-up of ``pyro-bdl compare``: data, network, minibatches and training loops.
+
+Out-of-distribution inputs for the OOD figures travel in ``Problem.ood_x``. For the ArviZ export,
+``compare`` needs the model and guide behind a predictor: a predictor may carry them as
+``predictor.model`` / ``predictor.guide``; otherwise the last pair passed to
+:func:`predictive_probs` while the predictor runs is used (see :func:`record_posteriors`).
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import pyro
@@ -17,7 +25,14 @@ from pyro_bdl.data import Dataset
 from pyro_bdl.nn import bayesianize
 from pyro_bdl.priors import Normal, Prior
 
-__all__ = ["NETWORKS", "Predictor", "Problem", "predictive_probs", "train_svi"]
+__all__ = [
+    "NETWORKS",
+    "Predictor",
+    "Problem",
+    "predictive_probs",
+    "record_posteriors",
+    "train_svi",
+]
 
 #: Maps test inputs to mean predictive class probabilities, shape (n, C).
 Predictor = Callable[[torch.Tensor], torch.Tensor]
@@ -72,6 +87,10 @@ class Problem:
     num_kl_samples: int = 1000
     prior: Prior = field(default_factory=lambda: Normal(scale=1.0))
     progress: bool = True
+    #: Out-of-distribution inputs (same input shape), or None for no OOD figures.
+    ood_x: torch.Tensor | None = None
+    #: What ``ood_x`` is, for the printed report (e.g. "held-out classes 8, 9").
+    ood_name: str = ""
 
     @property
     def num_train(self) -> int:
@@ -122,9 +141,28 @@ def train_svi(problem: Problem, svi: SVI, desc: str) -> list[float]:
     return losses
 
 
+#: While :func:`record_posteriors` is active: the (model, guide) pairs predictive_probs saw.
+_SEEN: ContextVar[list | None] = ContextVar("pyro_bdl_seen_posteriors", default=None)
+
+
+@contextmanager
+def record_posteriors():
+    """Collect the ``(model, guide)`` pairs that :func:`predictive_probs` uses inside the block
+    (how ``compare`` finds what to export for predictors built on it)."""
+    seen: list = []
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
+
+
 @torch.no_grad()
 def predictive_probs(model, guide, x: torch.Tensor, num_samples: int) -> torch.Tensor:
     """Mean of softmax(logits) over ``num_samples`` posterior draws (``model`` returns logits)."""
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.append((model, guide))
     predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
     logits = predictive(x)["_RETURN"]
     return logits.softmax(-1).mean(0)

@@ -1,44 +1,261 @@
-"""Metrics on predictive probabilities: plain functions of tensors with clear errors."""
+r"""Metrics on predictive probabilities: plain functions of tensors (or arrays) with clear errors.
+
+Classification figures take the mean predictive probabilities ``probs`` of shape (n, C) (already
+averaged over posterior draws, or from a linearized predictive) and integer labels ``y`` of
+shape (n,); regression figures take predictive means (and noise scales) in standardized units and
+report them in the original units of the targets (DESIGN.md 4.9).
+
+Usage::
+
+    probs = predictor(x_test)                      # (n, C), rows sum to 1
+    metrics.accuracy(probs, y_test), metrics.nll(probs, y_test), metrics.ece(probs, y_test)
+    table = metrics.reliability(probs, y_test)     # the reliability-diagram data
+
+References:
+    Guo, Pleiss, Sun & Weinberger, "On Calibration of Modern Neural Networks", ICML 2017.
+    Brier, "Verification of forecasts expressed in terms of probability", 1950.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-__all__ = ["accuracy", "check_probs", "nll"]
+from pyro_bdl._validation import check_finite, check_positive, check_positive_int
+
+__all__ = [
+    "Reliability",
+    "accuracy",
+    "as_tensor",
+    "brier",
+    "check_probs",
+    "ece",
+    "gaussian_log_likelihood",
+    "nll",
+    "reliability",
+    "rmse",
+]
 
 
-def check_probs(probs: torch.Tensor, y: torch.Tensor, *, atol: float = 1e-4) -> None:
-    """Require ``probs`` of shape (n, C) with rows summing to 1 and labels ``y`` of shape (n,)."""
-    probs, y = torch.as_tensor(probs), torch.as_tensor(y)
+def as_tensor(name: str, value) -> torch.Tensor:
+    """``value`` as a tensor (numpy arrays and lists are accepted); refuse anything else."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return torch.as_tensor(np.asarray(value))
+    raise TypeError(f"{name} must be a torch.Tensor or numpy array; got {type(value).__name__}.")
+
+
+def check_probs(probs, y=None, *, atol: float = 1e-4) -> None:
+    """Require ``probs`` of shape (n, C), n ≥ 1, with rows that are probability vectors, and (if
+    given) integer labels ``y`` of shape (n,) in [0, C)."""
+    probs = as_tensor("probs", probs)
     if probs.dim() != 2:
-        raise ValueError(f"probs must have shape (n, C); got {tuple(probs.shape)}.")
+        raise ValueError(
+            f"probs must have shape (n, C); got {tuple(probs.shape)}. For one example use "
+            "probs.unsqueeze(0); for posterior draws (S, n, C) average first: probs.mean(0)."
+        )
     if probs.shape[0] == 0:
         raise ValueError("probs has zero rows; evaluate on at least one example.")
-    if y.shape != probs.shape[:1]:
-        raise ValueError(
-            f"labels must have shape ({probs.shape[0]},) to match probs {tuple(probs.shape)}; "
-            f"got {tuple(y.shape)}."
-        )
+    if not probs.is_floating_point():
+        raise TypeError(f"probs must be floating point; got dtype {probs.dtype}.")
+    check_finite("probs", probs)
     sums = probs.sum(-1)
     if not torch.allclose(sums, torch.ones_like(sums), atol=atol) or (probs < 0).any():
-        worst = int((sums - 1).abs().argmax())
-        raise ValueError(
-            f"each row of probs must be a probability vector; row {worst} sums to "
-            f"{float(sums[worst]):.6g}. Pass softmax(logits), not logits."
+        worst = (
+            int((sums - 1).abs().argmax())
+            if (probs >= 0).all()
+            else int((probs < 0).any(-1).nonzero()[0, 0])
         )
-    if y.numel() and (y.min() < 0 or y.max() >= probs.shape[1]):
-        raise ValueError(f"labels must lie in [0, {probs.shape[1]}); got max {int(y.max())}.")
+        raise ValueError(
+            f"each row of probs must be a probability vector (non-negative, summing to 1 within "
+            f"{atol}); row {worst} sums to {float(sums[worst]):.6g} with minimum "
+            f"{float(probs[worst].min()):.6g}. Pass softmax(logits), not logits."
+        )
+    if y is None:
+        return
+    y = as_tensor("y", y)
+    if y.shape != probs.shape[:1]:
+        raise ValueError(
+            f"labels y must have shape ({probs.shape[0]},) to match probs {tuple(probs.shape)}; "
+            f"got {tuple(y.shape)}. Pass one label per row of probs."
+        )
+    if y.is_floating_point() or y.dtype == torch.bool:
+        raise TypeError(f"labels y must be integers; got dtype {y.dtype}. Use y.long().")
+    if y.min() < 0 or y.max() >= probs.shape[1]:
+        raise ValueError(
+            f"labels y must lie in [0, {probs.shape[1]}); got min {int(y.min())}, max "
+            f"{int(y.max())}. Check the label encoding or the number of classes."
+        )
 
 
-def accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
+def _checked(probs, y) -> tuple[torch.Tensor, torch.Tensor]:
+    check_probs(probs, y)
+    return as_tensor("probs", probs).double(), as_tensor("y", y).long().to(
+        as_tensor("probs", probs).device
+    )
+
+
+def accuracy(probs, y) -> float:
     """Fraction of examples whose most probable class is the label."""
-    check_probs(probs, y)
-    return float((torch.as_tensor(probs).argmax(-1) == torch.as_tensor(y)).double().mean())
+    probs, y = _checked(probs, y)
+    return float((probs.argmax(-1) == y).double().mean())
 
 
-def nll(probs: torch.Tensor, y: torch.Tensor, *, eps: float = 1e-12) -> float:
-    """Mean negative log predictive probability of the labels."""
-    check_probs(probs, y)
-    probs, y = torch.as_tensor(probs), torch.as_tensor(y)
-    p = probs.gather(-1, y.long().unsqueeze(-1)).squeeze(-1)
-    return float(-(p.double().clamp_min(eps)).log().mean())
+def nll(probs, y, *, eps: float = 1e-12) -> float:
+    r"""Mean negative log predictive probability of the labels, :math:`-\frac1n\sum_i\log p_{y_i}`
+    (probabilities are floored at ``eps`` so that a confident mistake costs at most
+    :math:`-\log \epsilon` instead of infinity)."""
+    probs, y = _checked(probs, y)
+    p = probs.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return float(-(p.clamp_min(eps)).log().mean())
+
+
+def brier(probs, y) -> float:
+    r"""Brier score :math:`\frac1n\sum_i\sum_c (p_{ic} - 1[y_i = c])^2`, in [0, 2]; lower is
+    better."""
+    probs, y = _checked(probs, y)
+    onehot = torch.nn.functional.one_hot(y, probs.shape[1]).double()
+    return float(((probs - onehot) ** 2).sum(-1).mean())
+
+
+@dataclass(frozen=True)
+class Reliability:
+    """The reliability-diagram data of equal-width confidence bins.
+
+    :ivar numpy.ndarray edges: bin edges, shape (num_bins + 1,), from 0 to 1; bin b holds the
+        confidences in (edges[b], edges[b+1]] (bin 0 also holds 0).
+    :ivar numpy.ndarray counts: number of examples per bin.
+    :ivar numpy.ndarray accuracy: fraction correct per bin (NaN for empty bins).
+    :ivar numpy.ndarray confidence: mean confidence (max probability) per bin (NaN if empty).
+    :ivar float ece: expected calibration error Σ_b |B_b|/n · |acc(B_b) − conf(B_b)|.
+    :ivar float mce: maximum calibration error over non-empty bins.
+    """
+
+    edges: np.ndarray
+    counts: np.ndarray
+    accuracy: np.ndarray
+    confidence: np.ndarray
+    ece: float
+    mce: float
+
+    def to_dict(self) -> dict:
+        """Plain lists (NaN as None), for JSON."""
+
+        def clean(a):
+            return [None if math.isnan(v) else float(v) for v in np.asarray(a, dtype=float)]
+
+        return {
+            "edges": clean(self.edges),
+            "counts": [int(c) for c in self.counts],
+            "accuracy": clean(self.accuracy),
+            "confidence": clean(self.confidence),
+            "ece": self.ece,
+            "mce": self.mce,
+        }
+
+
+def reliability(probs, y, *, num_bins: int = 15) -> Reliability:
+    """Bin the examples by confidence (the top probability) into ``num_bins`` equal-width bins and
+    compare each bin's accuracy with its mean confidence."""
+    check_positive_int("num_bins", num_bins)
+    probs, y = _checked(probs, y)
+    confidence, predicted = probs.max(-1)
+    correct = (predicted == y).double()
+    # Right-closed bins (b/B, (b+1)/B]: a confidence of exactly 1 lands in the top bin.
+    index = (torch.ceil(confidence * num_bins).long() - 1).clamp(0, num_bins - 1)
+    counts = torch.bincount(index, minlength=num_bins).double()
+    conf_sum = torch.zeros(num_bins, dtype=torch.float64, device=probs.device)
+    acc_sum = torch.zeros_like(conf_sum)
+    conf_sum.index_add_(0, index, confidence)
+    acc_sum.index_add_(0, index, correct)
+    filled = counts > 0
+    nan = torch.full_like(conf_sum, float("nan"))
+    acc = torch.where(filled, acc_sum / counts.clamp_min(1), nan)
+    conf = torch.where(filled, conf_sum / counts.clamp_min(1), nan)
+    gap = (acc - conf).abs()
+    ece_value = float((counts[filled] / len(y) * gap[filled]).sum())
+    mce_value = float(gap[filled].max())
+    edges = np.linspace(0.0, 1.0, num_bins + 1)
+    return Reliability(
+        edges,
+        counts.long().cpu().numpy(),
+        acc.cpu().numpy(),
+        conf.cpu().numpy(),
+        ece_value,
+        mce_value,
+    )
+
+
+def ece(probs, y, *, num_bins: int = 15) -> float:
+    """Expected calibration error with ``num_bins`` equal-width confidence bins (15 by default);
+    :func:`reliability` returns the per-bin data behind it."""
+    return reliability(probs, y, num_bins=num_bins).ece
+
+
+def _regression_inputs(mean, y) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, y = as_tensor("mean", mean), as_tensor("y", y)
+    if y.dim() != 1 or y.shape[0] == 0:
+        raise ValueError(
+            f"y must have shape (n,) with n ≥ 1; got {tuple(y.shape)}. Use y.reshape(-1)."
+        )
+    if mean.dim() not in (1, 2) or mean.shape[-1] != y.shape[0]:
+        raise ValueError(
+            f"mean must have shape ({y.shape[0]},) or (num_draws, {y.shape[0]}) to match y "
+            f"{tuple(y.shape)}; got {tuple(mean.shape)}. Squeeze a trailing output dim of 1."
+        )
+    if mean.shape[0] == 0:
+        raise ValueError("mean has zero draws; pass at least one predictive draw.")
+    if not (mean.is_floating_point() and y.is_floating_point()):
+        raise TypeError(f"mean and y must be floating point; got {mean.dtype} and {y.dtype}.")
+    check_finite("mean", mean)
+    check_finite("y", y)
+    mean = mean.double()
+    return (mean if mean.dim() == 2 else mean.unsqueeze(0)), y.double().to(mean.device)
+
+
+def rmse(mean, y, *, y_scale: float = 1.0) -> float:
+    """Root mean squared error of the predictive mean, in original units.
+
+    :param mean: predictive means in standardized units, shape (n,) or (num_draws, n) (averaged
+        over draws first).
+    :param y: standardized targets, shape (n,).
+    :param float y_scale: the standard deviation used to standardize the targets; the shift
+        cancels, so the error in original units is ``y_scale`` times the standardized one.
+    """
+    check_positive("y_scale", y_scale)
+    mean, y = _regression_inputs(mean, y)
+    return float(((mean.mean(0) - y) ** 2).mean().sqrt()) * float(y_scale)
+
+
+def gaussian_log_likelihood(mean, scale, y, *, y_scale: float = 1.0) -> float:
+    r"""Mean Gaussian predictive log-likelihood per point, in original units.
+
+    With draws :math:`m_s` the predictive is the mixture :math:`\frac1S\sum_s N(y; m_s,
+    \sigma_s^2)`; changing units by ``y_scale`` divides the density by it:
+    :math:`\log p(y_{orig}) = \log p(y_{std}) - \log(\text{y\_scale})`.
+
+    :param mean: predictive means in standardized units, shape (n,) or (num_draws, n).
+    :param scale: predictive (noise) standard deviation in standardized units: a number, or a
+        tensor broadcastable to ``mean``.
+    :param y: standardized targets, shape (n,).
+    :param float y_scale: the standard deviation used to standardize the targets.
+    """
+    check_positive("y_scale", y_scale)
+    mean, y = _regression_inputs(mean, y)
+    scale_t = scale if isinstance(scale, torch.Tensor) else torch.as_tensor(np.asarray(scale))
+    scale_t = scale_t.to(dtype=torch.float64, device=mean.device)
+    check_positive("scale", scale_t, fix="Pass the predictive standard deviation σ > 0.")
+    try:
+        scale_t = torch.broadcast_to(scale_t, mean.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"scale of shape {tuple(scale_t.shape)} does not broadcast to mean "
+            f"{tuple(mean.shape)}; pass a number, shape (n,), or (num_draws, n)."
+        ) from None
+    log_p = torch.distributions.Normal(mean, scale_t).log_prob(y)
+    mixture = torch.logsumexp(log_p, 0) - math.log(mean.shape[0])
+    return float(mixture.mean()) - math.log(float(y_scale))

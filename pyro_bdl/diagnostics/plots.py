@@ -1,0 +1,167 @@
+"""Diagnostic plots, saved as PNG: reliability diagram, predictive-entropy histograms in and out of
+distribution, and ArviZ's own plots on exported data.
+
+Figures are built with ``matplotlib.figure.Figure`` and saved through the Agg canvas, never
+through ``pyplot``: nothing opens a window, nothing changes the user's backend, and figures are
+freed when dropped. ArviZ plots get their axes from us for the same reason.
+
+Usage::
+
+    fig = plot_reliability(metrics.reliability(probs, y)); fig.savefig("reliability.png")
+    plot_entropy(predictive_entropy(probs), predictive_entropy(probs_ood))
+    save_arviz_plots(idata, "out/", prefix="map-")
+
+References:
+    Guo, Pleiss, Sun & Weinberger, "On Calibration of Modern Neural Networks", ICML 2017.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import arviz as az
+import numpy as np
+from matplotlib.figure import Figure
+
+from pyro_bdl.diagnostics.metrics import Reliability, as_tensor
+
+__all__ = ["plot_entropy", "plot_reliability", "save_arviz_plots"]
+
+
+def plot_reliability(reliability: Reliability, *, title: str = "") -> Figure:
+    """Accuracy per confidence bin against the diagonal of perfect calibration, with the gap
+    shaded and the ECE in the legend."""
+    if not isinstance(reliability, Reliability):
+        raise TypeError(
+            f"reliability must be a Reliability (from metrics.reliability(probs, y)); got "
+            f"{type(reliability).__name__}."
+        )
+    r = reliability
+    fig = Figure(figsize=(4.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    centers = (r.edges[:-1] + r.edges[1:]) / 2
+    width = np.diff(r.edges)
+    filled = r.counts > 0
+    ax.bar(
+        centers[filled],
+        r.accuracy[filled],
+        width=width[filled],
+        edgecolor="black",
+        color="tab:blue",
+        label=f"accuracy (ECE {r.ece:.3f})",
+    )
+    ax.bar(
+        centers[filled],
+        r.confidence[filled] - r.accuracy[filled],
+        bottom=r.accuracy[filled],
+        width=width[filled],
+        color="tab:red",
+        alpha=0.3,
+        hatch="//",
+        label="gap to confidence",
+    )
+    ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (max probability)", ylabel="accuracy")
+    ax.set_title(title or "reliability diagram")
+    ax.legend(loc="upper left", fontsize="small")
+    return fig
+
+
+def plot_entropy(
+    entropy_in, entropy_out=None, *, num_classes: int | None = None, title: str = ""
+) -> Figure:
+    """Histograms of predictive entropy on in-distribution and (optionally) out-of-distribution
+    inputs, normalised to densities so sets of different sizes compare; ``num_classes`` marks the
+    maximum entropy log C."""
+    sets = [("in-distribution", entropy_in)]
+    if entropy_out is not None:
+        sets.append(("out-of-distribution", entropy_out))
+    arrays = []
+    for label, values in sets:
+        t = as_tensor(f"entropy ({label})", values)
+        if t.dim() != 1 or t.numel() == 0:
+            raise ValueError(
+                f"entropy ({label}) must have shape (n,) with n ≥ 1; got {tuple(t.shape)}."
+            )
+        arrays.append((label, t.detach().double().cpu().numpy()))
+    top = max(float(a.max()) for _, a in arrays)
+    if num_classes is not None:
+        top = max(top, float(np.log(num_classes)))
+    bins = np.linspace(0.0, max(top, 1e-6) * 1.02, 31)
+    fig = Figure(figsize=(5.5, 3.8), layout="constrained")
+    ax = fig.subplots()
+    for (label, a), color in zip(arrays, ("tab:blue", "tab:orange")):
+        ax.hist(
+            a,
+            bins=bins.tolist(),
+            density=True,
+            alpha=0.55,
+            color=color,
+            label=f"{label} (n={len(a)})",
+        )
+    if num_classes is not None:
+        ax.axvline(np.log(num_classes), color="k", ls="--", lw=1, label="max entropy log C")
+    ax.set(xlabel="predictive entropy (nats)", ylabel="density")
+    ax.set_title(title or "predictive entropy")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _smallest_posterior_variable(data) -> str | None:
+    posterior = data["posterior"] if not hasattr(data, "posterior") else data.posterior
+    sizes = {
+        name: int(np.prod([posterior[name].sizes[d] for d in posterior[name].dims[2:]] or [1]))
+        for name in posterior.data_vars
+    }
+    return min(sizes, key=lambda n: sizes[n]) if sizes else None
+
+
+def save_arviz_plots(
+    data, folder: str | os.PathLike, *, prefix: str = "", var_names: list[str] | None = None
+) -> list[Path]:
+    """ArviZ's own plots on exported data, saved as PNG into ``folder``:
+
+    - ``<prefix>ppc.png``: posterior predictive against the observed data (``plot_ppc``);
+    - ``<prefix>loo-khat.png``: pointwise PSIS-LOO k̂ (``plot_khat`` on ``az.loo``);
+    - ``<prefix>forest.png``: credible intervals of ``var_names`` (default: the smallest
+      posterior variable, to keep the figure readable for networks).
+
+    :returns: the paths written.
+    """
+    if not isinstance(data, az.InferenceData):
+        raise TypeError(
+            f"data must be arviz.InferenceData (ArviZ 0.x); got {type(data).__name__}. With "
+            "ArviZ >= 1 (an xarray.DataTree) use the arviz_plots package on it instead."
+        )
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    groups = set(data.groups())
+    with warnings.catch_warnings():
+        # ArviZ warns about large pointwise k̂ and about few draws; the figures show both.
+        warnings.simplefilter("ignore", UserWarning)
+        if {"posterior_predictive", "observed_data"} <= groups:
+            fig = Figure(figsize=(6, 4), layout="constrained")
+            az.plot_ppc(data, ax=fig.subplots(), num_pp_samples=min(50, _draws(data)))
+            written.append(_save(fig, folder / f"{prefix}ppc.png"))
+        if "log_likelihood" in groups:
+            fig = Figure(figsize=(6, 4), layout="constrained")
+            az.plot_khat(az.loo(data, pointwise=True), ax=fig.subplots())
+            written.append(_save(fig, folder / f"{prefix}loo-khat.png"))
+        names = var_names or [v for v in [_smallest_posterior_variable(data)] if v]
+        if names and "posterior" in groups:
+            fig = Figure(figsize=(6, 5), layout="constrained")
+            az.plot_forest(data, var_names=names, combined=True, ax=fig.subplots())
+            written.append(_save(fig, folder / f"{prefix}forest.png"))
+    return written
+
+
+def _draws(data) -> int:
+    return int(data.posterior_predictive.sizes["chain"] * data.posterior_predictive.sizes["draw"])
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=100)
+    return path
