@@ -7,3 +7,7 @@ from pyro_bdl.guides.radial import AutoRadial
 from pyro_bdl.guides.swag import AutoSWAG
 
 __all__: list[str] = ["AutoLocScaleGuide", "AutoMeanField", "AutoRadial", "AutoSWAG"]
+
+from pyro_bdl.guides.laplace import AutoSubnetLaplace, NotFittedError
+
+__all__ += ["AutoSubnetLaplace", "NotFittedError"]

@@ -24,6 +24,8 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.infer.autoguide.utils import helpful_support_errors
 from pyro.ops.tensor_utils import periodic_repeat
+from pyro.poutine.plate_messenger import PlateMessenger
+from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
 from torch.distributions import biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
@@ -38,6 +40,11 @@ __all__ = ["AutoLocScaleGuide", "SiteLayout", "inverse_softplus"]
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     """ρ with softplus(ρ) = x, stable for small and large x (x > 0)."""
     return x + torch.log(-torch.expm1(-x))
+
+
+def _inside_plate() -> bool:
+    """Whether the guide runs under a plate (its sites then get batch dims)."""
+    return any(isinstance(m, PlateMessenger) for m in _PYRO_STACK)
 
 
 def _is_identity(transform) -> bool:
@@ -67,6 +74,11 @@ class SiteLayout:
     event_dim: int
     frames: tuple[tuple[str, int], ...]
     transform: Any
+
+    @property
+    def whole(self) -> bool:
+        """Whether every dim is an event dim (the site is one draw of its distribution)."""
+        return self.event_dim == len(self.shape)
 
 
 class AutoLocScaleGuide(AutoGuide):
@@ -112,9 +124,18 @@ class AutoLocScaleGuide(AutoGuide):
     # -- the one hook a subclass overrides -----------------------------------------------------
 
     def site_posterior(
-        self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int
+        self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int, *, value=None
     ) -> dist.TorchDistribution:
-        """The posterior over one unconstrained site (``event_dim`` trailing dims form it)."""
+        """The posterior over one unconstrained site (``event_dim`` trailing dims form it).
+
+        ``value``, when given, is a draw of this distribution made beforehand by
+        :meth:`flat_sample`; the returned distribution's next ``rsample()`` must return it.
+        """
+        raise NotImplementedError
+
+    def flat_sample(self, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """One reparameterized draw of every site at once from the flat ``loc`` and ``scale``
+        (sites are contiguous blocks of ``self._sizes`` numbers)."""
         raise NotImplementedError
 
     def site_quantiles(
@@ -172,6 +193,7 @@ class AutoLocScaleGuide(AutoGuide):
         loc = torch.cat(locs)
         self._layout = layout
         self._sites = {s.name: s for s in layout}
+        self._sizes = [s.stop - s.start for s in layout]
         self.loc = nn.Parameter(loc)
         rho = inverse_softplus(torch.full_like(loc, self._init_scale))
         self.scale_unconstrained = nn.Parameter(rho)
@@ -196,14 +218,20 @@ class AutoLocScaleGuide(AutoGuide):
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         loc, scale = self.loc, softplus(self.scale_unconstrained)
+        # torch.split gives every site a view with ONE backward node for all of them; slicing
+        # per site would make each slice's backward fill a zero tensor of the full length.
+        locs, scales = loc.split(self._sizes), scale.split(self._sizes)
+        # Fast path: draw the noise of every plate-free site in one flat operation. Under an
+        # outer plate (vectorized particles, parallel Predictive) the sites are batched, so each
+        # one samples for itself instead.
+        values = None if _inside_plate() else self.flat_sample(loc, scale).split(self._sizes)
         result = {}
-        for site in self._layout:
-            site_loc = loc[site.start : site.stop].view(site.shape)
-            site_scale = scale[site.start : site.stop].view(site.shape)
+        for i, site in enumerate(self._layout):
+            site_loc, site_scale = locs[i].view(site.shape), scales[i].view(site.shape)
             if not site.frames:  # the common case for weights: no plate to enter
-                result[site.name] = pyro.sample(
-                    site.name, self._site_dist(site, site_loc, site_scale)
-                )
+                value = None if values is None or not site.whole else values[i].view(site.shape)
+                fn = self._site_dist(site, site_loc, site_scale, value)
+                result[site.name] = pyro.sample(site.name, fn)
                 continue
             with ExitStack() as stack:
                 for plate_name, dim in site.frames:
@@ -212,12 +240,12 @@ class AutoLocScaleGuide(AutoGuide):
                     if plate.subsample_size < plate.size:
                         site_loc = site_loc.index_select(dim - site.event_dim, idx)
                         site_scale = site_scale.index_select(dim - site.event_dim, idx)
-                fn = self._site_dist(site, site_loc, site_scale)
+                fn = self._site_dist(site, site_loc, site_scale, None)
                 result[site.name] = pyro.sample(site.name, fn)
         return result
 
-    def _site_dist(self, site: SiteLayout, loc: torch.Tensor, scale: torch.Tensor):
-        fn = self.site_posterior(loc, scale, site.event_dim)
+    def _site_dist(self, site: SiteLayout, loc: torch.Tensor, scale: torch.Tensor, value=None):
+        fn = self.site_posterior(loc, scale, site.event_dim, value=value)
         if site.transform is not None:
             fn = dist.TransformedDistribution(fn, site.transform)
         return fn

@@ -10,6 +10,27 @@ from pyro_bdl.guides.base import AutoLocScaleGuide
 __all__ = ["AutoMeanField"]
 
 
+class _PresampledNormal(dist.Normal):
+    """A ``Normal`` whose first ``rsample()`` returns a draw made beforehand.
+
+    The guide draws the noise of all sites in one flat operation and hands each site its view;
+    the distribution is an ordinary ``Normal`` in every other respect (log_prob, KL, expand).
+    """
+
+    def __init__(self, loc, scale, value):
+        super().__init__(loc, scale, validate_args=False)
+        self._value = value
+
+    def rsample(self, sample_shape=torch.Size()):
+        value, self._value = self._value, None  # one use: later calls draw fresh noise
+        if value is not None and not sample_shape:
+            return value
+        return super().rsample(sample_shape)
+
+    def expand(self, batch_shape, _instance=None):
+        return dist.Normal(self.loc, self.scale, validate_args=False).expand(batch_shape)
+
+
 class AutoMeanField(AutoLocScaleGuide):
     r"""Fully factorised Gaussian posterior :math:`q(w) = \prod_i \mathcal N(\mu_i, \sigma_i^2)`
     with :math:`\sigma = \mathrm{softplus}(\rho)` (DESIGN.md 4.2).
@@ -33,10 +54,17 @@ class AutoMeanField(AutoLocScaleGuide):
         (ICML 2015).
     """
 
-    def site_posterior(self, loc, scale, event_dim):
+    def site_posterior(self, loc, scale, event_dim, *, value=None):
         # The scale is a softplus output and the loc a free parameter, so they are valid by
         # construction; skipping torch's argument checks saves a constraint pass per site.
-        return dist.Normal(loc, scale, validate_args=False).to_event(event_dim)
+        if value is None:
+            base = dist.Normal(loc, scale, validate_args=False)
+        else:
+            base = _PresampledNormal(loc, scale, value)
+        return base.to_event(event_dim)
+
+    def flat_sample(self, loc, scale):
+        return torch.addcmul(loc, scale, torch.randn_like(loc))
 
     def site_quantiles(self, loc, scale, event_dim, q):
         return loc + scale * (2**0.5) * torch.erfinv(2 * q - 1)

@@ -2,10 +2,33 @@ r"""Radial guide: one :class:`~pyro_bdl.distributions.Radial` per weight site, o
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from pyro_bdl.distributions.radial import Radial, radial_marginal_icdf
 from pyro_bdl.guides.base import AutoLocScaleGuide
 
 __all__ = ["AutoRadial"]
+
+
+class _PresampledRadial(Radial):
+    """A :class:`Radial` whose first ``rsample()`` returns a draw made beforehand (see
+    :class:`~pyro_bdl.guides.meanfield._PresampledNormal`)."""
+
+    def __init__(self, loc, scale, value, *, event_dim):
+        super().__init__(loc, scale, event_dim=event_dim, validate_args=False)
+        self._value = value
+
+    def rsample(self, sample_shape=torch.Size()):
+        value, self._value = self._value, None
+        if value is not None and not sample_shape:
+            return value
+        return super().rsample(sample_shape)
+
+    def expand(self, batch_shape, _instance=None):
+        plain = Radial(self.loc, self.scale, event_dim=len(self.event_shape), validate_args=False)
+        return plain.expand(batch_shape)
 
 
 class AutoRadial(AutoLocScaleGuide):
@@ -32,14 +55,33 @@ class AutoRadial(AutoLocScaleGuide):
         Large-Scale Bayesian Deep Learning" (AISTATS 2020).
     """
 
-    def __init__(self, model, *, init_scale: float = 0.018149927917910062, **kwargs):
+    def __init__(self, model, *, init_scale: float = math.log1p(math.exp(-4.0)), **kwargs):
         super().__init__(model, init_scale=init_scale, **kwargs)
 
-    def site_posterior(self, loc, scale, event_dim):
-        return Radial(loc, scale, event_dim=event_dim, validate_args=False)
+    def site_posterior(self, loc, scale, event_dim, *, value=None):
+        if value is None:
+            return Radial(loc, scale, event_dim=event_dim, validate_args=False)
+        return _PresampledRadial(loc, scale, value, event_dim=event_dim)
+
+    def flat_sample(self, loc, scale):
+        # One direction per site for all sites at once: per-site squared norms by a segment sum,
+        # one Gaussian radius per site, broadcast back with repeat_interleave.
+        with torch.no_grad():
+            eps = torch.randn_like(loc)
+            lengths = self._lengths(loc.device)
+            norms = torch.segment_reduce(eps * eps, "sum", lengths=lengths).sqrt_()
+            radius = torch.randn_like(norms)
+            factor = radius / norms.clamp_min_(torch.finfo(norms.dtype).tiny)
+            xi = eps.mul_(torch.repeat_interleave(factor, lengths, output_size=loc.numel()))
+        return torch.addcmul(loc, scale, xi)
+
+    def _lengths(self, device) -> torch.Tensor:
+        lengths = getattr(self, "_lengths_cache", None)
+        if lengths is None or lengths.device != device:
+            lengths = torch.tensor(self._sizes, device=device)
+            self._lengths_cache = lengths
+        return lengths
 
     def site_quantiles(self, loc, scale, event_dim, q):
-        numel = 1
-        for s in loc.shape[loc.dim() - event_dim :]:
-            numel *= s
+        numel = math.prod(loc.shape[loc.dim() - event_dim :])
         return loc + scale * radial_marginal_icdf(q, numel)
