@@ -196,7 +196,7 @@ class AutoLocScaleGuide(AutoGuide):
         self._sizes = [s.stop - s.start for s in layout]
         self.loc = nn.Parameter(loc)
         rho = inverse_softplus(torch.full_like(loc, self._init_scale))
-        self.scale_unconstrained = nn.Parameter(rho)
+        self.rho = nn.Parameter(rho)
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
@@ -210,14 +210,14 @@ class AutoLocScaleGuide(AutoGuide):
     @property
     def scale(self) -> torch.Tensor:
         """All posterior scales, flat (``softplus`` of the free parameter)."""
-        return softplus(self.scale_unconstrained)
+        return softplus(self.rho)
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every latent site from its own posterior; returns ``{name: value}``."""
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
-        loc, scale = self.loc, softplus(self.scale_unconstrained)
+        loc, scale = self.loc, softplus(self.rho)
         # torch.split gives every site a view with ONE backward node for all of them; slicing
         # per site would make each slice's backward fill a zero tensor of the full length.
         locs, scales = loc.split(self._sizes), scale.split(self._sizes)
@@ -269,7 +269,7 @@ class AutoLocScaleGuide(AutoGuide):
 
     def _loc_scale(self, site: SiteLayout) -> tuple[torch.Tensor, torch.Tensor]:
         loc = self.loc[site.start : site.stop].view(site.shape)
-        scale = softplus(self.scale_unconstrained[site.start : site.stop]).view(site.shape)
+        scale = softplus(self.rho[site.start : site.stop]).view(site.shape)
         return loc, scale
 
     def locs_and_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
