@@ -160,7 +160,9 @@ class AutoSubnetLaplace(AutoContinuous):
         self.accumulate_dtype = accumulate_dtype
         self.max_memory = max_memory
         self.prior_precision: torch.Tensor
-        self.register_buffer("prior_precision", torch.tensor(float(prior_precision)))
+        self.register_buffer(
+            "prior_precision", torch.tensor(float(prior_precision), dtype=torch.float64)
+        )
         for name in ("map_loc", "subnet_index", "ggn", "scale_tril"):
             self.register_buffer(name, torch.zeros(0))
         self._meta: dict[str, Any] = {}
@@ -276,7 +278,13 @@ class AutoSubnetLaplace(AutoContinuous):
             )
         likelihood, out, noise = read_outputs(trace.nodes[observed[0]]["fn"])
         outputs = out.shape[-1] if out.dim() == 2 else 1
-        return {"obs_name": observed[0], "likelihood": likelihood, "noise": noise, "C": outputs}
+        return {
+            "obs_name": observed[0],
+            "likelihood": likelihood,
+            "noise": noise,
+            "C": outputs,
+            "vector": out.dim() == 1,
+        }
 
     def _batches(self, data: Any) -> Iterator[tuple]:
         return iter_batches(data, self.batch_size)
@@ -320,7 +328,7 @@ class AutoSubnetLaplace(AutoContinuous):
         else:
             count = int(self.rule.select(self._sites).numel())
         item = torch.finfo(dtype).bits // 8
-        needed = 3 * count * count * item + 2 * self.batch_size * meta["C"] * count * item
+        needed = 3 * count * count * item + 4 * self.batch_size * meta["C"] * count * item
         budget = self.max_memory or _available_bytes(self.loc.device)
         if needed > budget:
             raise ValueError(
@@ -353,12 +361,13 @@ class AutoSubnetLaplace(AutoContinuous):
 
     def _posterior_factor(self, ggn: torch.Tensor, lam: float, total: int) -> torch.Tensor:
         """Lower factor of Σ_S = (GGN + λ_S I)⁻¹."""
-        s = ggn.shape[0]
-        eye = torch.eye(s, dtype=ggn.dtype, device=ggn.device)
-        precision = ggn + self._prior_s(lam, s, total) * eye
+        precision = ggn.clone()
+        precision.diagonal().add_(self._prior_s(lam, ggn.shape[0], total))
         chol = cholesky_jitter(precision, what="H_S = GGN + λ_S I")
+        del precision  # keep at most three S × S matrices alive besides the GGN
         cov = torch.cholesky_inverse(chol)
-        return cholesky_jitter((cov + cov.T) / 2, what="the covariance Σ_S")
+        del chol
+        return cholesky_jitter(cov, what="the covariance Σ_S")
 
     # ---- predicting --------------------------------------------------------------------------
 
@@ -403,7 +412,10 @@ class AutoSubnetLaplace(AutoContinuous):
                 )
             )
         if self._meta["likelihood"] == "gaussian":
-            return torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
+            mean, var = torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
+            if self._meta["vector"]:  # the model's outputs have shape (B,)
+                return mean.squeeze(-1), var.squeeze(-1)
+            return mean, var
         return torch.cat(parts)
 
     # ---- prior precision ---------------------------------------------------------------------
@@ -444,7 +456,7 @@ class AutoSubnetLaplace(AutoContinuous):
         else:
             score = self._val_ll_score(data, evals, evecs, ratio)
         best = tune_grid(score, grid, refine=refine)
-        self.prior_precision = torch.tensor(best)
+        self.prior_precision = torch.tensor(best, dtype=torch.float64)
         self.scale_tril = self._posterior_factor(self.ggn, best, total)
         return best
 

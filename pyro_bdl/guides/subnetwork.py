@@ -165,6 +165,8 @@ def _parse_size(size: object) -> int | float:
 
 
 def _parse_indices(value: Any) -> torch.Tensor:
+    if len(value) == 0:
+        raise ValueError("subnetwork indices are empty; select at least one weight.")
     t = torch.as_tensor(value)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(
@@ -275,6 +277,11 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
     empty = True
     for batch in batches:
         batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        if not any(isinstance(t, torch.Tensor) for t in batch):
+            raise TypeError(
+                "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
+                f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
+            )
         rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
         if len(rows) != 1 or 0 in rows:
             raise ValueError(

@@ -1,0 +1,186 @@
+"""The subnetwork Jacobian, GGN and diagonal GGN against ``torch.func`` brute force."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+from pyro_bdl.curvature.subnet import (
+    ParamSlot,
+    TensorMemoryTracker,
+    cholesky_jitter,
+    diagonal_ggn,
+    linearized_predictive,
+    log_marginal,
+    output_hessian_factor,
+    subnet_ggn,
+    subnet_jacobian,
+    tune_grid,
+)
+from tests.common import assert_close
+
+
+class Net(nn.Module):
+    """Conv (stride, padding, dilation), a Linear on a sequence dim, a shared Linear called twice,
+    and a LayerNorm (generic fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=2, stride=2, dilation=2)
+        self.seq = nn.Linear(3, 4)
+        self.shared = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))  # (B, 3, 3, 3)
+        h = torch.tanh(self.seq(h.flatten(2).transpose(1, 2)))  # (B, 9, 4): Linear over a sequence
+        h = h.mean(1)
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        return self.head(self.norm(h))
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    net = Net().double()
+    x = torch.randn(5, 2, 5, 5, dtype=torch.float64)
+    modules = dict(net.named_modules())
+    slots, names = [], []
+    for name, p in net.named_parameters():
+        owner, pname = name.rsplit(".", 1)
+        slots.append(ParamSlot(p, modules[owner], pname))
+        names.append(name)
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    def f(theta):
+        params, offset = {}, 0
+        for name, p in zip(names, net.parameters()):
+            params[name] = theta[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return functional_call(net, params, (x,))
+
+    return net, x, slots, flat, f
+
+
+def test_subnet_jacobian_equals_jacrev_slice():
+    net, x, slots, flat, f = _setup()
+    full = jacrev(f)(flat)  # (B, C, D): fine for a 200-weight oracle
+    index = torch.randperm(flat.numel())[:60]
+    jac = subnet_jacobian(lambda: net(x), slots, index)
+    assert jac.shape == (5, 3, 60)
+    assert_close(jac, full[:, :, index], rtol=1e-10, atol=1e-12)
+    everything = subnet_jacobian(lambda: net(x), slots, torch.arange(flat.numel()))
+    assert_close(everything, full, rtol=1e-10, atol=1e-12)
+
+
+def test_output_hessian_factor_matches_nll_hessian():
+    torch.manual_seed(0)
+    f = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.tensor([0, 2, 1, 1])
+    for n in range(4):
+        h = torch.autograd.functional.hessian(lambda z, n=n: -z.log_softmax(-1)[y[n]], f[n])
+        factor = output_hessian_factor(f, "categorical")[n]
+        assert_close(factor @ factor.T, h, rtol=1e-10, atol=1e-12)
+    g = torch.randn(4, dtype=torch.float64)
+    factor = output_hessian_factor(g, "bernoulli")
+    assert_close(factor.squeeze(), (g.sigmoid() * (1 - g.sigmoid())).sqrt())
+    factor = output_hessian_factor(g, "gaussian", noise_scale=0.5)
+    assert_close(factor.squeeze(), torch.full((4,), 2.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="unknown likelihood 'poisson'"):
+        output_hessian_factor(g, "poisson")
+    with pytest.raises(ValueError, match="noise_scale"):
+        output_hessian_factor(g, "gaussian")
+
+
+@pytest.mark.parametrize("likelihood", ["categorical", "gaussian"])
+def test_subnet_ggn_and_diagonal_ggn_equal_brute_force(likelihood):
+    net, x, slots, flat, f = _setup(1)
+    full = jacrev(f)(flat)
+    factor = output_hessian_factor(net(x), likelihood, noise_scale=0.3)
+    lam = factor @ factor.transpose(1, 2)
+    ggn = torch.einsum("bcd,bce,bef->df", full, lam, full)
+    index = torch.randperm(flat.numel())[:40]
+    jac = subnet_jacobian(lambda: net(x), slots, index)
+    assert_close(subnet_ggn(jac, factor), ggn[index][:, index], rtol=1e-10, atol=1e-12)
+    diag = diagonal_ggn(
+        lambda: net(x),
+        slots,
+        lambda out: output_hessian_factor(out, likelihood, noise_scale=0.3),
+        batch_chunk=2,
+    )
+    assert_close(diag, ggn.diagonal(), rtol=1e-10, atol=1e-12)
+
+
+def test_subnet_ggn_accumulates_in_float64():
+    jac = torch.randn(3, 2, 4)
+    factor = torch.randn(3, 2, 2)
+    assert subnet_ggn(jac, factor, dtype=torch.float64).dtype == torch.float64
+
+
+def test_cholesky_jitter_retries_then_names_smallest_eigenvalue():
+    singular = torch.ones(3, 3, dtype=torch.float64)  # PSD, rank 1: plain Cholesky fails
+    factor = cholesky_jitter(singular)
+    assert_close(factor @ factor.T, singular, atol=1e-4)
+    indefinite = torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"smallest eigenvalue -2\.000e\+00"):
+        cholesky_jitter(indefinite, what="H_S")
+
+
+def test_linearized_predictive_closed_forms():
+    torch.manual_seed(0)
+    f = torch.randn(6, 1, dtype=torch.float64)
+    jl = torch.randn(6, 1, 4, dtype=torch.float64)
+    mean, var = linearized_predictive(f.squeeze(-1), jl, "gaussian", noise=0.5)
+    assert_close(mean, f.squeeze(-1))
+    assert_close(var, jl.square().sum((1, 2)) + 0.25)
+    p = linearized_predictive(f, jl, "bernoulli")
+    v = jl.square().sum((1, 2))
+    assert_close(p, (f.squeeze(-1) / (1 + math.pi * v / 8).sqrt()).sigmoid())
+    # Categorical with C = 2 reduces to the binary probit on the logit difference.
+    f2 = torch.cat([f, torch.zeros_like(f)], 1)
+    jl2 = torch.cat([jl, torch.zeros_like(jl)], 1)
+    p2 = linearized_predictive(f2, jl2, "categorical")
+    assert_close(p2[:, 0], p)
+    # Shift invariance and kept argmax.
+    f3 = torch.randn(6, 4, dtype=torch.float64)
+    jl3 = torch.randn(6, 4, 5, dtype=torch.float64)
+    p3 = linearized_predictive(f3, jl3, "categorical")
+    assert_close(p3, linearized_predictive(f3 + 7.0, jl3 + 0.5, "categorical"))
+    assert torch.equal(p3.argmax(-1), f3.argmax(-1))
+
+
+def test_log_marginal_and_grid_search():
+    torch.manual_seed(0)
+    a = torch.randn(5, 5, dtype=torch.float64)
+    ggn = a @ a.T
+    theta = torch.randn(5, dtype=torch.float64)
+    lam = torch.tensor(0.7, dtype=torch.float64)
+    direct = (
+        -0.5 * lam * theta.square().sum()
+        + 2.5 * lam.log()
+        - 0.5 * torch.logdet(ggn + lam * torch.eye(5, dtype=torch.float64))
+    )
+    assert_close(log_marginal(torch.linalg.eigvalsh(ggn), theta, lam), direct)
+    grid = torch.logspace(-2, 2, 9, dtype=torch.float64)
+    best = tune_grid(lambda v: -((v.log() - math.log(0.3)) ** 2), grid)
+    # The refined grid spans two coarse steps (2 × ln(10)/2) in 20 steps: its spacing is 0.115 in
+    # log λ, so the optimum is found to half of it.
+    assert abs(math.log(best) - math.log(0.3)) < 0.058
+    with pytest.warns(UserWarning, match="edge of the grid"):
+        tune_grid(lambda v: -v, grid)
+
+
+def test_memory_tracker_counts_allocations():
+    keep = torch.zeros(10)
+    with TensorMemoryTracker(exclude=[keep]) as mem:
+        a = torch.ones(1000, dtype=torch.float64)
+        b = a * 2
+        del a, b
+        view = keep[:5]  # a view of an excluded storage is not counted
+    assert mem.peak == 16000
+    assert mem.current == 0
+    assert view.numel() == 5
