@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 from pyro_bdl.compare.map import fit_map
 from pyro_bdl.compare.problem import Predictor, Problem
+from pyro_bdl.compare.swag import fit_swag, fit_swag_diag
 
 METHODS: dict[str, Callable[[Problem], Predictor]] = {
     "map": fit_map,
+    "swag": fit_swag,
+    "swag_diag": fit_swag_diag,
 }

@@ -1,0 +1,446 @@
+r"""SWAG: a Gaussian posterior from the SGD trajectory (Maddox et al., NeurIPS 2019), as a guide.
+
+The numerical core is three plain functions of tensors (:func:`swag_collect_`,
+:func:`swag_variance`, :func:`swag_sample`); :class:`SWAGNormal` wraps them as a distribution over
+the packed latent vector, and :class:`AutoSWAG` is a thin :class:`~pyro.infer.autoguide.
+AutoContinuous` around that distribution.
+
+With T snapshots θ_1..θ_T collected, the running mean θ̄, the running second moment θ̄₂, the
+diagonal Σ_diag = max(θ̄₂ − θ̄², ε) and the last K ≤ rank deviations D̂ (rows θ_t − θ̄_t), a sample
+is
+
+    θ = θ̄ + √scale · [ (1/√2) Σ_diag^{1/2} ⊙ z₁ + (1/√(2(K−1))) D̂ᵀ z₂ ],
+    z₁ ~ N(0, I_D), z₂ ~ N(0, I_K),
+
+so the covariance is scale · (Σ_diag + D̂ᵀD̂/(K−1)) / 2; SWAG-diag draws θ̄ + √scale Σ_diag^{1/2} ⊙ z₁
+(covariance scale · Σ_diag).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.distributions.torch_distribution import TorchDistribution, TorchDistributionMixin
+from pyro.infer.autoguide import AutoContinuous
+from torch import nn
+from torch.distributions import biject_to
+
+from pyro_bdl._validation import check_choice, check_positive, check_positive_int
+from pyro_bdl.nn import init_to_network
+
+__all__ = [
+    "AutoSWAG",
+    "NotCollectedError",
+    "SWAGNormal",
+    "swag_collect_",
+    "swag_sample",
+    "swag_variance",
+]
+
+MODES = ("auto", "point", "swag")
+
+
+class NotCollectedError(RuntimeError):
+    """SWAG was asked for its posterior before two snapshots were collected."""
+
+
+# --------------------------------------------------------------------------- numerical core
+
+
+@torch.no_grad()
+def swag_collect_(
+    theta: torch.Tensor,
+    mean: torch.Tensor,
+    sq_mean: torch.Tensor,
+    deviations: torch.Tensor,
+    num_collected: int,
+) -> None:
+    """Add snapshot ``theta`` (shape (D,)) to the SWAG statistics **in place**.
+
+    ``num_collected`` is the number of snapshots already in ``mean``/``sq_mean``. The deviation
+    from the *updated* mean goes to row ``num_collected % K`` of ``deviations`` (K, D), a ring
+    buffer holding the last K deviations (K = 0 keeps none: SWAG-diag). Every update writes into
+    the existing storage (``lerp_``/``addcmul_``/``out=``): O(D) work and no allocation that
+    grows with K, so collecting costs the same in the first and the thousandth call.
+    """
+    weight = 1.0 / (num_collected + 1)
+    # lerp_ computes mean + w (θ − mean): the running average, exact for the first snapshot.
+    mean.lerp_(theta, weight)
+    sq_mean.mul_(1.0 - weight).addcmul_(theta, theta, value=weight)
+    rank = deviations.shape[0]
+    if rank:
+        torch.sub(theta, mean, out=deviations[num_collected % rank])
+
+
+def swag_variance(mean: torch.Tensor, sq_mean: torch.Tensor, *, clamp: float) -> torch.Tensor:
+    """Σ_diag = max(θ̄₂ − θ̄², ``clamp``): round-off can make θ̄₂ − θ̄² slightly negative when the
+    weights barely move (float32 cancellation), which is clamped rather than raised."""
+    return torch.addcmul(sq_mean, mean, mean, value=-1.0).clamp_min_(clamp)
+
+
+def swag_sample(
+    mean: torch.Tensor,
+    variance: torch.Tensor,
+    deviations: torch.Tensor,
+    *,
+    scale: float,
+    sample_shape: torch.Size = torch.Size(),
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw ``sample_shape`` samples of the SWAG Gaussian; ``deviations`` (K, D) with K = 0 gives
+    SWAG-diag, K ≥ 2 full SWAG. Everything stays on ``mean``'s device: no host round trip."""
+    shape = torch.Size(sample_shape) + mean.shape
+    k = deviations.shape[0]
+    z1 = torch.randn(shape, dtype=mean.dtype, device=mean.device, generator=generator)
+    if k == 0:
+        return z1.mul_(variance.sqrt()).mul_(math.sqrt(scale)).add_(mean)
+    if k == 1:
+        raise ValueError("the low-rank SWAG term needs at least 2 deviations (K − 1 ≥ 1).")
+    z1.mul_(variance.sqrt()).mul_(math.sqrt(scale / 2.0))
+    z2 = torch.randn((*sample_shape, k), dtype=mean.dtype, device=mean.device, generator=generator)
+    flat = z1.reshape(-1, mean.shape[-1])
+    # (S, K) @ (K, D) accumulated into the diagonal part in place: one GEMM, no D×D matrix.
+    flat.addmm_(z2.reshape(-1, k), deviations, alpha=math.sqrt(scale / (2.0 * (k - 1))))
+    return flat.reshape(shape).add_(mean)
+
+
+# --------------------------------------------------------------------------- distribution
+
+
+class SWAGNormal(TorchDistribution):
+    r"""The SWAG Gaussian over a packed vector: N(θ̄, scale · (Σ_diag + D̂ᵀD̂/(K−1))/2), or
+    N(θ̄, scale · Σ_diag) when ``deviations`` has no rows (SWAG-diag).
+
+    Sampling costs O((K + 1) D); :meth:`log_prob` uses the Woodbury identity with a K × K
+    capacitance matrix, built only when a density is asked for.
+
+    :param torch.Tensor mean: θ̄, shape (D,).
+    :param torch.Tensor variance: Σ_diag, shape (D,), positive.
+    :param torch.Tensor deviations: D̂, shape (K, D) with K = 0 or K ≥ 2.
+    :param float scale: multiplies the covariance.
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.real_vector
+    has_rsample = False
+
+    def __init__(
+        self,
+        mean: torch.Tensor,
+        variance: torch.Tensor,
+        deviations: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        validate_args=None,
+    ):
+        if deviations.dim() != 2 or deviations.shape[-1] != mean.shape[-1]:
+            raise ValueError(
+                f"deviations must have shape (K, {mean.shape[-1]}); got {tuple(deviations.shape)}."
+            )
+        if deviations.shape[0] == 1:
+            raise ValueError("deviations must have 0 rows (SWAG-diag) or at least 2; got 1.")
+        self.loc = mean
+        self.diag_variance = variance
+        self.deviations = deviations
+        self.scale = float(scale)
+        super().__init__(torch.Size(), mean.shape, validate_args=validate_args)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.loc
+
+    def _factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, W) with covariance diag(a) + W Wᵀ, W of shape (D, K)."""
+        k = self.deviations.shape[0]
+        if k == 0:
+            return self.scale * self.diag_variance, self.deviations.T
+        a = (self.scale / 2.0) * self.diag_variance
+        w = self.deviations.T * math.sqrt(self.scale / (2.0 * (k - 1)))
+        return a, w
+
+    @property
+    def variance(self) -> torch.Tensor:
+        a, w = self._factors()
+        return a + w.pow(2).sum(-1)
+
+    def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
+        with torch.no_grad():
+            return swag_sample(
+                self.loc,
+                self.diag_variance,
+                self.deviations,
+                scale=self.scale,
+                sample_shape=torch.Size(sample_shape),
+            )
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        a, w = self._factors()
+        r = value - self.loc
+        d = r.shape[-1]
+        maha = (r * r / a).sum(-1)
+        logdet = a.log().sum()
+        if w.shape[-1]:
+            aw = w / a.unsqueeze(-1)  # A⁻¹W, (D, K)
+            cap = torch.eye(w.shape[-1], dtype=w.dtype, device=w.device) + w.T @ aw
+            chol = torch.linalg.cholesky(cap)
+            proj = (r @ aw).unsqueeze(-1)  # WᵀA⁻¹r, (..., K, 1)
+            sol = torch.cholesky_solve(proj, chol).squeeze(-1)
+            maha = maha - (proj.squeeze(-1) * sol).sum(-1)
+            logdet = logdet + 2.0 * chol.diagonal().log().sum()
+        return -0.5 * (d * math.log(2 * math.pi) + logdet + maha)
+
+    def expand(self, batch_shape, _instance=None):
+        # Pyro's plates (Predictive(parallel=True)) expand the distribution; the generic
+        # ExpandedDistribution draws iid samples through :meth:`sample`, which is what we want.
+        batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:
+            return self
+        return TorchDistributionMixin.expand(self, batch_shape, _instance)
+
+
+# --------------------------------------------------------------------------- guide
+
+
+class AutoSWAG(AutoContinuous):
+    r"""SWAG (SWA-Gaussian) as a Pyro guide over every continuous latent site, packed.
+
+    **Two roles.** While gradients are recorded (``SVI.step`` with any ELBO, or a plain PyTorch
+    loop) the guide is a point estimate, the parameter ``loc``, so SGD keeps training it. Under
+    ``torch.no_grad()`` — which is how :class:`~pyro.infer.Predictive` runs a guide — it draws
+    from the SWAG Gaussian once at least two snapshots have been collected (before that it still
+    returns the point estimate, so validation during pre-training works). Force either role with
+    ``guide.mode = "point"`` or ``"swag"`` (default ``"auto"``); :meth:`get_posterior`,
+    :meth:`sample_weights`, :meth:`marginal_variances` and ``"swag"`` mode raise
+    :class:`NotCollectedError` before two collections.
+
+    :meth:`collect` adds the current ``loc`` to the running mean, the running second moment and a
+    ring buffer of the last ``rank`` deviations: O(D) work into preallocated buffers. The
+    statistics are registered buffers, so ``state_dict``/``load_state_dict`` round-trip them (call
+    the guide once first, as for every Pyro autoguide). Memory: (rank + 2)·D numbers beyond
+    ``loc`` (2·D for SWAG-diag) plus one integer counter.
+
+    Usage::
+
+        guide = AutoSWAG(model, rank=20)
+        svi = SVI(model, guide, pyro.optim.SGD({"lr": lr, "momentum": 0.9}), Trace_ELBO())
+        for epoch in range(epochs):
+            for x, y in loader:
+                svi.step(x, y)
+            if epoch >= swag_start:
+                guide.collect()
+        probs = Predictive(model, guide=guide, num_samples=30)(x_test)["_RETURN"]
+
+    A plain PyTorch loop trains ``guide.parameters()`` (after one ``guide(x)`` call sets them up)::
+
+        with pyro.poutine.condition(data=guide(x)):
+            loss = torch.nn.functional.cross_entropy(bnn(x), y)
+
+    :param callable model: a Pyro model, for example :func:`pyro_bdl.models.classifier`.
+    :param int rank: K, how many recent deviations define the low-rank part (≥ 2).
+    :param bool diag_only: SWAG-diag: keep no deviations, sample with Σ_diag only.
+    :param float scale: multiplies the covariance when sampling (0.5 is the paper's default).
+    :param callable init_loc_fn: initial point estimate per site (default: the network's
+        weights, :func:`~pyro_bdl.nn.init_to_network`).
+    :param float var_clamp: ε of Σ_diag = max(θ̄₂ − θ̄², ε).
+
+    References:
+
+    [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`,
+        Wesley Maddox, Timur Garipov, Pavel Izmailov, Dmitry Vetrov, Andrew Gordon Wilson
+        (NeurIPS 2019)
+    [2] `Averaging Weights Leads to Wider Optima and Better Generalization`,
+        Pavel Izmailov, Dmitrii Podoprikhin, Timur Garipov, Dmitry Vetrov, Andrew Gordon Wilson
+        (UAI 2018)
+    """
+
+    loc: nn.Parameter
+    swag_mean: torch.Tensor
+    swag_sq_mean: torch.Tensor
+    swag_deviations: torch.Tensor
+    swag_num_collected: torch.Tensor
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        rank: int = 20,
+        diag_only: bool = False,
+        scale: float = 0.5,
+        init_loc_fn: Callable = init_to_network,
+        var_clamp: float = 1e-30,
+    ):
+        check_positive_int("rank", rank)
+        if not isinstance(diag_only, bool):
+            raise TypeError(f"diag_only must be a bool; got {type(diag_only).__name__}.")
+        if not diag_only and rank < 2:
+            raise ValueError(
+                f"rank must be >= 2 for SWAG (the low-rank term divides by K − 1); got {rank}. "
+                "Use rank >= 2, or diag_only=True for SWAG-diag."
+            )
+        check_positive("scale", scale, fix="Pass scale > 0 (0.5 is common).")
+        check_positive("var_clamp", var_clamp, fix="Pass a tiny positive ε such as 1e-30.")
+        self.rank = rank
+        self.diag_only = diag_only
+        self.scale = float(scale)
+        self.var_clamp = float(var_clamp)
+        self._mode = "auto"
+        # A Python mirror of the counter buffer: deciding whether to sample must not read a
+        # device tensor (that would be a host–device synchronisation per sample).
+        self._num_collected = 0
+        super().__init__(model, init_loc_fn=init_loc_fn)
+        self.register_load_state_dict_post_hook(_sync_counter)
+
+    # ------------------------------------------------------------------ set-up and state
+
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        self.loc = nn.Parameter(self._init_loc())
+        like = self.loc.detach()
+        rows = 0 if self.diag_only else self.rank
+        self.register_buffer("swag_mean", torch.zeros_like(like))
+        self.register_buffer("swag_sq_mean", torch.zeros_like(like))
+        self.register_buffer("swag_deviations", like.new_zeros(rows, like.shape[0]))
+        self.register_buffer(
+            "swag_num_collected", torch.zeros((), dtype=torch.long, device=like.device)
+        )
+        self._num_collected = 0
+
+    @property
+    def mode(self) -> str:
+        """``"auto"`` (point estimate while gradients are recorded, SWAG under ``no_grad`` once
+        two snapshots exist), ``"point"`` or ``"swag"``."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        self._mode = check_choice("mode", value, MODES)
+
+    @property
+    def num_collected(self) -> int:
+        """How many snapshots :meth:`collect` has recorded."""
+        return self._num_collected
+
+    def _require_setup(self, action: str) -> None:
+        if self.prototype_trace is None:
+            raise NotCollectedError(
+                f"AutoSWAG cannot {action} before it has been set up; run the guide once "
+                "(svi.step(x, y) or guide(x)) so it knows the model's sites."
+            )
+
+    def _require_collected(self, action: str) -> None:
+        self._require_setup(action)
+        if self._num_collected < 2:
+            raise NotCollectedError(
+                f"AutoSWAG cannot {action} after {self._num_collected} collection(s); it needs "
+                "at least 2. Call guide.collect() during the SWAG phase (once per epoch or every "
+                "c steps) before sampling."
+            )
+
+    # ------------------------------------------------------------------ collection
+
+    @torch.no_grad()
+    def collect(self) -> None:
+        """Record the current point estimate ``loc`` as one SWAG snapshot (O(D), in place)."""
+        self._require_setup("collect")
+        theta = self.loc.detach()
+        if not bool(torch.isfinite(theta).all()):
+            bad = int((~torch.isfinite(theta)).nonzero()[0, 0])
+            raise ValueError(
+                f"collect(): the weights contain NaN or inf (site {self._site_of(bad)!r}, "
+                f"packed index {bad}); SWAG statistics were left unchanged. Lower the learning "
+                "rate or check the data."
+            )
+        swag_collect_(
+            theta, self.swag_mean, self.swag_sq_mean, self.swag_deviations, self._num_collected
+        )
+        self._num_collected += 1
+        self.swag_num_collected.fill_(self._num_collected)
+
+    def _site_of(self, index: int) -> str:
+        pos = 0
+        for name, shape in self._unconstrained_shapes.items():
+            pos += math.prod(shape)
+            if index < pos:
+                return name
+        return "?"
+
+    def _stored_deviations(self) -> torch.Tensor:
+        """The filled rows of the ring buffer (a view, no copy); none for SWAG-diag."""
+        if self.diag_only:
+            return self.swag_deviations[:0]
+        if self.swag_deviations.shape[0] == 0:
+            raise ValueError(
+                "this guide was built with diag_only=True and kept no deviations; it can only "
+                "sample SWAG-diag. Set guide.diag_only = True."
+            )
+        return self.swag_deviations[: min(self._num_collected, self.swag_deviations.shape[0])]
+
+    # ------------------------------------------------------------------ posterior
+
+    def _use_point_estimate(self) -> bool:
+        if self._mode == "auto":
+            return torch.is_grad_enabled() or self._num_collected < 2
+        return self._mode == "point"
+
+    def get_posterior(self, *args, **kwargs) -> SWAGNormal:
+        """The SWAG Gaussian over the packed latent vector (SWAG-diag if ``diag_only``)."""
+        self._require_collected("build its posterior")
+        variance = swag_variance(self.swag_mean, self.swag_sq_mean, clamp=self.var_clamp)
+        return SWAGNormal(self.swag_mean, variance, self._stored_deviations(), scale=self.scale)
+
+    def sample_latent(self, *args, **kwargs) -> torch.Tensor:
+        posterior: dist.Distribution
+        if self._use_point_estimate():
+            posterior = dist.Delta(self.loc, event_dim=1)
+        else:
+            posterior = self.get_posterior()
+        return pyro.sample(f"_{self._pyro_name}_latent", posterior, infer={"is_auxiliary": True})
+
+    @torch.no_grad()
+    def sample_weights(self) -> dict[str, torch.Tensor]:
+        """One SWAG draw of every latent site, ``{site name: value}`` (for conditioning a network
+        with ``poutine.condition``, as :func:`~pyro_bdl.guides.batchnorm.predict_with_bn_refresh`
+        does)."""
+        latent = self.get_posterior().sample()
+        return {
+            site["name"]: biject_to(site["fn"].support)(value)
+            for site, value in self._unpack_latent(latent)
+        }
+
+    def _loc_scale(self, *args, **kwargs):
+        posterior = self.get_posterior()
+        return posterior.mean, posterior.variance.sqrt()
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The SWA mean θ̄ once two snapshots exist; the point estimate ``loc`` before."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        loc = self.loc.detach() if self._num_collected < 2 else self.swag_mean
+        return {
+            site["name"]: biject_to(site["fn"].support)(value)
+            for site, value in self._unpack_latent(loc)
+        }
+
+    @torch.no_grad()
+    def marginal_variances(self) -> dict[str, torch.Tensor]:
+        """SWAG-diag marginal variances, ``scale · Σ_diag``, as ``{site name: tensor of the
+        site's (unconstrained) shape}`` — what subnetwork selection ranks weights by. Defined
+        for SWAG guides too (the diagonal statistics are always kept)."""
+        self._require_collected("give marginal variances")
+        variance = swag_variance(self.swag_mean, self.swag_sq_mean, clamp=self.var_clamp)
+        variance.mul_(self.scale)
+        return {site["name"]: value for site, value in self._unpack_latent(variance)}
+
+
+def _sync_counter(module: nn.Module, incompatible_keys) -> None:
+    counter = getattr(module, "swag_num_collected", None)
+    if isinstance(counter, torch.Tensor):
+        module._num_collected = int(counter)  # type: ignore[assignment]
