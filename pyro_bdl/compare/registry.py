@@ -12,9 +12,12 @@ from collections.abc import Callable
 from pyro_bdl.compare.map import fit_map
 from pyro_bdl.compare.problem import Predictor, Problem
 from pyro_bdl.compare.swag import fit_swag, fit_swag_diag
+from pyro_bdl.compare.variational import fit_meanfield, fit_radial
 
 METHODS: dict[str, Callable[[Problem], Predictor]] = {
     "map": fit_map,
     "swag": fit_swag,
     "swag_diag": fit_swag_diag,
+    "meanfield": fit_meanfield,
+    "radial": fit_radial,
 }
