@@ -4,6 +4,7 @@ Lift any PyTorch network with :func:`bayesianize`, write the model with ``pyro.s
 an inference method; every method ends in an ordinary Pyro guide.
 """
 
+from pyro_bdl import checkpoint as checkpoint
 from pyro_bdl import curvature, data, diagnostics, guides, infer, models, priors
 from pyro_bdl import nn as nn
 from pyro_bdl.nn import bayesianize, init_to_network, sites
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "bayesianize",
+    "checkpoint",
     "curvature",
     "data",
     "diagnostics",

@@ -1,0 +1,464 @@
+"""Checkpoints: bit-exact resume in a new process, atomic plain-value files, refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pyro
+import pytest
+import torch
+from pyro.distributions import constraints
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoNormal
+
+import pyro_bdl as bdl
+from pyro_bdl.checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWarning,
+    load_checkpoint,
+    save_checkpoint,
+)
+from pyro_bdl.checkpoint._parts import constraint_from_spec, constraint_label, constraint_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+K, STEPS = 5, 9  # killed after step 5 of 9: mid-epoch (4 batches per epoch), so data order matters
+GUIDES = ["AutoNormal", "AutoDelta", "AutoMeanField"]
+VARIANTS = ("exact", "norng", "noopt")
+
+# One training run, in a process of its own. Every source of randomness a real loop has is used:
+# the guide's weight noise (torch), input jitter from Python `random` and from NumPy, and the
+# data order from a dedicated torch.Generator, reshuffled each epoch.
+WORKER = textwrap.dedent(
+    """
+    import os, random, signal, sys
+    import numpy as np, pyro, torch
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoDelta, AutoNormal
+    import pyro_bdl as bdl
+    from pyro_bdl.checkpoint import load_checkpoint, save_checkpoint
+
+    mode, work, k, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    guides, variants = sys.argv[5].split(","), sys.argv[6].split(",")
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    N, B = 24, 6
+
+    def guide_class(name):
+        if name == "AutoMeanField":
+            from pyro_bdl.guides import AutoMeanField
+            return AutoMeanField
+        return {"AutoNormal": AutoNormal, "AutoDelta": AutoDelta}[name]
+
+    def build(name, seed):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)  # Python, NumPy and torch
+        data = torch.Generator().manual_seed(1)
+        x, y = torch.randn(N, 3, generator=data), torch.randint(0, 3, (N,), generator=data)
+        net = bdl.bayesianize(
+            torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        )
+        model = bdl.models.classifier(net, N)
+        guide = guide_class(name)(model)
+        optim = pyro.optim.Adam({"lr": 0.05})
+        order = torch.Generator().manual_seed(seed + 1)
+        return x, y, net, guide, optim, SVI(model, guide, optim, Trace_ELBO()), order
+
+    def one_step(svi, x, y, order, state):
+        if state["pos"] == 0:
+            state["perm"] = torch.randperm(N, generator=order)
+        idx = state["perm"][state["pos"] * B : (state["pos"] + 1) * B]
+        state["pos"] = (state["pos"] + 1) % (N // B)
+        jitter = torch.from_numpy(np.random.normal(0.0, 0.01, size=(B, 3)))
+        xb = x[idx] + jitter + random.gauss(0.0, 0.01)
+        return idx.tolist(), svi.step(xb, y[idx])
+
+    def result(optim, order, log, step):
+        store = pyro.get_param_store().get_state()["params"]
+        py = random.getstate()
+        np_state = np.random.get_state()
+        return {
+            "params": {n: v.detach().clone() for n, v in store.items()},
+            "optim": optim.get_state(),
+            "log": log,
+            "step": step,
+            "rng": {
+                "python": list(py[1]),
+                "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+                "numpy_pos": int(np_state[2]),
+                "torch": torch.get_rng_state(),
+                "order": order.get_state(),
+            },
+        }
+
+    for name in guides:
+        if mode in ("full", "first"):
+            x, y, net, guide, optim, svi, order = build(name, seed=0)
+            state, log = {"pos": 0, "perm": None}, []
+            for step in range(steps):
+                if mode == "first" and step == k:
+                    kw = dict(guide=guide, modules={"net": net}, generators={"order": order},
+                              step=step, extra=dict(state))
+                    save_checkpoint(f"{work}/{name}.exact.ckpt", optim=optim, **kw)
+                    save_checkpoint(f"{work}/{name}.norng.ckpt", optim=optim, rng=False, **kw)
+                    save_checkpoint(f"{work}/{name}.noopt.ckpt", **kw)
+                    break
+                log.append(one_step(svi, x, y, order, state))
+            if mode == "full":
+                torch.save(result(optim, order, log[k:], steps), f"{work}/{name}.full.pt")
+        else:
+            for variant in variants:
+                # A different seed: whatever the checkpoint does not restore shows up.
+                x, y, net, guide, optim, svi, order = build(name, seed=12345)
+                info = load_checkpoint(
+                    f"{work}/{name}.{variant}.ckpt", guide=guide, optim=optim,
+                    modules={"net": net}, generators={"order": order}, example_args=(x[:B], y[:B]),
+                )
+                state, log = dict(info["extra"]), []
+                for step in range(info["step"], steps):
+                    log.append(one_step(svi, x, y, order, state))
+                torch.save(result(optim, order, log, steps), f"{work}/{name}.{variant}.pt")
+    if mode == "first":
+        # Die the hard way, mid-run: nothing but the checkpoint survives.
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def _run(work: Path, mode: str, guides, variants=("exact",)) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(work / "worker.py"), mode, str(work), str(K), str(STEPS)]
+    cmd += [",".join(guides), ",".join(variants)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted runs, the killed runs and the resumed runs, in three new processes.
+
+    The resumes of the different guides and variants share one process (importing pyro_bdl
+    costs seconds), each starting from a cleared param store, new objects and another seed.
+    """
+    work = tmp_path_factory.mktemp("resume")
+    (work / "worker.py").write_text(WORKER)
+    full = _run(work, "full", GUIDES)
+    assert full.returncode == 0, full.stderr
+    first = _run(work, "first", GUIDES)
+    assert first.returncode == -9, first.stderr  # killed by SIGKILL after saving
+    resumed = _run(work, "resume", GUIDES, VARIANTS)
+    assert resumed.returncode == 0, resumed.stderr
+    return work, resumed.stderr
+
+
+def _load(work: Path, name: str, kind: str):
+    return torch.load(work / f"{name}.{kind}.pt", weights_only=True)
+
+
+def _assert_identical(a, b, where="result"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            _assert_identical(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("name", GUIDES)
+def test_resume_in_new_process_is_bit_exact(runs, name):
+    work, _ = runs
+    full, resumed = _load(work, name, "full"), _load(work, name, "exact")
+    assert len(full["log"]) == STEPS - K
+    # Bit for bit: every parameter, the Adam moments and step counts, the data order and the
+    # losses of steps k+1..n, the step counter, and all four generators at the end.
+    _assert_identical(resumed, full)
+
+
+@pytest.mark.parametrize("name", GUIDES)
+@pytest.mark.parametrize("variant", ["norng", "noopt"])
+def test_resume_without_rng_or_optimizer_state_differs(runs, name, variant):
+    """Proves the exact test can fail: drop one part of the state and the runs part ways."""
+    work, stderr = runs
+    full, resumed = _load(work, name, "full"), _load(work, name, variant)
+    for key in full["params"]:
+        assert not torch.equal(full["params"][key], resumed["params"][key]), key
+    assert [idx for idx, _ in full["log"]] == [idx for idx, _ in resumed["log"]]  # same batches
+    assert [loss for _, loss in full["log"]] != [loss for _, loss in resumed["log"]]
+    if variant == "norng":
+        assert f"{name}.norng.ckpt' was saved without RNG state" in stderr
+        assert not torch.equal(full["rng"]["torch"], resumed["rng"]["torch"])
+    else:
+        assert f"{name}.noopt.ckpt' holds no optimizer state" in stderr
+        for key in full["optim"]:
+            moments = full["optim"][key]["state"][0], resumed["optim"][key]["state"][0]
+            assert not torch.equal(moments[0]["exp_avg"], moments[1]["exp_avg"]), key
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process checks: small, float64
+
+
+def _setup(*, hidden=5, out=3, guide_cls=AutoNormal, likelihood="categorical", noise=0.5):
+    torch.manual_seed(0)
+    net = bdl.bayesianize(
+        torch.nn.Sequential(
+            torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, out)
+        )
+    )
+    if likelihood == "categorical":
+        model = bdl.models.classifier(net, 12)
+        y = torch.randint(0, out, (6,))
+    else:
+        model = bdl.models.regressor(net, 12, noise)
+        y = torch.randn(6)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    guide = guide_cls(model)
+    optim = pyro.optim.Adam({"lr": 0.05})
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    return net, guide, optim, svi, x, y
+
+
+@pytest.fixture
+def f64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def test_file_loads_with_weights_only_and_holds_every_part(tmp_path, f64):
+    net, guide, optim, svi, x, y = _setup()
+    svi.step(x, y)
+    gen = torch.Generator().manual_seed(3)
+    path = tmp_path / "run.ckpt"
+    save_checkpoint(
+        path, guide=guide, optim=optim, modules={"net": net}, generators={"g": gen}, step=1,
+        extra={"epoch": 0, "perm": torch.arange(4)},
+    )  # fmt: skip
+    payload = torch.load(path, weights_only=True)
+    assert payload["step"] == 1 and payload["extra"]["epoch"] == 0
+    assert set(payload["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert set(payload["optim"]) == set(pyro.get_param_store().keys())
+    assert payload["fingerprint"]["guide"].endswith("AutoNormal")
+    assert payload["fingerprint"]["likelihood"] == {"likelihood": "categorical"}
+    assert os.listdir(tmp_path) == ["run.ckpt"]
+
+
+@pytest.mark.parametrize("bad", [np.float64(1.0), np.zeros(2), object(), {1.5: 2}])
+def test_non_plain_values_are_refused_before_writing(tmp_path, bad):
+    with pytest.raises(TypeError, match=r"extra\['x'\]|key 1.5"):
+        save_checkpoint(tmp_path / "c.ckpt", extra={"x": bad})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fail_at", ["save", "fsync", "replace"])
+def test_write_is_atomic(tmp_path, monkeypatch, fail_at):
+    pyro.param("a", torch.ones(3))
+    path = tmp_path / "c.ckpt"
+    save_checkpoint(path, step=1)
+    before = path.read_bytes()
+
+    def partial_save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("No space left on device")
+
+    def fail(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    if fail_at == "save":
+        monkeypatch.setattr(torch, "save", partial_save)
+    else:
+        monkeypatch.setattr(os, fail_at, fail)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(path, step=2)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["c.ckpt"]  # no temporary file left behind
+    assert path.read_bytes() == before  # the previous checkpoint is intact
+    assert load_checkpoint(path)["step"] == 1
+
+
+def test_missing_truncated_and_foreign_files_name_the_path(tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    with pytest.raises(FileNotFoundError, match=r"nope\.ckpt"):
+        load_checkpoint(missing)
+    pyro.param("a", torch.ones(3))
+    path = tmp_path / "c.ckpt"
+    save_checkpoint(path)
+    data = path.read_bytes()
+    for cut in (0, len(data) // 2, len(data) - 10):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=r"c\.ckpt.*truncated or corrupt"):
+            load_checkpoint(path)
+    torch.save({"state": torch.ones(2)}, path)
+    with pytest.raises(CheckpointError, match=r"c\.ckpt.*not a pyro_bdl checkpoint"):
+        load_checkpoint(path)
+
+
+def test_different_architecture_is_refused_naming_keys_before_any_change(tmp_path, f64):
+    net, guide, optim, svi, x, y = _setup(hidden=5)
+    svi.step(x, y)
+    path = tmp_path / "c.ckpt"
+    save_checkpoint(path, guide=guide, optim=optim, modules={"net": net})
+    pyro.clear_param_store()
+    net, guide, optim, svi, x, y = _setup(hidden=6)
+    guide(x, y)
+    before = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_checkpoint(path, guide=guide, optim=optim, modules={"net": net})
+    msg = str(err.value)
+    assert "c.ckpt" in msg
+    assert (
+        "param 'AutoNormal.scales.0.weight': the file has shape (5, 3) softplus_positive, "
+        "this process shape (6, 3) softplus_positive"
+    ) in msg
+    assert "guide key 'locs.2.weight_unconstrained': the file has shape (3, 5)" in msg
+    assert "'AutoNormal.locs.2.bias'" not in msg  # unchanged shapes are not listed
+    for n, v in pyro.get_param_store().items():
+        assert torch.equal(v, before[n])
+
+
+def test_different_guide_is_refused_naming_keys(tmp_path, f64):
+    _, guide, _, svi, x, y = _setup()
+    svi.step(x, y)
+    path = tmp_path / "c.ckpt"
+    save_checkpoint(path, guide=guide)
+    pyro.clear_param_store()
+    _, guide, _, _, x, y = _setup(guide_cls=AutoDelta)
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_checkpoint(path, guide=guide, example_args=(x, y))
+    msg = str(err.value)
+    assert (
+        "guide 'class': the file has 'pyro.infer.autoguide.guides.AutoNormal', this process "
+        "'pyro.infer.autoguide.guides.AutoDelta'"
+    ) in msg
+    assert "param 'AutoDelta.0.weight': only in this process" in msg
+    assert "param 'AutoNormal.scales.0.weight': only in the file" in msg
+
+
+@pytest.mark.parametrize("other", [{"likelihood": "gaussian"}, {"noise": 0.25}])
+def test_different_likelihood_is_refused(tmp_path, f64, other):
+    first = {"likelihood": "gaussian", "noise": 0.5} if "noise" in other else {}
+    _, guide, _, svi, x, y = _setup(out=1, **first)
+    svi.step(x, y)
+    path = tmp_path / "c.ckpt"
+    save_checkpoint(path, guide=guide)
+    pyro.clear_param_store()
+    _, guide, _, _, x, y = _setup(out=1, **{"likelihood": "gaussian", "noise": 0.5, **other})
+    key = "likelihood" if "likelihood" in other else "noise_scale"
+    with pytest.raises(CheckpointMismatchError, match=f"model '{key}'"):
+        load_checkpoint(path, guide=guide, example_args=(x, y))
+
+
+def test_module_and_generator_mismatches(tmp_path, f64):
+    net = torch.nn.Linear(2, 3)
+    path = tmp_path / "c.ckpt"
+    save_checkpoint(path, modules={"net": net}, generators={"data": torch.Generator()})
+    with pytest.raises(
+        CheckpointMismatchError, match=r"module 'net' key 'weight': the file has shape \(3, 2\)"
+    ):
+        load_checkpoint(path, modules={"net": torch.nn.Linear(2, 4)})
+    with pytest.raises(CheckpointMismatchError, match="generator 'other': only in this process"):
+        load_checkpoint(path, generators={"other": torch.Generator()})
+    with pytest.warns(CheckpointWarning, match="module 'net', generator 'data'.*not restored"):
+        load_checkpoint(path)
+
+
+def test_no_rng_state_warns(tmp_path):
+    pyro.param("a", torch.ones(3))
+    save_checkpoint(tmp_path / "c.ckpt", rng=False)
+    with pytest.warns(CheckpointWarning, match="without RNG state.*not be bit-exact"):
+        info = load_checkpoint(tmp_path / "c.ckpt")
+    assert info["rng_restored"] is False
+
+
+def test_lazy_guide_needs_example_args(tmp_path, f64):
+    _, guide, _, _, _, _ = _setup()
+    with pytest.raises(ValueError, match=r"has not created its parameters yet.*example_args"):
+        load_checkpoint(tmp_path / "whatever.ckpt", guide=guide)
+    with pytest.raises(TypeError, match="example_args must be a tuple"):
+        load_checkpoint(tmp_path / "whatever.ckpt", guide=guide, example_args=[1])
+
+
+def test_resume_in_the_same_process_restores_live_optimizers(tmp_path, f64):
+    """The optimizers already exist here, so their state is loaded into them directly."""
+    net, guide, optim, svi, x, y = _setup()
+    for _ in range(3):
+        svi.step(x, y)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim, modules={"net": net}, step=3)
+    losses = [svi.step(x, y) for _ in range(3)]
+    info = load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim, modules={"net": net})
+    assert info == {"step": 3, "extra": {}, "rng_restored": True, "optim_restored": True}
+    assert [svi.step(x, y) for _ in range(3)] == losses
+
+
+def test_empty_param_store_is_filled_from_the_file(tmp_path):
+    pyro.param("loc", torch.randn(2, 3))
+    pyro.param("scale", torch.rand(3) + 0.1, constraint=constraints.softplus_positive)
+    pyro.param("p", torch.tensor([0.2, 0.7]), constraint=constraints.interval(0.0, 1.0))
+    saved = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    save_checkpoint(tmp_path / "c.ckpt")
+    pyro.clear_param_store()
+    load_checkpoint(tmp_path / "c.ckpt")
+    store = pyro.get_param_store()
+    assert store._constraints["scale"] is constraints.softplus_positive
+    for n, v in saved.items():
+        assert torch.equal(store[n].detach(), v)
+        assert store.get_state()["params"][n].requires_grad
+
+
+@pytest.mark.parametrize(
+    "c",
+    [
+        constraints.real,
+        constraints.positive,
+        constraints.simplex,
+        constraints.lower_cholesky,
+        constraints.interval(-1.0, 2.0),
+        constraints.greater_than(0.5),
+        constraints.less_than(3.0),
+        constraints.independent(constraints.positive, 1),
+    ],
+)
+def test_constraints_round_trip_as_plain_values(c):
+    spec = constraint_spec(c)
+    back = constraint_from_spec(spec, param="p", path="c.ckpt")
+    assert type(back) is type(c) and constraint_label(constraint_spec(back)) == constraint_label(
+        spec
+    )
+    for attr in ("lower_bound", "upper_bound"):
+        assert getattr(back, attr, None) == getattr(c, attr, None)
+
+
+def test_unknown_constraint_asks_for_set_up():
+    spec = constraint_spec(constraints.interval(torch.zeros(2), torch.ones(2)))
+    with pytest.raises(CheckpointError, match=r"param 'p'.*example_args"):
+        constraint_from_spec(spec, param="p", path="c.ckpt")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"step": -1}, "step must be an int >= 0"),
+        ({"step": True}, "step must be an int >= 0"),
+        ({"optim": object()}, "optim must be a pyro.optim.PyroOptim"),
+        ({"modules": [torch.nn.Linear(1, 1)]}, "modules must be a dict"),
+        ({"generators": {"g": 3}}, "generators must be a dict"),
+        ({"extra": [1]}, "extra must be a dict"),
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        save_checkpoint(tmp_path / "c.ckpt", **kwargs)
+    assert os.listdir(tmp_path) == []
