@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from scipy.stats import rankdata
 
-from pyro_bdl._validation import check_choice, check_finite, check_probability
+from pyro_bdl._validation import check_choice, check_finite
 from pyro_bdl.diagnostics.metrics import as_tensor, check_probs
 
 __all__ = [
@@ -86,9 +86,8 @@ def fpr_at_tpr(scores_in, scores_out, *, tpr: float = 0.95) -> float:
     class (the ODIN convention): accept an input as in-distribution when its score is at most a
     threshold chosen as the smallest one that accepts a fraction ``tpr`` of the in-distribution
     examples; return the fraction of OOD examples that are accepted too. Lower is better."""
-    check_probability("tpr", tpr, open_interval=False)
-    if tpr == 0:
-        raise ValueError("tpr must lie in (0, 1]; got 0. Use 0.95 for the usual figure.")
+    if isinstance(tpr, bool) or not isinstance(tpr, (int, float)) or not 0 < tpr <= 1:
+        raise ValueError(f"tpr must lie in (0, 1]; got {tpr!r}. Use 0.95 for the usual figure.")
     s_in, s_out = _scores("scores_in", scores_in), _scores("scores_out", scores_out)
     # The k-th smallest in-distribution score, k = ⌈tpr·n⌉ (rounded first so 0.95·20 is 19).
     k = max(1, math.ceil(round(tpr * len(s_in), 9)))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import arviz as az
 import numpy as np
+from matplotlib import MatplotlibDeprecationWarning
 from matplotlib.figure import Figure
 
 from pyro_bdl.diagnostics.metrics import Reliability, as_tensor
@@ -142,6 +143,8 @@ def save_arviz_plots(
     with warnings.catch_warnings():
         # ArviZ warns about large pointwise k̂ and about few draws; the figures show both.
         warnings.simplefilter("ignore", UserWarning)
+        # ArviZ 0.23's matplotlib backend uses an API that matplotlib 3.11 deprecates: not ours.
+        warnings.simplefilter("ignore", MatplotlibDeprecationWarning)
         if {"posterior_predictive", "observed_data"} <= groups:
             fig = Figure(figsize=(6, 4), layout="constrained")
             az.plot_ppc(data, ax=fig.subplots(), num_pp_samples=min(50, _draws(data)))
