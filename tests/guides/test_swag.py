@@ -1,0 +1,514 @@
+"""AutoSWAG: the statistics against brute force, recovery of a known Gaussian, the two roles of the
+guide, errors, state, BatchNorm refresh, and the load_digits comparison with SGD (slow)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro import poutine
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from scipy.stats import chi2
+from torch import nn
+
+from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.guides import AutoSWAG
+from pyro_bdl.guides.batchnorm import predict_with_bn_refresh, refresh_batchnorm
+from pyro_bdl.guides.swag import NotCollectedError, SWAGNormal, swag_collect_
+from tests.common import assert_close
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def vector_model(d: int, dtype=F64):
+    """One latent vector site of d numbers: SWAG is then fed iterates directly through ``loc``."""
+
+    def model():
+        pyro.sample("theta", dist.Normal(torch.zeros(d, dtype=dtype), 1.0).to_event(1))
+
+    return model
+
+
+def feed(guide: AutoSWAG, iterates: torch.Tensor) -> None:
+    """Collect each row of ``iterates`` as if SGD had reached it."""
+    for theta in iterates:
+        with torch.no_grad():
+            guide.loc.copy_(theta)
+        guide.collect()
+
+
+def low_rank_plus_diag(d: int, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, covariance) of a Gaussian with covariance diag + L Lᵀ, L of shape (d, rank)."""
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(d, generator=g, dtype=F64)
+    diag = 0.5 + torch.rand(d, generator=g, dtype=F64)
+    factor = 0.3 * torch.randn(d, rank, generator=g, dtype=F64)
+    return mean, torch.diag(diag) + factor @ factor.T
+
+
+def brute_force_swag(iterates: torch.Tensor, rank: int):
+    """θ̄, Σ_diag (population variance) and the last ``rank`` deviations θ_t − θ̄_t, from the
+    list of iterates with no running updates."""
+    t = iterates.shape[0]
+    mean = iterates.mean(0)
+    var = (iterates**2).mean(0) - mean**2
+    deviations = [iterates[i] - iterates[: i + 1].mean(0) for i in range(max(0, t - rank), t)]
+    return mean, var, torch.stack(deviations)
+
+
+def swag_covariance(var, deviations, scale):
+    k = deviations.shape[0]
+    return scale * (torch.diag(var) + deviations.T @ deviations / (k - 1)) / 2
+
+
+def mlp_classifier(n: int = 40, *, batchnorm: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(5, 8)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(8))
+    layers += [nn.Tanh(), nn.Linear(8, 3)]
+    bnn = bayesianize(nn.Sequential(*layers), priors.Normal(scale=1.0))
+    return bnn, models.classifier(bnn, n)
+
+
+def classification_data(n: int = 40, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+    return x, y
+
+
+def trained_guide(*, rank: int = 4, diag_only: bool = False, collections: int = 5, bn=False):
+    bnn, model = mlp_classifier(batchnorm=bn)
+    x, y = classification_data()
+    guide = AutoSWAG(model, rank=rank, diag_only=diag_only)
+    svi = SVI(model, guide, pyro.optim.SGD({"lr": 1e-3, "momentum": 0.9}), Trace_ELBO())
+    for step in range(3 + collections):
+        svi.step(x, y)
+        if step >= 3:
+            guide.collect()
+    return bnn, model, guide, x, y
+
+
+# ----------------------------------------------------------------------------- the statistics
+
+
+def test_collect_matches_brute_force_statistics():
+    d, rank, t = 7, 3, 10
+    iterates = torch.randn(t, d, dtype=F64)
+    mean, sq_mean = torch.zeros(d, dtype=F64), torch.zeros(d, dtype=F64)
+    deviations = torch.zeros(rank, d, dtype=F64)
+    pointers = (mean.data_ptr(), sq_mean.data_ptr(), deviations.data_ptr())
+    for i in range(t):
+        swag_collect_(iterates[i], mean, sq_mean, deviations, i)
+        seen = iterates[: i + 1]
+        # Welford-style running updates vs the batch formulas: round-off only (float64).
+        assert_close(mean, seen.mean(0), rtol=1e-12, atol=1e-14)
+        assert_close(sq_mean, (seen**2).mean(0), rtol=1e-12, atol=1e-14)
+        # Ring buffer: the deviation of snapshot i lives in row i % rank.
+        assert_close(deviations[i % rank], iterates[i] - seen.mean(0), rtol=1e-12, atol=1e-14)
+    # In place: the buffers were never reallocated.
+    assert pointers == (mean.data_ptr(), sq_mean.data_ptr(), deviations.data_ptr())
+
+
+def test_mean_equals_running_average_exactly():
+    d = 6
+    guide = AutoSWAG(vector_model(d), rank=3)
+    guide()
+    iterates = torch.randn(9, d, dtype=F64)
+    feed(guide, iterates)
+    # Exactly the arithmetic mean of what was collected (up to float64 round-off of 9 updates);
+    # an off-by-one in the counter or a missed snapshot would be off by O(1).
+    assert_close(guide.swag_mean, iterates.mean(0), rtol=1e-14, atol=1e-15)
+    assert_close(guide.get_posterior().mean, iterates.mean(0), rtol=1e-14, atol=1e-15)
+    assert_close(guide.median()["theta"], iterates.mean(0), rtol=1e-14, atol=1e-15)
+    assert guide.num_collected == 9 and int(guide.swag_num_collected) == 9
+
+
+def test_collect_writes_in_place_and_memory_is_rank_plus_two_times_d():
+    _, _, guide, _, _ = trained_guide(rank=4, collections=2)
+    d = guide.latent_dim
+    ptrs = [b.data_ptr() for b in guide.buffers()]
+    guide.collect()
+    assert ptrs == [b.data_ptr() for b in guide.buffers()]
+    floats = sum(b.numel() for b in guide.buffers() if b.is_floating_point())
+    counters = sum(b.numel() for b in guide.buffers() if not b.is_floating_point())
+    assert floats == (4 + 2) * d and counters == 1
+    _, _, diag, _, _ = trained_guide(rank=4, diag_only=True, collections=2)
+    assert sum(b.numel() for b in diag.buffers() if b.is_floating_point()) == 2 * d
+
+
+# ----------------------------------------------------------------------------- recovery
+
+
+def test_swag_samples_fill_the_95_percent_mahalanobis_region():
+    d, rank, t, scale = 20, 10, 200, 0.5
+    mean, cov = low_rank_plus_diag(d, 3, seed=1)
+    iterates = torch.distributions.MultivariateNormal(mean, cov).sample((t,))
+    guide = AutoSWAG(vector_model(d), rank=rank, scale=scale)
+    guide()
+    feed(guide, iterates)
+    m, var, deviations = brute_force_swag(iterates, rank)
+    cov_swag = swag_covariance(var, deviations, scale)
+    # The statistics recover the fed Gaussian: θ̄ within 5 standard errors of its mean.
+    assert ((m - mean).abs() <= 5 * (cov.diag() / t).sqrt()).all()
+    samples = guide.get_posterior().sample((2000,))
+    r = samples - guide.swag_mean
+    maha = (r * torch.linalg.solve(cov_swag, r.T).T).sum(-1)
+    inside = int((maha <= chi2.ppf(0.95, d)).sum())
+    # The count is Binomial(2000, 0.95) if the sampler has exactly the SWAG covariance: mean
+    # 1900, sd √(2000·0.95·0.05) = 9.75, so 1880–1920 is ±2.05 sd (the seed is fixed, so the test
+    # is deterministic). A missing 1/√2 (covariance 2C) or √scale (covariance C/2 vs C) moves the
+    # count to ~540 or ~2000 respectively: far outside.
+    assert 1880 <= inside <= 1920, inside
+
+
+def test_swag_diag_intervals_cover_95_percent():
+    d, t, s = 50, 1000, 2000
+    mean, cov = low_rank_plus_diag(d, 3, seed=2)
+    true = torch.distributions.MultivariateNormal(mean, cov)
+    guide = AutoSWAG(vector_model(d), diag_only=True, scale=1.0)
+    guide()
+    feed(guide, true.sample((t,)))
+    half = 1.959963984540054 * guide.marginal_variances()["theta"].sqrt()
+    # (a) Recovery: SWAG-diag's intervals θ̄ ± 1.96 σ̂ cover fresh draws of the true Gaussian.
+    # The coverage averages d·s = 1e5 indicators: Bernoulli sd √(.0475/1e5) = 0.07%; the
+    # estimation error of σ̂ from t = 1000 iterates adds 2φ(1.96)·1.96·√(1/(2t d)) ≈ 0.07%, and
+    # the mild correlations (|ρ| ≤ 0.38) a little more: 300 simulated replications gave mean
+    # 94.95% and sd 0.12%, so 94.5–95.5% is ≥ 3.8 sd on either side.
+    fresh = true.sample((s,))
+    coverage = ((fresh - guide.swag_mean).abs() <= half).double().mean()
+    assert 0.945 <= coverage <= 0.955, coverage
+    # (b) The sampler: SWAG-diag's own draws fall in its intervals; independent coordinates,
+    # so the sd is the Bernoulli 0.07% and the band is ±7 sd.
+    samples = guide.get_posterior().sample((s,))
+    own = ((samples - guide.swag_mean).abs() <= half).double().mean()
+    assert 0.945 <= own <= 0.955, own
+
+
+def test_log_prob_and_variance_match_the_dense_gaussian():
+    d, rank = 6, 4
+    iterates = torch.randn(7, d, dtype=F64) * torch.linspace(0.5, 2.0, d, dtype=F64)
+    for diag_only in (False, True):
+        guide = AutoSWAG(vector_model(d), rank=rank, diag_only=diag_only, scale=0.7)
+        guide()
+        feed(guide, iterates)
+        _, var, deviations = brute_force_swag(iterates, rank)
+        cov = 0.7 * torch.diag(var) if diag_only else swag_covariance(var, deviations, 0.7)
+        posterior = guide.get_posterior()
+        dense = torch.distributions.MultivariateNormal(guide.swag_mean, cov)
+        x = dense.sample((5,))
+        assert_close(posterior.log_prob(x), dense.log_prob(x), rtol=1e-10)
+        assert_close(posterior.variance, cov.diag(), rtol=1e-12)
+
+
+def test_marginal_variances_are_swag_diag_per_site():
+    _, _, guide, _, _ = trained_guide(rank=4, collections=6)
+    variances = guide.marginal_variances()
+    diag = guide.scale * (guide.swag_sq_mean - guide.swag_mean**2).clamp_min(guide.var_clamp)
+    pos = 0
+    # float32 cancellation in θ̄₂ − θ̄²: a few ulps of θ̄₂, whichever way it is computed.
+    atol = 4 * torch.finfo(torch.float32).eps * float(guide.swag_sq_mean.max()) * guide.scale
+    for value in variances.values():
+        n = value.numel()
+        assert_close(value.reshape(-1), diag[pos : pos + n], rtol=1e-5, atol=atol)
+        pos += n
+    assert pos == guide.latent_dim
+    assert set(variances) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert variances["0.weight"].shape == (8, 5)
+
+
+def test_negative_variances_from_round_off_are_clamped():
+    d = 64
+    guide = AutoSWAG(vector_model(d, torch.float32), rank=3)
+    guide()
+    # Weights near 1000 that move by ~1e-4: θ̄₂ − θ̄² cancels catastrophically in float32.
+    g = torch.Generator().manual_seed(0)
+    base = 1000.0 + torch.randn(d, generator=g)
+    feed(guide, base + 1e-4 * torch.randn(20, d, generator=g))
+    raw = guide.swag_sq_mean - guide.swag_mean**2
+    assert (raw < 0).any(), "the scenario must produce negative raw variances"
+    variances = guide.marginal_variances()["theta"]
+    assert (variances > 0).all()
+    samples = guide.get_posterior().sample((10,))
+    assert torch.isfinite(samples).all()
+
+
+# ----------------------------------------------------------------------------- the two roles
+
+
+def test_point_estimate_while_training_and_samples_under_no_grad():
+    _bnn, model, guide, x, y = trained_guide(collections=0)
+    # Gradients recorded: the guide is the point estimate loc, and SVI moves it.
+    before = guide.loc.detach().clone()
+    svi = SVI(model, guide, pyro.optim.SGD({"lr": 1e-3}), Trace_ELBO())
+    svi.step(x, y)
+    assert not torch.equal(before, guide.loc.detach())
+    # Under no_grad with fewer than two snapshots it is still the point estimate.
+    with torch.no_grad():
+        value = guide(x, y)["2.bias"]
+    assert torch.equal(value, guide.loc.detach()[-3:])
+    guide.collect()
+    svi.step(x, y)
+    guide.collect()
+    moved = guide.loc.detach().clone()
+    svi.step(x, y)  # training continues after collections
+    assert not torch.equal(moved, guide.loc.detach())
+    with torch.no_grad():
+        a, b = guide(x, y)["2.bias"], guide(x, y)["2.bias"]
+    assert not torch.equal(a, b)
+    assert torch.equal(guide(x, y)["2.bias"], guide.loc[-3:])  # grad on: point estimate
+    logits = Predictive(model, guide=guide, num_samples=3, return_sites=["_RETURN"])(x)["_RETURN"]
+    assert logits.shape == (3, 40, 3) and not torch.equal(logits[0], logits[1])
+    # Forced roles.
+    guide.mode = "point"
+    with torch.no_grad():
+        assert torch.equal(guide(x, y)["2.bias"], guide.loc.detach()[-3:])
+    guide.mode = "swag"
+    assert not torch.equal(guide(x, y)["2.bias"], guide.loc.detach()[-3:])
+
+
+def test_plain_pytorch_loop_on_the_lifted_network():
+    bnn, model = mlp_classifier()
+    x, y = classification_data()
+    guide = AutoSWAG(model, rank=3)
+    guide(x, y)  # creates loc
+    optimizer = torch.optim.SGD(guide.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(30):
+        with poutine.condition(data=guide(x, y)):
+            loss = F.cross_entropy(bnn(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if step >= 25:
+            guide.collect()
+    assert losses[-1] < 0.7 * losses[0]
+    assert guide.num_collected == 5
+    weights = guide.sample_weights()
+    assert weights["0.weight"].shape == (8, 5)
+
+
+# ----------------------------------------------------------------------------- errors and state
+
+
+@pytest.mark.parametrize("collections", [0, 1])
+def test_sampling_before_two_collections_raises(collections):
+    _, _, guide, x, y = trained_guide(collections=collections)
+    for call in (
+        guide.get_posterior,
+        guide.sample_weights,
+        guide.marginal_variances,
+        lambda: guide.quantiles([0.1, 0.9]),
+    ):
+        with pytest.raises(NotCollectedError, match=r"at least 2.*collect\(\)"):
+            call()
+    guide.mode = "swag"
+    with pytest.raises(NotCollectedError, match=f"after {collections} collection"):
+        guide(x, y)
+
+
+def test_collect_before_setup_raises():
+    _, model = mlp_classifier()
+    guide = AutoSWAG(model)
+    with pytest.raises(NotCollectedError, match="run the guide once"):
+        guide.collect()
+
+
+def test_collect_refuses_nan_and_leaves_the_statistics_unchanged():
+    _, _, guide, _, _ = trained_guide(collections=3)
+    state = {k: v.clone() for k, v in guide.state_dict().items() if k.startswith("swag")}
+    with torch.no_grad():
+        guide.loc[10] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or inf \(site '0.weight', packed index 10\)"):
+        guide.collect()
+    assert guide.num_collected == 3
+    for k, v in state.items():
+        assert torch.equal(guide.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"rank": 0}, ValueError, "rank must be >= 1"),
+        ({"rank": 1}, ValueError, "rank must be >= 2 for SWAG"),
+        ({"rank": 2.5}, TypeError, "rank must be an int"),
+        ({"diag_only": 1}, TypeError, "diag_only must be a bool"),
+        ({"scale": 0.0}, ValueError, "scale must be finite and > 0"),
+        ({"scale": float("nan")}, ValueError, "scale must be finite and > 0"),
+        ({"var_clamp": -1.0}, ValueError, "var_clamp must be finite and > 0"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AutoSWAG(vector_model(3), **kwargs)
+
+
+def test_rank_one_is_fine_for_swag_diag_and_bad_mode_is_refused():
+    guide = AutoSWAG(vector_model(3), rank=1, diag_only=True)
+    with pytest.raises(ValueError, match="unknown mode 'sample'; expected one of"):
+        guide.mode = "sample"
+
+
+def test_state_dict_and_torch_save_round_trip_give_identical_samples():
+    _, _, guide, _x, _y = trained_guide(collections=6)
+    state = guide.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded_state = torch.load(buffer, weights_only=True)
+    pyro.clear_param_store()
+    _, _, fresh, _, _ = trained_guide(collections=0)
+    fresh.load_state_dict(loaded_state)
+    assert fresh.num_collected == 6
+    for name in ("loc", "swag_mean", "swag_sq_mean", "swag_deviations"):
+        assert torch.equal(getattr(fresh, name), getattr(guide, name)), name
+    pyro.set_rng_seed(3)
+    a = guide.sample_weights()
+    pyro.set_rng_seed(3)
+    b = fresh.sample_weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The counter decides the ring position: the next collection lands in the same row.
+    guide.collect()
+    fresh.collect()
+    assert torch.equal(guide.swag_deviations, fresh.swag_deviations)
+
+
+def test_median_and_quantiles_after_collection():
+    _, _, guide, x, y = trained_guide(collections=5)
+    median = guide.median(x, y)
+    q = guide.quantiles([0.1, 0.5, 0.9], x, y)
+    for name, value in median.items():
+        assert q[name].shape == (3, *value.shape)
+        assert (q[name][0] < q[name][2]).all()
+        assert_close(q[name][1], value, atol=1e-6, rtol=0)
+
+
+def test_swag_normal_refuses_a_single_deviation():
+    with pytest.raises(ValueError, match=r"0 rows .* or at least 2; got 1"):
+        SWAGNormal(torch.zeros(3), torch.ones(3), torch.zeros(1, 3))
+
+
+@pytest.mark.gpu
+def test_sampling_stays_on_the_gpu():
+    d = 1000
+    guide = AutoSWAG(vector_model(d, torch.float32), rank=5).cuda()
+    guide()
+    feed(guide, torch.randn(6, d, device="cuda"))
+    assert guide.swag_mean.device.type == "cuda"
+    assert guide.get_posterior().sample((2,)).device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+
+
+def test_refresh_batchnorm_recomputes_exact_statistics_and_restores_modes():
+    bnn, _model, guide, x, _y = trained_guide(bn=True, collections=3)
+    bn = bnn[1]
+    weights = guide.sample_weights()
+    bnn.train()
+    bn.momentum = 0.3
+    seen = refresh_batchnorm(bnn, x, weights=weights, batch_size=1000)
+    assert seen == 40
+    pre = x @ weights["0.weight"].T + weights["0.bias"]  # the activations BatchNorm sees
+    assert_close(bn.running_mean, pre.mean(0), rtol=1e-5, atol=1e-6)
+    assert_close(bn.running_var, pre.var(0, unbiased=True), rtol=1e-5, atol=1e-6)
+    assert bn.momentum == 0.3 and bnn.training and bn.training
+    assert refresh_batchnorm(bnn, x, weights=weights, fraction=0.25) == 10
+
+
+def test_refresh_batchnorm_errors_and_no_batchnorm():
+    bnn, _, guide, x, _ = trained_guide(bn=True, collections=2)
+    with pytest.raises(ValueError, match="weights=None would draw them from the prior"):
+        refresh_batchnorm(bnn, x)
+    with pytest.raises(ValueError, match="fraction must lie in"):
+        refresh_batchnorm(bnn, x, weights=guide.sample_weights(), fraction=1.5)
+    plain, _, plain_guide, _, _ = trained_guide(collections=2)
+    assert refresh_batchnorm(plain, x, weights=plain_guide.sample_weights()) == 0
+
+
+def test_predict_with_bn_refresh_is_the_average_over_refreshed_draws():
+    bnn, _, guide, x, _ = trained_guide(bn=True, collections=4)
+    bn = bnn[1]
+    saved = (bn.running_mean.clone(), bn.running_var.clone())
+    pyro.set_rng_seed(5)
+    probs = predict_with_bn_refresh(guide, bnn, x, num_samples=3, bn_data=x, bn_fraction=1.0)
+    assert torch.equal(bn.running_mean, saved[0]) and torch.equal(bn.running_var, saved[1])
+    pyro.set_rng_seed(5)
+    expected = torch.zeros_like(probs)
+    for _ in range(3):
+        weights = guide.sample_weights()
+        refresh_batchnorm(bnn, x, weights=weights)
+        with torch.no_grad(), poutine.condition(data=weights):
+            expected += bnn.eval()(x).softmax(-1) / 3
+    assert_close(probs, expected, rtol=1e-5, atol=1e-7)
+    assert_close(probs.sum(-1), torch.ones(40), rtol=1e-5)
+    with pytest.raises(ValueError, match="pass bn_data=x_train"):
+        predict_with_bn_refresh(guide, bnn, x, num_samples=2)
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def test_compare_fit_functions_run():
+    from pyro_bdl.compare.problem import Problem
+    from pyro_bdl.compare.registry import METHODS
+    from pyro_bdl.data import load_digits
+
+    ds = load_digits(seed=0)
+    ds.x_train, ds.y_train = ds.x_train[:128], ds.y_train[:128]
+    problem = Problem(ds, epochs=2, batch_size=64, num_samples=2, progress=False)
+    for name in ("swag", "swag_diag"):
+        probs = METHODS[name](problem)(ds.x_test[:20])
+        assert probs.shape == (20, 10)
+        assert_close(probs.sum(-1), torch.ones(20), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- real data
+
+
+def _ece(probs: torch.Tensor, y: torch.Tensor) -> float:
+    from pyro_bdl.diagnostics import metrics
+
+    return metrics.ece(probs, y)
+
+
+@pytest.mark.slow
+def test_digits_swag_beats_the_sgd_point_estimate_of_the_same_run():
+    from pyro_bdl.compare import swag as compare_swag
+    from pyro_bdl.compare.problem import Problem, seed_everything
+    from pyro_bdl.data import load_digits
+    from pyro_bdl.diagnostics import metrics
+
+    ds = load_digits(seed=0)
+    problem = Problem(ds, epochs=30, progress=False)
+    seed_everything(0)
+    bnn, model = problem.bayesian_model()
+    guide = AutoSWAG(model, rank=20)
+    sgd_loc = compare_swag.train_swag(problem, guide, model, "swag")
+    guide.mode = "point"
+    with torch.no_grad():
+        guide.loc.copy_(sgd_loc)
+        sgd = Predictive(model, guide=guide, num_samples=1, return_sites=["_RETURN"])(ds.x_test)
+    p_sgd = sgd["_RETURN"][0].softmax(-1)
+    guide.mode = "auto"
+    p_swag = predict_with_bn_refresh(guide, bnn, ds.x_test, num_samples=32, bn_data=ds.x_train)
+    y = ds.y_test
+    figures = {
+        "sgd": (metrics.accuracy(p_sgd, y), metrics.nll(p_sgd, y), _ece(p_sgd, y)),
+        "swag": (metrics.accuracy(p_swag, y), metrics.nll(p_swag, y), _ece(p_swag, y)),
+    }
+    print(figures)
+    assert figures["swag"][1] < figures["sgd"][1]
+    assert figures["swag"][2] < figures["sgd"][2]
+    assert abs(figures["swag"][0] - figures["sgd"][0]) <= 0.01 + 1e-9
+    assert math.isfinite(figures["swag"][1])
