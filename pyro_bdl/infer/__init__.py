@@ -2,10 +2,13 @@
 
 from pyro_bdl.infer.elbo import TraceSuffStat_ELBO
 from pyro_bdl.infer.kl import KL_ESTIMATORS, find_kl_estimator, register_kl_estimator
+from pyro_bdl.infer.vogn import VOGN, VOGNGuide
 
 __all__: list[str] = [
     "KL_ESTIMATORS",
+    "VOGN",
     "TraceSuffStat_ELBO",
+    "VOGNGuide",
     "find_kl_estimator",
     "register_kl_estimator",
 ]

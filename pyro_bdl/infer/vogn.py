@@ -1,0 +1,669 @@
+r"""VOGN: Variational Online Gauss-Newton, natural-gradient VI that trains like Adam.
+
+The algorithm is DESIGN.md 4.5.
+
+VOGN fits a diagonal Gaussian :math:`q = \mathcal N(\mu, \operatorname{diag}\sigma^2)` over a lifted
+network's weights with the update
+
+.. math::
+
+    m &\leftarrow \beta_1 m + (\hat g + \tilde\delta\mu), \qquad
+    s \leftarrow (1-\beta_2) s + \beta_2 \hat h, \qquad
+    \mu \leftarrow \mu - \alpha\, m / (s + \tilde\delta), \\
+    \sigma &= \sqrt{\tau / (\tilde N (s + \tilde\delta))}, \qquad
+    \tilde\delta = \tau\delta/\tilde N, \qquad \tilde N = \rho N,
+
+where :math:`\hat g` averages the per-example gradients of the negative log-likelihood at a
+weight sample :math:`w \sim q` and :math:`\hat h` averages their **squares** (the Gauss-Newton /
+empirical-Fisher diagonal, from :class:`~pyro_bdl.curvature.PerExampleGradients`). Note the
+convention of DESIGN.md 4.5: :math:`\beta_2` weights the *new* estimate :math:`\hat h`.
+
+Because it samples the weights before the forward pass and needs per-example losses, VOGN is its
+own inference object with an ``SVI``-shaped :meth:`VOGN.step`, not a ``pyro.optim`` wrapper. Its
+posterior is an ordinary Pyro guide, :attr:`VOGN.guide`.
+
+References:
+
+- Khan, Nielsen, Tangkaratt, Lin, Gal, Srivastava, "Fast and Scalable Bayesian Deep Learning by
+  Weight-Perturbation in Adam", ICML 2018.
+- Osawa, Swaroop, Jain, Eschenhagen, Turner, Yokota, Khan, "Practical Deep Learning with Bayesian
+  Principles", NeurIPS 2019 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import torch
+from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide.initialization import InitMessenger
+from pyro.poutine.util import site_is_subsample
+from torch import nn
+
+from pyro_bdl._validation import check_positive, check_positive_int, check_probability
+from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.models import DATA_PLATE
+from pyro_bdl.nn.lift import init_to_network, site_spec
+
+__all__ = ["VOGN", "VOGNGuide", "VOGNOptimizer", "vogn_scale", "vogn_update"]
+
+
+# -- the numerical core --------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def vogn_update(
+    mu: torch.Tensor,
+    m: torch.Tensor,
+    s: torch.Tensor,
+    g_hat: torch.Tensor,
+    h_hat: torch.Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    prior_precision_tilde: float,
+    damping: float = 0.0,
+    bayesian: bool = True,
+) -> None:
+    r"""One VOGN update of ``mu``, ``m``, ``s`` in place (DESIGN.md 4.5).
+
+    With ``bayesian=False`` (hidden parameters such as BatchNorm's) the prior term
+    :math:`\tilde\delta\mu` is left out of the momentum; :math:`\tilde\delta` still damps the step.
+    """
+    beta1, beta2 = betas
+    step_grad = g_hat + prior_precision_tilde * mu if bayesian else g_hat
+    m.mul_(beta1).add_(step_grad)
+    s.mul_(1.0 - beta2).add_(h_hat, alpha=beta2)
+    mu.addcdiv_(m, s + (prior_precision_tilde + damping), value=-lr)
+
+
+def vogn_scale(
+    s: torch.Tensor, *, temperature: float, effective_size: float, prior_precision_tilde: float
+) -> torch.Tensor:
+    r""":math:`\sigma = \sqrt{\tau / (\tilde N (s + \tilde\delta))}`; the posterior precision is
+    :math:`\tilde N s/\tau + \delta`."""
+    return (temperature / (effective_size * (s + prior_precision_tilde))).sqrt()
+
+
+class VOGNOptimizer(torch.optim.Optimizer):
+    """The VOGN update as a :class:`torch.optim.Optimizer`, so PyTorch LR schedulers drive it.
+
+    Group 0 holds the flat posterior mean μ of every weight site; group 1 (if any) the hidden
+    parameters. Every hyperparameter lives in ``param_groups`` (``lr``, ``betas``,
+    ``prior_precision``, ``temperature``, ``effective_size``, ``damping``), so a scheduler may
+    change any of them. :class:`VOGN` stores ĝ and ĥ in ``state[p]`` and then calls :meth:`step`.
+    """
+
+    def __init__(self, defaults: dict):
+        # Both groups exist from the start (with placeholders until VOGN has seen the model), so
+        # a scheduler created right after VOGN covers both.
+        groups: list[dict[str, Any]] = [
+            {"params": [torch.zeros(0)], "bayesian": True},
+            {"params": [torch.zeros(0)], "bayesian": False},
+        ]
+        super().__init__(groups, defaults)
+
+    def _install(self, mu: torch.Tensor, hidden: Sequence[torch.Tensor]) -> None:
+        self.param_groups[0]["params"] = [mu]
+        self.param_groups[1]["params"] = list(hidden)
+        self.state.clear()
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            delta_tilde = group["temperature"] * group["prior_precision"] / group["effective_size"]
+            for p in group["params"]:
+                state = self.state[p]
+                vogn_update(
+                    p,
+                    state["m"],
+                    state["s"],
+                    state.pop("g_hat"),
+                    state.pop("h_hat"),
+                    lr=group["lr"],
+                    betas=group["betas"],
+                    prior_precision_tilde=delta_tilde,
+                    damping=group["damping"],
+                    bayesian=group["bayesian"],
+                )
+        return loss
+
+
+# -- the guide -------------------------------------------------------------------------------------
+
+
+class VOGNGuide(AutoGuide):
+    """VOGN's posterior as a Pyro guide: an independent Normal on every weight site.
+
+    The flat buffers ``loc`` (μ) and ``scale`` (σ) are written by :class:`VOGN`; the guide is set
+    up by VOGN's first step and is then an ordinary guide for ``Predictive``, ``poutine`` and
+    checkpoints (``state_dict`` holds both buffers).
+
+    Usage::
+
+        vogn.step(x, y)
+        probs = Predictive(model, guide=vogn.guide, num_samples=32)(x_test)
+    """
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self._layout: list[tuple[str, int, int, torch.Size]] = []
+
+    def _install(self, trace, layout, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        self.prototype_trace = trace
+        self._layout = layout
+        self.register_buffer("loc", loc)
+        self.register_buffer("scale", scale)
+
+    def _ensure_setup(self) -> None:
+        if self.prototype_trace is None:
+            raise RuntimeError(
+                "VOGNGuide is set up by VOGN: call vogn.step(x, y) (or vogn.load_state_dict) "
+                "before using vogn.guide."
+            )
+
+    def _site_loc_scale(self, name: str, start: int, stop: int, shape) -> tuple:
+        return self.loc[start:stop].view(shape), self.scale[start:stop].view(shape)
+
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Sample every weight site from N(μ, σ²); returns ``{name: value}``."""
+        self._ensure_setup()
+        out = {}
+        for name, start, stop, shape in self._layout:
+            loc, scale = self._site_loc_scale(name, start, stop, shape)
+            out[name] = pyro.sample(name, dist.Normal(loc, scale).to_event(len(shape)))
+        return out
+
+    def get_posterior(self, name: str) -> dist.Distribution:
+        """The Normal posterior of site ``name``."""
+        self._ensure_setup()
+        for site, start, stop, shape in self._layout:
+            if site == name:
+                loc, scale = self._site_loc_scale(site, start, stop, shape)
+                return dist.Normal(loc, scale).to_event(len(shape))
+        raise ValueError(
+            f"unknown site {name!r}; the guide's sites are "
+            f"{', '.join(repr(s[0]) for s in self._layout)}."
+        )
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """The posterior median (= mean μ) of every site."""
+        self._ensure_setup()
+        return {s[0]: self._site_loc_scale(*s)[0].clone() for s in self._layout}
+
+    @torch.no_grad()
+    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Marginal quantiles, shape ``(len(quantiles),) + site shape``."""
+        self._ensure_setup()
+        q = torch.as_tensor(quantiles, dtype=self.loc.dtype, device=self.loc.device)
+        if q.dim() != 1 or q.numel() == 0 or not bool(((q > 0) & (q < 1)).all()):
+            raise ValueError(
+                f"quantiles must be a 1-d list of numbers in (0, 1); got {quantiles!r}."
+            )
+        z = torch.special.ndtri(q)
+        out = {}
+        for s in self._layout:
+            loc, scale = self._site_loc_scale(*s)
+            out[s[0]] = loc + scale * z.reshape((-1,) + (1,) * loc.dim())
+        return out
+
+
+# -- the inference object --------------------------------------------------------------------
+
+
+def _data_frame(site) -> Any:
+    for frame in site["cond_indep_stack"]:
+        if frame.name == DATA_PLATE:
+            return frame
+    return None
+
+
+class VOGN:
+    r"""Natural-gradient variational inference over a lifted network, shaped like ``SVI``.
+
+    Each :meth:`step` draws ``num_particles`` weight samples from N(μ, σ²), runs the model
+    conditioned on them, reads the per-example negative log-likelihoods of the observed sites
+    inside ``pyro.plate("data", N, subsample_size=B)`` (without the plate's N/B scaling; any other
+    ``poutine.scale`` is kept), forms ĝ and ĥ with hooks, and applies the update of DESIGN.md 4.5.
+    The first step initialises s from the first minibatch at w = μ (then steps as usual).
+
+    VOGN's prior is N(0, δ⁻¹ I) on every weight (``prior_precision`` δ); the prior declared in
+    :func:`~pyro_bdl.bayesianize` is not read, so declare ``priors.Normal(scale=δ**-0.5)`` there
+    to keep ELBO-based diagnostics consistent.
+
+    **Hidden parameters** (the ``pyro.param`` sites of the network, BatchNorm's affine parameters
+    by default) are point estimates: they are used as they are (no noise) and updated with the
+    same preconditioned momentum step but without the prior term, m ← β₁m + ĝ,
+    s ← (1−β₂)s + β₂ĥ, θ ← θ − α m/(s + δ̃ + damping) (δ̃ only damps the step). BatchNorm running
+    statistics are updated by every forward pass, as in training with Adam.
+
+    Learning-rate schedulers: pass :attr:`optimizer` (a ``torch.optim.Optimizer``) to any
+    ``torch.optim.lr_scheduler``. Temperature: a number, or a callable ``step -> τ`` (step counts
+    from 1), or set :attr:`temperature` between steps.
+
+    Usage::
+
+        vogn = bdl.infer.VOGN(model, dataset_size=N, lr=1e-3, prior_precision=1.0)
+        for x, y in loader:
+            loss = vogn.step(x, y)
+        probs = Predictive(model, guide=vogn.guide, num_samples=32)(x_test)
+
+    :param callable model: a Pyro model over a :func:`~pyro_bdl.bayesianize` -d network whose only
+        latent sites are its weights and whose observations lie in the data plate.
+    :param int dataset_size: N, the number of training examples (must equal the data plate's size).
+    :param float lr: learning rate α (> 0).
+    :param tuple betas: (β₁, β₂), momentum and curvature averaging rates, each in [0, 1).
+    :param float prior_precision: δ (> 0).
+    :param temperature: τ (> 0; τ = 1 is standard Bayes), or a callable ``step -> τ``.
+    :param int num_particles: K, weight samples per step.
+    :param float augmentation_factor: ρ (> 0); the effective dataset size is Ñ = ρN.
+    :param float damping: γ ≥ 0 added to the denominator of the mean's step (not to the
+        posterior precision).
+    :param int chunk_size: examples per chunk of the per-example gradients (default automatic).
+
+    References:
+
+    - Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        dataset_size: int,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        prior_precision: float = 1.0,
+        temperature: float | Callable[[int], float] = 1.0,
+        num_particles: int = 1,
+        augmentation_factor: float = 1.0,
+        damping: float = 0.0,
+        chunk_size: int | None = None,
+    ):
+        if not callable(model):
+            raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
+        check_positive_int("dataset_size", dataset_size)
+        check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
+        check_probability("betas[0] (beta1)", betas[0], open_interval=False)
+        check_probability("betas[1] (beta2)", betas[1], open_interval=False)
+        check_positive("prior_precision", prior_precision, fix="Pass δ > 0, e.g. 1.0.")
+        if not callable(temperature):
+            check_positive("temperature", temperature, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
+        check_positive_int("num_particles", num_particles)
+        check_positive("augmentation_factor", augmentation_factor, fix="Pass ρ > 0, e.g. 1.0.")
+        if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
+            raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
+        if chunk_size is not None:
+            check_positive_int("chunk_size", chunk_size)
+        self.model = model
+        self.dataset_size = dataset_size
+        self.num_particles = num_particles
+        self.chunk_size = chunk_size
+        self._schedule = temperature if callable(temperature) else None
+        self._defaults = {
+            "lr": float(lr),
+            "betas": (float(betas[0]), float(betas[1])),
+            "prior_precision": float(prior_precision),
+            "temperature": 1.0 if callable(temperature) else float(temperature),
+            "effective_size": float(augmentation_factor) * dataset_size,
+            "damping": float(damping),
+        }
+        self.guide = VOGNGuide(model)
+        #: The optimizer to hand to ``torch.optim.lr_scheduler`` classes.
+        self.optimizer = VOGNOptimizer(self._defaults)
+        self._ready = False
+        self.step_count = 0
+        self._sites: list[
+            tuple[str, int, int, torch.Size, Any]
+        ] = []  # name, start, stop, shape, key
+        self._hidden: list[tuple[str, nn.Parameter, Any]] = []  # fullname, param, key
+        self._pending: dict | None = None
+
+    # -- hyperparameters ---------------------------------------------------------------------
+
+    def _groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def lr(self) -> float:
+        return float(self._groups()[0]["lr"])
+
+    @property
+    def temperature(self) -> float:
+        return float(self._groups()[0]["temperature"])
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        check_positive("temperature", value, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
+        self._schedule = None
+        for group in self._groups():
+            group["temperature"] = float(value)
+
+    def _delta_tilde(self) -> float:
+        g = self._groups()[0]
+        return g["temperature"] * g["prior_precision"] / g["effective_size"]
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _trace(self, data: dict | None, args, kwargs):
+        """Trace the model (at ``data`` for the weights, else at their initial values) while the
+        tape records every layer; returns (trace, tape)."""
+        tape = PerExampleGradients(None, chunk_size=self.chunk_size)
+        model = self.model
+        model = (
+            InitMessenger(init_to_network)(model)
+            if data is None
+            else poutine.condition(model, data)
+        )
+        with tape:
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+        return trace, tape
+
+    def _setup(self, args, kwargs) -> None:
+        snapshots: dict[nn.Module, dict[str, torch.Tensor]] = {}
+
+        def snapshot(module, inputs):
+            if module not in snapshots:
+                snapshots[module] = {
+                    k: b.clone() for k, b in module._buffers.items() if b is not None
+                }
+
+        handle = nn.modules.module.register_module_forward_pre_hook(snapshot)
+        # The set-up pass leaves the random streams as it found them (a subsampling plate draws
+        # indices), so that a run resumed from a state_dict continues bit for bit.
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        try:
+            trace, tape = self._trace(None, args, kwargs)
+        finally:
+            handle.remove()
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        try:
+            self._inspect(trace, tape)
+        except (ValueError, TypeError):
+            with torch.no_grad():  # fail before any state changes: undo BatchNorm statistics
+                for module, buffers in snapshots.items():
+                    for k, b in buffers.items():
+                        module._buffers[k].copy_(b)  # type: ignore[union-attr]
+            raise
+        locs = [spec.init_value.detach().reshape(-1) for *_, spec in self._site_specs]
+        loc = torch.cat(locs).clone()
+        self.guide._install(trace, [s[:4] for s in self._sites], loc, torch.zeros_like(loc))
+        self.optimizer._install(self.guide.loc, [p for _, p, _ in self._hidden])
+        self._ready = True
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_state_dict(pending)
+            return
+        # s starts at ĥ on the first minibatch at w = μ (Algorithm 1, line 1).
+        losses, batch = self._nll(trace)
+        _, h, _, h_hidden = self._gradients(tape, losses)
+        for p, value in zip(self._params(), [h, *h_hidden]):
+            self.optimizer.state[p]["m"] = torch.zeros_like(p)
+            self.optimizer.state[p]["s"] = value / batch
+        self._refresh_scale()
+
+    def _inspect(self, trace, tape: PerExampleGradients) -> None:
+        """Validate the model's sites and map them to the tape's layers."""
+        sites, observed, params = [], [], []
+        for name, site in trace.nodes.items():
+            if site["type"] == "param":
+                params.append(name)
+            if site["type"] != "sample" or site_is_subsample(site):
+                continue
+            if site["is_observed"]:
+                observed.append(site)
+                continue
+            spec = site_spec(site)
+            if spec is None:
+                raise ValueError(
+                    f"VOGN infers only network weights lifted by pyro_bdl.bayesianize; latent site "
+                    f"{name!r} is not one. Make it observed or a constant, or use SVI with a guide."
+                )
+            if site["cond_indep_stack"]:
+                raise ValueError(
+                    f"weight site {name!r} lies inside a plate; VOGN needs global weights."
+                )
+            sites.append((name, spec))
+        if not sites:
+            raise ValueError(
+                "the model has no weight sites; lift the network with pyro_bdl.bayesianize(net)."
+            )
+        in_plate = [s for s in observed if _data_frame(s) is not None]
+        outside = [s["name"] for s in observed if _data_frame(s) is None]
+        if outside or not in_plate:
+            raise ValueError(
+                f"VOGN needs every observed site inside pyro.plate({DATA_PLATE!r}, N, "
+                f"subsample_size=B) to read per-example likelihoods; "
+                + (f"sites {outside} are outside it." if outside else "the model has none.")
+                + " Use pyro_bdl.models.classifier/regressor or wrap the observation in that plate."
+            )
+        for s in in_plate:
+            frame = _data_frame(s)
+            full = frame.full_size or frame.size
+            if full != self.dataset_size:
+                raise ValueError(
+                    f"dataset_size is {self.dataset_size} but the model's data plate has size "
+                    f"{full} (site {s['name']!r}); pass the same N to both."
+                )
+        dtypes = {spec.init_value.dtype for _, spec in sites}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"all weight sites must share one dtype; got {sorted(map(str, dtypes))}."
+            )
+        self._site_specs = [(name, spec) for name, spec in sites]
+        start, layout = 0, []
+        for name, spec in sites:
+            n = spec.init_value.numel()
+            layout.append((name, start, start + n, spec.shape, (spec.module, spec.param_name)))
+            start += n
+        self._sites = layout
+        hidden, covered = [], set()
+        for module in tape.calls:
+            prefix = module.__dict__.get("_pyro_name")
+            for pname, p in module._parameters.items():
+                if p is None or not p.requires_grad or prefix is None:
+                    continue
+                fullname = f"{prefix}.{pname}" if prefix else pname
+                if fullname in params and fullname not in covered:
+                    covered.add(fullname)
+                    hidden.append((fullname, p, (module, pname)))
+        missing = [p for p in params if p not in covered]
+        if missing:
+            raise ValueError(
+                f"VOGN trains the lifted network's weights and its hidden layer parameters only; "
+                f"param sites {missing} belong to no layer of the network. Make them constants, "
+                "or fit the model with SVI."
+            )
+        self._hidden = hidden
+
+    @property
+    def _site_keys(self):
+        return [s[4] for s in self._sites]
+
+    def _params(self) -> list[torch.Tensor]:
+        return [self.guide.loc, *(p for _, p, _ in self._hidden)]
+
+    # -- one pass ------------------------------------------------------------------------------
+
+    def _nll(self, trace) -> tuple[torch.Tensor, int]:
+        """Per-example negative log-likelihood (B,) of the data-plate sites, without N/B."""
+        weights = {s[0] for s in self._sites}
+        total, batch = None, 0
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or not site["is_observed"] or name in weights:
+                continue
+            if site_is_subsample(site):
+                continue
+            frame = _data_frame(site)
+            lp = site["fn"].log_prob(site["value"])
+            if site["mask"] is not None:
+                lp = lp * site["mask"] if site["mask"] is not False else torch.zeros_like(lp)
+            scale = site["scale"] * frame.size / (frame.full_size or frame.size)
+            lp = lp * scale
+            dim = frame.dim
+            if lp.dim() < -dim or lp.shape[dim] != frame.size:
+                raise ValueError(
+                    f"site {name!r} has log-probability shape {tuple(lp.shape)}, which does not "
+                    f"hold one entry per example at the data plate's dim {dim}; give the "
+                    "observation distribution the batch shape (B,) (or (B, ...) with to_event)."
+                )
+            per = -lp.movedim(dim, 0).reshape(frame.size, -1).sum(1)
+            if not bool(torch.isfinite(per).all()):
+                raise ValueError(
+                    f"VOGN step {self.step_count + 1}: the negative log-likelihood of site "
+                    f"{name!r} is not finite (NaN or inf). Lower the learning rate or check the "
+                    "data."
+                )
+            total = per if total is None else total + per
+            batch = frame.size
+        assert total is not None
+        return total, batch
+
+    def _gradients(self, tape: PerExampleGradients, losses: torch.Tensor):
+        """(Σg, Σg², [Σg per hidden], [Σg² per hidden]) with flat site vectors."""
+        raw = tape.compute(losses)
+        g_parts, h_parts = [], []
+        for _, start, stop, _, key in self._sites:
+            pair = raw.get(key)
+            if pair is None:
+                zero = self.guide.loc.new_zeros(stop - start)
+                g_parts.append(zero)
+                h_parts.append(zero)
+            else:
+                g_parts.append(pair[0].reshape(-1))
+                h_parts.append(pair[1].reshape(-1))
+        g_hidden, h_hidden = [], []
+        for _, p, key in self._hidden:
+            pair = raw.get(key)
+            g_hidden.append(pair[0] if pair else torch.zeros_like(p))
+            h_hidden.append(pair[1] if pair else torch.zeros_like(p))
+        return torch.cat(g_parts), torch.cat(h_parts), g_hidden, h_hidden
+
+    def _refresh_scale(self) -> None:
+        s = self.optimizer.state[self.guide.loc]["s"]
+        self.guide.scale.copy_(
+            vogn_scale(
+                s,
+                temperature=self.temperature,
+                effective_size=self._groups()[0]["effective_size"],
+                prior_precision_tilde=self._delta_tilde(),
+            )
+        )
+
+    # -- the public step -----------------------------------------------------------------------
+
+    def step(self, *args, **kwargs) -> float:
+        """One VOGN update on a minibatch; returns the estimated (tempered) negative ELBO,
+        N/B Σᵢ ℓᵢ averaged over the particles plus τ·KL(q ‖ N(0, δ⁻¹I)), like ``SVI.step``."""
+        if not self._ready:
+            self._setup(args, kwargs)
+        if self._schedule is not None:
+            tau = float(self._schedule(self.step_count + 1))
+            check_positive("temperature (from the schedule)", tau)
+            for group in self.optimizer.param_groups:
+                group["temperature"] = tau
+        self._refresh_scale()
+        loc, scale = self.guide.loc, self.guide.scale
+        g_sum = h_sum = None
+        hidden_g: list[torch.Tensor] = []
+        hidden_h: list[torch.Tensor] = []
+        nll_total = 0.0
+        for _ in range(self.num_particles):
+            w = loc + scale * torch.randn_like(loc)
+            data = {name: w[a:b].view(shape) for name, a, b, shape, _ in self._sites}
+            trace, tape = self._trace(data, args, kwargs)
+            losses, batch = self._nll(trace)
+            g, h, gh, hh = self._gradients(tape, losses)
+            nll_total += float(losses.detach().sum()) * self.dataset_size / batch
+            if g_sum is None:
+                g_sum, h_sum, hidden_g, hidden_h = g, h, gh, hh
+            else:
+                g_sum.add_(g)
+                h_sum.add_(h)  # type: ignore[union-attr]
+                for a, b in zip(hidden_g + hidden_h, gh + hh):
+                    a.add_(b)
+        assert g_sum is not None and h_sum is not None
+        n = self.num_particles * batch
+        estimates = [g_sum / n, h_sum / n] + [t / n for t in hidden_g + hidden_h]
+        names = ["weights (ĝ)", "weights (ĥ)"] + [f"{p[0]} (hidden)" for p in self._hidden] * 2
+        for est, name in zip(estimates, names):
+            if not bool(torch.isfinite(est).all()):
+                raise ValueError(
+                    f"VOGN step {self.step_count + 1}: the gradient of the likelihood for {name} "
+                    "is not finite (NaN or inf); nothing was updated. Lower the learning rate."
+                )
+        loss = nll_total / self.num_particles + self.temperature * self._kl()
+        k = len(self._hidden)
+        for p, g, h in zip(
+            self._params(),
+            [estimates[0], *estimates[2 : 2 + k]],
+            [estimates[1], *estimates[2 + k :]],
+        ):
+            self.optimizer.state[p]["g_hat"] = g
+            self.optimizer.state[p]["h_hat"] = h
+        self.optimizer.step()
+        self.step_count += 1
+        self._refresh_scale()
+        return loss
+
+    @torch.no_grad()
+    def _kl(self) -> float:
+        """KL(q ‖ N(0, δ⁻¹ I)) in closed form."""
+        delta = self._groups()[0]["prior_precision"]
+        var = self.guide.scale.square()
+        loc = self.guide.loc
+        return float(0.5 * (delta * (var + loc.square()) - 1.0 - torch.log(delta * var)).sum())
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything VOGN updates: μ, σ, the optimizer (m, s, hyperparameters), hidden parameters
+        and the step counter (BatchNorm running statistics stay in ``net.state_dict()``)."""
+        if not self._ready:
+            raise RuntimeError("VOGN has no state before its first step; call vogn.step(x, y).")
+        return {
+            "step": self.step_count,
+            "sites": [(name, tuple(shape)) for name, _, _, shape, _ in self._sites],
+            "hidden": {name: p.detach().clone() for name, p, _ in self._hidden},
+            "guide": {k: v.clone() for k, v in self.guide.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; before the first step it is applied when the model is
+        first seen (the first :meth:`step` then skips the initialisation of s)."""
+        keys = {"step", "sites", "hidden", "guide", "optimizer"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(
+                f"not a VOGN state_dict: expected keys {sorted(keys)}; got "
+                f"{sorted(state) if isinstance(state, dict) else type(state).__name__}."
+            )
+        if not self._ready:
+            self._pending = state
+            return
+        ours = [(name, tuple(shape)) for name, _, _, shape, _ in self._sites]
+        theirs = [(n, tuple(s)) for n, s in state["sites"]]
+        hidden = sorted(name for name, _, _ in self._hidden)
+        if ours != theirs or sorted(state["hidden"]) != hidden:
+            mismatch = sorted(set(ours) ^ set(theirs)) + sorted(set(hidden) ^ set(state["hidden"]))
+            raise ValueError(
+                f"the state_dict is from a different model: mismatching sites {mismatch}."
+            )
+        with torch.no_grad():
+            self.guide.load_state_dict(state["guide"])
+            for name, p, _ in self._hidden:
+                p.copy_(state["hidden"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step"])
