@@ -6,6 +6,7 @@ an inference method; every method ends in an ordinary Pyro guide.
 
 from pyro_bdl import checkpoint as checkpoint
 from pyro_bdl import curvature, data, diagnostics, guides, infer, models, priors
+from pyro_bdl import distributed as distributed
 from pyro_bdl import nn as nn
 from pyro_bdl.nn import bayesianize, init_to_network, sites
 
@@ -18,6 +19,7 @@ __all__ = [
     "curvature",
     "data",
     "diagnostics",
+    "distributed",
     "guides",
     "infer",
     "init_to_network",

@@ -1,0 +1,27 @@
+"""Data-parallel training on ``torch.distributed``: :class:`DataParallelSVI`, per-epoch data
+shards and the collective helpers (DESIGN.md 4.8). Start with ``torchrun``; backend ``nccl`` on
+GPUs, ``gloo`` on CPUs."""
+
+from pyro_bdl.distributed.comm import (
+    all_gather_scalars,
+    allreduce_mean_,
+    broadcast_,
+    get_rank,
+    get_world_size,
+    is_main_process,
+    shard_indices,
+)
+from pyro_bdl.distributed.svi import BatchNormWarning, DataParallelSVI, GuideNotInitializedError
+
+__all__ = [
+    "BatchNormWarning",
+    "DataParallelSVI",
+    "GuideNotInitializedError",
+    "all_gather_scalars",
+    "allreduce_mean_",
+    "broadcast_",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "shard_indices",
+]

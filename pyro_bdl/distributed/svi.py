@@ -1,0 +1,324 @@
+r"""Data-parallel stochastic variational inference: :class:`DataParallelSVI`.
+
+With R ranks each holding B_local examples, rank r minimises
+
+.. math::
+
+    L_r = \mathrm{KL}(q \,\|\, p)
+          + \frac{N}{B_\text{local}} \sum_{i \in \text{batch}_r} \ell_i(w_r),
+
+(the model's ``pyro.plate("data", N, subsample_size=B_local)`` applies the N/B_local scale and
+the KL is counted once per rank). Averaging the gradients over ranks gives
+∇KL + (N / (R·B_local)) Σ over all R·B_local examples, which is exactly the single-process
+estimator on the concatenated batch of B = R·B_local examples (DESIGN.md 4.8). When every rank
+draws the same weights (``shared_noise=True``) the two agree to rounding; by default each rank draws
+its own weights w_r, which averages R Monte Carlo samples of the likelihood term for free.
+
+Usage::
+
+    guide(x[:2], y[:2])                       # the guide creates its parameters first
+    svi = DataParallelSVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    for batch in shard_indices(N, epoch=epoch).split(batch_size):
+        loss = svi.step(x[batch], y[batch])  # loss averaged over ranks
+
+References:
+
+- Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017.
+- Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019 (independent
+  weight noise per worker).
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.infer import SVI
+from pyro.infer.autoguide import AutoGuide
+from pyro.infer.util import zero_grads
+from pyro.optim import PyroOptim
+from torch import nn
+
+from pyro_bdl.distributed.comm import (
+    all_gather_scalars,
+    allreduce_mean_,
+    broadcast_,
+    comm_device,
+    get_rank,
+    get_world_size,
+)
+
+__all__ = ["BatchNormWarning", "DataParallelSVI", "GuideNotInitializedError"]
+
+_SEED_RANGE = 2**31 - 1
+
+
+class GuideNotInitializedError(RuntimeError):
+    """Data-parallel training was set up before the guide created its parameters."""
+
+
+class BatchNormWarning(UserWarning):
+    """A data-parallel model contains BatchNorm layers whose statistics are not synchronised."""
+
+
+_HOW_TO_INIT = (
+    "Call the guide once on an example batch on every rank first, for example "
+    "`guide(x[:2], y[:2])` (or run one plain `SVI(...).step(x_batch, y_batch)`), then build "
+    "DataParallelSVI: rank 0's parameters are broadcast to every rank when it is built, so a "
+    "parameter created later would start from a different value on each rank."
+)
+
+
+def _item(value) -> float:
+    # Detach first: a callable loss may return a tensor that still requires grad.
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _crc(names: list[str]) -> int:
+    return zlib.crc32("\n".join(names).encode())
+
+
+def _modules(model: Callable, guide: Callable) -> Iterator[nn.Module]:
+    """The modules we can see: the guide, the model if it is a module, and ``model.net`` (which
+    :func:`pyro_bdl.models.classifier` and ``regressor`` attach)."""
+    for candidate in (guide, model, getattr(model, "net", None)):
+        if isinstance(candidate, nn.Module):
+            yield candidate
+
+
+def _unsynced_batchnorms(modules: list[nn.Module]) -> dict[str, nn.Module]:
+    found: dict[str, nn.Module] = {}
+    for top in modules:
+        for name, m in top.named_modules():
+            is_bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
+            if is_bn and not isinstance(m, nn.SyncBatchNorm) and m.track_running_stats:
+                found.setdefault(name or type(m).__name__, m)
+    return found
+
+
+class DataParallelSVI(SVI):
+    r"""Like :class:`pyro.infer.SVI`, with gradients averaged over the ranks of a
+    ``torch.distributed`` process group after every step.
+
+    Each :meth:`step` computes the loss and gradients of ``loss`` on this rank's batch, averages
+    the gradients of every parameter over the ranks (one flattened all-reduce per device and
+    dtype), applies the Pyro optimizer and returns the loss averaged over the ranks. Every rank
+    then holds identical parameters. Without an initialised process group it behaves like
+    ``SVI`` on one process, so the same script runs on a laptop.
+
+    Rules (DESIGN.md 4.8):
+
+    - **Build it after the guide has created its parameters** (call ``guide(*example_batch)``);
+      otherwise :class:`GuideNotInitializedError` says so. Building it broadcasts rank 0's
+      parameters (:meth:`broadcast_parameters`), so all ranks start from the same point.
+    - **Every rank passes a batch of the same size**, and the model scales its data plate by
+      N/B_local (:func:`pyro_bdl.models.classifier` does); :func:`shard_indices` gives equal
+      shards. The ranks must take the same number of steps.
+    - **Weight noise is independent per rank** by default: the RNG of rank r is seeded with
+      ``seed + r``. ``shared_noise=True`` seeds every rank with ``seed`` (tests compare with one
+      process this way). ``seed=None`` draws the base seed on rank 0 from the current RNG.
+    - **BatchNorm** layers found in the guide, in the model (if it is a module) or in
+      ``model.net`` trigger a :class:`BatchNormWarning`: each rank normalises with its own local
+      batch, and the running statistics are taken from rank 0 (broadcast after every step).
+      ``torch.nn.SyncBatchNorm`` (CUDA) layers are synchronised and do not warn.
+    - A non-finite averaged loss or gradient raises ``FloatingPointError`` on every rank before
+      the optimizer changes anything.
+    - Checkpoints: write them on one rank, ``if is_main_process(): ...``.
+
+    :param callable model: the Pyro model.
+    :param callable guide: the guide, whose parameters already exist.
+    :param pyro.optim.PyroOptim optim: a Pyro optimizer (``pyro.optim.Adam({...})``).
+    :param loss: an ELBO (``Trace_ELBO()``, ``TraceMeanField_ELBO()``, ...) or a loss callable, as
+        for ``SVI``.
+    :param process_group: the ``torch.distributed`` group (default: the default group).
+    :param bool shared_noise: draw the same weight noise on every rank (default ``False``).
+    :param int seed: the base seed of the weight noise (default: drawn on rank 0).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        guide: Callable,
+        optim: PyroOptim,
+        loss,
+        *,
+        process_group=None,
+        shared_noise: bool = False,
+        seed: int | None = None,
+    ):
+        if not isinstance(optim, PyroOptim):
+            raise TypeError(
+                f"optim must be a pyro.optim.PyroOptim; got {type(optim).__name__}. Wrap the "
+                "torch optimizer, for example pyro.optim.Adam({'lr': 1e-3})."
+            )
+        if not callable(loss) and not hasattr(loss, "loss_and_grads"):
+            raise TypeError(
+                f"loss must be a Pyro ELBO or a callable loss; got {type(loss).__name__}. Pass "
+                "for example pyro.infer.Trace_ELBO()."
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
+        if seed is not None and not 0 <= seed < _SEED_RANGE:
+            raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
+        if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
+            raise GuideNotInitializedError(
+                f"the guide {type(guide).__name__} has not created its parameters yet. "
+                + _HOW_TO_INIT
+            )
+        if not self._collect(guide):
+            raise GuideNotInitializedError(
+                "there are no parameters to train: the guide has not created any yet. "
+                + _HOW_TO_INIT
+            )
+        super().__init__(model, guide, optim, loss)
+        self.process_group = process_group
+        self.shared_noise = bool(shared_noise)
+        self.num_steps_taken = 0
+        batchnorms = _unsynced_batchnorms(list(_modules(model, guide)))
+        if batchnorms and get_world_size(process_group) > 1:
+            warnings.warn(
+                f"the data-parallel model has BatchNorm layers ({', '.join(batchnorms)}): each "
+                "rank normalises with its own local batch, and the running statistics are "
+                "taken from rank 0 (broadcast after every step). Convert them with "
+                "torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) on GPUs for statistics "
+                "over the whole batch, or use LayerNorm/GroupNorm.",
+                BatchNormWarning,
+                stacklevel=2,
+            )
+        self._buffers = [b for m in batchnorms.values() for b in m.buffers()]
+        self._known: set[int] = set()
+        self.broadcast_parameters()
+        self._seed_noise(seed)
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _collect(guide: Callable) -> dict[str, torch.Tensor]:
+        """Every trainable tensor, by name: the param store (model and guide ``pyro.param``
+        sites, including those of ``PyroModule`` s) plus any guide parameter kept outside it."""
+        named = dict(pyro.get_param_store().named_parameters())
+        seen = {id(p) for p in named.values()}
+        if isinstance(guide, nn.Module):
+            for name, p in guide.named_parameters():
+                if id(p) not in seen:
+                    named[f"{type(guide).__name__}.{name}"] = p
+        return dict(sorted(named.items()))
+
+    def broadcast_parameters(self) -> None:
+        """Overwrite every parameter (and BatchNorm statistics) with its value on rank 0.
+
+        Called when the object is built; call it again after loading a checkpoint on rank 0 only.
+        Raises ``RuntimeError`` if the ranks hold different sets of parameter names.
+        """
+        named = self._collect(self.guide)
+        names = list(named)
+        numel = sum(p.numel() for p in named.values())
+        stats = all_gather_scalars([_crc(names), numel], self.process_group)
+        if not bool((stats == stats[0]).all()):
+            raise RuntimeError(
+                f"the ranks hold different parameters (rank {get_rank(self.process_group)} has "
+                f"{len(names)} named parameters with {numel} numbers; per rank [name checksum, "
+                f"numbers]: {stats.tolist()}). Build the same model and guide, call the guide on "
+                "the same kind of batch on every rank, and clear stale parameters with "
+                "pyro.clear_param_store() before setting up."
+            )
+        broadcast_(list(named.values()) + self._buffers, self.process_group)
+        self._known = {id(p) for p in named.values()}
+
+    def _seed_noise(self, seed: int | None) -> None:
+        if seed is None:
+            # Rank 0 draws the base seed from its RNG (so a seeded script stays reproducible)
+            # and shares it; everyone then re-seeds from it.
+            base = torch.randint(_SEED_RANGE - 1024, (1,), device=comm_device(self.process_group))
+            broadcast_([base], self.process_group)
+            seed = int(base.item())
+        offset = 0 if self.shared_noise else get_rank(self.process_group)
+        self.seed = seed
+        pyro.set_rng_seed(seed + offset)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def step(self, *args, **kwargs) -> float:
+        """One data-parallel gradient step on this rank's batch.
+
+        :returns: the loss averaged over the ranks.
+        """
+        with poutine.trace(param_only=True) as capture:
+            loss = self.loss_and_grads(self.model, self.guide, *args, **kwargs)
+        named = sorted(
+            (name, site["value"].unconstrained()) for name, site in capture.trace.nodes.items()
+        )
+        names = [name for name, _ in named]
+        params = [p for _, p in named]
+        unknown = [name for name, p in named if id(p) not in self._known]
+        has_grad = [p.grad is not None for p in params]
+        stats = all_gather_scalars(
+            [
+                _item(loss),
+                _crc(names),
+                sum(p.numel() for p in params),
+                len(unknown),
+                _crc([str(int(g)) for g in has_grad]),
+            ],
+            self.process_group,
+        )
+        try:
+            self._check_agreement(stats, names, unknown)
+            if not bool((stats[:, 4] == stats[0, 4]).all()):
+                # Data-dependent control flow left some parameters without a gradient on some
+                # ranks only: any rank's gradient makes the parameter trainable everywhere.
+                mask = torch.tensor(has_grad, dtype=torch.float64)
+                allreduce_mean_([mask], self.process_group)
+                has_grad = (mask > 0).tolist()
+            trained = [p for p, g in zip(params, has_grad) if g]
+            for p in trained:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            finite = allreduce_mean_([p.grad for p in trained], self.process_group)
+            mean_loss = float(stats[:, 0].mean())
+            if not finite or not torch.isfinite(torch.tensor(mean_loss)):
+                self._raise_nonfinite(mean_loss, named)
+            self.optim(trained)
+        finally:
+            zero_grads(set(params))
+        if self._buffers:
+            broadcast_(self._buffers, self.process_group)
+        self.num_steps_taken += 1
+        return mean_loss
+
+    def _check_agreement(self, stats: torch.Tensor, names: list[str], unknown: list[str]) -> None:
+        if bool((stats[:, 3] > 0).any()):
+            where = f"here: {', '.join(unknown[:5])}" if unknown else "on another rank"
+            raise GuideNotInitializedError(
+                f"step {self.num_steps_taken}: parameters were created after DataParallelSVI "
+                f"was built ({where}), so the ranks did not start from the same values. "
+                + _HOW_TO_INIT
+            )
+        if not bool((stats[:, 1:3] == stats[0, 1:3]).all()):
+            raise RuntimeError(
+                f"step {self.num_steps_taken}: the ranks traced different parameters (this rank: "
+                f"{len(names)}; per rank [loss, name checksum, numbers]: "
+                f"{stats[:, :3].tolist()}). Every rank must run the same model and guide."
+            )
+
+    def _raise_nonfinite(self, mean_loss: float, named: list[tuple[str, torch.Tensor]]) -> None:
+        bad = next(
+            (n for n, p in named if p.grad is not None and not torch.isfinite(p.grad).all()),
+            None,
+        )
+        where = f"; the first parameter with a non-finite gradient is {bad!r}" if bad else ""
+        raise FloatingPointError(
+            f"step {self.num_steps_taken}: the loss averaged over ranks is {mean_loss}{where}. "
+            "Nothing was updated. Lower the learning rate, check the data for NaN/inf, or start "
+            "from a smaller initial scale."
+        )
+
+    def evaluate_loss(self, *args, **kwargs) -> float:
+        """The loss on this rank's batch, without gradients, averaged over the ranks."""
+        with torch.no_grad():
+            loss = _item(self.loss(self.model, self.guide, *args, **kwargs))
+        return float(all_gather_scalars([loss], self.process_group)[:, 0].mean())
