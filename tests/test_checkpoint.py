@@ -224,20 +224,22 @@ def test_resume_in_new_process_is_bit_exact_and_needs_every_part(tmp_path):
 # In-process checks: small, float64
 
 
-def _setup(*, hidden=5, out=3, guide_cls=AutoNormal, likelihood="categorical", noise=0.5):
+def _setup(
+    *, hidden=5, out=3, guide_cls=AutoNormal, likelihood="categorical", noise=0.5, device="cpu"
+):
     torch.manual_seed(0)
     net = bdl.bayesianize(
         torch.nn.Sequential(
             torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, out)
         )
-    )
+    ).to(device)
     if likelihood == "categorical":
         model = bdl.models.classifier(net, 12)
         y = torch.randint(0, out, (6,))
     else:
         model = bdl.models.regressor(net, 12, noise)
         y = torch.randn(6)
-    x = torch.randn(6, 3, dtype=torch.float64)
+    x, y = torch.randn(6, 3, dtype=torch.float64).to(device), y.to(device)
     guide = guide_cls(model)
     optim = pyro.optim.Adam({"lr": 0.05})
     svi = SVI(model, guide, optim, Trace_ELBO())
@@ -434,6 +436,25 @@ def test_rng_must_be_restored_after_the_lazy_set_up(tmp_path, f64):
     _, guide, optim, svi, x, y = _setup()
     load_checkpoint(tmp_path / "c.ckpt", optim=optim)
     assert [svi.step(x, y) for _ in range(3)] != expected
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_resume_on_device_restores_its_generator(tmp_path, f64, device):
+    """On CUDA the guide's noise comes from the CUDA generator, which must be restored too."""
+    _, guide, optim, svi, x, y = _setup(device=device)
+    for _ in range(2):
+        svi.step(x, y)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    expected = [svi.step(x, y) for _ in range(3)] + [torch.randn(4, device=device)]
+    pyro.clear_param_store()
+    pyro.set_rng_seed(7)  # also reseeds CUDA
+    _, guide, optim, svi, x, y = _setup(device=device)
+    info = load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim, example_args=(x, y))
+    assert info["rng_restored"] and info["optim_restored"]
+    resumed = [svi.step(x, y) for _ in range(3)] + [torch.randn(4, device=device)]
+    assert resumed[:3] == expected[:3]
+    assert torch.equal(resumed[3], expected[3])
+    assert pyro.param("AutoNormal.locs.0.weight").device.type == device
 
 
 def test_empty_param_store_is_filled_from_the_file(tmp_path):
