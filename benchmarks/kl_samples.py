@@ -268,8 +268,8 @@ def train_digits(guide_cls, kl, m, *, epochs, seed, batch_size=64, lr=1e-3, prob
     return result
 
 
-def digits_study(*, epochs, seeds, reps, guide_cls=AutoMeanField) -> dict:
-    out: dict = {"guide": guide_cls.__name__, "epochs": epochs, "seeds": list(seeds)}
+def digits_study(*, epochs, seeds, reps, guide_cls=AutoMeanField, lr=1e-3) -> dict:
+    out: dict = {"guide": guide_cls.__name__, "epochs": epochs, "seeds": list(seeds), "lr": lr}
     settings = [("M1", "mc", 1), ("M1000", "mc", 1000), ("exact", "exact", 1)]
     for label, kl, m in settings:
         runs = []
@@ -280,7 +280,7 @@ def digits_study(*, epochs, seeds, reps, guide_cls=AutoMeanField) -> dict:
                 else None
             )
             t0 = time.perf_counter()
-            r = train_digits(guide_cls, kl, m, epochs=epochs, seed=seed, probe=probe)
+            r = train_digits(guide_cls, kl, m, epochs=epochs, seed=seed, probe=probe, lr=lr)
             r["fit_seconds"] = time.perf_counter() - t0
             runs.append(r)
         summary = {}
@@ -349,6 +349,8 @@ def main(argv=None) -> None:
         "--guide", choices=("meanfield", "radial"), default="meanfield", help="for the training"
     )
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per setting")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (training)")
+    parser.add_argument("--output", default=None, help="results name (default kl_samples)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     ms = (1, 10, 100) if args.quick else MS
@@ -363,10 +365,14 @@ def main(argv=None) -> None:
     if not args.skip_training:
         guide_cls = AutoRadial if args.guide == "radial" else AutoMeanField
         if args.quick:
-            figures["digits"] = digits_study(epochs=2, seeds=[0], reps=5, guide_cls=guide_cls)
+            figures["digits"] = digits_study(
+                epochs=2, seeds=[0], reps=5, guide_cls=guide_cls, lr=args.lr
+            )
         else:
             seeds = list(range(args.seeds))
-            figures["digits"] = digits_study(epochs=20, seeds=seeds, reps=20, guide_cls=guide_cls)
+            figures["digits"] = digits_study(
+                epochs=20, seeds=seeds, reps=20, guide_cls=guide_cls, lr=args.lr
+            )
     if torch.cuda.is_available():
         figures["gpu_resnet18"] = resnet18_max_m()
     else:
@@ -380,7 +386,7 @@ def main(argv=None) -> None:
         "guide": args.guide,
         "seeds": args.seeds,
     }
-    name = "kl_samples" if args.guide == "meanfield" else "kl_samples_radial"
+    name = args.output or ("kl_samples" if args.guide == "meanfield" else "kl_samples_radial")
     write(name, config, figures)
 
 

@@ -6,7 +6,7 @@ import importlib
 import sys
 
 #: Module names under benchmarks/, in the order they run. Each has a ``main()``.
-BENCHMARKS: list[str] = []
+BENCHMARKS: list[str] = ["kl_samples"]
 
 
 def main() -> int:
