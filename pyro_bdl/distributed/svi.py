@@ -129,6 +129,12 @@ class DataParallelSVI(SVI):
       the optimizer changes anything.
     - Checkpoints: write them on one rank, ``if is_main_process(): ...``.
 
+    Usage::
+
+        guide(x[:2], y[:2])
+        svi = DataParallelSVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+        loss = svi.step(x_local, y_local)
+
     :param callable model: the Pyro model.
     :param callable guide: the guide, whose parameters already exist.
     :param pyro.optim.PyroOptim optim: a Pyro optimizer (``pyro.optim.Adam({...})``).
@@ -190,6 +196,7 @@ class DataParallelSVI(SVI):
                 stacklevel=2,
             )
         self._buffers = [b for m in batchnorms.values() for b in m.buffers()]
+        self._params: dict[str, torch.Tensor] = {}
         self._known: set[int] = set()
         self.broadcast_parameters()
         self._seed_noise(seed)
@@ -215,18 +222,21 @@ class DataParallelSVI(SVI):
         Raises ``RuntimeError`` if the ranks hold different sets of parameter names.
         """
         named = self._collect(self.guide)
-        names = list(named)
+        # Names, shapes and dtypes must agree: the buckets of every step follow this list.
+        names = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named.items()]
         numel = sum(p.numel() for p in named.values())
         stats = all_gather_scalars([_crc(names), numel], self.process_group)
         if not bool((stats == stats[0]).all()):
             raise RuntimeError(
                 f"the ranks hold different parameters (rank {get_rank(self.process_group)} has "
-                f"{len(names)} named parameters with {numel} numbers; per rank [name checksum, "
+                f"{len(names)} named parameters with {numel} numbers; per rank [checksum of the "
+                f"names, shapes and dtypes, "
                 f"numbers]: {stats.tolist()}). Build the same model and guide, call the guide on "
                 "the same kind of batch on every rank, and clear stale parameters with "
                 "pyro.clear_param_store() before setting up."
             )
         broadcast_(list(named.values()) + self._buffers, self.process_group)
+        self._params = named
         self._known = {id(p) for p in named.values()}
 
     def _seed_noise(self, seed: int | None) -> None:
@@ -249,61 +259,49 @@ class DataParallelSVI(SVI):
         """
         with poutine.trace(param_only=True) as capture:
             loss = self.loss_and_grads(self.model, self.guide, *args, **kwargs)
-        named = sorted(
-            (name, site["value"].unconstrained()) for name, site in capture.trace.nodes.items()
-        )
-        names = [name for name, _ in named]
-        params = [p for _, p in named]
-        unknown = [name for name, p in named if id(p) not in self._known]
-        has_grad = [p.grad is not None for p in params]
+        traced_params = [site["value"].unconstrained() for site in capture.trace.nodes.values()]
+        traced = {id(p): name for p, name in zip(traced_params, capture.trace.nodes)}
+        unknown = [name for key, name in traced.items() if key not in self._known]
+        # The buckets follow the list fixed (and checked equal on every rank) by
+        # broadcast_parameters, so they line up even when ranks trace different parameters.
+        # Like SVI, only parameters this step traced and differentiated are trained.
+        has_grad = [id(p) in traced and p.grad is not None for p in self._params.values()]
         stats = all_gather_scalars(
-            [
-                _item(loss),
-                _crc(names),
-                sum(p.numel() for p in params),
-                len(unknown),
-                _crc([str(int(g)) for g in has_grad]),
-            ],
-            self.process_group,
+            [_item(loss), len(unknown), _crc([str(int(g)) for g in has_grad])], self.process_group
         )
+        trained: list[tuple[str, torch.Tensor]] = []
         try:
-            self._check_agreement(stats, names, unknown)
-            if not bool((stats[:, 4] == stats[0, 4]).all()):
+            if bool((stats[:, 1] > 0).any()):
+                where = f"here: {', '.join(unknown[:5])}" if unknown else "on another rank"
+                raise GuideNotInitializedError(
+                    f"step {self.num_steps_taken}: parameters were created after "
+                    f"DataParallelSVI was built ({where}), so the ranks did not start from the "
+                    "same values. " + _HOW_TO_INIT
+                )
+            if not bool((stats[:, 2] == stats[0, 2]).all()):
                 # Data-dependent control flow left some parameters without a gradient on some
-                # ranks only: any rank's gradient makes the parameter trainable everywhere.
-                mask = torch.tensor(has_grad, dtype=torch.float64)
+                # ranks only: a gradient on any rank makes the parameter trainable everywhere
+                # (the others contribute zeros to the average).
+                device = comm_device(self.process_group)
+                mask = torch.tensor(has_grad, dtype=torch.float64, device=device)
                 allreduce_mean_([mask], self.process_group)
                 has_grad = (mask > 0).tolist()
-            trained = [p for p, g in zip(params, has_grad) if g]
-            for p in trained:
+            trained = [(n, p) for (n, p), g in zip(self._params.items(), has_grad) if g]
+            for _, p in trained:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            finite = allreduce_mean_([p.grad for p in trained], self.process_group)
+            finite = allreduce_mean_([p.grad for _, p in trained], self.process_group)
             mean_loss = float(stats[:, 0].mean())
             if not finite or not torch.isfinite(torch.tensor(mean_loss)):
-                self._raise_nonfinite(mean_loss, named)
-            self.optim(trained)
+                self._raise_nonfinite(mean_loss, trained)
+            self.optim([p for _, p in trained])
         finally:
-            zero_grads(set(params))
+            # Gradients never outlive the step, also when it raised.
+            zero_grads(traced_params + [p for _, p in trained])
         if self._buffers:
             broadcast_(self._buffers, self.process_group)
         self.num_steps_taken += 1
         return mean_loss
-
-    def _check_agreement(self, stats: torch.Tensor, names: list[str], unknown: list[str]) -> None:
-        if bool((stats[:, 3] > 0).any()):
-            where = f"here: {', '.join(unknown[:5])}" if unknown else "on another rank"
-            raise GuideNotInitializedError(
-                f"step {self.num_steps_taken}: parameters were created after DataParallelSVI "
-                f"was built ({where}), so the ranks did not start from the same values. "
-                + _HOW_TO_INIT
-            )
-        if not bool((stats[:, 1:3] == stats[0, 1:3]).all()):
-            raise RuntimeError(
-                f"step {self.num_steps_taken}: the ranks traced different parameters (this rank: "
-                f"{len(names)}; per rank [loss, name checksum, numbers]: "
-                f"{stats[:, :3].tolist()}). Every rank must run the same model and guide."
-            )
 
     def _raise_nonfinite(self, mean_loss: float, named: list[tuple[str, torch.Tensor]]) -> None:
         bad = next(
