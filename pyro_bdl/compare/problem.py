@@ -1,9 +1,10 @@
 """The shared set-up of ``pyro-bdl compare``: data, network, minibatches and training loops.
 
 Out-of-distribution inputs for the OOD figures travel in ``Problem.ood_x``. For the ArviZ export,
-``compare`` needs the model and guide behind a predictor: a predictor may carry them as
-``predictor.model`` / ``predictor.guide``; otherwise the last pair passed to
-:func:`predictive_probs` while the predictor runs is used (see :func:`record_posteriors`).
+``compare`` needs the model and guide behind a predictor: a predictor may carry them (see
+:func:`attach_posterior`); otherwise the last pair passed to :func:`predictive_probs` while the
+predictor runs is used (see :func:`record_posteriors`); a predictor with neither is exported as its
+mean predictive only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "NETWORKS",
     "Predictor",
     "Problem",
+    "attach_posterior",
     "predictive_probs",
     "record_posteriors",
     "train_svi",
@@ -139,6 +141,20 @@ def train_svi(problem: Problem, svi: SVI, desc: str) -> list[float]:
         losses.append(total / problem.num_train)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return losses
+
+
+def attach_posterior(predict: Predictor, model, guide) -> Predictor:
+    """Mark ``predict`` as backed by ``model`` and ``guide`` so that ``compare`` exports their
+    posterior draws to ArviZ (for predictors that do not go through :func:`predictive_probs`,
+    such as a linearized or BatchNorm-refreshing predictive); returns ``predict``.
+
+    Usage::
+
+        return attach_posterior(lambda x: guide.predict(x), model, guide)
+    """
+    predict.model = model  # type: ignore[attr-defined]
+    predict.guide = guide  # type: ignore[attr-defined]
+    return predict
 
 
 #: While :func:`record_posteriors` is active: the (model, guide) pairs predictive_probs saw.

@@ -5,8 +5,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from pyro.infer.autoguide import AutoNormal
 
 from pyro_bdl.cli import main
+from pyro_bdl.compare import METHODS, Problem
+from pyro_bdl.compare.evaluate import evaluate, format_table, run
+from pyro_bdl.compare.problem import attach_posterior
 from pyro_bdl.data import hold_out_classes, load_digits, load_ood
 from pyro_bdl.diagnostics import load_inference_data
 
@@ -95,3 +99,42 @@ def test_load_ood_files(tmp_path):
     (tmp_path / "d.txt").write_text("1 2 3")
     with pytest.raises(ValueError, match=r"\.npy, \.npz or \.pt"):
         load_ood(tmp_path / "d.txt", (1, 8, 8))
+
+
+def _digits_problem():
+    digits, x_ood = hold_out_classes(load_digits(), [8, 9])
+    return Problem(digits, epochs=1, num_samples=3, progress=False, ood_x=x_ood, ood_name="8, 9")
+
+
+def test_export_uses_attached_posterior_or_falls_back_to_the_mean(tmp_path, monkeypatch):
+    """A predictor that does not call predictive_probs is exported fully when it carries its
+    model and guide, and as its mean predictive otherwise."""
+
+    def attached(problem):
+        _, model = problem.bayesian_model()
+        guide = AutoNormal(model)
+        return attach_posterior(lambda x: torch.full((len(x), 8), 1 / 8), model, guide)
+
+    def bare(problem):
+        return lambda x: torch.full((len(x), 8), 1 / 8)
+
+    monkeypatch.setitem(METHODS, "attached", attached)
+    monkeypatch.setitem(METHODS, "bare", bare)
+    rows = run(_digits_problem(), ["attached", "bare"], output=tmp_path)
+    full = load_inference_data(tmp_path / "attached.nc")
+    assert {"posterior", "log_likelihood"} <= set(full.groups())
+    mean_only = load_inference_data(tmp_path / "bare.nc")
+    assert set(mean_only.groups()) == {"predictions", "observed_data"}
+    np.testing.assert_allclose(mean_only.predictions["probs"].values, 1 / 8)
+    # Uniform predictions: chance-level OOD detection and maximal entropy everywhere.
+    assert rows[1]["ood_auroc"] == 0.5 and rows[1]["ece"] == pytest.approx(
+        abs(1 / 8 - rows[1]["accuracy"])
+    )
+    assert not any(f.endswith("ppc.png") for f in rows[1]["files"])
+
+
+def test_evaluate_without_ood():
+    probs = torch.eye(3, dtype=torch.float64)
+    row = evaluate(probs, torch.arange(3))
+    assert row["accuracy"] == 1.0 and row["ood_auroc"] is None
+    assert "n/a" in format_table([{"method": "m", **row, "fit_seconds": 1.0}])

@@ -12,6 +12,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.diagnostics import export, loo
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
+from pyro_bdl.infer.vogn import VOGN
 from tests.scenarios import BayesianLinearRegression
 
 N, D_IN, HIDDEN, C = 20, 4, 5, 3
@@ -37,6 +38,12 @@ def _swag(model, x, y):
     return guide
 
 
+def _vogn(model, x, y):
+    vogn = VOGN(model, dataset_size=N, lr=1e-2, prior_precision=1.0)
+    vogn.step(x, y)
+    return vogn.guide
+
+
 GUIDES = {
     "AutoNormal": lambda m, x, y: AutoNormal(m),
     "AutoDelta": lambda m, x, y: AutoDelta(m),
@@ -45,6 +52,7 @@ GUIDES = {
     "AutoRadial": lambda m, x, y: AutoRadial(m),
     "AutoSWAG": _swag,
     "AutoSubnetLaplace": lambda m, x, y: AutoSubnetLaplace(m, subnetwork="last_layer").fit((x, y)),
+    "VOGNGuide": _vogn,
 }
 
 
