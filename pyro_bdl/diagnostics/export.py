@@ -82,10 +82,11 @@ class _Variable:
     array: np.ndarray | None = None
 
 
-def _layer_dims(site: Mapping[str, Any], name: str, ndim: int) -> list[str]:
-    """Readable dims for a lifted layer's weight or bias; ``<site>_dim_i`` otherwise."""
+def _layer_dims(site: Mapping[str, Any], name: str, ndim: int, offset: int) -> list[str]:
+    """Readable dims for a lifted layer's weight or bias; ``<site>_dim_i`` otherwise (i counts
+    the value's axes, so ``offset`` is the number of batch dims before the event dims)."""
     spec = site_spec(site)
-    generic = [f"{name}_dim_{i}" for i in range(ndim)]
+    generic = [f"{name}_dim_{offset + i}" for i in range(ndim)]
     if spec is None or not isinstance(spec.module, (nn.Linear, nn.modules.conv._ConvNd)):
         return generic
     if spec.param_name == "bias" and ndim == 1:
@@ -106,7 +107,7 @@ def _site_dims(site: Mapping[str, Any], name: str, shape: tuple[int, ...]) -> tu
     dims = []
     for i in range(batch_ndim):
         dims.append(plates.get(i - batch_ndim, f"{name}_dim_{i}"))
-    event = _layer_dims(site, name, len(shape) - batch_ndim)
+    event = _layer_dims(site, name, len(shape) - batch_ndim, batch_ndim)
     dims += [d if d not in dims else f"{d}_{j}" for j, d in enumerate(event)]
     return tuple(dims)
 
@@ -153,7 +154,8 @@ def _plan(
                     "log_likelihood",
                     name,
                     name,
-                    dims[len(dims) - len(lp_shape) :] if lp_shape else (),
+                    # log_prob has the batch shape: the leading dims of the value.
+                    dims[: len(lp_shape)],
                     _pointwise_log_likelihood,
                     lp_shape,
                 )

@@ -235,3 +235,31 @@ def test_psis_loo_matches_exact_leave_one_out():
     assert (result.pareto_k.values < 0.7).all()
     np.testing.assert_allclose(result.loo_i.values, exact, atol=0.12)
     assert result.elpd_loo == pytest.approx(sum(exact), abs=0.3)
+
+
+def test_scalar_latent_deterministic_and_multivariate_observation():
+    """A scalar latent, a deterministic site and a vector observation per data point."""
+
+    def model(x, y=None):
+        noise = pyro.sample("noise", dist.LogNormal(torch.tensor(0.0, dtype=x.dtype), 1.0))
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, 3, dtype=x.dtype), 1.0).to_event(2))
+        pyro.deterministic("w_norm", w.norm())
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.Normal(x @ w, noise).to_event(1), obs=y)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    y = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    guide = AutoNormal(model)
+    guide(x, y)
+    data = export.to_inference_data(model, guide, x, y, num_samples=4)
+    post = data.posterior
+    assert post["noise"].dims == ("chain", "draw")
+    assert post["w"].dims == ("chain", "draw", "w_dim_0", "w_dim_1")
+    w = torch.as_tensor(post["w"].values[0])
+    np.testing.assert_allclose(post["w_norm"].values[0], w.flatten(1).norm(dim=-1), rtol=1e-12)
+    assert data.posterior_predictive["y"].dims == ("chain", "draw", "data", "y_dim_1")
+    assert data.log_likelihood["y"].dims == ("chain", "draw", "data")
+    noise = torch.as_tensor(post["noise"].values[0]).reshape(4, 1, 1)
+    hand = dist.Normal(x @ w, noise).log_prob(y).sum(-1)  # (draws, n): Σ over the 3 outputs
+    np.testing.assert_allclose(data.log_likelihood["y"].values[0], hand.numpy(), atol=1e-12, rtol=0)
