@@ -13,6 +13,7 @@ from pyro_bdl.compare.map import fit_map
 from pyro_bdl.compare.problem import Predictor, Problem
 from pyro_bdl.compare.swag import fit_swag, fit_swag_diag
 from pyro_bdl.compare.variational import fit_meanfield, fit_radial
+from pyro_bdl.compare.vogn import fit_vogn
 
 METHODS: dict[str, Callable[[Problem], Predictor]] = {
     "map": fit_map,
@@ -20,4 +21,5 @@ METHODS: dict[str, Callable[[Problem], Predictor]] = {
     "swag_diag": fit_swag_diag,
     "meanfield": fit_meanfield,
     "radial": fit_radial,
+    "vogn": fit_vogn,
 }
