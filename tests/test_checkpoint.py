@@ -523,7 +523,6 @@ def test_unknown_constraint_asks_for_set_up():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"step": -1}, "step must be an int >= 0"),
         ({"step": True}, "step must be an int >= 0"),
         ({"optim": object()}, "optim must be a pyro.optim.PyroOptim"),
         ({"modules": [torch.nn.Linear(1, 1)]}, "modules must be a dict"),
@@ -535,3 +534,8 @@ def test_bad_arguments(tmp_path, kwargs, match):
     with pytest.raises(TypeError, match=match):
         save_checkpoint(tmp_path / "c.ckpt", **kwargs)
     assert os.listdir(tmp_path) == []
+
+
+def test_negative_step_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        save_checkpoint(tmp_path / "c.ckpt", step=-1)

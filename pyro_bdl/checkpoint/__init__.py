@@ -137,9 +137,10 @@ def save_checkpoint(
     :param guide: the guide; its class is fingerprinted and, if it is a module, its
         ``state_dict`` (buffers included) is saved.
     :param optim: a :class:`pyro.optim.PyroOptim` (``get_state``) or any object with
-        ``state_dict`` (a torch optimizer, VOGN).
-    :param dict modules: name -> object with ``state_dict`` (the lifted network for its buffers,
-        an LR scheduler, a SWAG or Laplace object).
+        ``state_dict`` (a torch optimizer).
+    :param dict modules: name -> object with ``state_dict`` (the lifted network for its
+        BatchNorm statistics, a :class:`~pyro_bdl.infer.VOGN` object, an LR scheduler). SWAG and
+        Laplace guides keep their posteriors in the guide's own buffers.
     :param dict generators: name -> :class:`torch.Generator` the caller uses for data order.
     :param model: the model, for the likelihood in the fingerprint (default ``guide.model``).
     :param int step: the number of steps done; :func:`load_checkpoint` returns it.
@@ -150,8 +151,10 @@ def save_checkpoint(
     :raises TypeError: for a part that is not tensors and plain values, naming where it sits.
     """
     path = check_path(path)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int >= 0; got {type(step).__name__} {step!r}.")
+    if step < 0:
+        raise ValueError(f"step must be >= 0 (the number of steps done); got {step}.")
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict of plain values; got {type(extra).__name__}.")
     check_targets(optim, modules, generators)
