@@ -25,7 +25,7 @@ __all__ = ["batchnorm_layers", "predict_with_bn_refresh", "refresh_batchnorm"]
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
-def batchnorm_layers(net: nn.Module) -> list[nn.Module]:
+def batchnorm_layers(net: nn.Module) -> list[_BatchNorm]:
     """The BatchNorm layers of ``net`` that keep running statistics."""
     return [m for m in net.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
 
@@ -147,14 +147,14 @@ def refresh_batchnorm(
     finally:
         for m, momentum in momenta.items():
             m.momentum = momentum
-        for m, training in modes.items():
-            m.training = training
+        for module, training in modes.items():
+            module.training = training
     if seen == 0:
         raise ValueError("data yielded no batches; pass at least one batch of training inputs.")
     return seen
 
 
-def _bn_state(layers: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+def _bn_state(layers: list[_BatchNorm]) -> list[dict[str, torch.Tensor]]:
     return [{k: v.clone() for k, v in m._buffers.items() if v is not None} for m in layers]
 
 
@@ -222,7 +222,7 @@ def predict_with_bn_refresh(
         for m, state in zip(layers, saved):
             for k, v in state.items():
                 m._buffers[k].copy_(v)  # type: ignore[union-attr]
-        for m, training in modes.items():
-            m.training = training
+        for module, training in modes.items():
+            module.training = training
     assert total is not None
     return total.div_(num_samples)

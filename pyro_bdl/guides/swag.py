@@ -311,6 +311,35 @@ class AutoSWAG(AutoContinuous):
             "swag_num_collected", torch.zeros((), dtype=torch.long, device=like.device)
         )
         self._num_collected = 0
+        # Per-site slicing of the packed vector, computed once: Pyro's generic unpacking walks
+        # the trace and re-derives shapes on every call (≈ 40 µs per site), which would dominate
+        # the cost of one SWAG sample for small networks.
+        self._packing = []
+        pos = 0
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            shape = self._unconstrained_shapes[name]
+            size = math.prod(shape)
+            event_dim = site["fn"].event_dim + len(shape) - site["value"].dim()
+            support = site["fn"].support
+            transform = None if _is_real(support) else biject_to(support)
+            self._packing.append((site, torch.Size(shape), pos, size, event_dim, transform))
+            pos += size
+
+    def _unpack_latent(self, latent):
+        """Like :meth:`AutoContinuous._unpack_latent` (``(site, unconstrained value)`` pairs), from
+        the slicing cached at set-up."""
+        batch_shape = latent.shape[:-1]
+        for site, shape, pos, size, event_dim, _ in self._packing:
+            if batch_shape:
+                shape = torch.broadcast_shapes(shape, batch_shape + (1,) * event_dim)
+            yield site, latent[..., pos : pos + size].view(shape)
+
+    def _constrain(self, latent: torch.Tensor) -> dict[str, torch.Tensor]:
+        values = {}
+        for (site, value), packing in zip(self._unpack_latent(latent), self._packing):
+            transform = packing[-1]
+            values[site["name"]] = value if transform is None else transform(value)
+        return values
 
     @property
     def mode(self) -> str:
@@ -408,11 +437,7 @@ class AutoSWAG(AutoContinuous):
         """One SWAG draw of every latent site, ``{site name: value}`` (for conditioning a network
         with ``poutine.condition``, as :func:`~pyro_bdl.guides.batchnorm.predict_with_bn_refresh`
         does)."""
-        latent = self.get_posterior().sample()
-        return {
-            site["name"]: biject_to(site["fn"].support)(value)
-            for site, value in self._unpack_latent(latent)
-        }
+        return self._constrain(self.get_posterior().sample())
 
     def _loc_scale(self, *args, **kwargs):
         posterior = self.get_posterior()
@@ -424,10 +449,7 @@ class AutoSWAG(AutoContinuous):
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         loc = self.loc.detach() if self._num_collected < 2 else self.swag_mean
-        return {
-            site["name"]: biject_to(site["fn"].support)(value)
-            for site, value in self._unpack_latent(loc)
-        }
+        return self._constrain(loc)
 
     @torch.no_grad()
     def marginal_variances(self) -> dict[str, torch.Tensor]:
@@ -438,6 +460,13 @@ class AutoSWAG(AutoContinuous):
         variance = swag_variance(self.swag_mean, self.swag_sq_mean, clamp=self.var_clamp)
         variance.mul_(self.scale)
         return {site["name"]: value for site, value in self._unpack_latent(variance)}
+
+
+def _is_real(support) -> bool:
+    """Whether ``support`` is the real line (possibly with event dims): no transform needed."""
+    while hasattr(support, "base_constraint"):
+        support = support.base_constraint
+    return support is constraints.real
 
 
 def _sync_counter(module: nn.Module, incompatible_keys) -> None:
