@@ -6,7 +6,7 @@ import importlib
 import sys
 
 #: Module names under benchmarks/, in the order they run. Each has a ``main()``.
-BENCHMARKS: list[str] = ["kl_samples"]
+BENCHMARKS: list[str] = ["kl_samples", "swag"]
 
 
 def main() -> int:
