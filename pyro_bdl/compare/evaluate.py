@@ -153,6 +153,7 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
         probs_ood = predict(x_ood) if x_ood is not None else None
         row: dict[str, Any] = {"method": name, **evaluate(probs, y_test, probs_ood)}
         row["fit_seconds"] = fit_seconds
+        row["reliability"] = metrics.reliability(probs, y_test).to_dict()
         if output is not None:
             files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output))
             row["files"] = [str(f) for f in files]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_bdl.cli import main
+from pyro_bdl.cli import _ood_data, main
 from pyro_bdl.compare import METHODS, Problem
 from pyro_bdl.compare.evaluate import evaluate, format_table, run
 from pyro_bdl.compare.problem import attach_posterior
@@ -47,6 +47,7 @@ def test_compare_map_writes_table_json_netcdf_and_plots(tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == PNG
         assert name in out
     assert sorted(row["files"]) == sorted([str(nc)] + [str(tmp_path / n) for n in names])
+    assert len(row["reliability"]["counts"]) == 15 and row["reliability"]["ece"] == row["ece"]
 
 
 @pytest.mark.parametrize(
@@ -138,3 +139,14 @@ def test_evaluate_without_ood():
     row = evaluate(probs, torch.arange(3))
     assert row["accuracy"] == 1.0 and row["ood_auroc"] is None
     assert "n/a" in format_table([{"method": "m", **row, "fit_seconds": 1.0}])
+
+
+def test_ood_option_choices(tmp_path):
+    digits = load_digits()
+    same, x_ood, name = _ood_data(digits, "none", "8,9")
+    assert same is digits and x_ood is None and name == ""
+    np.save(tmp_path / "ood.npy", np.zeros((3, 64)))
+    same, x_ood, name = _ood_data(digits, str(tmp_path / "ood.npy"), "8,9")
+    assert same.num_classes == 10 and x_ood.shape == (3, 1, 8, 8) and "ood.npy" in name
+    inside, x_ood, name = _ood_data(digits, "held-out", "9")
+    assert inside.num_classes == 9 and name == "held-out classes 9"
