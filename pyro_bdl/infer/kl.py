@@ -123,9 +123,14 @@ def _gaussian_log_density(xi, event_dim):
 
 
 def _gaussian_log_density_sum(xi, event_dim):
-    # Σⱼ log φ(ξⱼ) needs only Σⱼ ξⱼ²: one pass instead of a full-size log-density.
+    # Σⱼ log φ(ξⱼ) needs only Σⱼ ξⱼ²: one pass instead of a full-size log-density (a dot
+    # product when there are no batch dims).
     numel = math.prod(xi.shape[xi.dim() - event_dim :])
-    sq = sum_rightmost((xi * xi).sum(0), event_dim)
+    if event_dim == xi.dim() - 1 and xi.is_contiguous():
+        flat = xi.reshape(-1)
+        sq = torch.dot(flat, flat)
+    else:
+        sq = sum_rightmost((xi * xi).sum(0), event_dim)
     return -0.5 * sq - xi.shape[0] * numel * _HALF_LOG_2PI
 
 
@@ -312,8 +317,11 @@ def kl_sufficient_statistics(
 
 
 LogProbAndScore = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-#: ``(xi, w) -> (Σⱼ f(wⱼ), Σⱼ f′(wⱼ), Σⱼ ξⱼ f′(wⱼ))`` over the leading (sample) dim of a chunk.
-ChunkSums = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#: ``(xi, loc, scale) -> (Σⱼ f(wⱼ), Σⱼ f′(wⱼ), Σⱼ ξⱼ f′(wⱼ))`` with wⱼ = loc + scale ξⱼ, summed
+#: over the leading (sample) dim of a chunk of noise.
+ChunkSums = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 
 
 def autograd_score(prior: Distribution) -> LogProbAndScore:
@@ -330,23 +338,27 @@ def autograd_score(prior: Distribution) -> LogProbAndScore:
 
 
 def _sums_from_score(log_prob_and_score: LogProbAndScore) -> ChunkSums:
-    def sums(xi, w):
-        lp, score = log_prob_and_score(w)
-        return lp.sum(0), score.sum(0), (xi * score).sum(0)
+    def sums(xi, loc, scale):
+        lp, score = log_prob_and_score(torch.addcmul(loc, scale, xi))
+        return lp.sum(0), score.sum(0), torch.linalg.vecdot(xi, score, dim=0)
 
     return sums
 
 
 def laplace_chunk_sums(prior: Laplace) -> ChunkSums:
-    r"""Closed-form chunk sums of a Laplace prior: :math:`f = -\log 2b - |w-m|/b`,
-    :math:`f' = -\operatorname{sign}(w-m)/b` (few passes over the chunk: it is memory-bound)."""
+    r"""Closed-form chunk sums of a Laplace prior, :math:`f = -\log 2b - |w-m|/b`,
+    :math:`f' = -\operatorname{sign}(w-m)/b`. The chunk is memory-bound, so it is read few times:
+    with :math:`s_j = \operatorname{sign}(w_j - m)`,
+    :math:`\sum_j|w_j-m| = (\mu-m)\sum_j s_j + \sigma\sum_j\xi_j s_j` reuses the two score sums."""
 
-    def sums(xi, w):
-        d = w.sub_(prior.loc)  # w is a fresh buffer owned by the caller
-        sign = d.sign()
-        n = xi.shape[0]
-        total = -n * torch.log(2 * prior.scale) - d.abs_().sum(0) / prior.scale
-        return total, -sign.sum(0) / prior.scale, -(xi * sign).sum(0) / prior.scale
+    def sums(xi, loc, scale):
+        offset = loc - prior.loc
+        sign = torch.addcmul(offset, scale, xi).sign_()
+        s_sum = sign.sum(0)
+        xs_sum = torch.linalg.vecdot(xi, sign, dim=0)
+        abs_sum = offset * s_sum + scale * xs_sum
+        total = -xi.shape[0] * torch.log(2 * prior.scale) - abs_sum / prior.scale
+        return total, -s_sum / prior.scale, -xs_sum / prior.scale
 
     return sums
 
@@ -357,7 +369,8 @@ def scale_mixture_chunk_sums(prior: ScaleMixtureNormal) -> ChunkSums:
     :math:`f = b + \operatorname{softplus}(a - b)` and
     :math:`f' = -w\,(1/s_2^2 + \sigma(a-b)(1/s_1^2 - 1/s_2^2))`."""
 
-    def sums(xi, w):
+    def sums(xi, loc, scale):
+        w = torch.addcmul(loc, scale, xi)
         p1, p2 = 1 / (prior.scale1 * prior.scale1), 1 / (prior.scale2 * prior.scale2)
         c1 = prior.pi.log() - prior.scale1.log()
         c2 = torch.log1p(-prior.pi) - prior.scale2.log()
@@ -370,7 +383,7 @@ def scale_mixture_chunk_sums(prior: ScaleMixtureNormal) -> ChunkSums:
             + torch.nn.functional.softplus(diff).sum(0)
         )
         score = diff.sigmoid_().mul_(p1 - p2).add_(p2).mul_(w).neg_()
-        return total, score.sum(0), (xi * score).sum(0)
+        return total, score.sum(0), torch.linalg.vecdot(xi, score, dim=0)
 
     return sums
 
@@ -388,7 +401,7 @@ class _StreamingLogPrior(torch.autograd.Function):
         g_scale = torch.zeros_like(loc)
         noise_sum = loc.new_zeros(loc.shape[: loc.dim() - event_dim])
         for xi in chunks:
-            f, g_mu, g_sigma = chunk_sums(xi, torch.addcmul(loc, scale, xi))
+            f, g_mu, g_sigma = chunk_sums(xi, loc, scale)
             total += f
             g_loc += g_mu
             g_scale += g_sigma
@@ -430,8 +443,8 @@ def kl_streaming(
 
     :param log_prob_and_score: ``w -> (log p(w), ∂log p/∂w)`` element-wise (default: autograd
         on ``prior.log_prob`` per chunk).
-    :param chunk_sums: instead, ``(xi, w) -> (Σⱼ f(wⱼ), Σⱼ f′(wⱼ), Σⱼ ξⱼ f′(wⱼ))`` over a chunk's
-        leading dim (it may overwrite ``w``); faster when written in closed form.
+    :param chunk_sums: instead, ``(xi, loc, scale) -> (Σⱼ f(wⱼ), Σⱼ f′(wⱼ), Σⱼ ξⱼ f′(wⱼ))``
+        over a chunk's leading dim; faster when written in closed form.
         Other parameters as in :func:`kl_sufficient_statistics`.
     """
     if prior.event_shape != torch.Size():
