@@ -83,33 +83,38 @@ def _fast_kind(slot: ParamSlot) -> str | None:
     return None
 
 
-def _layer_factors(kind: str, module: nn.Module, a: torch.Tensor, g: torch.Tensor):
-    """``(a, g)`` reshaped so that the per-example weight gradient is ``Σ_t g[b,:,t] a[b,:,t]ᵀ``:
-    ``a`` (B, K, T) and ``g`` (B, O, T)."""
+def _input_factor(kind: str, module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """The layer input as (B, K, T), so that the per-example weight gradient is
+    ``Σ_t g[b,:,t] a[b,:,t]ᵀ`` with ``g`` from :func:`_grad_factor`."""
     if kind == "linear":
-        b = a.shape[0]
-        a = a.reshape(b, -1, a.shape[-1]).transpose(1, 2)
-        g = g.reshape(b, -1, g.shape[-1]).transpose(1, 2)
-        return a, g
+        return a.reshape(a.shape[0], -1, a.shape[-1]).transpose(1, 2)
     assert isinstance(module, nn.Conv2d)
-    a = F.unfold(
+    return F.unfold(
         a,
         module.kernel_size,
         dilation=module.dilation,
         padding=module.padding,  # type: ignore[arg-type]
         stride=module.stride,
     )
-    return a, g.flatten(2)
 
 
-def _select(slot: ParamSlot, kind: str, a, g, local: torch.Tensor, chunk: int = 256):
-    """Per-example derivatives at the flat entries ``local`` of ``slot``: shape (B, len(local))."""
-    a, g = _layer_factors(kind, slot.module, a, g)  # type: ignore[arg-type]
+def _grad_factor(kind: str, g: torch.Tensor) -> torch.Tensor:
+    """The gradient at the layer output as (B, O, T)."""
+    if kind == "linear":
+        return g.reshape(g.shape[0], -1, g.shape[-1]).transpose(1, 2)
+    return g.flatten(2)
+
+
+def _select(slot: ParamSlot, a, g, local: torch.Tensor, budget: int = 1 << 20):
+    """Per-example derivatives at the flat entries ``local`` of ``slot``: shape (B, len(local)),
+    from :func:`_input_factor` and :func:`_grad_factor`."""
     if slot.name == "bias":
         return g.sum(-1)[:, local]
     k = a.shape[1]
     out = []
-    # Chunk the columns: the product below holds B × chunk × T numbers, not B × S × T.
+    # Chunk the columns: the product below holds B × chunk × T ≤ ``budget`` numbers (for chunks
+    # of at least 8 columns), not B × S × T.
+    chunk = max(8, budget // (a.shape[0] * a.shape[2]))
     for part in local.split(chunk):
         rows, cols = part // k, part % k
         out.append((g[:, rows, :] * a[:, cols, :]).sum(-1))
@@ -118,7 +123,7 @@ def _select(slot: ParamSlot, kind: str, a, g, local: torch.Tensor, chunk: int = 
 
 def _per_example_full(slot: ParamSlot, kind: str, a, g) -> torch.Tensor:
     """Per-example gradient of the whole tensor, (B, numel); callers chunk the batch."""
-    a, g = _layer_factors(kind, slot.module, a, g)  # type: ignore[arg-type]
+    a, g = _input_factor(kind, slot.module, a), _grad_factor(kind, g)  # type: ignore[arg-type]
     if slot.name == "bias":
         return g.sum(-1)
     return torch.einsum("bot,bkt->bok", g, a).flatten(1)
@@ -192,6 +197,7 @@ def subnet_jacobian(
     pairs = [(m, call) for m in fast_modules for call in calls[m]]
     zs = [z for _, (_, z) in pairs]
     fallback = [(s, loc, pos) for s, k, loc, pos in layout if not k]
+    unfolded: dict[int, torch.Tensor] = {}
     for j in range(c):
         if zs:
             v = torch.zeros_like(out)
@@ -205,8 +211,13 @@ def subnet_jacobian(
                     continue
                 for a, z in calls[slot.module]:  # type: ignore[index]
                     g = g_of[id(z)]
-                    if g is not None:
-                        jac[:, j, pos.to(jac.device)] += _select(slot, kind, a, g, loc.to(a.device))
+                    if g is None:
+                        continue
+                    # The unfolded input does not depend on the output: build it once.
+                    if id(z) not in unfolded:
+                        unfolded[id(z)] = _input_factor(kind, slot.module, a)  # type: ignore[arg-type]
+                    part = _select(slot, unfolded[id(z)], _grad_factor(kind, g), loc.to(a.device))
+                    jac[:, j, pos.to(jac.device)] += part
         for i in range(b if fallback else 0):
             values = [s.value for s, _, _ in fallback]
             grads = torch.autograd.grad(out[i, j], values, retain_graph=True, allow_unused=True)

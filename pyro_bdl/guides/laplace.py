@@ -154,7 +154,8 @@ class AutoSubnetLaplace(AutoContinuous):
         ):
             raise TypeError(f"accumulate_dtype must be a float dtype; got {accumulate_dtype!r}.")
         super().__init__(model, init_loc_fn=init_loc_fn)
-        self.user_model = model
+        # A tuple, as AutoGuide keeps its model: not a submodule, and dropped when pickled.
+        self._user_model: tuple | None = (model,)
         self.prior_rescaling = bool(prior_rescaling)
         self.batch_size = batch_size
         self.accumulate_dtype = accumulate_dtype
@@ -203,6 +204,10 @@ class AutoSubnetLaplace(AutoContinuous):
         self._check_fitted("covariance")
         return self.scale_tril @ self.scale_tril.T
 
+    def __getstate__(self):
+        self._user_model = None  # a model is often a closure, which cannot be pickled
+        return super().__getstate__()
+
     def get_extra_state(self):
         return dict(self._meta)
 
@@ -230,7 +235,8 @@ class AutoSubnetLaplace(AutoContinuous):
         """Leaf tensors (requiring grad) for every site, from a packed vector, and their slots."""
         values, slots = {}, []
         for site, unconstrained in self._unpack_latent(packed.detach()):
-            u = unconstrained.detach().clone().requires_grad_(True)
+            # A detached view of ``packed``: a fresh leaf without copying the weights.
+            u = unconstrained.detach().requires_grad_(True)
             transform = biject_to(site["fn"].support)
             value = transform(u)
             spec = site_spec(site)
@@ -245,7 +251,7 @@ class AutoSubnetLaplace(AutoContinuous):
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
-        net = getattr(self.user_model, "net", None)
+        net = getattr(self._user_model[0], "net", None) if self._user_model else None
         was = net.training if isinstance(net, nn.Module) else None
         if isinstance(net, nn.Module):
             net.eval()

@@ -317,7 +317,7 @@ def test_tune_prior_precision():
     ],
 )
 def test_bad_arguments_raise_at_construction(subnetwork, kwargs, error, match):
-    x, y = _data()
+    _, y = _data()
     model = bdl.models.classifier(bdl.bayesianize(_mlp()), len(y))
     with pytest.raises(error, match=match):
         AutoSubnetLaplace(model, subnetwork=subnetwork, **kwargs)
