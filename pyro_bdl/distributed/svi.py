@@ -78,6 +78,13 @@ def _item(value) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
+def _check_seed(seed: object) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
+    if seed is not None and not 0 <= seed < _SEED_RANGE:
+        raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
+
+
 def _crc(names: list[str]) -> int:
     return zlib.crc32("\n".join(names).encode())
 
@@ -121,6 +128,7 @@ class DataParallelSVI(SVI):
     - **Weight noise is independent per rank** by default: the RNG of rank r is seeded with
       ``seed + r``. ``shared_noise=True`` seeds every rank with ``seed`` (tests compare with one
       process this way). ``seed=None`` draws the base seed on rank 0 from the current RNG.
+      After restoring a checkpoint written by rank 0, call :meth:`seed_noise` again.
     - **BatchNorm** layers found in the guide, in the model (if it is a module) or in
       ``model.net`` trigger a :class:`BatchNormWarning`: each rank normalises with its own local
       batch, and the running statistics are taken from rank 0 (broadcast after every step).
@@ -166,10 +174,7 @@ class DataParallelSVI(SVI):
                 f"loss must be a Pyro ELBO or a callable loss; got {type(loss).__name__}. Pass "
                 "for example pyro.infer.Trace_ELBO()."
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
-        if seed is not None and not 0 <= seed < _SEED_RANGE:
-            raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
+        _check_seed(seed)
         if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
             raise GuideNotInitializedError(
                 f"the guide {type(guide).__name__} has not created its parameters yet. "
@@ -199,7 +204,7 @@ class DataParallelSVI(SVI):
         self._params: dict[str, torch.Tensor] = {}
         self._known: set[int] = set()
         self.broadcast_parameters()
-        self._seed_noise(seed)
+        self.seed_noise(seed)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -239,15 +244,22 @@ class DataParallelSVI(SVI):
         self._params = named
         self._known = {id(p) for p in named.values()}
 
-    def _seed_noise(self, seed: int | None) -> None:
+    def seed_noise(self, seed: int | None = None) -> None:
+        """Re-seed the weight noise of every rank: ``seed + rank`` (``seed`` when the noise is
+        shared). Called when the object is built; call it again after restoring a checkpoint
+        written by rank 0, whose RNG state would otherwise give every rank the same noise.
+
+        :param int seed: the base seed (default: drawn on rank 0 from its current RNG and
+            broadcast, so a script seeded with ``pyro.set_rng_seed`` stays reproducible).
+        """
+        _check_seed(seed)
         if seed is None:
-            # Rank 0 draws the base seed from its RNG (so a seeded script stays reproducible)
-            # and shares it; everyone then re-seeds from it.
-            base = torch.randint(_SEED_RANGE - 1024, (1,), device=comm_device(self.process_group))
+            base = torch.randint(_SEED_RANGE, (1,), device=comm_device(self.process_group))
             broadcast_([base], self.process_group)
             seed = int(base.item())
         offset = 0 if self.shared_noise else get_rank(self.process_group)
         self.seed = seed
+        # seed + rank stays below 2**32, the largest seed NumPy accepts.
         pyro.set_rng_seed(seed + offset)
 
     # -- training ---------------------------------------------------------------------------
@@ -287,10 +299,12 @@ class DataParallelSVI(SVI):
                 allreduce_mean_([mask], self.process_group)
                 has_grad = (mask > 0).tolist()
             trained = [(n, p) for (n, p), g in zip(self._params.items(), has_grad) if g]
+            grads = []
             for _, p in trained:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            finite = allreduce_mean_([p.grad for _, p in trained], self.process_group)
+                grads.append(p.grad)
+            finite = allreduce_mean_(grads, self.process_group)
             mean_loss = float(stats[:, 0].mean())
             if not finite or not torch.isfinite(torch.tensor(mean_loss)):
                 self._raise_nonfinite(mean_loss, trained)

@@ -362,6 +362,18 @@ def test_one_process_without_a_group_is_plain_svi():
     assert is_main_process()
 
 
+def test_seed_noise_reseeds_this_rank():
+    x, y, model, guide = _single_process_parts()
+    guide(x[:2], y[:2])
+    svi = DataParallelSVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    svi.seed_noise(11)  # rank 0: seed + 0
+    ours = torch.rand(3)
+    pyro.set_rng_seed(11)
+    assert torch.equal(ours, torch.rand(3)) and svi.seed == 11
+    with pytest.raises(TypeError, match="seed must be an int"):
+        svi.seed_noise(1.5)  # type: ignore[arg-type]
+
+
 @pytest.mark.slow
 def test_example_runs_under_torchrun(tmp_path):
     """``examples/ddp_svi.py`` on two CPU ranks: it trains, evaluates and rank 0 checkpoints."""
