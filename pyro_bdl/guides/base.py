@@ -272,6 +272,36 @@ class AutoLocScaleGuide(AutoGuide):
         scale = softplus(self.rho[site.start : site.stop]).view(site.shape)
         return loc, scale
 
+    @torch.no_grad()
+    def set_loc_scale(self, name: str, *, loc=None, scale=None) -> None:
+        """Overwrite the location and/or scale of site ``name`` (unconstrained space).
+
+        Usage::
+
+            guide.set_loc_scale("0.weight", scale=1e-3)   # a float or a tensor of the site shape
+        """
+        self._ensure_setup()
+        site = self._site(name)
+        if scale is not None:
+            check_positive(f"scale of site {name!r}", scale, fix="Pass a positive scale.")
+        # Check both values before changing anything (fail at the boundary).
+        new = {}
+        for what, value in (("loc", loc), ("scale", scale)):
+            if value is None:
+                continue
+            value = torch.as_tensor(value, dtype=self.loc.dtype, device=self.loc.device)
+            try:
+                new[what] = value.expand(site.shape).reshape(-1)
+            except RuntimeError:
+                raise ValueError(
+                    f"{what} for site {name!r} must broadcast to {tuple(site.shape)}; got shape "
+                    f"{tuple(value.shape)}."
+                ) from None
+        if "loc" in new:
+            self.loc[site.start : site.stop] = new["loc"]
+        if "scale" in new:
+            self.rho[site.start : site.stop] = inverse_softplus(new["scale"])
+
     def locs_and_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{name: (loc, scale)}`` of every site in unconstrained space (detached copies)."""
         self._ensure_setup()
