@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer draws and scales")
     parser.add_argument("--draws", type=int, default=200)
-    args = parser.parse_args(argv)
+    args, _ = parser.parse_known_args(argv)  # run_all passes its own argv through
     torch.set_num_threads(1)
     pyro.enable_validation(False)
     draws = 40 if args.quick else args.draws

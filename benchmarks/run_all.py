@@ -6,7 +6,7 @@ import importlib
 import sys
 
 #: Module names under benchmarks/, in the order they run. Each has a ``main()``.
-BENCHMARKS: list[str] = ["kl_samples", "swag"]
+BENCHMARKS: list[str] = ["kl_samples", "swag", "svi_step", "radial_gradient_variance"]
 
 
 def main() -> int:
