@@ -46,7 +46,7 @@ BANDS = (
     (
         math.inf,
         "bad",
-        "the guide is not a trustworthy approximation of the posterior (its tails are too light)",
+        "not a trustworthy approximation of the posterior (too narrow, or misses mass)",
     ),
 )
 
