@@ -105,20 +105,21 @@ WORKER = textwrap.dedent(
         }
 
     for name in guides:
-        if mode in ("full", "first"):
-            x, y, net, guide, optim, svi, order = build(name, seed=0)
-            state, log = {"pos": 0, "perm": None}, []
-            for step in range(steps):
-                if mode == "first" and step == k:
-                    kw = dict(guide=guide, modules={"net": net}, generators={"order": order},
-                              step=step, extra=dict(state))
-                    save_checkpoint(f"{work}/{name}.exact.ckpt", optim=optim, **kw)
-                    save_checkpoint(f"{work}/{name}.norng.ckpt", optim=optim, rng=False, **kw)
-                    save_checkpoint(f"{work}/{name}.noopt.ckpt", **kw)
-                    break
-                log.append(one_step(svi, guide, x, y, order, state))
-            if mode == "full":
-                torch.save(result(guide, optim, order, log[k:], k), f"{work}/{name}.full.pt")
+        if mode == "first":
+            # The uninterrupted reference run, then the run that saves at step k and is killed.
+            for killed in (False, True):
+                x, y, net, guide, optim, svi, order = build(name, seed=0)
+                state, log = {"pos": 0, "perm": None}, []
+                for step in range(k + 2 if killed else steps):  # killed one step past k
+                    if killed and step == k:
+                        kw = dict(guide=guide, modules={"net": net}, generators={"order": order},
+                                  step=step, extra=dict(state))
+                        save_checkpoint(f"{work}/{name}.exact.ckpt", optim=optim, **kw)
+                        save_checkpoint(f"{work}/{name}.norng.ckpt", optim=optim, rng=False, **kw)
+                        save_checkpoint(f"{work}/{name}.noopt.ckpt", **kw)
+                    log.append(one_step(svi, guide, x, y, order, state))
+                if not killed:
+                    torch.save(result(guide, optim, order, log[k:], k), f"{work}/{name}.full.pt")
         else:
             for variant in variants:
                 # A different seed: whatever the checkpoint does not restore shows up.
@@ -148,14 +149,12 @@ def _run(work: Path, mode: str, guides, variants=("exact",)) -> subprocess.Compl
 
 
 def _resume_runs(work: Path) -> str:
-    """The uninterrupted runs, the killed runs and the resumed runs, in three new processes.
+    """The uninterrupted and the killed runs in one process, the resumed runs in a new one.
 
-    The resumes of the different guides and variants share one process (importing pyro_bdl
-    costs seconds), each starting from a cleared param store, new objects and another seed.
+    Importing pyro_bdl costs seconds, so the runs of the different guides and variants share
+    these two processes; each run starts from a cleared param store, new objects and its seed.
     """
     (work / "worker.py").write_text(WORKER)
-    full = _run(work, "full", GUIDES)
-    assert full.returncode == 0, full.stderr
     first = _run(work, "first", GUIDES)
     assert first.returncode == -9, first.stderr  # killed by SIGKILL after saving
     resumed = _run(work, "resume", GUIDES, VARIANTS)
