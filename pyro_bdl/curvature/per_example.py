@@ -142,7 +142,8 @@ def _batch_slices(batch_size: int, per_example: int, max_elements: int, chunk_si
 
 def _accumulate(out: dict[str, list[torch.Tensor]], pname: str, pe: torch.Tensor) -> None:
     """Add one chunk's per-example gradients (c, *shape) to the running sums and squares."""
-    g, s = pe.sum(0), pe.square().sum(0)
+    g = pe.sum(0)
+    s = pe.square_().sum(0)  # pe is a fresh per-chunk tensor: square it in place
     if pname in out:
         out[pname][0].add_(g)
         out[pname][1].add_(s)
@@ -159,7 +160,7 @@ def linear_per_example(a: torch.Tensor, delta: torch.Tensor) -> dict[str, torch.
     c = a.shape[0]
     a3 = a.reshape(c, -1, a.shape[-1])
     d3 = delta.reshape(c, -1, delta.shape[-1])
-    return {"weight": torch.bmm(d3.transpose(1, 2), a3), "bias": d3.sum(1)}
+    return {"weight": torch.bmm(d3.transpose(1, 2), a3), "bias": d3.sum(1)}  # both fresh
 
 
 def _unfold(conv: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
@@ -210,24 +211,28 @@ def conv_per_example(
 def batchnorm_per_example(
     bn: nn.modules.batchnorm._BatchNorm, a: torch.Tensor, delta: torch.Tensor, batch: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Per-example gradients ``(c, C)`` of a BatchNorm's affine weight and bias.
+    r"""Per-example gradients ``(c, C)`` of a BatchNorm's affine weight and bias.
 
     ``a`` and ``delta`` are a chunk of the saved input and output gradient; ``batch`` is the whole
-    saved input, from which the batch statistics are recomputed in training mode.
+    saved input, from which the batch statistics are recomputed in training mode. With
+    :math:`\hat x = (a - m) r` the weight's gradient is
+    :math:`\sum_p \delta_p \hat x_p = r(\sum_p \delta_p a_p - m \sum_p \delta_p)`, which needs
+    only per-(example, channel) sums over contiguous positions, never :math:`\hat x` itself.
     """
-    dims = [0, *range(2, batch.dim())]
+    c, channels = a.shape[:2]
+    a3, d3 = a.reshape(c, channels, -1), delta.reshape(c, channels, -1)
     if bn.training or bn.running_mean is None:
-        mean = batch.mean(dims)
-        var = batch.var(dims, unbiased=False)
+        whole = batch.reshape(batch.shape[0], channels, -1)
+        count = whole.shape[0] * whole.shape[2]
+        mean = whole.sum((0, 2)) / count
+        var = (whole.square().sum((0, 2)) / count - mean.square()).clamp_min(0)
     else:
         assert bn.running_var is not None
         mean, var = bn.running_mean, bn.running_var
-    shape = (1, -1) + (1,) * (a.dim() - 2)
-    x_hat = (a - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + bn.eps)
-    spatial = list(range(2, a.dim()))
-    w = (delta * x_hat).sum(spatial) if spatial else delta * x_hat
-    b = delta.sum(spatial) if spatial else delta
-    return {"weight": w, "bias": b}
+    rstd = torch.rsqrt(var + bn.eps)
+    bias = d3.sum(-1)
+    weight = (torch.linalg.vecdot(d3, a3) - mean * bias) * rstd
+    return {"weight": weight, "bias": bias}
 
 
 # -- the tape ----------------------------------------------------------------------------------

@@ -327,6 +327,7 @@ class VOGN:
         ] = []  # name, start, stop, shape, key
         self._hidden: list[tuple[str, nn.Parameter, Any]] = []  # fullname, param, key
         self._pending: dict | None = None
+        self._scale_key: tuple | None = None
 
     # -- hyperparameters ---------------------------------------------------------------------
 
@@ -551,7 +552,12 @@ class VOGN:
             h_hidden.append(pair[1] if pair else torch.zeros_like(p))
         return torch.cat(g_parts), torch.cat(h_parts), g_hidden, h_hidden
 
+    def _hyper_key(self) -> tuple:
+        g = self._groups()[0]
+        return (g["temperature"], g["prior_precision"], g["effective_size"])
+
     def _refresh_scale(self) -> None:
+        self._scale_key = self._hyper_key()
         s = self.optimizer.state[self.guide.loc]["s"]
         self.guide.scale.copy_(
             vogn_scale(
@@ -574,7 +580,8 @@ class VOGN:
             check_positive("temperature (from the schedule)", tau)
             for group in self.optimizer.param_groups:
                 group["temperature"] = tau
-        self._refresh_scale()
+        if self._scale_key != self._hyper_key():
+            self._refresh_scale()  # τ (or another hyperparameter of σ) changed since the last step
         loc, scale = self.guide.loc, self.guide.scale
         g_sum = h_sum = None
         hidden_g: list[torch.Tensor] = []
@@ -596,14 +603,17 @@ class VOGN:
                     a.add_(b)
         assert g_sum is not None and h_sum is not None
         n = self.num_particles * batch
-        estimates = [g_sum / n, h_sum / n] + [t / n for t in hidden_g + hidden_h]
-        names = ["weights (ĝ)", "weights (ĥ)"] + [f"{p[0]} (hidden)" for p in self._hidden] * 2
-        for est, name in zip(estimates, names):
-            if not bool(torch.isfinite(est).all()):
-                raise ValueError(
-                    f"VOGN step {self.step_count + 1}: the gradient of the likelihood for {name} "
-                    "is not finite (NaN or inf); nothing was updated. Lower the learning rate."
-                )
+        estimates = [t.div_(n) for t in [g_sum, h_sum, *hidden_g, *hidden_h]]
+        # One reduction per tensor: a sum is finite only if every element is.
+        if not bool(torch.isfinite(torch.stack([t.sum() for t in estimates])).all()):
+            names = ["weights (ĝ)", "weights (ĥ)"]
+            names += [f"{p[0]} (hidden, ĝ)" for p in self._hidden]
+            names += [f"{p[0]} (hidden, ĥ)" for p in self._hidden]
+            name = next(nm for est, nm in zip(estimates, names) if not torch.isfinite(est).all())
+            raise ValueError(
+                f"VOGN step {self.step_count + 1}: the gradient of the likelihood for {name} "
+                "is not finite (NaN or inf); nothing was updated. Lower the learning rate."
+            )
         loss = nll_total / self.num_particles + self.temperature * self._kl()
         k = len(self._hidden)
         for p, g, h in zip(
@@ -667,3 +677,4 @@ class VOGN:
                 p.copy_(state["hidden"][name])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
+        self._scale_key = None  # σ is recomputed from the loaded s before the next draw
