@@ -27,11 +27,12 @@ F64 = torch.float64
 # ----------------------------------------------------------------------------- helpers
 
 
-def vector_model(d: int, dtype=F64):
+def vector_model(d: int, dtype=F64, device="cpu"):
     """One latent vector site of d numbers: SWAG is then fed iterates directly through ``loc``."""
 
     def model():
-        pyro.sample("theta", dist.Normal(torch.zeros(d, dtype=dtype), 1.0).to_event(1))
+        loc = torch.zeros(d, dtype=dtype, device=device)
+        pyro.sample("theta", dist.Normal(loc, 1.0).to_event(1))
 
     return model
 
@@ -400,11 +401,12 @@ def test_swag_normal_refuses_a_single_deviation():
 @pytest.mark.gpu
 def test_sampling_stays_on_the_gpu():
     d = 1000
-    guide = AutoSWAG(vector_model(d, torch.float32), rank=5).cuda()
+    guide = AutoSWAG(vector_model(d, torch.float32, "cuda"), rank=5)
     guide()
     feed(guide, torch.randn(6, d, device="cuda"))
-    assert guide.swag_mean.device.type == "cuda"
+    assert guide.swag_mean.device.type == "cuda" and guide.swag_deviations.device.type == "cuda"
     assert guide.get_posterior().sample((2,)).device.type == "cuda"
+    assert guide.marginal_variances()["theta"].device.type == "cuda"
 
 
 # ----------------------------------------------------------------------------- BatchNorm
