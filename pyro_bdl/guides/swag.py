@@ -239,11 +239,12 @@ class AutoSWAG(AutoContinuous):
                 svi.step(x, y)
             if epoch >= swag_start:
                 guide.collect()
-        probs = Predictive(model, guide=guide, num_samples=30)(x_test)["_RETURN"]
+        predictive = Predictive(model, guide=guide, num_samples=30, return_sites=["_RETURN"])
+        probs = predictive(x_test)["_RETURN"].softmax(-1).mean(0)
 
-    A plain PyTorch loop trains ``guide.parameters()`` (after one ``guide(x)`` call sets them up)::
+    A plain PyTorch loop trains ``guide.parameters()`` (one ``guide(x, y)`` call creates them)::
 
-        with pyro.poutine.condition(data=guide(x)):
+        with pyro.poutine.condition(data=guide(x, y)):
             loss = torch.nn.functional.cross_entropy(bnn(x), y)
 
     :param callable model: a Pyro model, for example :func:`pyro_bdl.models.classifier`.
