@@ -111,10 +111,28 @@ def make_radial() -> Case:
     return Case(model, guide, svi_fit(model, guide))
 
 
+def make_swag() -> Case:
+    from pyro.infer import Trace_ELBO
+
+    from pyro_bdl.guides import AutoSWAG
+
+    model = small_model()
+    guide = AutoSWAG(model, rank=3)
+    train = svi_fit(model, guide, steps=2, elbo=Trace_ELBO())
+
+    def fit(x, y):
+        for _ in range(4):  # SGD steps between snapshots, so every weight moves
+            train(x, y)
+            guide.collect()
+
+    return Case(model, guide, fit)
+
+
 #: The guides under contract. Append one ``GuideEntry`` per guide (see the module docstring).
 GUIDES: list[GuideEntry] = [
     GuideEntry("meanfield", make_meanfield),
     GuideEntry("radial", make_radial),
+    GuideEntry("swag", make_swag),
 ]
 
 
