@@ -12,6 +12,13 @@ from pyro_bdl.guides.base import AutoLocScaleGuide
 __all__ = ["AutoRadial"]
 
 
+def _norm2(eps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per-site squared norms, kept above zero (an all-zero draw has probability zero, but a
+    one-weight site in low precision could meet it)."""
+    norm2 = torch.segment_reduce(eps * eps, "sum", lengths=lengths)
+    return norm2.clamp_min_(torch.finfo(eps.dtype).tiny)
+
+
 class _PresampledRadial(Radial):
     """A :class:`Radial` whose first ``rsample()`` returns a draw made beforehand (see
     :class:`~pyro_bdl.guides.meanfield._PresampledNormal`)."""
@@ -64,15 +71,16 @@ class AutoRadial(AutoLocScaleGuide):
         return _PresampledRadial(loc, scale, value, event_dim=event_dim)
 
     def flat_sample(self, loc, scale):
-        # One direction per site for all sites at once: per-site squared norms by a segment sum,
-        # one Gaussian radius per site, broadcast back with repeat_interleave.
+        # One direction per site for all sites at once: ε and the radii in one randn call,
+        # per-site squared norms by a segment sum, the factors r/‖ε‖ broadcast back with
+        # repeat_interleave.
         with torch.no_grad():
-            eps = torch.randn_like(loc)
             lengths = self._lengths(loc.device)
-            norms = torch.segment_reduce(eps * eps, "sum", lengths=lengths).sqrt_()
-            radius = torch.randn_like(norms)
-            factor = radius / norms.clamp_min_(torch.finfo(norms.dtype).tiny)
-            xi = eps.mul_(torch.repeat_interleave(factor, lengths, output_size=loc.numel()))
+            numel, num_sites = loc.numel(), lengths.numel()
+            noise = torch.randn(numel + num_sites, dtype=loc.dtype, device=loc.device)
+            eps, radius = noise[:numel], noise[numel:]
+            factor = radius.mul_(_norm2(eps, lengths).rsqrt_())
+            xi = eps.mul_(torch.repeat_interleave(factor, lengths, output_size=numel))
         return torch.addcmul(loc, scale, xi)
 
     def _lengths(self, device) -> torch.Tensor:
