@@ -156,7 +156,30 @@ class VOGNGuide(AutoGuide):
         self._layout: list[tuple[str, int, int, torch.Size]] = []
 
     def _install(self, trace, layout, loc: torch.Tensor, scale: torch.Tensor) -> None:
-        self.prototype_trace = trace
+        # Keep only the weight sites, detached and with a Normal at the initial location: the
+        # full trace holds the network (and its parameters' weakrefs), which torch.save refuses.
+        prototype = poutine.Trace()
+        for name, _, _, shape in layout:
+            site = trace.nodes[name]
+            value = site["value"].detach()
+            prototype.add_node(
+                name,
+                type="sample",
+                name=name,
+                fn=dist.Normal(value, torch.ones_like(value)).to_event(len(shape)),
+                value=value,
+                is_observed=False,
+                args=(),
+                kwargs={},
+                infer={},
+                scale=1.0,
+                mask=None,
+                cond_indep_stack=(),
+                done=True,
+                stop=False,
+                continuation=None,
+            )
+        self.prototype_trace = prototype
         self._layout = layout
         self.register_buffer("loc", loc)
         self.register_buffer("scale", scale)

@@ -128,11 +128,27 @@ def make_swag() -> Case:
     return Case(model, guide, fit)
 
 
+def make_vogn() -> Case:
+    from pyro_bdl.infer import VOGN
+
+    model = small_model()
+    vogn = VOGN(model, dataset_size=N, lr=1e-2)
+
+    def fit(x, y):
+        for step in range(3):
+            rows = slice((step * BATCH) % N, (step * BATCH) % N + BATCH)
+            assert torch.isfinite(torch.tensor(vogn.step(x[rows], y[rows])))
+
+    # VOGN sets its guide up on its first step (s starts from the first minibatch).
+    return Case(model, vogn.guide, fit, prepare=lambda x, y: vogn.step(x[:BATCH], y[:BATCH]))
+
+
 #: The guides under contract. Append one ``GuideEntry`` per guide (see the module docstring).
 GUIDES: list[GuideEntry] = [
     GuideEntry("meanfield", make_meanfield),
     GuideEntry("radial", make_radial),
     GuideEntry("swag", make_swag),
+    GuideEntry("vogn", make_vogn),
 ]
 
 
