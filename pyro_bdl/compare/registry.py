@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pyro_bdl.compare.laplace import fit_subnet_laplace
 from pyro_bdl.compare.map import fit_map
 from pyro_bdl.compare.problem import Predictor, Problem
 from pyro_bdl.compare.swag import fit_swag, fit_swag_diag
@@ -21,5 +22,6 @@ METHODS: dict[str, Callable[[Problem], Predictor]] = {
     "swag_diag": fit_swag_diag,
     "meanfield": fit_meanfield,
     "radial": fit_radial,
+    "subnet_laplace": fit_subnet_laplace,
     "vogn": fit_vogn,
 }

@@ -37,6 +37,7 @@ import torch
 from pyro import poutine
 from pyro.distributions.torch_distribution import TorchDistribution
 from pyro.infer.autoguide import AutoContinuous
+from pyro.poutine.util import site_is_subsample
 from torch import nn
 from torch.distributions import biject_to, constraints
 
@@ -166,7 +167,6 @@ class AutoSubnetLaplace(AutoContinuous):
         )
         for name in ("map_loc", "subnet_index", "ggn", "scale_tril"):
             self.register_buffer(name, torch.zeros(0))
-        self._meta: dict[str, Any] = {}
 
     # ---- Pyro guide protocol -------------------------------------------------------------
 
@@ -207,12 +207,6 @@ class AutoSubnetLaplace(AutoContinuous):
     def __getstate__(self):
         self._user_model = None  # a model is often a closure, which cannot be pickled
         return super().__getstate__()
-
-    def get_extra_state(self):
-        return dict(self._meta)
-
-    def set_extra_state(self, state):
-        self._meta = dict(state)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted buffers are sized by fit(); give them the stored shapes before copying.
@@ -272,11 +266,19 @@ class AutoSubnetLaplace(AutoContinuous):
 
         return forward
 
-    def _detect(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Find the observed site, the likelihood, the number of outputs and the noise."""
+    def _detect(self, args: tuple, kwargs: dict, *, without_targets: bool = False) -> dict:
+        """The observed site, the likelihood, the number of outputs and the noise. Called
+        ``without_targets``, the site is the one sample site that is not a weight site."""
         with torch.no_grad(), poutine.block():
             trace = poutine.trace(self.model).get_trace(*args, **kwargs)
-        observed = [n for n, s in trace.nodes.items() if s["type"] == "sample" and s["is_observed"]]
+        weights = {site.name for site in self._sites}
+        observed = [
+            n
+            for n, s in trace.nodes.items()
+            if s["type"] == "sample"
+            and not site_is_subsample(s)
+            and (s["is_observed"] or (without_targets and n not in weights))
+        ]
         if len(observed) != 1:
             raise ValueError(
                 f"AutoSubnetLaplace needs exactly one observed site in the model; found "
@@ -355,7 +357,6 @@ class AutoSubnetLaplace(AutoContinuous):
                 factor = output_hessian_factor(out, meta["likelihood"], meta["noise"])
                 ggn += subnet_ggn(jac, factor, dtype=dtype)
         scale_tril = self._posterior_factor(ggn, lam, total)
-        self._meta = {**meta, "total": total}
         self.map_loc = self.loc.detach().clone()
         self.subnet_index = index
         self.ggn = ggn
@@ -377,12 +378,12 @@ class AutoSubnetLaplace(AutoContinuous):
 
     # ---- predicting --------------------------------------------------------------------------
 
-    def _jacobians(self, x: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _jacobians(self, x: torch.Tensor, obs_name: str):
         """(outputs (b, C), J_S (b, C, S)) at the MAP values, ``batch_size`` rows at a time."""
         with self._eval_mode():
             for (xb,) in self._batches((x,)):
                 values, slots = self._slots(self.map_loc)
-                forward = self._forward_fn(values, (xb,), {}, self._meta["obs_name"])
+                forward = self._forward_fn(values, (xb,), {}, obs_name)
                 jac, out = subnet_jacobian(forward, slots, self.subnet_index, return_outputs=True)
                 yield out, jac
 
@@ -404,22 +405,24 @@ class AutoSubnetLaplace(AutoContinuous):
         self._check_fitted("predict")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
+        with self._eval_mode():
+            meta = self._detect((x[:1],), {}, without_targets=True)
         parts = []
-        for out, jac in self._jacobians(x):
+        for out, jac in self._jacobians(x, meta["obs_name"]):
             jl = jac.to(self.scale_tril.dtype) @ self.scale_tril
             parts.append(
                 linearized_predictive(
                     out.to(jl.dtype),
                     jl,
-                    self._meta["likelihood"],
+                    meta["likelihood"],
                     link=link,
                     num_samples=num_samples,
-                    noise=self._meta.get("noise"),
+                    noise=meta["noise"],
                 )
             )
-        if self._meta["likelihood"] == "gaussian":
+        if meta["likelihood"] == "gaussian":
             mean, var = torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
-            if self._meta["vector"]:  # the model's outputs have shape (B,)
+            if meta["vector"]:  # the model's outputs have shape (B,)
                 return mean.squeeze(-1), var.squeeze(-1)
             return mean, var
         return torch.cat(parts)
@@ -450,7 +453,7 @@ class AutoSubnetLaplace(AutoContinuous):
         grid = torch.logspace(-4, 4, 17, dtype=torch.float64) if grid is None else grid
         grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
         check_positive("grid", grid)
-        s, total = self.subnet_index.numel(), self._meta["total"]
+        s, total = self.subnet_index.numel(), self.map_loc.numel()
         ratio = self._prior_s(1.0, s, total)
         evals, evecs = torch.linalg.eigh(self.ggn.double())
         evals = evals.clamp_min(0)
@@ -468,13 +471,15 @@ class AutoSubnetLaplace(AutoContinuous):
 
     def _val_ll_score(self, data, evals, evecs, ratio):
         fs, qs, ys = [], [], []
-        likelihood = self._meta["likelihood"]
+        meta: dict = {}
         with self._eval_mode():
             for batch in self._batches(data):
                 if len(batch) < 2:
                     raise ValueError("validation data must be (x, y).")
+                meta = meta or self._detect(batch, {})
+                likelihood = meta["likelihood"]
                 values, slots = self._slots(self.map_loc)
-                forward = self._forward_fn(values, batch[:1], {}, self._meta["obs_name"])
+                forward = self._forward_fn(values, batch[:1], {}, meta["obs_name"])
                 jac, out = subnet_jacobian(forward, slots, self.subnet_index, return_outputs=True)
                 if likelihood == "categorical":
                     jac = jac - jac.mean(1, keepdim=True)
@@ -484,7 +489,7 @@ class AutoSubnetLaplace(AutoContinuous):
                 qs.append(scale * a.sum(1))
                 ys.append(batch[1])
         f, q, y = torch.cat(fs), torch.cat(qs), torch.cat(ys)
-        noise = self._meta.get("noise")
+        noise = meta["noise"]
 
         def score(lam: torch.Tensor) -> torch.Tensor:
             var = q @ (1.0 / (evals + lam * ratio))

@@ -111,6 +111,23 @@ def make_radial() -> Case:
     return Case(model, guide, svi_fit(model, guide))
 
 
+def make_subnet_laplace() -> Case:
+    from pyro.infer import Trace_ELBO
+
+    from pyro_bdl.guides import AutoSubnetLaplace
+
+    model = small_model()
+    # Every weight: the quantile check needs a spread on every site.
+    guide = AutoSubnetLaplace(model, subnetwork="all")
+    train = svi_fit(model, guide, elbo=Trace_ELBO())
+
+    def fit(x, y):
+        train(x, y)
+        guide.fit((x, y))
+
+    return Case(model, guide, fit)
+
+
 def make_swag() -> Case:
     from pyro.infer import Trace_ELBO
 
@@ -147,6 +164,7 @@ def make_vogn() -> Case:
 GUIDES: list[GuideEntry] = [
     GuideEntry("meanfield", make_meanfield),
     GuideEntry("radial", make_radial),
+    GuideEntry("subnet_laplace", make_subnet_laplace),
     GuideEntry("swag", make_swag),
     GuideEntry("vogn", make_vogn),
 ]

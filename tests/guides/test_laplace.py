@@ -153,7 +153,7 @@ def test_binary_mc_converges_to_quadrature_and_probit_is_close():
         svi.step(x, y)
     guide.fit((x, y))
     x_test = torch.linspace(-3, 3, 13, dtype=F64).unsqueeze(-1) * torch.tensor([[1.0, -0.3]])
-    out, jac = next(guide._jacobians(x_test.to(F64)))
+    out, jac = next(guide._jacobians(x_test.to(F64), "y"))
     mu = out.squeeze(-1)
     var = torch.einsum("bcs,st,bct->b", jac, guide.covariance, jac)
     nodes, weights = np.polynomial.hermite_e.hermegauss(80)  # ∫ σ(μ + √v t) φ(t) dt
