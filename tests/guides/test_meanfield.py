@@ -179,3 +179,27 @@ def test_constrained_site_and_local_latents_in_a_subsampled_plate():
     assert_close(median["sigma"], torch.tensor(1.0, dtype=F64))  # exp(0)
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), TraceMeanField_ELBO())
     assert math.isfinite(svi.step(y))
+
+
+def test_trains_with_trace_elbo_too():
+    model = small_model()
+    guide = AutoMeanField(model)
+    x, y = data()
+    svi_fit(model, guide, steps=2, elbo=pyro.infer.Trace_ELBO())(x, y)
+    assert torch.isfinite(guide.loc).all() and torch.isfinite(guide.rho).all()
+
+
+def test_set_loc_scale_checks_before_changing_anything():
+    guide = AutoMeanField(small_model())
+    x, y = data()
+    guide(x, y)
+    guide.set_loc_scale("0.weight", loc=1.5, scale=torch.full((6, 5), 0.25))
+    loc, scale = guide.locs_and_scales()["0.weight"]
+    assert_close(loc, torch.full((6, 5), 1.5))
+    assert_close(scale, torch.full((6, 5), 0.25), rtol=1e-6)
+    before = guide.loc.detach().clone()
+    with pytest.raises(ValueError, match="broadcast"):
+        guide.set_loc_scale("0.weight", loc=0.0, scale=torch.ones(7))
+    with pytest.raises(ValueError, match="scale"):
+        guide.set_loc_scale("0.weight", loc=0.0, scale=-1.0)
+    assert torch.equal(guide.loc.detach(), before)
