@@ -33,209 +33,23 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import pyro
-import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_bdl._validation import check_positive, check_positive_int, check_probability
 from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.infer.vogn_guide import VOGNGuide
+from pyro_bdl.infer.vogn_update import VOGNOptimizer, vogn_scale, vogn_update
 from pyro_bdl.models import DATA_PLATE
 from pyro_bdl.nn.lift import init_to_network, site_spec
 
 __all__ = ["VOGN", "VOGNGuide", "VOGNOptimizer", "vogn_scale", "vogn_update"]
-
-
-# -- the numerical core --------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def vogn_update(
-    mu: torch.Tensor,
-    m: torch.Tensor,
-    s: torch.Tensor,
-    g_hat: torch.Tensor,
-    h_hat: torch.Tensor,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    prior_precision_tilde: float,
-    damping: float = 0.0,
-    bayesian: bool = True,
-) -> None:
-    r"""One VOGN update of ``mu``, ``m``, ``s`` in place (DESIGN.md 4.5).
-
-    With ``bayesian=False`` (hidden parameters such as BatchNorm's) the prior term
-    :math:`\tilde\delta\mu` is left out of the momentum; :math:`\tilde\delta` still damps the step.
-    """
-    beta1, beta2 = betas
-    step_grad = g_hat + prior_precision_tilde * mu if bayesian else g_hat
-    m.mul_(beta1).add_(step_grad)
-    s.mul_(1.0 - beta2).add_(h_hat, alpha=beta2)
-    mu.addcdiv_(m, s + (prior_precision_tilde + damping), value=-lr)
-
-
-def vogn_scale(
-    s: torch.Tensor, *, temperature: float, effective_size: float, prior_precision_tilde: float
-) -> torch.Tensor:
-    r""":math:`\sigma = \sqrt{\tau / (\tilde N (s + \tilde\delta))}`; the posterior precision is
-    :math:`\tilde N s/\tau + \delta`."""
-    return (temperature / (effective_size * (s + prior_precision_tilde))).sqrt()
-
-
-class VOGNOptimizer(torch.optim.Optimizer):
-    """The VOGN update as a :class:`torch.optim.Optimizer`, so PyTorch LR schedulers drive it.
-
-    Group 0 holds the flat posterior mean μ of every weight site; group 1 (if any) the hidden
-    parameters. Every hyperparameter lives in ``param_groups`` (``lr``, ``betas``,
-    ``prior_precision``, ``temperature``, ``effective_size``, ``damping``), so a scheduler may
-    change any of them. :class:`VOGN` stores ĝ and ĥ in ``state[p]`` and then calls :meth:`step`.
-    """
-
-    def __init__(self, defaults: dict):
-        # Both groups exist from the start (with placeholders until VOGN has seen the model), so
-        # a scheduler created right after VOGN covers both.
-        groups: list[dict[str, Any]] = [
-            {"params": [torch.zeros(0)], "bayesian": True},
-            {"params": [torch.zeros(0)], "bayesian": False},
-        ]
-        super().__init__(groups, defaults)
-
-    def _install(self, mu: torch.Tensor, hidden: Sequence[torch.Tensor]) -> None:
-        self.param_groups[0]["params"] = [mu]
-        self.param_groups[1]["params"] = list(hidden)
-        self.state.clear()
-
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):  # type: ignore[override]
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            delta_tilde = group["temperature"] * group["prior_precision"] / group["effective_size"]
-            for p in group["params"]:
-                state = self.state[p]
-                vogn_update(
-                    p,
-                    state["m"],
-                    state["s"],
-                    state.pop("g_hat"),
-                    state.pop("h_hat"),
-                    lr=group["lr"],
-                    betas=group["betas"],
-                    prior_precision_tilde=delta_tilde,
-                    damping=group["damping"],
-                    bayesian=group["bayesian"],
-                )
-        return loss
-
-
-# -- the guide -------------------------------------------------------------------------------------
-
-
-class VOGNGuide(AutoGuide):
-    """VOGN's posterior as a Pyro guide: an independent Normal on every weight site.
-
-    The flat buffers ``loc`` (μ) and ``scale`` (σ) are written by :class:`VOGN`; the guide is set
-    up by VOGN's first step and is then an ordinary guide for ``Predictive``, ``poutine`` and
-    checkpoints (``state_dict`` holds both buffers).
-
-    Usage::
-
-        vogn.step(x, y)
-        probs = Predictive(model, guide=vogn.guide, num_samples=32)(x_test)
-    """
-
-    def __init__(self, model) -> None:
-        super().__init__(model)
-        self._layout: list[tuple[str, int, int, torch.Size]] = []
-
-    def _install(self, trace, layout, loc: torch.Tensor, scale: torch.Tensor) -> None:
-        # Keep only the weight sites, detached and with a Normal at the initial location: the
-        # full trace holds the network (and its parameters' weakrefs), which torch.save refuses.
-        prototype = poutine.Trace()
-        for name, _, _, shape in layout:
-            site = trace.nodes[name]
-            value = site["value"].detach()
-            prototype.add_node(
-                name,
-                type="sample",
-                name=name,
-                fn=dist.Normal(value, torch.ones_like(value)).to_event(len(shape)),
-                value=value,
-                is_observed=False,
-                args=(),
-                kwargs={},
-                infer={},
-                scale=1.0,
-                mask=None,
-                cond_indep_stack=(),
-                done=True,
-                stop=False,
-                continuation=None,
-            )
-        self.prototype_trace = prototype
-        self._layout = layout
-        self.register_buffer("loc", loc)
-        self.register_buffer("scale", scale)
-
-    def _ensure_setup(self) -> None:
-        if self.prototype_trace is None:
-            raise RuntimeError(
-                "VOGNGuide is set up by VOGN: call vogn.step(x, y) (or vogn.load_state_dict) "
-                "before using vogn.guide."
-            )
-
-    def _site_loc_scale(self, name: str, start: int, stop: int, shape) -> tuple:
-        return self.loc[start:stop].view(shape), self.scale[start:stop].view(shape)
-
-    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Sample every weight site from N(μ, σ²); returns ``{name: value}``."""
-        self._ensure_setup()
-        out = {}
-        for name, start, stop, shape in self._layout:
-            loc, scale = self._site_loc_scale(name, start, stop, shape)
-            out[name] = pyro.sample(name, dist.Normal(loc, scale).to_event(len(shape)))
-        return out
-
-    def get_posterior(self, name: str) -> dist.Distribution:
-        """The Normal posterior of site ``name``."""
-        self._ensure_setup()
-        for site, start, stop, shape in self._layout:
-            if site == name:
-                loc, scale = self._site_loc_scale(site, start, stop, shape)
-                return dist.Normal(loc, scale).to_event(len(shape))
-        raise ValueError(
-            f"unknown site {name!r}; the guide's sites are "
-            f"{', '.join(repr(s[0]) for s in self._layout)}."
-        )
-
-    @torch.no_grad()
-    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """The posterior median (= mean μ) of every site."""
-        self._ensure_setup()
-        return {s[0]: self._site_loc_scale(*s)[0].clone() for s in self._layout}
-
-    @torch.no_grad()
-    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Marginal quantiles, shape ``(len(quantiles),) + site shape``."""
-        self._ensure_setup()
-        q = torch.as_tensor(quantiles, dtype=self.loc.dtype, device=self.loc.device)
-        if q.dim() != 1 or q.numel() == 0 or not bool(((q > 0) & (q < 1)).all()):
-            raise ValueError(
-                f"quantiles must be a 1-d list of numbers in (0, 1); got {quantiles!r}."
-            )
-        z = torch.special.ndtri(q)
-        out = {}
-        for s in self._layout:
-            loc, scale = self._site_loc_scale(*s)
-            out[s[0]] = loc + scale * z.reshape((-1,) + (1,) * loc.dim())
-        return out
 
 
 # -- the inference object --------------------------------------------------------------------

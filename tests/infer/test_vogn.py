@@ -333,3 +333,66 @@ def test_non_finite_likelihood_stops_without_updating():
     with pytest.raises(ValueError, match=r"step 2: the negative log-likelihood of site 'y'"):
         vogn.step(sc.x, bad)
     assert torch.equal(vogn.guide.loc, loc) and vogn.step_count == 1
+
+
+def digits_vogn_vs_adam(seed: int, epochs: int = 20) -> dict[str, dict[str, float]]:
+    """The compare CNN on load_digits: VOGN (compare's settings) vs Adam, same batches, epochs."""
+    from pyro_bdl.compare.problem import Problem, predictive_probs
+    from pyro_bdl.compare.vogn import BETAS, DAMPING, TEMPERATURE
+    from pyro_bdl.data import load_digits
+    from pyro_bdl.diagnostics import metrics
+
+    problem = Problem(load_digits(), network="cnn", epochs=epochs, seed=seed, progress=False)
+    x_test, y_test = problem.dataset.x_test, problem.dataset.y_test
+
+    def figures(probs):
+        return {
+            "accuracy": metrics.accuracy(probs, y_test),
+            "nll": metrics.nll(probs, y_test),
+            "ece": metrics.ece(probs, y_test),
+        }
+
+    pyro.set_rng_seed(seed)
+    net = problem.net()
+    adam = torch.optim.Adam(net.parameters(), lr=problem.lr)
+    for epoch in range(epochs):
+        net.train()
+        for x, y in problem.batches(epoch):
+            adam.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            adam.step()
+    net.eval()
+    with torch.no_grad():
+        out = {"adam": figures(net(x_test).softmax(-1))}
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    bnn, model = problem.bayesian_model()
+    vogn = VOGN(
+        model,
+        dataset_size=problem.num_train,
+        lr=problem.lr,
+        betas=BETAS,
+        temperature=TEMPERATURE,
+        damping=DAMPING,
+    )
+    for epoch in range(epochs):
+        bnn.train()
+        for x, y in problem.batches(epoch):
+            vogn.step(x, y)
+    bnn.eval()
+    out["vogn"] = figures(predictive_probs(model, vogn.guide, x_test, num_samples=32))
+    return out
+
+
+@pytest.mark.slow
+def test_digits_cnn_matches_adam_accuracy_with_better_calibration():
+    torch.set_num_threads(1)
+    result = digits_vogn_vs_adam(seed=0)
+    adam, vogn = result["adam"], result["vogn"]
+    # Seeds 0-3 (20 epochs, one thread) gave accuracy adam/vogn 0.958/0.978, 0.967/0.981,
+    # 0.958/0.975, 0.967/0.986; NLL 0.36-0.39 vs 0.07-0.10; ECE 0.22-0.23 vs 0.03-0.04. VOGN was
+    # never behind, so the issue's 2-point bound and the NLL/ECE orderings hold with wide margins.
+    assert vogn["accuracy"] >= adam["accuracy"] - 0.02, result
+    assert vogn["nll"] < adam["nll"], result
+    assert vogn["ece"] < adam["ece"], result
