@@ -6,7 +6,13 @@ import importlib
 import sys
 
 #: Module names under benchmarks/, in the order they run. Each has a ``main()``.
-BENCHMARKS: list[str] = ["kl_samples", "swag", "svi_step", "radial_gradient_variance"]
+BENCHMARKS: list[str] = [
+    "kl_samples",
+    "swag",
+    "svi_step",
+    "radial_gradient_variance",
+    "vogn_step",
+]
 
 
 def main() -> int:
