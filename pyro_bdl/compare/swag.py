@@ -15,7 +15,7 @@ import pyro
 import torch
 from pyro.infer import SVI, Trace_ELBO
 
-from pyro_bdl.compare.problem import Predictor, Problem
+from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from pyro_bdl.guides.swag import AutoSWAG
 
@@ -93,7 +93,7 @@ def _fit(problem: Problem, *, diag_only: bool, desc: str) -> Predictor:
             bn_fraction=BN_FRACTION,
         )
 
-    return predict
+    return attach_posterior(predict, model, guide)
 
 
 def fit_swag(problem: Problem) -> Predictor:
