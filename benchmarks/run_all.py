@@ -11,6 +11,7 @@ BENCHMARKS: list[str] = [
     "swag",
     "svi_step",
     "radial_gradient_variance",
+    "laplace",
     "vogn_step",
 ]
 
