@@ -118,16 +118,20 @@ EXACT = {
 }
 
 
+@pytest.mark.parametrize("seed", [7, 8])
 @pytest.mark.parametrize("noise,prior_name", sorted(EXACT))
 def test_monte_carlo_agrees_with_exact_kl_and_its_error_shrinks_as_one_over_sqrt_m(
-    noise, prior_name
+    noise, prior_name, seed
 ):
     # R independent M-sample estimates at once: a batch dim of R replicas of one random site.
     reps, d = 400, 12
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)  # random (μ, σ, prior) per seed
     loc1 = torch.randn(d, dtype=F64, generator=g)
     scale1 = 0.2 + torch.rand(d, dtype=F64, generator=g)
-    prior = dist.Normal(_t(0.1), _t(0.8)) if prior_name == "normal" else PRIORS[prior_name]()
+    prior_loc = 0.5 * torch.randn((), dtype=F64, generator=g)
+    prior_scale = 0.5 + torch.rand((), dtype=F64, generator=g)
+    family = dist.Normal if prior_name == "normal" else dist.Laplace
+    prior = family(prior_loc, prior_scale)
     loc, scale = loc1.expand(reps, d), scale1.expand(reps, d)
     exact = EXACT[(noise, prior_name)](loc1, scale1, prior)
     estimator = K.find_kl_estimator(noise, type(prior))
