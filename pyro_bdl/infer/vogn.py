@@ -165,6 +165,7 @@ class VOGN:
         self._hidden: list[tuple[str, nn.Parameter, Any]] = []  # fullname, param, key
         self._pending: dict | None = None
         self._scale_key: tuple | None = None
+        self._var_sums = (0.0, 0.0)
 
     # -- hyperparameters ---------------------------------------------------------------------
 
@@ -396,14 +397,14 @@ class VOGN:
     def _refresh_scale(self) -> None:
         self._scale_key = self._hyper_key()
         s = self.optimizer.state[self.guide.loc]["s"]
-        self.guide.scale.copy_(
-            vogn_scale(
-                s,
-                temperature=self.temperature,
-                effective_size=self._groups()[0]["effective_size"],
-                prior_precision_tilde=self._delta_tilde(),
-            )
+        scale = vogn_scale(
+            s,
+            temperature=self.temperature,
+            effective_size=self._groups()[0]["effective_size"],
+            prior_precision_tilde=self._delta_tilde(),
         )
+        self.guide.scale.copy_(scale)
+        self._var_sums = (float(scale.square().sum()), 2.0 * float(scale.log().sum()))
 
     # -- the public step -----------------------------------------------------------------------
 
@@ -425,7 +426,7 @@ class VOGN:
         hidden_h: list[torch.Tensor] = []
         nll_total = 0.0
         for _ in range(self.num_particles):
-            w = loc + scale * torch.randn_like(loc)
+            w = torch.addcmul(loc, scale, torch.randn_like(loc))
             data = {name: w[a:b].view(shape) for name, a, b, shape, _ in self._sites}
             trace, tape = self._trace(data, args, kwargs)
             losses, batch = self._nll(trace)
@@ -468,10 +469,13 @@ class VOGN:
     @torch.no_grad()
     def _kl(self) -> float:
         """KL(q ‖ N(0, δ⁻¹ I)) in closed form."""
+        # Σσ² and Σ log σ² are kept by _refresh_scale; only Σμ² is new.
         delta = self._groups()[0]["prior_precision"]
-        var = self.guide.scale.square()
         loc = self.guide.loc
-        return float(0.5 * (delta * (var + loc.square()) - 1.0 - torch.log(delta * var)).sum())
+        sum_var, sum_log_var = self._var_sums
+        dim = loc.numel()
+        quad = delta * (sum_var + float(torch.dot(loc, loc)))
+        return 0.5 * (quad - dim - dim * math.log(delta) - sum_log_var)
 
     # -- state -----------------------------------------------------------------------------------
 

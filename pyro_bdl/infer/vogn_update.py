@@ -36,8 +36,9 @@ def vogn_update(
     :math:`\tilde\delta\mu` is left out of the momentum; :math:`\tilde\delta` still damps the step.
     """
     beta1, beta2 = betas
-    step_grad = g_hat + prior_precision_tilde * mu if bayesian else g_hat
-    m.mul_(beta1).add_(step_grad)
+    m.mul_(beta1).add_(g_hat)
+    if bayesian:
+        m.add_(mu, alpha=prior_precision_tilde)
     s.mul_(1.0 - beta2).add_(h_hat, alpha=beta2)
     mu.addcdiv_(m, s + (prior_precision_tilde + damping), value=-lr)
 

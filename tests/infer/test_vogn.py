@@ -41,18 +41,21 @@ def test_two_steps_follow_the_design_by_hand():
         damping=gamma,
     )
     torch.manual_seed(5)
-    vogn.step(sc.x, sc.y)
-    vogn.step(sc.x, sc.y)
+    losses = [vogn.step(sc.x, sc.y), vogn.step(sc.x, sc.y)]
 
     n_tilde = rho * sc.n
     d_tilde = tau * delta / n_tilde
     s = per_example_grads(sc, mu).square().mean(0)  # initialised on the first batch at w = μ
     m = torch.zeros_like(mu)
     torch.manual_seed(5)
-    for _ in range(2):
+    for k in range(2):
         sigma = (tau / (n_tilde * (s + d_tilde))).sqrt()
         w = mu + sigma * torch.randn(mu.shape, dtype=mu.dtype)
         g = per_example_grads(sc, w)
+        # The returned loss: N/B Σ ℓᵢ(w) + τ KL(N(μ, σ²) ‖ N(0, 1/δ)) (here B = N).
+        nll = -dist.Normal(sc.x @ w, sc.noise).log_prob(sc.y).sum()
+        kl = 0.5 * (delta * (sigma**2 + mu**2) - 1 - torch.log(delta * sigma**2)).sum()
+        assert losses[k] == pytest.approx(float(nll + tau * kl), rel=1e-10)
         m = b1 * m + (g.mean(0) + d_tilde * mu)
         s = (1 - b2) * s + b2 * g.square().mean(0)
         mu = mu - lr * m / (s + d_tilde + gamma)
