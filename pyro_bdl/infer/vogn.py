@@ -104,6 +104,10 @@ class VOGN:
     :param float damping: γ ≥ 0 added to the denominator of the mean's step (not to the
         posterior precision).
     :param int chunk_size: examples per chunk of the per-example gradients (default automatic).
+    :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on the list
+        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]`` before the update, to average them in
+        place across data-parallel ranks (for example ``dist.all_reduce`` then division by the
+        world size); every rank then applies the same update (DESIGN.md 4.8).
 
     References:
 
@@ -123,6 +127,7 @@ class VOGN:
         augmentation_factor: float = 1.0,
         damping: float = 0.0,
         chunk_size: int | None = None,
+        reduce_fn: Callable[[list[torch.Tensor]], None] | None = None,
     ):
         if not callable(model):
             raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
@@ -145,6 +150,9 @@ class VOGN:
         self.dataset_size = dataset_size
         self.num_particles = num_particles
         self.chunk_size = chunk_size
+        if reduce_fn is not None and not callable(reduce_fn):
+            raise TypeError(f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}.")
+        self.reduce_fn = reduce_fn
         self._schedule = temperature if callable(temperature) else None
         self._defaults = {
             "lr": float(lr),
@@ -442,6 +450,8 @@ class VOGN:
         assert g_sum is not None and h_sum is not None
         n = self.num_particles * batch
         estimates = [t.div_(n) for t in [g_sum, h_sum, *hidden_g, *hidden_h]]
+        if self.reduce_fn is not None:
+            self.reduce_fn(estimates)
         # One reduction per tensor: a sum is finite only if every element is.
         if not bool(torch.isfinite(torch.stack([t.sum() for t in estimates])).all()):
             names = ["weights (ĝ)", "weights (ĥ)"]

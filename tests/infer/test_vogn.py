@@ -64,6 +64,29 @@ def test_two_steps_follow_the_design_by_hand():
     assert vogn.step_count == 2
 
 
+def test_reduce_fn_sees_the_estimates_before_the_update():
+    # A reduce_fn that zeroes ĝ and ĥ leaves only the prior: m = δ̃μ, s = (1 − β₂)s₀.
+    sc = BayesianLinearRegression(n=20, d=3)
+    model = sc.model()
+    mu = model.net._bdl_init_weight.reshape(-1).clone()
+    seen = []
+
+    def reduce_fn(tensors):
+        seen.append([t.shape for t in tensors])
+        for t in tensors:
+            t.zero_()
+
+    vogn = VOGN(model, dataset_size=sc.n, lr=0.1, betas=(0.5, 0.25), reduce_fn=reduce_fn)
+    vogn.step(sc.x, sc.y)
+    s0 = per_example_grads(sc, mu).square().mean(0)
+    d_tilde = 1.0 / sc.n
+    s = 0.75 * s0
+    assert seen == [[torch.Size([3]), torch.Size([3])]]
+    assert_close(vogn.guide.loc, mu - 0.1 * d_tilde * mu / (s + d_tilde), rtol=1e-12)
+    with pytest.raises(TypeError, match="reduce_fn"):
+        VOGN(model, dataset_size=sc.n, reduce_fn=3)  # type: ignore[arg-type]
+
+
 def fixed_point(sc: BayesianLinearRegression, *, tau: float, rho: float, delta: float):
     """VOGN's fixed point, computed independently of the implementation.
 
