@@ -477,6 +477,21 @@ class VOGN:
         return loss
 
     @torch.no_grad()
+    def evaluate_loss(self, *args, **kwargs) -> float:
+        """The loss :meth:`step` would report, at the current q, without updating anything (like
+        ``SVI.evaluate_loss``; put BatchNorm in eval mode first to keep its statistics)."""
+        if not self._ready:
+            raise RuntimeError("VOGN has not seen the model yet; call vogn.step(x, y) first.")
+        nll = 0.0
+        for _ in range(self.num_particles):
+            w = torch.addcmul(self.guide.loc, self.guide.scale, torch.randn_like(self.guide.loc))
+            data = {name: w[a:b].view(shape) for name, a, b, shape, _ in self._sites}
+            trace = poutine.trace(poutine.condition(self.model, data)).get_trace(*args, **kwargs)
+            losses, batch = self._nll(trace)
+            nll += float(losses.sum()) * self.dataset_size / batch
+        return nll / self.num_particles + self.temperature * self._kl()
+
+    @torch.no_grad()
     def _kl(self) -> float:
         """KL(q ‖ N(0, δ⁻¹ I)) in closed form."""
         # Σσ² and Σ log σ² are kept by _refresh_scale; only Σμ² is new.

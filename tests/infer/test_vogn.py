@@ -62,6 +62,17 @@ def test_two_steps_follow_the_design_by_hand():
     assert_close(vogn.guide.loc, mu, rtol=1e-12)
     assert_close(vogn.guide.scale, (tau / (n_tilde * (s + d_tilde))).sqrt(), rtol=1e-12)
     assert vogn.step_count == 2
+    # evaluate_loss: the same estimator at the current q, changing nothing.
+    loc = vogn.guide.loc.clone()
+    torch.manual_seed(6)
+    loss = vogn.evaluate_loss(sc.x, sc.y)
+    torch.manual_seed(6)
+    sigma = (tau / (n_tilde * (s + d_tilde))).sqrt()
+    w = mu + sigma * torch.randn(mu.shape, dtype=mu.dtype)
+    nll = -dist.Normal(sc.x @ w, sc.noise).log_prob(sc.y).sum()
+    kl = 0.5 * (delta * (sigma**2 + mu**2) - 1 - torch.log(delta * sigma**2)).sum()
+    assert loss == pytest.approx(float(nll + tau * kl), rel=1e-10)
+    assert torch.equal(vogn.guide.loc, loc) and vogn.step_count == 2
 
 
 def test_reduce_fn_sees_the_estimates_before_the_update():
@@ -276,6 +287,8 @@ def test_guide_is_an_ordinary_guide():
         vogn.guide(x, y)
     with pytest.raises(RuntimeError, match="first step"):
         vogn.state_dict()
+    with pytest.raises(RuntimeError, match="has not seen the model"):
+        vogn.evaluate_loss(x, y)
     vogn.step(x[:8], y[:8])
     model.net.eval()
     out = Predictive(model, guide=vogn.guide, num_samples=3, return_sites=["_RETURN"])(x[:5])
