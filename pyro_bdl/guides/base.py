@@ -5,10 +5,12 @@ Every latent site gets its own location-scale distribution **on the site itself*
 contract 2), so an ELBO sees the (posterior, prior) pair and can use an exact KL. The locations and
 the unconstrained scales of all sites are packed into two flat parameters, as Pyro's
 ``AutoDiagonalNormal`` does: an optimizer then updates two tensors instead of two per site, and
-the scales go through one softplus per step. Each site reads a view of the flat vectors.
+the scales go through one softplus per step. Each site reads a view of the flat vectors, and the
+noise of all plate-free sites is drawn in one flat operation (:meth:`flat_sample`).
 
-A subclass overrides one method, :meth:`AutoLocScaleGuide.site_posterior`, returning the
-distribution over the unconstrained site given its location, scale and number of event dims.
+A subclass fills three small hooks: :meth:`AutoLocScaleGuide.site_posterior` (the distribution
+of one unconstrained site given its location, scale and event dims), :meth:`flat_sample` (one
+draw of every site at once) and :meth:`site_quantiles` (marginal quantiles).
 """
 
 from __future__ import annotations
@@ -87,7 +89,14 @@ class AutoLocScaleGuide(AutoGuide):
     Locations start from ``init_loc_fn`` (by default :func:`~pyro_bdl.init_to_network`, the
     network's own weights); scales are ``softplus(ρ)`` with ρ initialised so that every scale
     equals ``init_scale``. Sites with a constrained support get the distribution pushed through
-    ``biject_to(support)``.
+    ``biject_to(support)``. Use a subclass: :class:`~pyro_bdl.guides.AutoMeanField` or
+    :class:`~pyro_bdl.guides.AutoRadial`.
+
+    Usage::
+
+        guide = AutoMeanField(model)
+        guide(x, y)                                  # creates the parameters lazily
+        loc, scale = guide.locs_and_scales()["0.weight"]
 
     :param callable model: the Pyro model.
     :param float init_scale: initial posterior standard deviation of every unconstrained
@@ -121,7 +130,7 @@ class AutoLocScaleGuide(AutoGuide):
         super().__init__(InitMessenger(init_loc_fn)(model), create_plates=create_plates)
         self._layout: list[SiteLayout] = []
 
-    # -- the one hook a subclass overrides -----------------------------------------------------
+    # -- the hooks a subclass fills -------------------------------------------------------------
 
     def site_posterior(
         self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int, *, value=None
