@@ -86,6 +86,21 @@ def test_all_weights_equals_full_network_ggn_laplace():
     assert_close(guide.map_loc, guide.loc.detach())
 
 
+def test_float64_accumulation_of_a_float32_network():
+    guide, _, plain, x, y = _trained("all", steps=30)
+    exact = torch.linalg.inv(_brute_ggn(guide, plain, x) + torch.eye(38, dtype=F64))
+    pyro.clear_param_store()
+    net32 = _mlp().float()
+    guide32, *_ = _trained("all", steps=0, net=net32, accumulate_dtype=F64)
+    guide32(x.float(), y)
+    guide32.loc.data = guide.loc.detach().float()
+    guide32.fit((x.float(), y))
+    assert guide32.ggn.dtype == F64 and guide32.scale_tril.dtype == F64
+    # The float32 Jacobian carries relative errors of about 1e-7; H_S is well conditioned here.
+    assert_close(guide32.covariance, exact, rtol=1e-4, atol=1e-6)
+    assert guide32.predict(x.float()).dtype == F64
+
+
 @pytest.mark.parametrize("rescale", [True, False])
 def test_last_layer_equals_last_layer_laplace(rescale):
     guide, _, plain, x, y = _trained("last_layer", prior_rescaling=rescale)
