@@ -27,6 +27,8 @@ from typing import Any
 import pyro.distributions as dist
 import torch
 
+from pyro_bdl._validation import check_finite
+
 __all__ = [
     "RULES",
     "SiteInfo",
@@ -282,6 +284,9 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
                 "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
                 f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
             )
+        for i, t in enumerate(batch):
+            if isinstance(t, torch.Tensor):
+                check_finite(f"data tensor {i} (0: x, 1: y)", t)
         rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
         if len(rows) != 1 or 0 in rows:
             raise ValueError(

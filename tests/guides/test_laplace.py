@@ -368,6 +368,11 @@ def test_predict_before_fit_and_bad_data():
         guide.fit((x, y[:-1]))
     with pytest.raises(ValueError, match="data is empty"):
         guide.fit([])
+    bad = x.clone()
+    bad[3, 1] = math.nan
+    with pytest.raises(ValueError, match=r"data tensor 0 \(0: x, 1: y\) contains 1 non-finite"):
+        guide.fit((bad, y))
+    assert not guide.fitted
     guide.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16))
     with pytest.raises(ValueError, match="unknown link 'logit'"):
         guide.predict(x, link="logit")
