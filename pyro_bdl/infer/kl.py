@@ -55,16 +55,20 @@ __all__ = [
     "KL_ESTIMATORS",
     "NOISE_FAMILIES",
     "RADIAL_NOISE",
+    "ChunkSums",
     "Estimator",
     "KLTerms",
     "NoiseFamily",
+    "autograd_score",
     "find_kl_estimator",
     "kl_direct",
     "kl_streaming",
     "kl_sufficient_statistics",
+    "laplace_chunk_sums",
     "noise_family",
     "register_kl_estimator",
     "sample_gaussian_statistics",
+    "scale_mixture_chunk_sums",
 ]
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
