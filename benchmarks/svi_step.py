@@ -12,8 +12,10 @@ For MLPs with 4–100 weight sites and a small CNN (CPU, one thread) it times, s
 - ``pyro_autonormal``: plain Pyro ``AutoNormal`` + ``Trace_ELBO``;
 - ``adam``: the deterministic network with ``torch.optim.Adam``.
 
-Figures: bdl/plain, radial/meanfield, meanfield/adam, autonormal/plain, and the per-site overhead
-(bdl − plain) / number of sites. ``--gpu`` repeats on CUDA when present.
+Figures: bdl/plain, radial/meanfield, meanfield/adam, autonormal/plain, the per-site overhead
+(bdl − plain) / number of sites, and its split into a fixed cost per step and a marginal cost per
+site (growth of bdl − plain from 4 to 100 sites). CPU times are medians of process time over
+steps alternated between the variants. ``--gpu`` repeats on CUDA when present.
 
 Usage::
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import time
 
 import pyro
 import torch
@@ -33,7 +37,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.functional import softplus
 
-from benchmarks.common import cpu_times, write
+from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 from pyro_bdl.infer import TraceSuffStat_ELBO
@@ -147,20 +151,32 @@ def measure(build, x, y, *, repeats: int, device: str = "cpu") -> dict:
         ),
     }
     x, y = x.to(device), y.to(device)
-    timer = cuda_times if device.startswith("cuda") else cpu_times
     pyro.clear_param_store()
     steps = {}
     for name, make in variants.items():
         torch.manual_seed(0)
         steps[name] = make()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    # Interleave the variants (three rounds, best median kept) so that a noisy neighbour slows
-    # them all alike.
-    for _ in range(3):
+    if device.startswith("cuda"):
+        return {
+            k: {"proc": cuda_times(lambda fn=fn: fn(x, y), repeats=repeats)["median"]}
+            for k, fn in steps.items()
+        }
+    # Alternate the variants step by step (after warm-up) and take each one's median step time:
+    # a burst from a noisy neighbour then hits all variants alike instead of one block.
+    for fn in steps.values():
+        for _ in range(4):
+            fn(x, y)
+    proc: dict[str, list[float]] = {k: [] for k in steps}
+    wall: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(3 * repeats):
         for name, fn in steps.items():
-            t = timer(lambda fn=fn: fn(x, y), warmup=4, repeats=repeats)
-            times[name].append(t["median"])
-    return {k: min(v) for k, v in times.items()}
+            p0, w0 = time.process_time(), time.perf_counter()
+            fn(x, y)
+            proc[name].append(time.process_time() - p0)
+            wall[name].append(time.perf_counter() - w0)
+    return {
+        k: {"proc": statistics.median(proc[k]), "wall": statistics.median(wall[k])} for k in steps
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,13 +209,27 @@ def main(argv: list[str] | None = None) -> None:
         y = torch.randint(0, 10, (B,))
         t = measure(cnn, x, y, repeats=repeats, device=device)
         out["cnn"] = summarise(f"{device}:cnn", t, 8)
+        if "mlp-4" in out and "mlp-100" in out:
+            # The overhead (bdl − plain) is mostly a fixed cost per step; its growth from 4 to
+            # 100 sites is the marginal cost of one more site.
+            gap = {
+                k: out[k]["seconds"]["bdl"]["proc"] - out[k]["seconds"]["plain"]["proc"]
+                for k in ("mlp-4", "mlp-100")
+            }
+            out["marginal_overhead_per_site_us"] = 1e6 * (gap["mlp-100"] - gap["mlp-4"]) / 96
+            out["fixed_overhead_ms"] = 1e3 * gap["mlp-4"]
+            print(
+                f"{device}: fixed overhead {out['fixed_overhead_ms']:.2f} ms/step, marginal "
+                f"overhead {out['marginal_overhead_per_site_us']:.0f} us/site (4 -> 100 sites)"
+            )
     config = {"N": N, "B": B, "repeats": repeats, "threads": 1, "devices": devices}
     write("svi_step", config, figures)
 
 
-def summarise(label: str, t: dict, num_sites: int) -> dict:
+def summarise(label: str, times: dict, num_sites: int) -> dict:
+    t = {k: v["proc"] for k, v in times.items()}
     out = {
-        "seconds": t,
+        "seconds": times,
         "num_sites": num_sites,
         "bdl_over_plain": t["bdl"] / t["plain"],
         "bdl_tmf_over_plain": t["bdl_tmf"] / t["plain"],
@@ -209,9 +239,12 @@ def summarise(label: str, t: dict, num_sites: int) -> dict:
         "overhead_per_site_us": 1e6 * (t["bdl"] - t["plain"]) / num_sites,
         "autonormal_overhead_per_site_us": 1e6 * (t["pyro_autonormal"] - t["plain"]) / num_sites,
     }
+    if "wall" in times["bdl"]:
+        out["bdl_over_plain_wall"] = times["bdl"]["wall"] / times["plain"]["wall"]
     print(
         f"{label:12s} sites={num_sites:3d}  bdl/plain={out['bdl_over_plain']:.2f}x  "
-        f"(TraceMeanField_ELBO {out['bdl_tmf_over_plain']:.2f}x)  "
+        f"(wall {out.get('bdl_over_plain_wall', float('nan')):.2f}x; "
+        f"TraceMeanField_ELBO {out['bdl_tmf_over_plain']:.2f}x)  "
         f"radial/mf={out['radial_over_meanfield']:.3f}x  "
         f"mf/adam={out['meanfield_over_adam']:.2f}x  "
         f"autonormal/plain={out['autonormal_over_plain']:.2f}x  "
