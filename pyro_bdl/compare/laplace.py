@@ -12,7 +12,7 @@ import math
 import pyro
 from pyro.infer import SVI, Trace_ELBO
 
-from pyro_bdl.compare.problem import Predictor, Problem, train_svi
+from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior, train_svi
 from pyro_bdl.guides.laplace import AutoSubnetLaplace
 from pyro_bdl.guides.swag import AutoSWAG
 from pyro_bdl.priors import Normal
@@ -60,4 +60,5 @@ def fit_subnet_laplace(problem: Problem) -> Predictor:
     laplace.loc.data = guide.loc.detach().clone()
     laplace.fit((x, y))
     laplace.tune_prior_precision(method="marglik")
-    return lambda x_test: laplace.predict(x_test, link="probit").float()
+    predict = lambda x_test: laplace.predict(x_test, link="probit").float()  # noqa: E731
+    return attach_posterior(predict, model, laplace)
