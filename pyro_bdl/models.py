@@ -25,12 +25,14 @@ __all__ = ["DATA_PLATE", "check_batch", "classifier", "data_plate", "regressor"]
 DATA_PLATE = "data"
 
 
-def data_plate(dataset_size: int, batch_size: int) -> pyro.plate:
+def data_plate(dataset_size: int, batch_size: int, device=None) -> pyro.plate:
     """The plate over examples: scales the likelihood by N/B (``batch_size`` may exceed N when
     predicting on a larger test set, in which case no scaling applies)."""
     if batch_size > dataset_size:
         return pyro.plate(DATA_PLATE, batch_size)
-    return pyro.plate(DATA_PLATE, dataset_size, subsample_size=batch_size)
+    # The batch is already sliced, so the plate only needs the size for its N/B scale: explicit
+    # indices avoid the randperm(N) that subsample_size would draw on every call.
+    return pyro.plate(DATA_PLATE, dataset_size, subsample=torch.arange(batch_size, device=device))
 
 
 def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
@@ -83,7 +85,7 @@ def classifier(net: nn.Module, dataset_size: int):
         logits = net(x)
         if y is not None and (y.min() < 0 or y.max() >= logits.shape[-1]):
             check_batch(x, y, task="classification", num_classes=logits.shape[-1])
-        with data_plate(dataset_size, x.shape[0]):
+        with data_plate(dataset_size, x.shape[0], x.device):
             pyro.sample("y", dist.Categorical(logits=logits), obs=y)
         return logits
 
@@ -110,7 +112,7 @@ def regressor(net: nn.Module, dataset_size: int, noise_scale: float):
                 f"y must have the network output's shape {tuple(mean.shape)}; got "
                 f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
             )
-        with data_plate(dataset_size, x.shape[0]):
+        with data_plate(dataset_size, x.shape[0], x.device):
             pyro.sample("y", dist.Normal(mean, noise_scale), obs=y)
         return mean
 
