@@ -5,10 +5,12 @@ is the problem's; BatchNorm parameters stay point estimates, and predictions ave
 ``problem.num_samples`` draws of :attr:`VOGN.guide` with BatchNorm in evaluation mode.
 
 Settings for small data (load_digits: 1,437 examples for 10⁴–10⁵ weights): a tempered posterior
-(τ = 0.01; at τ = 1 the posterior of a weight the data barely constrain is its N(0, 1) prior and
-the predictions drown in weight noise), s averaged over about 20 steps (β₂ = 0.05 in the
-convention of DESIGN.md 4.5, where β₂ weights the new estimate) and a damping of 1e-3, which
-bounds the step of weights whose curvature is near zero.
+(τ = 0.1, where the paper starts its annealing: at τ = 1 the posterior of a weight the data barely
+constrain is its N(0, 1) prior and the predictions drown in weight noise, while τ = 0.01 weakens the
+prior so much that after 30 epochs the network is as confident on held-out digit classes as on the
+test set: OOD AUROC 0.52, against 0.92–0.95 at τ = 0.1 over two seeds), s averaged over about
+20 steps (β₂ = 0.05 in the convention of DESIGN.md 4.5, where β₂ weights the new estimate) and a
+damping of 1e-3, which bounds the step of weights whose curvature is near zero.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pyro_bdl.priors import Normal
 
 __all__ = ["fit_vogn"]
 
-TEMPERATURE = 0.01
+TEMPERATURE = 0.1
 BETAS = (0.9, 0.05)
 DAMPING = 1e-3
 

@@ -429,9 +429,11 @@ def test_digits_cnn_matches_adam_accuracy_with_better_calibration():
     torch.set_num_threads(1)
     result = digits_vogn_vs_adam(seed=0)
     adam, vogn = result["adam"], result["vogn"]
-    # Seeds 0-3 (20 epochs, one thread) gave accuracy adam/vogn 0.958/0.978, 0.967/0.981,
-    # 0.958/0.975, 0.967/0.986; NLL 0.36-0.39 vs 0.07-0.10; ECE 0.22-0.23 vs 0.03-0.04. VOGN was
-    # never behind, so the 2-point bound and the NLL/ECE orderings hold with wide margins.
+    # Seeds 0-3 (20 epochs, one thread, compare's τ = 0.1) gave accuracy adam/vogn 0.958/0.958,
+    # 0.967/0.958, 0.958/0.975, 0.967/0.955 (largest deficit 1.2 points, inside the 2);
+    # NLL 0.36-0.39 vs 0.19-0.24; ECE 0.22-0.23 vs 0.11-0.12, so the orderings hold with margins
+    # of about 0.1 in both. (At τ = 0.01 VOGN was further ahead here, but overconfident on
+    # held-out classes in `pyro-bdl compare`; see pyro_bdl/compare/vogn.py.)
     assert vogn["accuracy"] >= adam["accuracy"] - 0.02, result
     assert vogn["nll"] < adam["nll"], result
     assert vogn["ece"] < adam["ece"], result
