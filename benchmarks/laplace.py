@@ -32,6 +32,7 @@ from torchvision.transforms.functional import rotate
 
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors, sites
+from pyro_bdl.compare import problem as compare_networks
 from pyro_bdl.curvature.subnet import (
     TensorMemoryTracker,
     diagonal_ggn,
@@ -47,28 +48,13 @@ from pyro_bdl.guides import AutoSubnetLaplace, AutoSWAG
 
 
 def mlp(d_in: int, hidden: int, classes: int = 10) -> nn.Module:
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(d_in, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, classes),
-    )
+    """The compare MLP (two hidden ReLU layers) on ``d_in`` inputs."""
+    return compare_networks.mlp((d_in,), classes, hidden)
 
 
 def cnn(width: int, classes: int = 10) -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1),
-        nn.BatchNorm2d(width),
-        nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1, stride=2),
-        nn.BatchNorm2d(2 * width),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(2 * width, classes),
-    )
+    """The compare CNN on one-channel images."""
+    return compare_networks.cnn((1,), classes, width)
 
 
 # ---- part 1: cost ------------------------------------------------------------------------------

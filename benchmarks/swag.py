@@ -19,6 +19,7 @@ from torch import nn
 
 from benchmarks.common import cpu_times, write
 from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.compare import problem as compare_networks
 from pyro_bdl.data import load_digits
 from pyro_bdl.guides import AutoSWAG
 
@@ -29,27 +30,10 @@ TEST_BATCH = 256
 
 def networks(quick: bool) -> dict[str, nn.Module]:
     def mlp(width):
-        return nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(64, width),
-            nn.ReLU(),
-            nn.Linear(width, width),
-            nn.ReLU(),
-            nn.Linear(width, 10),
-        )
+        return compare_networks.mlp((64,), 10, width)
 
     def cnn(width=16):
-        return nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1, stride=2),
-            nn.BatchNorm2d(2 * width),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(2 * width, 10),
-        )
+        return compare_networks.cnn((1,), 10, width)
 
     nets = {"mlp100": mlp(100), "cnn16": cnn()}
     if not quick:
