@@ -4,10 +4,20 @@ Lift any PyTorch network with :func:`bayesianize`, write the model with ``pyro.s
 an inference method; every method ends in an ordinary Pyro guide.
 """
 
-from pyro_bdl import checkpoint as checkpoint
-from pyro_bdl import curvature, data, diagnostics, guides, infer, models, priors
-from pyro_bdl import distributed as distributed
-from pyro_bdl import nn as nn
+from pyro_bdl import (
+    checkpoint,
+    compare,
+    curvature,
+    data,
+    diagnostics,
+    distributed,
+    distributions,
+    guides,
+    infer,
+    models,
+    nn,
+    priors,
+)
 from pyro_bdl.nn import bayesianize, init_to_network, sites
 
 __version__ = "0.1.0"
@@ -16,10 +26,12 @@ __all__ = [
     "__version__",
     "bayesianize",
     "checkpoint",
+    "compare",
     "curvature",
     "data",
     "diagnostics",
     "distributed",
+    "distributions",
     "guides",
     "infer",
     "init_to_network",
