@@ -52,6 +52,22 @@ def cpu_times(fn: Callable[[], object], *, warmup: int = 4, repeats: int = 15) -
     }
 
 
+def gpu_times(fn: Callable[[], object], *, warmup: int = 4, repeats: int = 15) -> dict:
+    """Median and min of CUDA-event times (seconds) after ``warmup`` calls (BENCHMARKS.md)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return {"median": statistics.median(times), "min": min(times), "wall_median": None}
+
+
 def write(name: str, config: dict, figures: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

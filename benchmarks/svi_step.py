@@ -37,7 +37,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.functional import softplus
 
-from benchmarks.common import write
+from benchmarks.common import gpu_times, write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 from pyro_bdl.infer import TraceSuffStat_ELBO
@@ -117,23 +117,6 @@ def svi_step(net: nn.Module, guide_cls, elbo, lr: float, **guide_kwargs):
     return svi.step
 
 
-def cuda_times(fn, *, warmup: int = 4, repeats: int = 15) -> dict:
-    """Median and min of CUDA-event times (seconds) after ``warmup`` calls (BENCHMARKS.md)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return {"median": times[len(times) // 2], "min": times[0]}
-
-
 def measure(build, x, y, *, repeats: int, device: str = "cpu") -> dict:
     """Time every variant on fresh copies of the same network, interleaving the repetitions."""
 
@@ -158,7 +141,7 @@ def measure(build, x, y, *, repeats: int, device: str = "cpu") -> dict:
         steps[name] = make()
     if device.startswith("cuda"):
         return {
-            k: {"proc": cuda_times(lambda fn=fn: fn(x, y), repeats=repeats)["median"]}
+            k: {"proc": gpu_times(lambda fn=fn: fn(x, y), repeats=repeats)["median"]}
             for k, fn in steps.items()
         }
     # Alternate the variants step by step (after warm-up) and take each one's median step time:

@@ -17,7 +17,7 @@ from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from torch import nn
 
-from benchmarks.common import cpu_times, write
+from benchmarks.common import cpu_times, gpu_times, write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.compare import problem as compare_networks
 from pyro_bdl.data import load_digits
@@ -46,22 +46,7 @@ def _timer(device: torch.device):
     if device.type != "cuda":
         return lambda fn, repeats=15: cpu_times(fn, warmup=4, repeats=repeats)
 
-    def time_cuda(fn, repeats=15):
-        for _ in range(4):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        times.sort()
-        return {"median": times[len(times) // 2], "min": times[0]}
-
-    return time_cuda
+    return lambda fn, repeats=15: gpu_times(fn, warmup=4, repeats=repeats)
 
 
 def _host_device_copies(fn) -> int:

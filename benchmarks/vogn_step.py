@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import pyro
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from benchmarks.common import cpu_times, write
+from benchmarks.common import cpu_times, gpu_times, write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.compare.problem import cnn, mlp
 from pyro_bdl.curvature import PerExampleGradients, substitute, vmap_squared_gradients
@@ -46,21 +45,6 @@ def networks(device: str):
     import torchvision
 
     return {"resnet18": (lambda: torchvision.models.resnet18(num_classes=10), (3, 32, 32))}
-
-
-def gpu_times(fn, *, warmup: int = 4, repeats: int = 15) -> dict:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return {"median": statistics.median(times), "min": min(times), "wall_median": None}
 
 
 def measure(build, shape, batch: int, device: str, repeats: int, with_vmap: bool) -> dict:

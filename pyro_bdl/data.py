@@ -55,7 +55,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, subdir: str = "") -> Pa
     if root is None:
         raise ValueError(
             f"no data folder given: pass data_dir (--data-dir) or set {DATA_ENV} to the folder "
-            "that holds the data (for example ../shared/data)."
+            "that holds the data (the folder with mnist-test/ and uci/ in it)."
         )
     path = Path(root)
     if subdir and (path / subdir).is_dir():
