@@ -27,10 +27,10 @@ SNAPSHOTS = 20
 def fit_subnet_laplace(problem: Problem) -> Predictor:
     _, model = problem.bayesian_model()
     scale = problem.prior.scale if isinstance(problem.prior, Normal) else 1.0
-    total = sum(p.numel() for p in problem.net().parameters())
     guide = AutoSubnetLaplace(model, subnetwork="all")  # the MAP phase; the rule is set below
     svi = SVI(model, guide, pyro.optim.Adam({"lr": problem.lr}), Trace_ELBO())
     train_svi(problem, svi, "subnet_laplace")
+    total = guide.loc.numel()  # every lifted weight, packed
 
     # SWAG-diag from the MAP: its marginal variances rank the weights (DESIGN.md 4.7).
     values = {site["name"]: v.detach() for site, v in guide._unpack_latent(guide.loc)}
