@@ -11,9 +11,6 @@ References:
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,49 +27,42 @@ def linear_per_example(a: torch.Tensor, delta: torch.Tensor) -> dict[str, torch.
     return {"weight": torch.bmm(d3.transpose(1, 2), a3), "bias": d3.sum(1)}  # both fresh
 
 
-def _unfold(conv: nn.modules.conv._ConvNd, a: torch.Tensor) -> torch.Tensor:
-    """The conv's input patches, ``(c, C_in·K, L)`` (what the conv multiplies its weight by)."""
-    nd = a.dim() - 2
-    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
-        mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-        a = F.pad(a, conv._reversed_padding_repeated_twice, mode=mode)
-        padding: tuple[int, ...] = (0,) * nd
-    else:
-        padding = tuple(conv.padding)  # type: ignore[arg-type]
-    kernel, stride, dilation = conv.kernel_size, conv.stride, conv.dilation
-    if nd == 2:
-        return F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
-    if nd == 1:
-        return F.unfold(
-            a.unsqueeze(2),
-            (1, kernel[0]),
-            dilation=(1, dilation[0]),
-            padding=(0, padding[0]),
-            stride=(1, stride[0]),
-        )
-    # Conv3d: no im2col in torch; take strided windows of span d·(k−1)+1, then every d-th element.
-    a = F.pad(a, [p for p in reversed(padding) for _ in range(2)])
-    for i in range(nd):
-        a = a.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
-    index: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in dilation))
-    a = a[index]
-    c, cin = a.shape[:2]
-    positions = a.shape[2 : 2 + nd]
-    a = a.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
-    return a.reshape(c, cin * math.prod(kernel), math.prod(positions))
-
-
 def conv_per_example(
     conv: nn.modules.conv._ConvNd, a: torch.Tensor, delta: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Per-example weight ``(c, *weight.shape)`` and bias ``(c, C_out)`` gradients of a conv."""
-    c, groups = a.shape[0], conv.groups
-    cols = _unfold(conv, a)  # (c, C_in·K, L)
-    d = delta.reshape(c, groups, conv.out_channels // groups, -1)  # (c, G, C_out/G, L)
-    cols = cols.reshape(c, groups, cols.shape[1] // groups, cols.shape[2])
-    w = torch.matmul(d, cols.transpose(-1, -2))  # (c, G, C_out/G, C_in/G·K)
-    weight_shape = (conv.out_channels, conv.in_channels // groups, *conv.kernel_size)
-    return {"weight": w.reshape(c, *weight_shape), "bias": d.sum(-1).reshape(c, -1)}
+    """Per-example weight ``(c, *weight.shape)`` and bias ``(c, C_out)`` gradients of a conv.
+
+    Example i's weight gradient is the weight gradient of the same conv on example i alone, so
+    folding the batch into the channels, ``(1, c·C_in, ...)`` and ``(1, c·C_out, ...)``, and the
+    groups, ``c·groups``, gives all of them in one grouped weight-gradient convolution: the
+    backend's own kernel, with no unfolded (im2col) copy of the input.
+    """
+    c, groups, nd = a.shape[0], conv.groups, a.dim() - 2
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+        a = F.pad(a, conv._reversed_padding_repeated_twice, mode=mode)
+        padding = [0] * nd
+    else:
+        padding = list(conv.padding)  # type: ignore[arg-type]
+    c_out, c_in = conv.out_channels, conv.in_channels // groups
+    shape = (c * c_out, c_in, *conv.kernel_size)
+    # Only the weight's shape is read when the weight gradient alone is asked for.
+    weight = a.new_zeros((1,) * len(shape)).expand(shape)
+    _, w, _ = torch.ops.aten.convolution_backward(
+        delta.reshape(1, c * c_out, *delta.shape[2:]),
+        a.reshape(1, c * a.shape[1], *a.shape[2:]),
+        weight,
+        None,
+        list(conv.stride),
+        padding,
+        list(conv.dilation),
+        False,
+        [0] * nd,
+        c * groups,
+        [False, True, False],
+    )
+    bias = delta.reshape(c, c_out, -1).sum(-1)
+    return {"weight": w.reshape(c, c_out, c_in, *conv.kernel_size), "bias": bias}
 
 
 def batchnorm_per_example(

@@ -145,15 +145,43 @@ def _batch_slices(batch_size: int, per_example: int, max_elements: int, chunk_si
         yield lo, min(lo + size, batch_size)
 
 
-def _accumulate(out: dict[str, list[torch.Tensor]], pname: str, pe: torch.Tensor) -> None:
-    """Add one chunk's per-example gradients (c, *shape) to the running sums and squares."""
-    g = pe.sum(0)
-    s = pe.square_().sum(0)  # pe is a fresh per-chunk tensor: square it in place
-    if pname in out:
-        out[pname][0].add_(g)
-        out[pname][1].add_(s)
-    else:
+def _accumulate(
+    out: dict[str, list[torch.Tensor]],
+    pname: str,
+    pe: torch.Tensor,
+    dest: tuple[torch.Tensor, torch.Tensor] | None = None,
+    add: bool = False,
+) -> None:
+    """Add one chunk's per-example gradients (c, *shape) to the running sums and squares (the
+    first chunk writes into ``dest`` if given, or adds to it if ``add``)."""
+    if pname in out or (dest is not None and add):
+        g, s = out[pname] if pname in out else dest  # type: ignore[misc]
+        g.add_(pe.sum(0))
+        s.add_(pe.square_().sum(0))  # pe is a fresh per-chunk tensor: square it in place
         out[pname] = [g, s]
+    elif dest is not None:
+        torch.sum(pe, 0, out=dest[0])
+        torch.sum(pe.square_(), 0, out=dest[1])
+        out[pname] = list(dest)
+    else:
+        out[pname] = [pe.sum(0), pe.square_().sum(0)]
+
+
+def _colsum(x: torch.Tensor, _: None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.sum(x, 0, out=out) if out is not None else x.sum(0)
+
+
+def _write(dest, add: bool, op, x1, y1, x2, y2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(op(x1, y1), op(x2, y2))``, written into (or added to) ``dest`` when it is given."""
+    if dest is None:
+        return op(x1, y1), op(x2, y2)
+    if add:
+        dest[0].add_(op(x1, y1))
+        dest[1].add_(op(x2, y2))
+    else:
+        op(x1, y1, out=dest[0])
+        op(x2, y2, out=dest[1])
+    return dest[0], dest[1]
 
 
 # -- the tape ----------------------------------------------------------------------------------
@@ -206,12 +234,27 @@ class PerExampleGradients:
         self.calls: dict[nn.Module, list[_Call]] = {}
         self._handles: list[Any] = []
         self._paused = False
+        # (kind, targets) per module, found once per tape: a tape reused across steps (as VOGN
+        # does) skips the per-call look-up.
+        self._info: dict[nn.Module, tuple[str, list[str]]] = {}
+        # Hook exactly these modules (VOGN, once it knows the model's layers) instead of all.
+        self._layers: list[nn.Module] | None = None
+
+    def _layer_info(self, module: nn.Module) -> tuple[str, list[str]]:
+        info = self._info.get(module)
+        if info is None:
+            info = self._info[module] = (_kind(module), _direct_targets(module))
+        return info
 
     # -- recording -----------------------------------------------------------------------------
 
     def __enter__(self) -> PerExampleGradients:
         self.calls = {}
-        if self.module is None:
+        if self._layers is not None:
+            self._handles = [
+                sub.register_forward_hook(self._hook, with_kwargs=True) for sub in self._layers
+            ]
+        elif self.module is None:
             self._handles = [
                 nn.modules.module.register_module_forward_hook(self._hook, with_kwargs=True)
             ]
@@ -231,14 +274,13 @@ class PerExampleGradients:
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self._paused or not torch.is_grad_enabled():
             return None
-        targets = _direct_targets(module)
+        kind, targets = self._layer_info(module)
         if not targets or not isinstance(output, torch.Tensor):
             return None
         if not output.requires_grad:
             # Nothing upstream requires grad (sampled weights usually do not): make the output a
             # leaf that does, so that the backward pass reaches this layer.
             output = output.detach().requires_grad_()
-        kind = _kind(module)
         values = {}
         if kind == "fallback":
             values = {name: getattr(module, name) for name in targets}
@@ -252,9 +294,19 @@ class PerExampleGradients:
     # -- gradients -----------------------------------------------------------------------------
 
     def compute(
-        self, losses: torch.Tensor, *, retain_graph: bool = False
+        self,
+        losses: torch.Tensor,
+        *,
+        retain_graph: bool = False,
+        out: Mapping[Key, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        add: bool = False,
     ) -> dict[Key, tuple[torch.Tensor, torch.Tensor]]:
-        """``{(module, name): (Σᵢ gᵢ, Σᵢ gᵢ²)}`` for every recorded target."""
+        """``{(module, name): (Σᵢ gᵢ, Σᵢ gᵢ²)}`` for every recorded target.
+
+        :param out: optional destinations ``{key: (sums, squares)}`` shaped like the parameters
+            (views of one flat buffer, say): results with a destination are written there
+            (or added to it, with ``add=True``) instead of into new tensors.
+        """
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.numel() == 0:
             raise ValueError(
                 "losses must be a non-empty 1-d tensor of per-example losses (one per row of the "
@@ -302,7 +354,8 @@ class PerExampleGradients:
         try:
             with torch.no_grad():
                 for module, calls in self.calls.items():
-                    for name, (g, s) in self._module_sums(module, calls, batch).items():
+                    sums = self._module_sums(module, calls, batch, out, add)
+                    for name, (g, s) in sums.items():
                         result[(module, name)] = (g, s)
         finally:
             for _, call in order:
@@ -331,19 +384,31 @@ class PerExampleGradients:
             grads[key], squared[key] = g, s
         return grads, squared
 
-    def _module_sums(self, module: nn.Module, calls: list[_Call], batch: int):
-        kind = _kind(module)
-        targets = _direct_targets(module)
+    def _module_sums(
+        self,
+        module: nn.Module,
+        calls: list[_Call],
+        batch: int,
+        out: Mapping[Key, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        add: bool = False,
+    ):
+        kind, targets = self._layer_info(module)
         deltas = [c.delta for c in calls]
         inputs = [c.args[0] for c in calls]
+        dest = {} if out is None else {n: out[(module, n)] for n in targets if (module, n) in out}
         if kind == "linear" and len(calls) == 1 and inputs[0].dim() == 2:
             # The one rule with no per-example tensor at all: Σᵢ (δᵢ aᵢᵀ)² = (δ²)ᵀ(a²).
             a, d = inputs[0], deltas[0]
             assert d is not None
-            out = {"weight": (d.T @ a, d.square().T @ a.square())}
+            d2 = d.square()
+            result = {}
+            if "weight" in targets:
+                result["weight"] = _write(
+                    dest.get("weight"), add, torch.mm, d.T, a, d2.T, a.square()
+                )
             if "bias" in targets:
-                out["bias"] = (d.sum(0), d.square().sum(0))
-            return {k: v for k, v in out.items() if k in targets}
+                result["bias"] = _write(dest.get("bias"), add, _colsum, d, None, d2, None)
+            return result
         numel = sum(self._numel(module, name) for name in targets)
         per_row = numel + sum(int(a[0].numel()) for a in inputs) * self._unfold_factor(module)
         sums: dict[str, list[torch.Tensor]] = {}
@@ -356,7 +421,7 @@ class PerExampleGradients:
                     if name in targets:
                         chunk[name] = chunk[name] + pe if name in chunk else pe
             for name, pe in chunk.items():
-                _accumulate(sums, name, pe)
+                _accumulate(sums, name, pe, dest.get(name), add)
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
     @staticmethod

@@ -39,27 +39,26 @@ from typing import Any
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide.initialization import InitMessenger
-from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_bdl._validation import check_positive, check_positive_int, check_probability
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.infer.vogn_guide import VOGNGuide
+from pyro_bdl.infer.vogn_model import (
+    Hidden,
+    Site,
+    inspect_model,
+    observed_sites,
+    per_example_nll,
+    run_substituted,
+)
 from pyro_bdl.infer.vogn_update import VOGNOptimizer, vogn_scale, vogn_update
-from pyro_bdl.models import DATA_PLATE
-from pyro_bdl.nn.lift import init_to_network, site_spec
+from pyro_bdl.nn.lift import init_to_network
 
 __all__ = ["VOGN", "VOGNGuide", "VOGNOptimizer", "vogn_scale", "vogn_update"]
 
 
 # -- the inference object --------------------------------------------------------------------
-
-
-def _data_frame(site) -> Any:
-    for frame in site["cond_indep_stack"]:
-        if frame.name == DATA_PLATE:
-            return frame
-    return None
 
 
 class VOGN:
@@ -167,10 +166,9 @@ class VOGN:
         self.optimizer = VOGNOptimizer(self._defaults)
         self._ready = False
         self.step_count = 0
-        self._sites: list[
-            tuple[str, int, int, torch.Size, Any]
-        ] = []  # name, start, stop, shape, key
-        self._hidden: list[tuple[str, nn.Parameter, Any]] = []  # fullname, param, key
+        self._sites: list[Site] = []
+        self._hidden: list[Hidden] = []
+        self._estimates: list[torch.Tensor] = []
         self._pending: dict | None = None
         self._scale_key: tuple | None = None
         self._var_sums = (0.0, 0.0)
@@ -201,18 +199,13 @@ class VOGN:
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _trace(self, data: dict | None, args, kwargs):
-        """Trace the model (at ``data`` for the weights, else at their initial values) while the
-        tape records every layer; returns (trace, tape)."""
+    def _trace(self, args, kwargs):
+        """Trace the model at the weights' initial values while a tape records every layer."""
         tape = PerExampleGradients(None, chunk_size=self.chunk_size)
-        model = self.model
-        model = (
-            InitMessenger(init_to_network)(model)
-            if data is None
-            else poutine.condition(model, data)
-        )
         with tape:
-            trace = poutine.trace(model).get_trace(*args, **kwargs)
+            trace = poutine.trace(InitMessenger(init_to_network)(self.model)).get_trace(
+                *args, **kwargs
+            )
         return trace, tape
 
     def _setup(self, args, kwargs) -> None:
@@ -230,189 +223,111 @@ class VOGN:
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         try:
-            trace, tape = self._trace(None, args, kwargs)
+            trace, tape = self._trace(args, kwargs)
         finally:
             handle.remove()
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
         try:
-            self._inspect(trace, tape)
+            specs, self._sites, self._hidden = inspect_model(trace, tape, self.dataset_size)
         except (ValueError, TypeError):
             with torch.no_grad():  # fail before any state changes: undo BatchNorm statistics
                 for module, buffers in snapshots.items():
                     for k, b in buffers.items():
                         module._buffers[k].copy_(b)  # type: ignore[union-attr]
             raise
-        locs = [spec.init_value.detach().reshape(-1) for *_, spec in self._site_specs]
-        loc = torch.cat(locs).clone()
+        loc = torch.cat([spec.init_value.detach().reshape(-1) for _, spec in specs]).clone()
         self.guide._install(trace, [s[:4] for s in self._sites], loc, torch.zeros_like(loc))
         self.optimizer._install(self.guide.loc, [p for _, p, _ in self._hidden])
+        self._buffers(tape)
         self._ready = True
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
             return
         # s starts at ĥ on the first minibatch at w = μ (Algorithm 1, line 1).
-        losses, batch = self._nll(trace)
-        _, h, _, h_hidden = self._gradients(tape, losses)
-        for p, value in zip(self._params(), [h, *h_hidden]):
+        weights = {s[0] for s in self._sites}
+        losses, batch, _ = per_example_nll(observed_sites(trace, weights), 1)
+        self._gradients(tape, losses, add=False)
+        for p, h in zip(self._params(), self._split(self._estimates)[1]):
             self.optimizer.state[p]["m"] = torch.zeros_like(p)
-            self.optimizer.state[p]["s"] = value / batch
+            self.optimizer.state[p]["s"] = h / batch
         self._refresh_scale()
 
-    def _inspect(self, trace, tape: PerExampleGradients) -> None:
-        """Validate the model's sites and map them to the tape's layers."""
-        sites, observed, params = [], [], []
-        for name, site in trace.nodes.items():
-            if site["type"] == "param":
-                params.append(name)
-            if site["type"] != "sample" or site_is_subsample(site):
-                continue
-            if site["is_observed"]:
-                observed.append(site)
-                continue
-            spec = site_spec(site)
-            if spec is None:
-                raise ValueError(
-                    f"VOGN infers only network weights lifted by pyro_bdl.bayesianize; latent site "
-                    f"{name!r} is not one. Make it observed or a constant, or use SVI with a guide."
-                )
-            if site["cond_indep_stack"]:
-                raise ValueError(
-                    f"weight site {name!r} lies inside a plate; VOGN needs global weights."
-                )
-            sites.append((name, spec))
-        if not sites:
-            raise ValueError(
-                "the model has no weight sites; lift the network with pyro_bdl.bayesianize(net)."
-            )
-        in_plate = [s for s in observed if _data_frame(s) is not None]
-        outside = [s["name"] for s in observed if _data_frame(s) is None]
-        if outside or not in_plate:
-            raise ValueError(
-                f"VOGN needs every observed site inside pyro.plate({DATA_PLATE!r}, N, "
-                f"subsample_size=B) to read per-example likelihoods; "
-                + (f"sites {outside} are outside it." if outside else "the model has none.")
-                + " Use pyro_bdl.models.classifier/regressor or wrap the observation in that plate."
-            )
-        for s in in_plate:
-            frame = _data_frame(s)
-            full = frame.full_size or frame.size
-            if full != self.dataset_size:
-                raise ValueError(
-                    f"dataset_size is {self.dataset_size} but the model's data plate has size "
-                    f"{full} (site {s['name']!r}); pass the same N to both."
-                )
-        dtypes = {spec.init_value.dtype for _, spec in sites}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"all weight sites must share one dtype; got {sorted(map(str, dtypes))}."
-            )
-        self._site_specs = [(name, spec) for name, spec in sites]
-        start, layout = 0, []
-        for name, spec in sites:
-            n = spec.init_value.numel()
-            layout.append((name, start, start + n, spec.shape, (spec.module, spec.param_name)))
-            start += n
-        self._sites = layout
-        hidden, covered = [], set()
-        for module in tape.calls:
-            prefix = module.__dict__.get("_pyro_name")
-            for pname, p in module._parameters.items():
-                if p is None or not p.requires_grad or prefix is None:
-                    continue
-                fullname = f"{prefix}.{pname}" if prefix else pname
-                if fullname in params and fullname not in covered:
-                    covered.add(fullname)
-                    hidden.append((fullname, p, (module, pname)))
-        missing = [p for p in params if p not in covered]
-        if missing:
-            raise ValueError(
-                f"VOGN trains the lifted network's weights and its hidden layer parameters only; "
-                f"param sites {missing} belong to no layer of the network. Make them constants, "
-                "or fit the model with SVI."
-            )
-        self._hidden = hidden
+    def _buffers(self, tape: PerExampleGradients) -> None:
+        """Allocate, once, the flat weight sample and the flat ĝ, ĥ that the tape writes into."""
+        loc = self.guide.loc
+        self._noise, self._w = torch.empty_like(loc), torch.empty_like(loc)
+        g, h = torch.empty_like(loc), torch.empty_like(loc)
+        g_hidden = [torch.empty_like(p) for _, p, _ in self._hidden]
+        h_hidden = [torch.empty_like(p) for _, p, _ in self._hidden]
+        self._estimates = [g, h, *g_hidden, *h_hidden]
+        self._out = {
+            key: (g[a:b].view(shape), h[a:b].view(shape)) for _, a, b, shape, key in self._sites
+        }
+        for (_, _, key), gp, hp in zip(self._hidden, g_hidden, h_hidden):
+            self._out[key] = (gp, hp)
+        # What each pass writes onto the layers: the weight sample's views, and the hidden
+        # parameters themselves (what PyroModule's pyro.param statement would return).
+        self._values = [
+            (module, pname, self._w[a:b].view(shape))
+            for _, a, b, shape, (module, pname) in self._sites
+        ]
+        self._values += [(module, pname, p) for _, p, (module, pname) in self._hidden]
+        # The tape is kept across steps and hooks only the layers the first pass met.
+        self._tape = PerExampleGradients(None, chunk_size=self.chunk_size)
+        self._tape._layers = list(tape.calls)
 
-    @property
-    def _site_keys(self):
-        return [s[4] for s in self._sites]
+    def _split(self, estimates: list[torch.Tensor]) -> tuple[list, list]:
+        """[ĝ, ĥ, ĝ of each hidden parameter..., ĥ of each...] -> (ĝs, ĥs), μ's first."""
+        k = len(self._hidden)
+        return [estimates[0], *estimates[2 : 2 + k]], [estimates[1], *estimates[2 + k :]]
 
     def _params(self) -> list[torch.Tensor]:
         return [self.guide.loc, *(p for _, p, _ in self._hidden)]
 
     # -- one pass ------------------------------------------------------------------------------
 
-    def _nll(self, trace) -> tuple[torch.Tensor, int]:
-        """Per-example negative log-likelihood (B,) of the data-plate sites, without N/B."""
-        weights = {s[0] for s in self._sites}
-        total, batch = None, 0
-        for name, site in trace.nodes.items():
-            if site["type"] != "sample" or not site["is_observed"] or name in weights:
-                continue
-            if site_is_subsample(site):
-                continue
-            frame = _data_frame(site)
-            lp = site["fn"].log_prob(site["value"])
-            if site["mask"] is not None:
-                lp = lp * site["mask"] if site["mask"] is not False else torch.zeros_like(lp)
-            scale = site["scale"] * frame.size / (frame.full_size or frame.size)
-            lp = lp * scale
-            dim = frame.dim
-            if lp.dim() < -dim or lp.shape[dim] != frame.size:
-                raise ValueError(
-                    f"site {name!r} has log-probability shape {tuple(lp.shape)}, which does not "
-                    f"hold one entry per example at the data plate's dim {dim}; give the "
-                    "observation distribution the batch shape (B,) (or (B, ...) with to_event)."
-                )
-            per = -lp.movedim(dim, 0).reshape(frame.size, -1).sum(1)
-            if not bool(torch.isfinite(per).all()):
-                raise ValueError(
-                    f"VOGN step {self.step_count + 1}: the negative log-likelihood of site "
-                    f"{name!r} is not finite (NaN or inf). Lower the learning rate or check the "
-                    "data."
-                )
-            total = per if total is None else total + per
-            batch = frame.size
-        assert total is not None
-        return total, batch
+    def _sample(self) -> torch.Tensor:
+        """w = μ + σ ⊙ ε into the flat sample buffer (whose views the layers read)."""
+        torch.randn(self._noise.shape, out=self._noise)
+        return torch.addcmul(self.guide.loc, self.guide.scale, self._noise, out=self._w)
 
-    def _gradients(self, tape: PerExampleGradients, losses: torch.Tensor):
-        """(Σg, Σg², [Σg per hidden], [Σg² per hidden]) with flat site vectors."""
-        raw = tape.compute(losses)
-        g_parts, h_parts = [], []
-        for _, start, stop, _, key in self._sites:
-            pair = raw.get(key)
-            if pair is None:
-                zero = self.guide.loc.new_zeros(stop - start)
-                g_parts.append(zero)
-                h_parts.append(zero)
-            else:
-                g_parts.append(pair[0].reshape(-1))
-                h_parts.append(pair[1].reshape(-1))
-        g_hidden, h_hidden = [], []
-        for _, p, key in self._hidden:
-            pair = raw.get(key)
-            g_hidden.append(pair[0] if pair else torch.zeros_like(p))
-            h_hidden.append(pair[1] if pair else torch.zeros_like(p))
-        return torch.cat(g_parts), torch.cat(h_parts), g_hidden, h_hidden
+    def _run(self, args, kwargs) -> tuple[torch.Tensor, int, float]:
+        """One conditioned pass at the current sample: the per-example NLL, B and its sum."""
+        sites = run_substituted(self.model, self._values, args, kwargs, self.step_count + 1)
+        return per_example_nll(sites, self.step_count + 1)
+
+    def _gradients(self, tape: PerExampleGradients, losses: torch.Tensor, add: bool) -> None:
+        """Σg and Σg² into the flat estimates (added to them if ``add``)."""
+        raw = tape.compute(losses, out=self._out, add=add)
+        tape.calls = {}  # free the recorded activations now, not at the next step
+        if not add and len(raw) < len(self._out):
+            for key, (g, h) in self._out.items():
+                if key not in raw:  # a layer the model did not call this time: no gradient
+                    g.zero_()
+                    h.zero_()
 
     def _hyper_key(self) -> tuple:
         g = self._groups()[0]
         return (g["temperature"], g["prior_precision"], g["effective_size"])
 
+    @torch.no_grad()
     def _refresh_scale(self) -> None:
         self._scale_key = self._hyper_key()
         s = self.optimizer.state[self.guide.loc]["s"]
-        scale = vogn_scale(
+        scale = self.guide.scale
+        vogn_scale(
             s,
             temperature=self.temperature,
             effective_size=self._groups()[0]["effective_size"],
             prior_precision_tilde=self._delta_tilde(),
+            out=scale,
         )
-        self.guide.scale.copy_(scale)
-        self._var_sums = (float(scale.square().sum()), 2.0 * float(scale.log().sum()))
+        # KL's Σσ² and Σ log σ², kept for the loss of the next steps (only Σμ² changes).
+        log_scale = torch.log(scale)
+        self._var_sums = (float(torch.dot(scale, scale)), 2.0 * float(log_scale.sum()))
 
     # -- the public step -----------------------------------------------------------------------
 
@@ -428,49 +343,33 @@ class VOGN:
                 group["temperature"] = tau
         if self._scale_key != self._hyper_key():
             self._refresh_scale()  # τ (or another hyperparameter of σ) changed since the last step
-        loc, scale = self.guide.loc, self.guide.scale
-        g_sum = h_sum = None
-        hidden_g: list[torch.Tensor] = []
-        hidden_h: list[torch.Tensor] = []
-        nll_total = 0.0
-        for _ in range(self.num_particles):
-            w = torch.addcmul(loc, scale, torch.randn_like(loc))
-            data = {name: w[a:b].view(shape) for name, a, b, shape, _ in self._sites}
-            trace, tape = self._trace(data, args, kwargs)
-            losses, batch = self._nll(trace)
-            g, h, gh, hh = self._gradients(tape, losses)
-            nll_total += float(losses.detach().sum()) * self.dataset_size / batch
-            if g_sum is None:
-                g_sum, h_sum, hidden_g, hidden_h = g, h, gh, hh
-            else:
-                g_sum.add_(g)
-                h_sum.add_(h)  # type: ignore[union-attr]
-                for a, b in zip(hidden_g + hidden_h, gh + hh):
-                    a.add_(b)
-        assert g_sum is not None and h_sum is not None
-        n = self.num_particles * batch
-        estimates = [t.div_(n) for t in [g_sum, h_sum, *hidden_g, *hidden_h]]
+        nll_total, batch = 0.0, 0
+        for k in range(self.num_particles):
+            self._sample()
+            with self._tape:
+                losses, batch, nll = self._run(args, kwargs)
+            self._gradients(self._tape, losses, add=k > 0)
+            nll_total += nll * self.dataset_size / batch
+        estimates = self._estimates  # [ĝ, ĥ, ĝ and ĥ of each hidden parameter...]
+        torch._foreach_div_(estimates, float(self.num_particles * batch))
         if self.reduce_fn is not None:
             self.reduce_fn(estimates)
         # One reduction per tensor: a sum is finite only if every element is.
         if not bool(torch.isfinite(torch.stack([t.sum() for t in estimates])).all()):
-            names = ["weights (ĝ)", "weights (ĥ)"]
-            names += [f"{p[0]} (hidden, ĝ)" for p in self._hidden]
-            names += [f"{p[0]} (hidden, ĥ)" for p in self._hidden]
-            name = next(nm for est, nm in zip(estimates, names) if not torch.isfinite(est).all())
+            g_hats, h_hats = self._split(estimates)
+            names = ["weights", *(f"{p[0]} (hidden)" for p in self._hidden)]
+            labelled = [(f"{n} (ĝ)", t) for n, t in zip(names, g_hats)]
+            labelled += [(f"{n} (ĥ)", t) for n, t in zip(names, h_hats)]
+            name = next(n for n, t in labelled if not bool(torch.isfinite(t).all()))
             raise ValueError(
                 f"VOGN step {self.step_count + 1}: the gradient of the likelihood for {name} "
                 "is not finite (NaN or inf); nothing was updated. Lower the learning rate."
             )
         loss = nll_total / self.num_particles + self.temperature * self._kl()
-        k = len(self._hidden)
-        for p, g, h in zip(
-            self._params(),
-            [estimates[0], *estimates[2 : 2 + k]],
-            [estimates[1], *estimates[2 + k :]],
-        ):
-            self.optimizer.state[p]["g_hat"] = g
-            self.optimizer.state[p]["h_hat"] = h
+        state = self.optimizer.state
+        for p, g, h in zip(self._params(), *self._split(estimates)):
+            state[p]["g_hat"] = g
+            state[p]["h_hat"] = h
         self.optimizer.step()
         self.step_count += 1
         self._refresh_scale()
@@ -484,11 +383,9 @@ class VOGN:
             raise RuntimeError("VOGN has not seen the model yet; call vogn.step(x, y) first.")
         nll = 0.0
         for _ in range(self.num_particles):
-            w = torch.addcmul(self.guide.loc, self.guide.scale, torch.randn_like(self.guide.loc))
-            data = {name: w[a:b].view(shape) for name, a, b, shape, _ in self._sites}
-            trace = poutine.trace(poutine.condition(self.model, data)).get_trace(*args, **kwargs)
-            losses, batch = self._nll(trace)
-            nll += float(losses.sum()) * self.dataset_size / batch
+            self._sample()
+            _, batch, total = self._run(args, kwargs)
+            nll += total * self.dataset_size / batch
         return nll / self.num_particles + self.temperature * self._kl()
 
     @torch.no_grad()

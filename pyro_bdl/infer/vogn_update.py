@@ -35,20 +35,58 @@ def vogn_update(
     With ``bayesian=False`` (hidden parameters such as BatchNorm's) the prior term
     :math:`\tilde\delta\mu` is left out of the momentum; :math:`\tilde\delta` still damps the step.
     """
+    _update_all(
+        [mu],
+        [m],
+        [s],
+        [g_hat],
+        [h_hat],
+        lr=lr,
+        betas=betas,
+        prior_precision_tilde=prior_precision_tilde,
+        damping=damping,
+        bayesian=bayesian,
+    )
+
+
+def _update_all(
+    mu: list[torch.Tensor],
+    m: list[torch.Tensor],
+    s: list[torch.Tensor],
+    g_hat: list[torch.Tensor],
+    h_hat: list[torch.Tensor],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    prior_precision_tilde: float,
+    damping: float,
+    bayesian: bool,
+) -> None:
+    """:func:`vogn_update` on lists of tensors, one ``torch._foreach_*`` call per operation."""
     beta1, beta2 = betas
-    m.mul_(beta1).add_(g_hat)
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, g_hat)
     if bayesian:
-        m.add_(mu, alpha=prior_precision_tilde)
-    s.mul_(1.0 - beta2).add_(h_hat, alpha=beta2)
-    mu.addcdiv_(m, s + (prior_precision_tilde + damping), value=-lr)
+        torch._foreach_add_(m, mu, alpha=prior_precision_tilde)
+    torch._foreach_mul_(s, 1.0 - beta2)
+    torch._foreach_add_(s, h_hat, alpha=beta2)
+    denominator = torch._foreach_add(s, prior_precision_tilde + damping)
+    torch._foreach_addcdiv_(mu, m, denominator, value=-lr)
 
 
+@torch.no_grad()
 def vogn_scale(
-    s: torch.Tensor, *, temperature: float, effective_size: float, prior_precision_tilde: float
+    s: torch.Tensor,
+    *,
+    temperature: float,
+    effective_size: float,
+    prior_precision_tilde: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r""":math:`\sigma = \sqrt{\tau / (\tilde N (s + \tilde\delta))}`; the posterior precision is
-    :math:`\tilde N s/\tau + \delta`."""
-    return (temperature / (effective_size * (s + prior_precision_tilde))).sqrt()
+    :math:`\tilde N s/\tau + \delta`. ``out`` receives the result if given."""
+    out = torch.add(s, prior_precision_tilde, out=out)
+    return out.mul_(effective_size / temperature).sqrt_().reciprocal_()
 
 
 class VOGNOptimizer(torch.optim.Optimizer):
@@ -78,19 +116,21 @@ class VOGNOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):  # type: ignore[override]
         loss = closure() if closure is not None else None
         for group in self.param_groups:
+            params = group["params"]
+            if not params:
+                continue
             delta_tilde = group["temperature"] * group["prior_precision"] / group["effective_size"]
-            for p in group["params"]:
-                state = self.state[p]
-                vogn_update(
-                    p,
-                    state["m"],
-                    state["s"],
-                    state.pop("g_hat"),
-                    state.pop("h_hat"),
-                    lr=group["lr"],
-                    betas=group["betas"],
-                    prior_precision_tilde=delta_tilde,
-                    damping=group["damping"],
-                    bayesian=group["bayesian"],
-                )
+            states = [self.state[p] for p in params]
+            _update_all(
+                params,
+                [st["m"] for st in states],
+                [st["s"] for st in states],
+                [st.pop("g_hat") for st in states],
+                [st.pop("h_hat") for st in states],
+                lr=group["lr"],
+                betas=group["betas"],
+                prior_precision_tilde=delta_tilde,
+                damping=group["damping"],
+                bayesian=group["bayesian"],
+            )
         return loss

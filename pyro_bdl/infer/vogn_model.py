@@ -1,0 +1,216 @@
+r"""How :class:`~pyro_bdl.infer.VOGN` reads a Pyro model: the checks of the first step, the
+per-example negative log-likelihoods of the data plate, and the fast conditioned run.
+
+The first step traces the model once (weights at their initial values) and checks that every
+latent site is a lifted weight, every observation lies in the data plate, and every ``param``
+site belongs to a layer of the network. That structure is then kept: every later pass writes the
+weight sample straight onto the lifted layers (as :func:`~pyro_bdl.curvature.substitute` does)
+and runs the model under :class:`SiteRecorder`, which records the sample sites that still reach
+Pyro, the observations. This is the same computation as ``poutine.trace(poutine.condition(model,
+weights))`` without a Pyro message, a prior distribution and a trace node per weight site. A
+latent site that appears after the first step (a model whose structure changes) is refused.
+
+References:
+
+- Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+from torch import nn
+
+from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.models import DATA_PLATE
+from pyro_bdl.nn.lift import SiteSpec, site_spec
+
+__all__ = ["SiteRecorder", "inspect_model", "per_example_nll", "run_substituted"]
+
+#: (name, start, stop, shape, (module, parameter name)) of a weight site in the flat vector μ.
+Site = tuple[str, int, int, torch.Size, tuple[nn.Module, str]]
+#: (dotted name, parameter, (module, parameter name)) of a hidden parameter.
+Hidden = tuple[str, nn.Parameter, tuple[nn.Module, str]]
+
+
+def data_frame(site) -> Any:
+    """The data plate's frame among the site's plates, or ``None``."""
+    for frame in site["cond_indep_stack"]:
+        if frame.name == DATA_PLATE:
+            return frame
+    return None
+
+
+def inspect_model(
+    trace, tape: PerExampleGradients, dataset_size: int
+) -> tuple[list[tuple[str, SiteSpec]], list[Site], list[Hidden]]:
+    """Validate the model's first trace and map its sites to the tape's layers.
+
+    Returns the weight sites with their specs, the flat layout of μ and the hidden parameters.
+    """
+    sites, observed, params = [], [], []
+    for name, site in trace.nodes.items():
+        if site["type"] == "param":
+            params.append(name)
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        if site["is_observed"]:
+            observed.append(site)
+            continue
+        spec = site_spec(site)
+        if spec is None:
+            raise ValueError(
+                f"VOGN infers only network weights lifted by pyro_bdl.bayesianize; latent site "
+                f"{name!r} is not one. Make it observed or a constant, or use SVI with a guide."
+            )
+        if site["cond_indep_stack"]:
+            raise ValueError(
+                f"weight site {name!r} lies inside a plate; VOGN needs global weights."
+            )
+        sites.append((name, spec))
+    if not sites:
+        raise ValueError(
+            "the model has no weight sites; lift the network with pyro_bdl.bayesianize(net)."
+        )
+    in_plate = [s for s in observed if data_frame(s) is not None]
+    outside = [s["name"] for s in observed if data_frame(s) is None]
+    if outside or not in_plate:
+        raise ValueError(
+            f"VOGN needs every observed site inside pyro.plate({DATA_PLATE!r}, N, "
+            f"subsample_size=B) to read per-example likelihoods; "
+            + (f"sites {outside} are outside it." if outside else "the model has none.")
+            + " Use pyro_bdl.models.classifier/regressor or wrap the observation in that plate."
+        )
+    for s in in_plate:
+        frame = data_frame(s)
+        full = frame.full_size or frame.size
+        if full != dataset_size:
+            raise ValueError(
+                f"dataset_size is {dataset_size} but the model's data plate has size "
+                f"{full} (site {s['name']!r}); pass the same N to both."
+            )
+    dtypes = {spec.init_value.dtype for _, spec in sites}
+    if len(dtypes) > 1:
+        raise ValueError(f"all weight sites must share one dtype; got {sorted(map(str, dtypes))}.")
+    start, layout = 0, []
+    for name, spec in sites:
+        n = spec.init_value.numel()
+        layout.append((name, start, start + n, spec.shape, (spec.module, spec.param_name)))
+        start += n
+    hidden, covered = [], set()
+    for module in tape.calls:
+        prefix = module.__dict__.get("_pyro_name")
+        for pname, p in module._parameters.items():
+            if p is None or not p.requires_grad or prefix is None:
+                continue
+            fullname = f"{prefix}.{pname}" if prefix else pname
+            if fullname in params and fullname not in covered:
+                covered.add(fullname)
+                hidden.append((fullname, p, (module, pname)))
+    missing = [p for p in params if p not in covered]
+    if missing:
+        raise ValueError(
+            f"VOGN trains the lifted network's weights and its hidden layer parameters only; "
+            f"param sites {missing} belong to no layer of the network. Make them constants, "
+            "or fit the model with SVI."
+        )
+    return sites, layout, hidden  # type: ignore[return-value]
+
+
+def per_example_nll(sites: Iterable[dict], step: int) -> tuple[torch.Tensor, int, float]:
+    """Per-example negative log-likelihood ``(B,)`` of the data-plate sites without the plate's
+    N/B scaling (any other ``poutine.scale`` kept), the batch size B, and the sum as a float."""
+    total, batch, value = None, 0, 0.0
+    for site in sites:
+        name, frame = site["name"], data_frame(site)
+        lp = site["fn"].log_prob(site["value"])
+        if site["mask"] is not None:
+            lp = lp * site["mask"] if site["mask"] is not False else torch.zeros_like(lp)
+        scale = site["scale"] * frame.size / (frame.full_size or frame.size)
+        if not isinstance(scale, (int, float)) or scale != 1.0:
+            lp = lp * scale
+        dim = frame.dim
+        if lp.dim() < -dim or lp.shape[dim] != frame.size:
+            raise ValueError(
+                f"site {name!r} has log-probability shape {tuple(lp.shape)}, which does not "
+                f"hold one entry per example at the data plate's dim {dim}; give the "
+                "observation distribution the batch shape (B,) (or (B, ...) with to_event)."
+            )
+        per = -(lp.movedim(dim, 0).reshape(frame.size, -1).sum(1) if lp.dim() > 1 else lp)
+        # One number per site: its sum is finite only if every entry is (barring an overflow
+        # of finite values, which float32 reaches only past 3e38).
+        site_total = float(per.detach().sum())
+        if not math.isfinite(site_total):
+            raise ValueError(
+                f"VOGN step {step}: the negative log-likelihood of site {name!r} is not finite "
+                "(NaN or inf). Lower the learning rate or check the data."
+            )
+        total = per if total is None else total + per
+        batch, value = frame.size, value + site_total
+    assert total is not None
+    return total, batch, value
+
+
+def observed_sites(trace, weights: set[str]) -> list[dict]:
+    """The observed sample sites of a trace, without the weights and the subsample sites."""
+    return [
+        site
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and site["is_observed"]
+        and name not in weights
+        and not site_is_subsample(site)
+    ]
+
+
+class SiteRecorder(Messenger):
+    """Records the sample sites that reach it (with the weights substituted on the layers, only
+    the observations); a lighter ``poutine.trace`` for the passes after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[dict] = []
+
+    def _pyro_post_sample(self, msg) -> None:
+        # A message is not reused once its sample statement has returned: keep it, uncopied.
+        self.sites.append(msg)
+
+
+def run_substituted(
+    model: Callable,
+    values: Sequence[tuple[nn.Module, str, torch.Tensor]],
+    args: tuple,
+    kwargs: dict,
+    step: int,
+) -> list[dict]:
+    """Run ``model`` with ``module.<name> = value`` for every entry of ``values``; returns the
+    observed sites of the data plate, refusing a latent site (the model changed its structure)."""
+    recorder = SiteRecorder()
+    try:
+        for module, name, value in values:
+            # An instance attribute shadows both nn.Module's parameter lookup and PyroModule's
+            # PyroSample lookup (both live in __getattr__), without touching the module's state.
+            module.__dict__[name] = value
+        with recorder:
+            model(*args, **kwargs)
+    finally:
+        for module, name, _ in values:
+            module.__dict__.pop(name, None)
+    sites = []
+    for site in recorder.sites:
+        if site_is_subsample(site):
+            continue
+        if not site["is_observed"] or data_frame(site) is None:
+            where = "latent" if not site["is_observed"] else "outside the data plate"
+            raise ValueError(
+                f"VOGN step {step}: site {site['name']!r} is {where}, but the model had no such "
+                "site at the first step; VOGN keeps the model's structure from its first step. "
+                "Give the model the same sample sites at every step."
+            )
+        sites.append(site)
+    return sites
