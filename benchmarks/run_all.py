@@ -13,6 +13,7 @@ BENCHMARKS: list[str] = [
     "radial_gradient_variance",
     "laplace",
     "vogn_step",
+    "uci",  # needs $PYRO_BDL_DATA (or ../shared/data); skips with a message without it
 ]
 
 
