@@ -1,36 +1,34 @@
 r"""SWAG: a Gaussian posterior from the SGD trajectory (Maddox et al., NeurIPS 2019), as a guide.
 
-The numerical core is three plain functions of tensors (:func:`swag_collect_`,
-:func:`swag_variance`, :func:`swag_sample`); :class:`SWAGNormal` wraps them as a distribution over
-the packed latent vector, and :class:`AutoSWAG` is a thin :class:`~pyro.infer.autoguide.
-AutoContinuous` around that distribution.
-
-With T snapshots θ_1..θ_T collected, the running mean θ̄, the running second moment θ̄₂, the
-diagonal Σ_diag = max(θ̄₂ − θ̄², ε) and the last K ≤ rank deviations D̂ (rows θ_t − θ̄_t), a sample
-is
-
-    θ = θ̄ + √scale · [ (1/√2) Σ_diag^{1/2} ⊙ z₁ + (1/√(2(K−1))) D̂ᵀ z₂ ],
-    z₁ ~ N(0, I_D), z₂ ~ N(0, I_K),
-
-so the covariance is scale · (Σ_diag + D̂ᵀD̂/(K−1)) / 2; SWAG-diag draws θ̄ + √scale Σ_diag^{1/2} ⊙ z₁
-(covariance scale · Σ_diag).
+:class:`AutoSWAG` is a thin :class:`~pyro.infer.autoguide.AutoContinuous` around
+:class:`~pyro_bdl.guides.swag_gaussian.SWAGNormal`; the numerical core (collection, Σ_diag,
+sampling) is plain functions in :mod:`pyro_bdl.guides.swag_gaussian`, re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import ExitStack
 
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
 from pyro.distributions import constraints
-from pyro.distributions.torch_distribution import TorchDistribution, TorchDistributionMixin
+from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 from torch.distributions import biject_to
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
+from pyro_bdl.guides.swag_gaussian import (
+    SWAGNormal,
+    swag_collect_,
+    swag_sample,
+    swag_std,
+    swag_variance,
+)
 from pyro_bdl.nn import init_to_network
 
 __all__ = [
@@ -39,6 +37,7 @@ __all__ = [
     "SWAGNormal",
     "swag_collect_",
     "swag_sample",
+    "swag_std",
     "swag_variance",
 ]
 
@@ -47,166 +46,6 @@ MODES = ("auto", "point", "swag")
 
 class NotCollectedError(RuntimeError):
     """SWAG was asked for its posterior before two snapshots were collected."""
-
-
-# --------------------------------------------------------------------------- numerical core
-
-
-@torch.no_grad()
-def swag_collect_(
-    theta: torch.Tensor,
-    mean: torch.Tensor,
-    sq_mean: torch.Tensor,
-    deviations: torch.Tensor,
-    num_collected: int,
-) -> None:
-    """Add snapshot ``theta`` (shape (D,)) to the SWAG statistics **in place**.
-
-    ``num_collected`` is the number of snapshots already in ``mean``/``sq_mean``. The deviation
-    from the *updated* mean goes to row ``num_collected % K`` of ``deviations`` (K, D), a ring
-    buffer holding the last K deviations (K = 0 keeps none: SWAG-diag). Every update writes into
-    the existing storage (``lerp_``/``addcmul_``/``out=``): O(D) work and no allocation that
-    grows with K, so collecting costs the same in the first and the thousandth call.
-    """
-    weight = 1.0 / (num_collected + 1)
-    # lerp_ computes mean + w (θ − mean): the running average, exact for the first snapshot.
-    mean.lerp_(theta, weight)
-    sq_mean.mul_(1.0 - weight).addcmul_(theta, theta, value=weight)
-    rank = deviations.shape[0]
-    if rank:
-        torch.sub(theta, mean, out=deviations[num_collected % rank])
-
-
-def swag_variance(mean: torch.Tensor, sq_mean: torch.Tensor, *, clamp: float) -> torch.Tensor:
-    """Σ_diag = max(θ̄₂ − θ̄², ``clamp``): round-off can make θ̄₂ − θ̄² slightly negative when the
-    weights barely move (float32 cancellation), which is clamped rather than raised."""
-    return torch.addcmul(sq_mean, mean, mean, value=-1.0).clamp_min_(clamp)
-
-
-def swag_sample(
-    mean: torch.Tensor,
-    variance: torch.Tensor,
-    deviations: torch.Tensor,
-    *,
-    scale: float,
-    sample_shape: torch.Size = torch.Size(),
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Draw ``sample_shape`` samples of the SWAG Gaussian; ``deviations`` (K, D) with K = 0 gives
-    SWAG-diag, K ≥ 2 full SWAG. Everything stays on ``mean``'s device: no host round trip."""
-    shape = torch.Size(sample_shape) + mean.shape
-    k = deviations.shape[0]
-    if k == 1:
-        raise ValueError("the low-rank SWAG term needs at least 2 deviations (K − 1 ≥ 1).")
-    z1 = torch.randn(shape, dtype=mean.dtype, device=mean.device, generator=generator)
-    # θ̄ + c σ ⊙ z₁ in one fused pass (memory bandwidth, not flops, bounds sampling).
-    theta = torch.addcmul(
-        mean, z1, variance.sqrt(), value=math.sqrt(scale if k == 0 else scale / 2)
-    )
-    if k == 0:
-        return theta
-    z2 = torch.randn((*sample_shape, k), dtype=mean.dtype, device=mean.device, generator=generator)
-    # (S, K) @ (K, D) accumulated into θ in place: one GEMM reading D̂ once, no D×D matrix.
-    theta.view(-1, mean.shape[-1]).addmm_(
-        z2.reshape(-1, k), deviations, alpha=math.sqrt(scale / (2.0 * (k - 1)))
-    )
-    return theta
-
-
-# --------------------------------------------------------------------------- distribution
-
-
-class SWAGNormal(TorchDistribution):
-    r"""The SWAG Gaussian over a packed vector: N(θ̄, scale · (Σ_diag + D̂ᵀD̂/(K−1))/2), or
-    N(θ̄, scale · Σ_diag) when ``deviations`` has no rows (SWAG-diag).
-
-    Sampling costs O((K + 1) D); :meth:`log_prob` uses the Woodbury identity with a K × K
-    capacitance matrix, built only when a density is asked for.
-
-    :param torch.Tensor mean: θ̄, shape (D,).
-    :param torch.Tensor variance: Σ_diag, shape (D,), positive.
-    :param torch.Tensor deviations: D̂, shape (K, D) with K = 0 or K ≥ 2.
-    :param float scale: multiplies the covariance.
-    """
-
-    arg_constraints: dict = {}
-    support = constraints.real_vector
-    has_rsample = False
-
-    def __init__(
-        self,
-        mean: torch.Tensor,
-        variance: torch.Tensor,
-        deviations: torch.Tensor,
-        *,
-        scale: float = 1.0,
-        validate_args=None,
-    ):
-        if deviations.dim() != 2 or deviations.shape[-1] != mean.shape[-1]:
-            raise ValueError(
-                f"deviations must have shape (K, {mean.shape[-1]}); got {tuple(deviations.shape)}."
-            )
-        if deviations.shape[0] == 1:
-            raise ValueError("deviations must have 0 rows (SWAG-diag) or at least 2; got 1.")
-        self.loc = mean
-        self.diag_variance = variance
-        self.deviations = deviations
-        self.scale = float(scale)
-        super().__init__(torch.Size(), mean.shape, validate_args=validate_args)
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return self.loc
-
-    def _factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a, W) with covariance diag(a) + W Wᵀ, W of shape (D, K)."""
-        k = self.deviations.shape[0]
-        if k == 0:
-            return self.scale * self.diag_variance, self.deviations.T
-        a = (self.scale / 2.0) * self.diag_variance
-        w = self.deviations.T * math.sqrt(self.scale / (2.0 * (k - 1)))
-        return a, w
-
-    @property
-    def variance(self) -> torch.Tensor:
-        a, w = self._factors()
-        return a + w.pow(2).sum(-1)
-
-    def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
-        with torch.no_grad():
-            return swag_sample(
-                self.loc,
-                self.diag_variance,
-                self.deviations,
-                scale=self.scale,
-                sample_shape=torch.Size(sample_shape),
-            )
-
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        if self._validate_args:
-            self._validate_sample(value)
-        a, w = self._factors()
-        r = value - self.loc
-        d = r.shape[-1]
-        maha = (r * r / a).sum(-1)
-        logdet = a.log().sum()
-        if w.shape[-1]:
-            aw = w / a.unsqueeze(-1)  # A⁻¹W, (D, K)
-            cap = torch.eye(w.shape[-1], dtype=w.dtype, device=w.device) + w.T @ aw
-            chol = torch.linalg.cholesky(cap)
-            proj = (r @ aw).unsqueeze(-1)  # WᵀA⁻¹r, (..., K, 1)
-            sol = torch.cholesky_solve(proj, chol).squeeze(-1)
-            maha = maha - (proj.squeeze(-1) * sol).sum(-1)
-            logdet = logdet + 2.0 * chol.diagonal().log().sum()
-        return -0.5 * (d * math.log(2 * math.pi) + logdet + maha)
-
-    def expand(self, batch_shape, _instance=None):
-        # Pyro's plates (Predictive(parallel=True)) expand the distribution; the generic
-        # ExpandedDistribution draws iid samples through :meth:`sample`, which is what we want.
-        batch_shape = torch.Size(batch_shape)
-        if batch_shape == self.batch_shape:
-            return self
-        return TorchDistributionMixin.expand(self, batch_shape, _instance)
 
 
 # --------------------------------------------------------------------------- guide
@@ -228,7 +67,11 @@ class AutoSWAG(AutoContinuous):
     ring buffer of the last ``rank`` deviations: O(D) work into preallocated buffers. The
     statistics are registered buffers, so ``state_dict``/``load_state_dict`` round-trip them (call
     the guide once first, as for every Pyro autoguide). Memory: (rank + 2)·D numbers beyond
-    ``loc`` (2·D for SWAG-diag) plus one integer counter.
+    ``loc`` (2·D for SWAG-diag) plus one integer counter, and D more with ``cache_std=True``.
+
+    A sample costs one normal draw of D + K numbers, one read of the K × D deviations and two
+    passes over D-vectors (three more to form Σ_diag^{1/2}, which ``cache_std=True`` keeps between
+    collections); it never reads a value back to the host.
 
     Usage::
 
@@ -254,6 +97,8 @@ class AutoSWAG(AutoContinuous):
     :param callable init_loc_fn: initial point estimate per site (default: the network's
         weights, :func:`~pyro_bdl.nn.init_to_network`).
     :param float var_clamp: ε of Σ_diag = max(θ̄₂ − θ̄², ε).
+    :param bool cache_std: keep Σ_diag^{1/2} (D numbers, not part of the state) from one sample
+        to the next until the statistics change: about 20% cheaper samples for D more memory.
 
     References:
 
@@ -280,10 +125,12 @@ class AutoSWAG(AutoContinuous):
         scale: float = 0.5,
         init_loc_fn: Callable = init_to_network,
         var_clamp: float = 1e-30,
+        cache_std: bool = False,
     ):
         check_positive_int("rank", rank)
-        if not isinstance(diag_only, bool):
-            raise TypeError(f"diag_only must be a bool; got {type(diag_only).__name__}.")
+        for name, flag in (("diag_only", diag_only), ("cache_std", cache_std)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool; got {type(flag).__name__}.")
         if not diag_only and rank < 2:
             raise ValueError(
                 f"rank must be >= 2 for SWAG (the low-rank term divides by K − 1); got {rank}. "
@@ -295,6 +142,8 @@ class AutoSWAG(AutoContinuous):
         self.diag_only = diag_only
         self.scale = float(scale)
         self.var_clamp = float(var_clamp)
+        self.cache_std = cache_std
+        self._std: tuple[tuple, torch.Tensor] | None = None  # (key of the statistics, σ)
         self._mode = "auto"
         # A Python mirror of the counter buffer: deciding whether to sample must not read a
         # device tensor (that would be a host–device synchronisation per sample).
@@ -329,6 +178,9 @@ class AutoSWAG(AutoContinuous):
             transform = None if _is_real(support) else biject_to(support)
             self._packing.append((site, torch.Size(shape), pos, size, event_dim, transform))
             pos += size
+        # Plates (and the random subsample indices pyro.plate draws when it is built) are needed
+        # only for latent sites inside a plate; weight sites of a lifted network never are.
+        self._in_plates = any(self._cond_indep_stacks[site["name"]] for site, *_ in self._packing)
 
     def _unpack_latent(self, latent):
         """Like :meth:`AutoContinuous._unpack_latent` (``(site, unconstrained value)`` pairs), from
@@ -432,16 +284,64 @@ class AutoSWAG(AutoContinuous):
         self._require_collected("build its posterior")
         mean, sq_mean = self._buffers["swag_mean"], self._buffers["swag_sq_mean"]
         assert mean is not None and sq_mean is not None
-        variance = swag_variance(mean, sq_mean, clamp=self.var_clamp)
-        return SWAGNormal(mean, variance, self._stored_deviations(), scale=self.scale)
+        return SWAGNormal.from_moments(
+            mean,
+            sq_mean,
+            self._stored_deviations(),
+            scale=self.scale,
+            clamp=self.var_clamp,
+            std=self._cached_std(mean, sq_mean) if self.cache_std else None,
+        )
+
+    def _cached_std(self, mean: torch.Tensor, sq_mean: torch.Tensor) -> torch.Tensor:
+        """Σ_diag^{1/2}, recomputed only when the statistics changed: in-place writes (collect,
+        load_state_dict) bump the tensors' version counters, and moving the guide replaces them,
+        so the key needs no read of their values."""
+        key = (mean._version, sq_mean._version, mean.data_ptr(), sq_mean.data_ptr(), self.var_clamp)
+        if self._std is None or self._std[0] != key:
+            self._std = None  # free the stale copy before allocating the new one
+            self._std = (key, swag_std(mean, sq_mean, clamp=self.var_clamp))
+        return self._std[1]
 
     def sample_latent(self, *args, **kwargs) -> torch.Tensor:
         posterior: dist.Distribution
         if self._use_point_estimate():
-            posterior = dist.Delta(self.loc, event_dim=1)
+            # validate_args=False: checking the constant log-density is a device→host sync.
+            posterior = dist.Delta(self.loc, event_dim=1, validate_args=False)
         else:
             posterior = self.get_posterior()
         return pyro.sample(f"_{self._pyro_name}_latent", posterior, infer={"is_auxiliary": True})
+
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """One draw (or the point estimate) of every latent site, ``{site name: value}``.
+
+        :meth:`AutoContinuous.forward` with the per-site work that is wasted here removed: the
+        slicing is cached, real-valued sites skip the identity transform and its all-zeros
+        log-Jacobian (two passes over every weight), the site Deltas skip argument validation
+        (a device→host sync per site), and plates are built only if a site lives in one.
+        """
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        latent = self.sample_latent(*args, **kwargs)
+        plates = self._create_plates(*args, **kwargs) if self._in_plates else {}
+        no_jacobian = poutine.get_mask() is False
+        result = {}
+        for (site, value), packing in zip(self._unpack_latent(latent), self._packing):
+            name, event_dim, transform = site["name"], site["fn"].event_dim, packing[-1]
+            log_density: float | torch.Tensor = 0.0
+            if transform is not None:
+                unconstrained, value = value, transform(value)
+                if not no_jacobian:
+                    ladj = transform.inv.log_abs_det_jacobian(value, unconstrained)
+                    log_density = sum_rightmost(ladj, ladj.dim() - value.dim() + event_dim)
+            delta = dist.Delta(
+                value, log_density=log_density, event_dim=event_dim, validate_args=False
+            )
+            with ExitStack() as stack:
+                for frame in self._cond_indep_stacks[name]:
+                    stack.enter_context(plates[frame.name])
+                result[name] = pyro.sample(name, delta)
+        return result
 
     @torch.no_grad()
     def sample_weights(self) -> dict[str, torch.Tensor]:
