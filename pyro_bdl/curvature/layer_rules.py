@@ -66,27 +66,34 @@ def conv_per_example(
 
 
 def batchnorm_per_example(
-    bn: nn.modules.batchnorm._BatchNorm, a: torch.Tensor, delta: torch.Tensor, batch: torch.Tensor
+    bn: nn.modules.batchnorm._BatchNorm,
+    a: torch.Tensor,
+    delta: torch.Tensor,
+    batch: torch.Tensor,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     r"""Per-example gradients ``(c, C)`` of a BatchNorm's affine weight and bias.
 
     ``a`` and ``delta`` are a chunk of the saved input and output gradient; ``batch`` is the whole
-    saved input, from which the batch statistics are recomputed in training mode. With
+    saved input, from which the batch statistics are recomputed in training mode unless
+    ``stats`` gives them, ``(mean, 1/sqrt(var + eps))`` as the forward pass saved them. With
     :math:`\hat x = (a - m) r` the weight's gradient is
     :math:`\sum_p \delta_p \hat x_p = r(\sum_p \delta_p a_p - m \sum_p \delta_p)`, which needs
     only per-(example, channel) sums over contiguous positions, never :math:`\hat x` itself.
     """
     c, channels = a.shape[:2]
     a3, d3 = a.reshape(c, channels, -1), delta.reshape(c, channels, -1)
-    if bn.training or bn.running_mean is None:
+    if stats is not None:
+        mean, rstd = stats
+    elif bn.training or bn.running_mean is None:
         whole = batch.reshape(batch.shape[0], channels, -1)
         count = whole.shape[0] * whole.shape[2]
         mean = whole.sum((0, 2)) / count
         var = (whole.square().sum((0, 2)) / count - mean.square()).clamp_min(0)
+        rstd = torch.rsqrt(var + bn.eps)
     else:
         assert bn.running_var is not None
-        mean, var = bn.running_mean, bn.running_var
-    rstd = torch.rsqrt(var + bn.eps)
+        mean, rstd = bn.running_mean, torch.rsqrt(bn.running_var + bn.eps)
     bias = d3.sum(-1)
     weight = (torch.linalg.vecdot(d3, a3) - mean * bias) * rstd
     return {"weight": weight, "bias": bias}

@@ -98,6 +98,21 @@ class _Call:
     versions: tuple[int, ...]
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     delta: torch.Tensor | None = None
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None  # BatchNorm's batch mean, 1/std
+
+
+def _batchnorm_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch mean and 1/sqrt(var + eps) that a training-mode BatchNorm saved for its
+    backward pass (native kernel only), so the per-example rule need not recompute them."""
+    fn = output.grad_fn
+    if fn is None or type(fn).__name__ != "NativeBatchNormBackward0":
+        return None
+    mean, rstd = getattr(fn, "_saved_result1", None), getattr(fn, "_saved_result2", None)
+    if not isinstance(mean, torch.Tensor) or not isinstance(rstd, torch.Tensor):
+        return None
+    if mean.dim() != 1 or mean.numel() != output.shape[1] or rstd.shape != mean.shape:
+        return None  # evaluation mode saves empty tensors
+    return mean, rstd
 
 
 @contextmanager
@@ -288,6 +303,8 @@ class PerExampleGradients:
         call = _Call(
             args, kwargs, get_gradient_edge(output), tuple(t._version for t in tensors), values
         )
+        if kind == "batchnorm" and module.training:
+            call.stats = _batchnorm_stats(output)
         self.calls.setdefault(module, []).append(call)
         return output
 
@@ -445,7 +462,7 @@ class PerExampleGradients:
         if kind == "conv":
             return conv_per_example(module, a, d)
         if kind == "batchnorm":
-            return batchnorm_per_example(module, a, d, call.args[0])
+            return batchnorm_per_example(module, a, d, call.args[0], call.stats)
         return self._fallback(module, call, lo, hi)
 
     def _fallback(self, module: nn.Module, call: _Call, lo: int, hi: int):

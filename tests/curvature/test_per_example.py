@@ -11,6 +11,7 @@ from torchvision.models.resnet import BasicBlock
 
 from pyro_bdl import bayesianize, priors
 from pyro_bdl.curvature import PerExampleGradients, substitute, vmap_squared_gradients
+from pyro_bdl.curvature.layer_rules import batchnorm_per_example
 
 B = 5
 
@@ -249,3 +250,23 @@ def test_errors():
     with pytest.raises(ValueError, match="valid names"):
         with substitute(net, {"0.nope": torch.zeros(1)}):
             pass
+
+
+def test_train_mode_batchnorm_reads_the_saved_batch_statistics():
+    # The rule takes the batch mean and 1/std that the forward pass saved for its backward; the
+    # same rule recomputing them from the saved input must give the same per-example gradients.
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3).double().train()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(6, 3, 4, 4, dtype=torch.float64)
+    with PerExampleGradients(bn) as tape:
+        out = bn(x)
+        losses = out.pow(3).sum((1, 2, 3))
+    assert tape.calls[bn][0].stats is not None
+    grads, squared = tape.squared_gradients(losses)
+    delta = 3 * bn(x).detach().square()  # ∂Σℓ/∂out, the same in every example's share
+    pe = batchnorm_per_example(bn, x, delta, x)  # stats recomputed from the whole batch
+    assert_rel(grads, {k: v.sum(0) for k, v in pe.items()}, 1e-12)
+    assert_rel(squared, {k: v.square().sum(0) for k, v in pe.items()}, 1e-12)
