@@ -9,18 +9,35 @@ Figures, each measured side by side in one process on the same network and batch
   network) over one deterministic Adam step on the plain network; ``svi_autonormal/adam``: plain
   Pyro ``SVI`` + ``AutoNormal`` + ``Trace_ELBO`` on the same lifted network, for comparison.
 
-CPU: MLP and small CNN on MNIST-size inputs, B ∈ {32, 128}, one thread, process time. GPU (when
-CUDA is present): ResNet-18 on CIFAR-size inputs, B = 128, CUDA events.
+CPU: MLP and small CNN on MNIST-size inputs, B ∈ {32, 128}, one thread. The five variants
+(plain, hooks, Adam, VOGN, SVI) alternate step by step after a warm-up, so a burst of load from a
+neighbour hits all of them alike; each figure is a ratio of medians of process time.
+
+Wall clock: a step of this process never sleeps or waits (no voluntary context switch, about no
+system time, one thread), but on a shared machine with more runnable processes than cores the
+scheduler preempts it, and the other process's time slice then lands inside the step. A step
+shorter than a slice (Adam on the MLP) escapes that in most repetitions, a longer one (VOGN) in
+few, so the median wall ratio over-states the cost on a loaded machine. The benchmark counts the
+involuntary context switches of every step (``getrusage``) and reports, besides the plain wall
+ratio, the wall ratio over the steps that were not preempted (what a user sees on a machine of
+their own) and the preempted fraction of each variant's steps.
+
+GPU (when CUDA is present): ResNet-18 on CIFAR-size inputs, B = 128, CUDA events.
 
 Usage::
 
-    python -m benchmarks.vogn_step            # CPU figures (about two minutes)
-    python -m benchmarks.vogn_step --quick    # fewer repeats
+    python -m benchmarks.vogn_step            # CPU figures (a few minutes on a loaded machine)
+    python -m benchmarks.vogn_step --quick    # fewer repeats (a smoke test, not the protocol)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
 
 import pyro
 import torch
@@ -28,7 +45,7 @@ import torch.nn.functional as F
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from benchmarks.common import cpu_times, gpu_times, write
+from benchmarks.common import gpu_times, write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.compare.problem import cnn, mlp
 from pyro_bdl.curvature import PerExampleGradients, substitute, vmap_squared_gradients
@@ -47,8 +64,35 @@ def networks(device: str):
     return {"resnet18": (lambda: torchvision.models.resnet18(num_classes=10), (3, 32, 32))}
 
 
+def interleaved(fns: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 4) -> dict:
+    """Alternate the variants step by step; per variant the median process time, the median
+    wall time over all steps and over the steps not preempted, and the preempted fraction."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    rows: dict[str, list[tuple[float, float, int]]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            s0 = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+            p0, w0 = time.process_time(), time.perf_counter()
+            fn()
+            proc, wall = time.process_time() - p0, time.perf_counter() - w0
+            switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - s0
+            rows[name].append((proc, wall, switches))
+    out = {}
+    for name, r in rows.items():
+        quiet = [w for _, w, n in r if n == 0]
+        out[name] = {
+            "median": statistics.median(p for p, _, _ in r),
+            "wall_median": statistics.median(w for _, w, _ in r),
+            # At least five unpreempted steps for a median; otherwise no figure.
+            "wall_quiet": statistics.median(quiet) if len(quiet) >= 5 else None,
+            "preempted": sum(n > 0 for _, _, n in r) / len(r),
+        }
+    return out
+
+
 def measure(build, shape, batch: int, device: str, repeats: int, with_vmap: bool) -> dict:
-    timer = cpu_times if device == "cpu" else gpu_times
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, *shape, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
@@ -64,19 +108,52 @@ def measure(build, shape, batch: int, device: str, repeats: int, with_vmap: bool
             losses = F.cross_entropy(net(x), y, reduction="none")
         tape.squared_gradients(losses)
 
-    adam = torch.optim.Adam(net.parameters(), lr=1e-3)
+    # Adam trains a copy, so that plain and hooks see the same fixed network throughout.
+    torch.manual_seed(0)
+    adam_net = build().to(device)
+    adam = torch.optim.Adam(adam_net.parameters(), lr=1e-3)
 
     def adam_step():
         adam.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
+        F.cross_entropy(adam_net(x), y).backward()
         adam.step()
 
-    out: dict = {}
-    t_plain = timer(plain, repeats=repeats)
-    t_hooks = timer(hooks, repeats=repeats)
-    out["sqgrad/fwd_bwd"] = t_hooks["median"] / t_plain["median"]
-    if t_plain["wall_median"]:
-        out["sqgrad/fwd_bwd (wall)"] = t_hooks["wall_median"] / t_plain["wall_median"]
+    # The same network lifted, in a Pyro model, for VOGN and plain Pyro SVI + AutoNormal (each
+    # on its own copy: SVI would otherwise also train the hidden BatchNorm parameters VOGN owns).
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    model = models.classifier(bayesianize(build().to(device), priors.Normal(scale=1.0)), N)
+    vogn = VOGN(model, dataset_size=N, lr=1e-3, num_particles=1)
+    torch.manual_seed(0)
+    svi_model = models.classifier(bayesianize(build().to(device), priors.Normal(scale=1.0)), N)
+    guide = AutoNormal(svi_model, init_loc_fn=init_to_network, init_scale=1e-2)
+    svi = SVI(svi_model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    steps = {
+        "fwd_bwd": plain,
+        "sqgrad": hooks,
+        "adam": adam_step,
+        "vogn": lambda: vogn.step(x, y),
+        "svi_autonormal": lambda: svi.step(x, y),
+    }
+    if device == "cpu":
+        t = interleaved(steps, repeats=repeats)
+    else:
+        t = {k: gpu_times(fn, repeats=repeats) for k, fn in steps.items()}
+
+    def ratio(a: str, b: str, key: str = "median"):
+        return t[a][key] / t[b][key] if t[a].get(key) and t[b].get(key) else None
+
+    out: dict = {
+        "sqgrad/fwd_bwd": ratio("sqgrad", "fwd_bwd"),
+        "vogn/adam": ratio("vogn", "adam"),
+        "svi_autonormal/adam": ratio("svi_autonormal", "adam"),
+        "vogn/svi_autonormal": ratio("vogn", "svi_autonormal"),
+    }
+    if device == "cpu":
+        out["sqgrad/fwd_bwd (wall)"] = ratio("sqgrad", "fwd_bwd", "wall_median")
+        out["vogn/adam (wall)"] = ratio("vogn", "adam", "wall_median")
+        out["vogn/adam (wall, steps not preempted)"] = ratio("vogn", "adam", "wall_quiet")
+        out["preempted steps"] = {k: v["preempted"] for k, v in t.items()}
     if with_vmap:
         net.eval()  # vmap over single examples needs per-example BatchNorm (running statistics)
         params = {k: v.detach() for k, v in net.named_parameters()}
@@ -85,41 +162,22 @@ def measure(build, shape, batch: int, device: str, repeats: int, with_vmap: bool
             with substitute(net, p):
                 return F.cross_entropy(net(xi[None]), yi[None])
 
-        t_vmap = timer(lambda: vmap_squared_gradients(loss_fn, params, x, y), repeats=repeats)
-        out["vmap/fwd_bwd"] = t_vmap["median"] / t_plain["median"]
+        vmap_steps = {
+            "fwd_bwd": plain,
+            "vmap": lambda: vmap_squared_gradients(loss_fn, params, x, y),
+        }
+        tv = interleaved(vmap_steps, repeats=max(5, repeats // 3), warmup=2)
+        out["vmap/fwd_bwd"] = tv["vmap"]["median"] / tv["fwd_bwd"]["median"]
         net.train()
-    t_adam = timer(adam_step, repeats=repeats)
-
-    # The same network lifted, in a Pyro model, for VOGN and plain Pyro SVI + AutoNormal.
-    pyro.clear_param_store()
-    torch.manual_seed(0)
-    bnn = bayesianize(build().to(device), priors.Normal(scale=1.0))
-    model = models.classifier(bnn, N)
-    vogn = VOGN(model, dataset_size=N, lr=1e-3, num_particles=1)
-    t_vogn = timer(lambda: vogn.step(x, y), repeats=repeats)
-    guide = AutoNormal(model, init_loc_fn=init_to_network, init_scale=1e-2)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
-    t_svi = timer(lambda: svi.step(x, y), repeats=repeats)
-    out["vogn/adam"] = t_vogn["median"] / t_adam["median"]
-    out["svi_autonormal/adam"] = t_svi["median"] / t_adam["median"]
-    out["vogn/svi_autonormal"] = t_vogn["median"] / t_svi["median"]
-    if t_adam["wall_median"]:
-        out["vogn/adam (wall)"] = t_vogn["wall_median"] / t_adam["wall_median"]
-    out["seconds"] = {
-        "fwd_bwd": t_plain["median"],
-        "sqgrad": t_hooks["median"],
-        "adam": t_adam["median"],
-        "vogn": t_vogn["median"],
-        "svi_autonormal": t_svi["median"],
-    }
-    return out
+    out["seconds"] = {k: v["median"] for k, v in t.items()}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args(argv if argv is not None else [])
-    repeats = 5 if args.quick else 15
+    repeats = 5 if args.quick else 21
     torch.set_num_threads(1)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     figures: dict = {}
@@ -131,12 +189,22 @@ def main(argv: list[str] | None = None) -> None:
                 result = measure(build, shape, batch, device, repeats, with_vmap=device == "cpu")
                 figures[key] = result
                 for figure, value in result.items():
-                    if figure != "seconds":
+                    if isinstance(value, float):
                         print(f"{key} {figure}: {value:.2f}x", flush=True)
+                    elif figure == "preempted steps":
+                        shares = ", ".join(f"{k} {v:.0%}" for k, v in value.items())
+                        print(f"{key} preempted steps: {shares}", flush=True)
     if "cuda" not in devices:
         figures["cuda"] = "not measured: no GPU lent"
         print("cuda: not measured: no GPU lent")
-    config = {"dataset_size": N, "repeats": repeats, "threads": 1, "mc_samples": 1}
+    config = {
+        "dataset_size": N,
+        "repeats": repeats,
+        "interleaved": True,
+        "threads": 1,
+        "mc_samples": 1,
+        "load_average": list(os.getloadavg()),
+    }
     write("vogn_step", config, figures)
 
 

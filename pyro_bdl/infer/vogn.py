@@ -70,6 +70,11 @@ class VOGN:
     ``poutine.scale`` is kept), forms ĝ and ĥ with hooks, and applies the update of DESIGN.md 4.5.
     The first step initialises s from the first minibatch at w = μ (then steps as usual).
 
+    The first step also reads the model's structure (its weight sites, observed sites and
+    layers, checked there); later steps write the weight sample straight onto the lifted layers
+    and record only the observations (see :mod:`pyro_bdl.infer.vogn_model`), so the model must
+    have the same sample sites at every step; a latent site that appears later is refused.
+
     VOGN's prior is N(0, δ⁻¹ I) on every weight (``prior_precision`` δ); the prior declared in
     :func:`~pyro_bdl.bayesianize` is not read, so declare ``priors.Normal(scale=δ**-0.5)`` there
     to keep ELBO-based diagnostics consistent.

@@ -374,6 +374,31 @@ def test_non_finite_likelihood_stops_without_updating():
     assert torch.equal(vogn.guide.loc, loc) and vogn.step_count == 1
 
 
+def test_a_model_whose_sites_change_after_the_first_step_is_refused():
+    # After the first step VOGN writes the weights onto the layers and records only the
+    # observations; a latent site that appears later cannot be conditioned and is refused.
+    sc = BayesianLinearRegression(n=20)
+    net = sc.network()
+    extra = {"on": False}
+
+    def model(x, y):
+        mean = net(x).squeeze(-1)
+        if extra["on"]:
+            mean = mean * pyro.sample("extra", dist.LogNormal(0.0, 1.0))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
+
+    vogn = VOGN(model, dataset_size=20, lr=0.1)
+    vogn.step(sc.x, sc.y)
+    loc = vogn.guide.loc.clone()
+    extra["on"] = True
+    with pytest.raises(ValueError, match=r"step 2: site 'extra' is latent.*first step"):
+        vogn.step(sc.x, sc.y)
+    assert torch.equal(vogn.guide.loc, loc) and vogn.step_count == 1
+    assert "weight" not in net.__dict__  # the substituted weight was taken off the layer
+    assert net(sc.x).shape == (20, 1)  # ... which samples from its prior again outside VOGN
+
+
 def digits_vogn_vs_adam(seed: int, epochs: int = 20) -> dict[str, dict[str, float]]:
     """The compare CNN on load_digits: VOGN (compare's settings) vs Adam, same batches, epochs."""
     from pyro_bdl.compare.problem import Problem, predictive_probs
