@@ -42,6 +42,7 @@ __all__ = [
     "TensorMemoryTracker",
     "cholesky_jitter",
     "diagonal_ggn",
+    "jacobian_row_bytes",
     "linearized_predictive",
     "log_marginal",
     "output_hessian_factor",
@@ -112,9 +113,9 @@ def _select(slot: ParamSlot, a, g, local: torch.Tensor, budget: int = 1 << 20):
         return g.sum(-1)[:, local]
     k = a.shape[1]
     out = []
-    # Chunk the columns: the product below holds B × chunk × T ≤ ``budget`` numbers (for chunks
-    # of at least 8 columns), not B × S × T.
-    chunk = max(8, budget // (a.shape[0] * a.shape[2]))
+    # Chunk the columns: each of the three temporaries below holds B × chunk × T ≤ ``budget``
+    # numbers (for chunks of at least one column), not B × S × T.
+    chunk = max(1, budget // (a.shape[0] * a.shape[2]))
     for part in local.split(chunk):
         rows, cols = part // k, part % k
         out.append((g[:, rows, :] * a[:, cols, :]).sum(-1))
@@ -175,6 +176,7 @@ def subnet_jacobian(
     index: torch.Tensor,
     *,
     return_outputs: bool = False,
+    select_numbers: int = 1 << 20,
 ):
     r"""Jacobian of the outputs with respect to the packed weights at ``index``: (B, C, S).
 
@@ -186,6 +188,8 @@ def subnet_jacobian(
     :param slots: the weight tensors, in packing order.
     :param torch.Tensor index: packed indices of the subnetwork (any order, no duplicates).
     :param bool return_outputs: also return the detached outputs (B, C).
+    :param int select_numbers: numbers in each of the three temporaries that pick the selected
+        entries of a layer (B × columns × positions); bounds their memory.
     """
     index = index.to(torch.long)
     layout = _layout(slots, index.cpu())
@@ -216,7 +220,13 @@ def subnet_jacobian(
                     # The unfolded input does not depend on the output: build it once.
                     if id(z) not in unfolded:
                         unfolded[id(z)] = _input_factor(kind, slot.module, a)  # type: ignore[arg-type]
-                    part = _select(slot, unfolded[id(z)], _grad_factor(kind, g), loc.to(a.device))
+                    part = _select(
+                        slot,
+                        unfolded[id(z)],
+                        _grad_factor(kind, g),
+                        loc.to(a.device),
+                        select_numbers,
+                    )
                     jac[:, j, pos.to(jac.device)] += part
         for i in range(b if fallback else 0):
             values = [s.value for s, _, _ in fallback]
@@ -255,12 +265,35 @@ def output_hessian_factor(
     )
 
 
-def subnet_ggn(jac: torch.Tensor, factor: torch.Tensor, *, dtype=None) -> torch.Tensor:
+def subnet_ggn(
+    jac: torch.Tensor, factor: torch.Tensor, *, dtype=None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     r""":math:`\sum_n J_n^\top \Lambda_n J_n` (S, S) from ``jac`` (B, C, S) and ``factor``
-    (B, C, K), accumulated in ``dtype`` (default: ``jac``'s)."""
-    dtype = dtype or jac.dtype
+    (B, C, K), accumulated in ``dtype`` (default: ``jac``'s, or ``out``'s). With ``out`` the sum
+    is added to it in place (no second S × S matrix) and ``out`` is returned."""
+    dtype = out.dtype if out is not None else dtype or jac.dtype
     m = torch.einsum("bck,bcs->bks", factor.to(dtype), jac.to(dtype)).reshape(-1, jac.shape[-1])
+    if out is not None:
+        return out.addmm_(m.T, m)
     return m.T @ m
+
+
+def jacobian_row_bytes(
+    forward_one: Callable[[], torch.Tensor],
+    slots: Sequence[ParamSlot],
+    index: torch.Tensor,
+    *,
+    exclude: Sequence[torch.Tensor] = (),
+) -> int:
+    """Peak bytes that :func:`subnet_jacobian` allocates for ONE example (``forward_one`` runs
+    the network on one row): its forward graph, the gradients at the hooked layer outputs, the
+    unfolded convolution inputs and its row of J_S, with the entry-picking temporaries at their
+    minimum. The network-dependent memory of a chunk is about ``rows ×`` this, which lets a
+    caller size its row chunks from a memory budget. ``exclude``: weights and data (not counted).
+    """
+    with TensorMemoryTracker(exclude=exclude) as mem:
+        subnet_jacobian(forward_one, slots, index, select_numbers=1 << 14)
+    return max(mem.peak, 1)
 
 
 def diagonal_ggn(

@@ -46,6 +46,7 @@ from pyro_bdl.curvature.subnet import (
     ParamSlot,
     cholesky_jitter,
     diagonal_ggn,
+    jacobian_row_bytes,
     linearized_predictive,
     log_marginal,
     output_hessian_factor,
@@ -57,6 +58,10 @@ from pyro_bdl.guides.subnetwork import SiteInfo, iter_batches, parse_subnetwork,
 from pyro_bdl.nn.lift import init_to_network, site_spec
 
 __all__ = ["AutoSubnetLaplace", "NotFittedError", "SubnetNormal"]
+
+
+#: The least default ``chunk_memory`` (bytes).
+MIN_CHUNK_MEMORY = 4 << 20
 
 
 class NotFittedError(RuntimeError):
@@ -122,7 +127,13 @@ class AutoSubnetLaplace(AutoContinuous):
     :param bool prior_rescaling: use λ_S = λ·S/D over the subnetwork (the paper's rule) instead
         of λ.
     :param int seed: seed of the ``"random"`` rule.
-    :param int batch_size: rows per Jacobian chunk in :meth:`fit` and :meth:`predict`.
+    :param int batch_size: rows per Jacobian chunk in :meth:`predict`, and at most that many in
+        :meth:`fit`.
+    :param int chunk_memory: bytes one Jacobian chunk of :meth:`fit` may use for the network's
+        forward graph, its layer-output gradients and temporaries; :meth:`fit` takes as many
+        rows (≤ ``batch_size``) as fit. Default: ``max(2·S², batch_size·C·S)`` numbers (at least
+        4 MiB), the size of the S-dependent part, so that the peak memory of :meth:`fit` hardly
+        grows with the network. Raise it for speed on a network with large activations.
     :param accumulate_dtype: dtype of H_S and the covariance (default: the weights' dtype;
         ``torch.float64`` is more robust for large S).
     :param int max_memory: bytes :meth:`fit` may use for the S × S matrices and one Jacobian
@@ -143,6 +154,7 @@ class AutoSubnetLaplace(AutoContinuous):
         batch_size: int = 64,
         accumulate_dtype: torch.dtype | None = None,
         max_memory: int | None = None,
+        chunk_memory: int | None = None,
         init_loc_fn=init_to_network,
     ):
         self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
@@ -150,6 +162,8 @@ class AutoSubnetLaplace(AutoContinuous):
         check_positive_int("batch_size", batch_size)
         if max_memory is not None:
             check_positive_int("max_memory", max_memory)
+        if chunk_memory is not None:
+            check_positive_int("chunk_memory", chunk_memory)
         if accumulate_dtype is not None and not (
             isinstance(accumulate_dtype, torch.dtype) and accumulate_dtype.is_floating_point
         ):
@@ -161,6 +175,7 @@ class AutoSubnetLaplace(AutoContinuous):
         self.batch_size = batch_size
         self.accumulate_dtype = accumulate_dtype
         self.max_memory = max_memory
+        self.chunk_memory = chunk_memory
         self.prior_precision: torch.Tensor
         self.register_buffer(
             "prior_precision", torch.tensor(float(prior_precision), dtype=torch.float64)
@@ -326,8 +341,10 @@ class AutoSubnetLaplace(AutoContinuous):
         first = next(batches)
         if self.prototype_trace is None:
             self._setup_prototype(*first)
-        with self._eval_mode():
-            meta = self._detect(first, {})
+        with self._eval_mode():  # one row is enough to read the outputs' shape
+            meta = self._detect(
+                tuple(t[:1] if isinstance(t, torch.Tensor) else t for t in first), {}
+            )
         total = self.loc.numel()
         # Checks first (nothing below changes state until the buffers are assigned).
         dtype = self.accumulate_dtype or self.loc.dtype
@@ -348,20 +365,55 @@ class AutoSubnetLaplace(AutoContinuous):
         lam = float(self.prior_precision)
         variances = self._variances(data, lam, meta)
         index = self.rule.select(self._sites, variances).to(self.loc.device)
+        # The network-dependent memory (forward graph, layer-output gradients, unfolded inputs)
+        # of a Jacobian chunk is kept within a budget the size of the S-dependent part, so the
+        # peak stays O(B·C·S + S²) as the network grows: rows per chunk = budget / bytes per row.
+        # The default, two S × S matrices, keeps this phase below the three S × S matrices of
+        # the factorisation below; the 4 MiB floor keeps small subnetworks from crawling one
+        # example at a time.
+        budget = self.chunk_memory or max(
+            item * max(2 * count * count, self.batch_size * meta["C"] * count), MIN_CHUNK_MEMORY
+        )
+        rows, select_numbers = self._chunk_rows(first, index, meta, budget, item)
         ggn = torch.zeros(index.numel(), index.numel(), dtype=dtype, device=self.loc.device)
         with self._eval_mode():
-            for batch in self._batches(data):
+            for batch in iter_batches(data, rows):
                 values, slots = self._slots(self.loc)
                 forward = self._forward_fn(values, batch, {}, meta["obs_name"])
-                jac, out = subnet_jacobian(forward, slots, index, return_outputs=True)
+                jac, out = subnet_jacobian(
+                    forward, slots, index, return_outputs=True, select_numbers=select_numbers
+                )
                 factor = output_hessian_factor(out, meta["likelihood"], meta["noise"])
-                ggn += subnet_ggn(jac, factor, dtype=dtype)
+                subnet_ggn(jac, factor, out=ggn)
+                del jac, out, factor, forward, values, slots
         scale_tril = self._posterior_factor(ggn, lam, total)
         self.map_loc = self.loc.detach().clone()
         self.subnet_index = index
         self.ggn = ggn
         self.scale_tril = scale_tril
         return self
+
+    def _chunk_rows(self, first: tuple, index, meta: dict, budget: int, item: int):
+        """(rows per Jacobian chunk, numbers per entry-picking temporary) within ``budget``
+        bytes: 3/4 for the rows' network memory, 1/4 for the three temporaries of
+        :func:`~pyro_bdl.curvature.subnet.subnet_jacobian`. The bytes per row are measured as
+        the difference between a two-row and a one-row chunk, which leaves out what a forward
+        pass allocates once whatever the rows (the prior's tensors, for example)."""
+        net = getattr(self._user_model[0], "net", None) if self._user_model else None
+        exclude = [self.loc, *(t for t in first if isinstance(t, torch.Tensor))]
+        if isinstance(net, nn.Module):
+            exclude += [*net.parameters(), *net.buffers()]
+        peaks = []
+        with self._eval_mode():
+            for n in (1, 2):
+                part = tuple(t[:n] if isinstance(t, torch.Tensor) else t for t in first)
+                values, slots = self._slots(self.loc)
+                forward = self._forward_fn(values, part, {}, meta["obs_name"])
+                peaks.append(jacobian_row_bytes(forward, slots, index, exclude=exclude))
+        n_first = next(t.shape[0] for t in first if isinstance(t, torch.Tensor))
+        per_row = peaks[1] - peaks[0] if n_first > 1 else peaks[0]
+        rows = max(1, min(self.batch_size, budget * 3 // 4 // max(per_row, 1)))
+        return rows, max(1, budget // 4 // (3 * item))
 
     def _prior_s(self, lam: float, count: int, total: int) -> float:
         return lam * count / total if self.prior_rescaling else lam

@@ -15,6 +15,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import pyro_bdl as bdl
+from pyro_bdl.compare.problem import cnn as compare_cnn
 from pyro_bdl.curvature.subnet import TensorMemoryTracker
 from pyro_bdl.guides import AutoSubnetLaplace, NotFittedError
 from tests.common import assert_close
@@ -414,6 +415,39 @@ def test_fit_memory_does_not_grow_with_the_network():
     large, d_large = _peak_fit_bytes(hidden=162, size=300)
     assert d_large >= 10 * d_small
     assert large <= 1.2 * small, (small, large)
+
+
+def _peak_cnn_fit_bytes(width: int, size: int, **kwargs) -> tuple[int, int]:
+    """Peak tensor bytes of ``fit`` on the compare CNN (two 3×3 convolutions with BatchNorm) of
+    ``width`` channels, float64, 32 random 12×12 images (one chunk of 32 rows when unbounded)."""
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 1, 12, 12, generator=g, dtype=F64)
+    y = torch.randint(0, 3, (32,), generator=g)
+    torch.manual_seed(0)
+    bnn = bdl.bayesianize(compare_cnn((1,), 3, width).double(), bdl.priors.Normal())
+    model = bdl.models.classifier(bnn, len(y))
+    guide = AutoSubnetLaplace(model, subnetwork="random", size=size, batch_size=32, **kwargs)
+    guide(x, y)
+    exclude = [guide.loc, x, y, *[s.init_value for s in bdl.sites(bnn).values()]]
+    with TensorMemoryTracker(exclude=exclude) as mem:
+        guide.fit((x, y))
+    return mem.peak, guide.loc.numel()
+
+
+def test_fit_memory_does_not_grow_with_the_cnn():
+    """The same property on a CNN, whose activations (not only its weights) grow with width:
+    ``fit`` sizes its row chunks so that the forward graph, the layer-output gradients and the
+    unfolded inputs stay within two S × S matrices (S = 600 in float64: 5.8 MB, above the 4 MiB
+    floor). With unbounded chunks (32 rows) the same pair grows 1.29×, so the assertion can
+    fail."""
+    small, d_small = _peak_cnn_fit_bytes(7, 600)
+    large, d_large = _peak_cnn_fit_bytes(24, 600)
+    assert d_large >= 10 * d_small
+    assert large <= 1.2 * small, (small, large)
+    small, _ = _peak_cnn_fit_bytes(7, 600, chunk_memory=1 << 40)
+    large, _ = _peak_cnn_fit_bytes(24, 600, chunk_memory=1 << 40)
+    assert large > 1.2 * small, (small, large)
 
 
 @pytest.mark.gpu
