@@ -52,6 +52,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyro
 import torch
@@ -73,7 +74,7 @@ DATASETS = ("wine-quality-red", "concrete", "energy", "yacht")
 METHODS = ("map", "meanfield", "swag", "laplace", "vogn")
 
 #: Published test log-likelihoods (± SE over 20 splits) and MC-dropout RMSE, from the data README.
-PUBLISHED = {
+PUBLISHED: dict[str, dict[str, Any]] = {
     "wine-quality-red": {
         "mc_dropout_ll": (-0.93, 0.01),
         "mc_dropout_rmse": (0.62, 0.01),
@@ -222,7 +223,7 @@ def draws(model, guide, x, num_samples: int) -> torch.Tensor:
     ]
 
 
-def fit_noise(x, y, cfg: Config, seed: int) -> tuple[float, dict, tuple]:
+def fit_noise(x, y, cfg: Config, seed: int) -> tuple[float, Any, tuple]:
     """σ: the validation RMSE of MAP fitted on the other rows of the training split; also the
     last MAP's site values (to warm-start the next fit) and the (fit, validation) row indices."""
     g = torch.Generator().manual_seed(seed)
@@ -363,7 +364,7 @@ def run_dataset(name: str, data_dir, splits: int, cfg: Config, methods) -> dict:
             per_split[m].append(res[m])
         line = "  ".join(f"{m} {res[m][0]:.2f}/{res[m][1]:.2f}" for m in methods)
         print(f"  {name} split {k}: σ {noises[-1]:.3f}  {line}  (LL/RMSE)", flush=True)
-    figures = {"noise_original_units": mean_se(noises)}
+    figures: dict[str, Any] = {"noise_original_units": mean_se(noises)}
     for m in methods:
         lls, rmses, secs = zip(*per_split[m])
         figures[m] = {
