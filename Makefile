@@ -31,13 +31,13 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m ''
 
 lint: $(STAMP)
-	$(BIN)/ruff check pyro_bdl tests benchmarks
-	$(BIN)/ruff format --check pyro_bdl tests benchmarks
+	$(BIN)/ruff check pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
+	$(BIN)/ruff format --check pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix pyro_bdl tests benchmarks
-	$(BIN)/ruff format pyro_bdl tests benchmarks
+	$(BIN)/ruff check --fix pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
+	$(BIN)/ruff format pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
