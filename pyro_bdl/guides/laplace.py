@@ -28,31 +28,34 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pyro.distributions as dist
 import torch
 from pyro import poutine
-from pyro.distributions.torch_distribution import TorchDistribution
 from pyro.infer.autoguide import AutoContinuous
 from pyro.poutine.util import site_is_subsample
 from torch import nn
-from torch.distributions import biject_to, constraints
+from torch.distributions import biject_to
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.curvature.subnet import (
     ParamSlot,
-    cholesky_jitter,
     diagonal_ggn,
     jacobian_row_bytes,
     linearized_predictive,
-    log_marginal,
     output_hessian_factor,
     subnet_ggn,
     subnet_jacobian,
     tune_grid,
+)
+from pyro_bdl.guides.laplace_posterior import (
+    SubnetNormal,
+    check_memory,
+    marglik_score,
+    posterior_factor,
+    val_ll_score,
 )
 from pyro_bdl.guides.subnetwork import SiteInfo, iter_batches, parse_subnetwork, read_outputs
 from pyro_bdl.nn.lift import init_to_network, site_spec
@@ -68,39 +71,9 @@ class NotFittedError(RuntimeError):
     """Raised when a post-hoc posterior is used before it was fitted."""
 
 
-class SubnetNormal(TorchDistribution):
-    r"""A Gaussian over the subnetwork coordinates ``index`` of a packed vector, a point mass at
-    ``loc`` on all others: :math:`\theta = \mathrm{loc} + \mathrm{scatter}_S(L z)`.
-    ``log_prob`` is the Gaussian density of the subnetwork coordinates."""
-
-    arg_constraints: dict = {}
-    support = constraints.real_vector
-    has_rsample = True
-
-    def __init__(self, loc: torch.Tensor, index: torch.Tensor, scale_tril: torch.Tensor):
-        self.loc, self.index, self.scale_tril = loc, index, scale_tril
-        super().__init__(torch.Size(), loc.shape[-1:], validate_args=False)
-
-    def rsample(self, sample_shape=torch.Size()):
-        shape = torch.Size(sample_shape)
-        z = torch.randn(shape + self.index.shape, dtype=self.loc.dtype, device=self.loc.device)
-        out = self.loc.expand(shape + self.loc.shape).clone()
-        out[..., self.index] += (z.to(self.scale_tril.dtype) @ self.scale_tril.T).to(out.dtype)
-        return out
-
-    def log_prob(self, value):
-        d = (value - self.loc)[..., self.index].to(self.scale_tril.dtype)
-        zero = torch.zeros_like(d)
-        return dist.MultivariateNormal(zero, scale_tril=self.scale_tril).log_prob(d)
-
-
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return 1 << 62
+def _head(batch: tuple, n: int) -> tuple:
+    """The first ``n`` rows of every tensor of a batch."""
+    return tuple(t[:n] if isinstance(t, torch.Tensor) else t for t in batch)
 
 
 class AutoSubnetLaplace(AutoContinuous):
@@ -342,9 +315,7 @@ class AutoSubnetLaplace(AutoContinuous):
         if self.prototype_trace is None:
             self._setup_prototype(*first)
         with self._eval_mode():  # one row is enough to read the outputs' shape
-            meta = self._detect(
-                tuple(t[:1] if isinstance(t, torch.Tensor) else t for t in first), {}
-            )
+            meta = self._detect(_head(first, 1), {})
         total = self.loc.numel()
         # Checks first (nothing below changes state until the buffers are assigned).
         dtype = self.accumulate_dtype or self.loc.dtype
@@ -353,15 +324,7 @@ class AutoSubnetLaplace(AutoContinuous):
         else:
             count = int(self.rule.select(self._sites).numel())
         item = torch.finfo(dtype).bits // 8
-        needed = 3 * count * count * item + 4 * self.batch_size * meta["C"] * count * item
-        budget = self.max_memory or _available_bytes(self.loc.device)
-        if needed > budget:
-            raise ValueError(
-                f"a subnetwork of S = {count} weights needs about {needed:,} bytes "
-                f"({needed / 2**30:.2f} GiB: three S × S matrices in {dtype} and one Jacobian "
-                f"chunk) but only {budget:,} bytes are available; choose a smaller size, "
-                "a smaller batch_size, or raise max_memory."
-            )
+        check_memory(count, meta["C"], self.batch_size, dtype, self.loc.device, self.max_memory)
         lam = float(self.prior_precision)
         variances = self._variances(data, lam, meta)
         index = self.rule.select(self._sites, variances).to(self.loc.device)
@@ -406,7 +369,7 @@ class AutoSubnetLaplace(AutoContinuous):
         peaks = []
         with self._eval_mode():
             for n in (1, 2):
-                part = tuple(t[:n] if isinstance(t, torch.Tensor) else t for t in first)
+                part = _head(first, n)
                 values, slots = self._slots(self.loc)
                 forward = self._forward_fn(values, part, {}, meta["obs_name"])
                 peaks.append(jacobian_row_bytes(forward, slots, index, exclude=exclude))
@@ -419,14 +382,7 @@ class AutoSubnetLaplace(AutoContinuous):
         return lam * count / total if self.prior_rescaling else lam
 
     def _posterior_factor(self, ggn: torch.Tensor, lam: float, total: int) -> torch.Tensor:
-        """Lower factor of Σ_S = (GGN + λ_S I)⁻¹."""
-        precision = ggn.clone()
-        precision.diagonal().add_(self._prior_s(lam, ggn.shape[0], total))
-        chol = cholesky_jitter(precision, what="H_S = GGN + λ_S I")
-        del precision  # keep at most three S × S matrices alive besides the GGN
-        cov = torch.cholesky_inverse(chol)
-        del chol
-        return cholesky_jitter(cov, what="the covariance Σ_S")
+        return posterior_factor(ggn, self._prior_s(lam, ggn.shape[0], total))
 
     # ---- predicting --------------------------------------------------------------------------
 
@@ -510,46 +466,30 @@ class AutoSubnetLaplace(AutoContinuous):
         evals, evecs = torch.linalg.eigh(self.ggn.double())
         evals = evals.clamp_min(0)
         if method == "marglik":
-            theta = self.map_loc[self.subnet_index].double()
-
-            def score(lam: torch.Tensor) -> torch.Tensor:
-                return log_marginal(evals, theta, lam * ratio)
+            score = marglik_score(evals, self.map_loc[self.subnet_index].double(), ratio)
         else:
-            score = self._val_ll_score(data, evals, evecs, ratio)
+            meta = self._val_meta(data)
+            parts = self._val_parts(data, meta["obs_name"])
+            score = val_ll_score(parts, meta["likelihood"], meta["noise"], evals, evecs, ratio)
         best = tune_grid(score, grid, refine=refine)
         self.prior_precision = torch.tensor(best, dtype=torch.float64)
         self.scale_tril = self._posterior_factor(self.ggn, best, total)
         return best
 
-    def _val_ll_score(self, data, evals, evecs, ratio):
-        fs, qs, ys = [], [], []
-        meta: dict = {}
+    def _val_meta(self, data: Any) -> dict:
+        batch = next(self._batches(data))
+        if len(batch) < 2:
+            raise ValueError("validation data must be (x, y).")
+        with self._eval_mode():
+            return self._detect(_head(batch, 1), {})
+
+    def _val_parts(self, data: Any, obs_name: str):
+        """(outputs, J_S, targets) chunks of the validation data at the MAP values."""
         with self._eval_mode():
             for batch in self._batches(data):
                 if len(batch) < 2:
                     raise ValueError("validation data must be (x, y).")
-                meta = meta or self._detect(batch, {})
-                likelihood = meta["likelihood"]
                 values, slots = self._slots(self.map_loc)
-                forward = self._forward_fn(values, batch[:1], {}, meta["obs_name"])
+                forward = self._forward_fn(values, batch[:1], {}, obs_name)
                 jac, out = subnet_jacobian(forward, slots, self.subnet_index, return_outputs=True)
-                if likelihood == "categorical":
-                    jac = jac - jac.mean(1, keepdim=True)
-                a = (jac.double() @ evecs).square()
-                scale = 2.0 / max(out.shape[1] - 1, 1) if likelihood == "categorical" else 1.0
-                fs.append(out.double())
-                qs.append(scale * a.sum(1))
-                ys.append(batch[1])
-        f, q, y = torch.cat(fs), torch.cat(qs), torch.cat(ys)
-        noise = meta["noise"]
-
-        def score(lam: torch.Tensor) -> torch.Tensor:
-            var = q @ (1.0 / (evals + lam * ratio))
-            if likelihood == "gaussian":
-                return dist.Normal(f.squeeze(-1), (var + noise**2).sqrt()).log_prob(y).sum()
-            kappa = (1 + math.pi / 8 * var).rsqrt().unsqueeze(-1)
-            if likelihood == "bernoulli":
-                return dist.Bernoulli(logits=(f * kappa).squeeze(-1)).log_prob(y.to(f)).sum()
-            return dist.Categorical(logits=f * kappa).log_prob(y).sum()
-
-        return score
+                yield out, jac, batch[1]
