@@ -284,6 +284,8 @@ class AutoSWAG(AutoContinuous):
         self._require_collected("build its posterior")
         mean, sq_mean = self._buffers["swag_mean"], self._buffers["swag_sq_mean"]
         assert mean is not None and sq_mean is not None
+        if not self.cache_std:
+            self._std = None  # cache_std switched off: give the memory back
         return SWAGNormal.from_moments(
             mean,
             sq_mean,
@@ -297,7 +299,11 @@ class AutoSWAG(AutoContinuous):
         """Σ_diag^{1/2}, recomputed only when the statistics changed: in-place writes (collect,
         load_state_dict) bump the tensors' version counters, and moving the guide replaces them,
         so the key needs no read of their values."""
-        key = (mean._version, sq_mean._version, mean.data_ptr(), sq_mean.data_ptr(), self.var_clamp)
+        try:
+            versions = (mean._version, sq_mean._version)
+        except RuntimeError:  # buffers created under torch.inference_mode keep no version
+            return swag_std(mean, sq_mean, clamp=self.var_clamp)
+        key = (*versions, mean.data_ptr(), sq_mean.data_ptr(), self.var_clamp)
         if self._std is None or self._std[0] != key:
             self._std = None  # free the stale copy before allocating the new one
             self._std = (key, swag_std(mean, sq_mean, clamp=self.var_clamp))
