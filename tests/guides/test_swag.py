@@ -492,6 +492,24 @@ def test_cached_std_gives_the_same_samples_and_follows_the_statistics():
     assert sum(v.numel() for k, v in state.items() if k.startswith("swag_")) == (4 + 2) * d + 1
 
 
+def test_cache_is_dropped_when_switched_off_and_inference_mode_buffers_work():
+    d = 8
+    guide = AutoSWAG(vector_model(d), rank=3, cache_std=True)
+    guide()
+    feed(guide, torch.randn(4, d, dtype=F64))
+    guide.get_posterior().sample()
+    assert guide._std is not None and guide._std[1].shape == (d,)
+    guide.cache_std = False
+    guide.get_posterior().sample()
+    assert guide._std is None  # the D numbers are given back
+    # Buffers made under inference_mode keep no version counter: the σ is then not cached.
+    with torch.inference_mode():
+        fresh = AutoSWAG(vector_model(d), rank=3, cache_std=True)
+        fresh()
+        feed(fresh, torch.randn(4, d, dtype=F64))
+    assert torch.isfinite(fresh.get_posterior().sample()).all() and fresh._std is None
+
+
 def test_forward_matches_pyro_autocontinuous_forward():
     """The streamlined forward against Pyro's generic one on a model with a real site, a positive
     site (an exp transform with its log-Jacobian) and a site inside a plate."""
