@@ -20,7 +20,9 @@ shorter than a slice (Adam on the MLP) escapes that in most repetitions, a longe
 few, so the median wall ratio over-states the cost on a loaded machine. The benchmark counts the
 involuntary context switches of every step (``getrusage``) and reports, besides the plain wall
 ratio, the wall ratio over the steps that were not preempted (what a user sees on a machine of
-their own) and the preempted fraction of each variant's steps.
+their own) and the preempted fraction of each variant's steps; ``why wall differs`` gives per
+variant the wall/process ratio, the preempted share, voluntary switches per step and the share of
+system time, the evidence for this explanation.
 
 GPU (when CUDA is present): ResNet-18 on CIFAR-size inputs, B = 128, CUDA events.
 
@@ -70,24 +72,34 @@ def interleaved(fns: dict[str, Callable[[], object]], *, repeats: int, warmup: i
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    rows: dict[str, list[tuple[float, float, int]]] = {k: [] for k in fns}
+    rows: dict[str, list[tuple[float, float, int, int, float]]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            s0 = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             p0, w0 = time.process_time(), time.perf_counter()
             fn()
             proc, wall = time.process_time() - p0, time.perf_counter() - w0
-            switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - s0
-            rows[name].append((proc, wall, switches))
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            rows[name].append(
+                (
+                    proc,
+                    wall,
+                    r1.ru_nivcsw - r0.ru_nivcsw,  # preempted by the scheduler
+                    r1.ru_nvcsw - r0.ru_nvcsw,  # gave up the CPU itself (sleep, lock, I/O)
+                    r1.ru_stime - r0.ru_stime,  # in the kernel (page faults, system calls)
+                )
+            )
     out = {}
     for name, r in rows.items():
-        quiet = [w for _, w, n in r if n == 0]
+        quiet = [w for _, w, n, _, _ in r if n == 0]
         out[name] = {
-            "median": statistics.median(p for p, _, _ in r),
-            "wall_median": statistics.median(w for _, w, _ in r),
+            "median": statistics.median(p for p, *_ in r),
+            "wall_median": statistics.median(w for _, w, *_ in r),
             # At least five unpreempted steps for a median; otherwise no figure.
             "wall_quiet": statistics.median(quiet) if len(quiet) >= 5 else None,
-            "preempted": sum(n > 0 for _, _, n in r) / len(r),
+            "preempted": sum(n > 0 for _, _, n, _, _ in r) / len(r),
+            "voluntary_switches_per_step": sum(v for *_, v, _ in r) / len(r),
+            "system_time_share": sum(st for *_, st in r) / max(sum(p for p, *_ in r), 1e-12),
         }
     return out
 
@@ -154,6 +166,15 @@ def measure(build, shape, batch: int, device: str, repeats: int, with_vmap: bool
         out["vogn/adam (wall)"] = ratio("vogn", "adam", "wall_median")
         out["vogn/adam (wall, steps not preempted)"] = ratio("vogn", "adam", "wall_quiet")
         out["preempted steps"] = {k: v["preempted"] for k, v in t.items()}
+        out["why wall differs"] = {
+            k: {
+                "wall/process": v["wall_median"] / v["median"],
+                "preempted": v["preempted"],
+                "voluntary switches per step": v["voluntary_switches_per_step"],
+                "system time share": v["system_time_share"],
+            }
+            for k, v in t.items()
+        }
     if with_vmap:
         net.eval()  # vmap over single examples needs per-example BatchNorm (running statistics)
         params = {k: v.detach() for k, v in net.named_parameters()}
@@ -179,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv if argv is not None else [])
     repeats = 5 if args.quick else 21
     torch.set_num_threads(1)
+    load = list(os.getloadavg())
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     figures: dict = {}
     for device in devices:
@@ -203,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         "interleaved": True,
         "threads": 1,
         "mc_samples": 1,
-        "load_average": list(os.getloadavg()),
+        "load_average_at_start": load,
+        "load_average_at_end": list(os.getloadavg()),
     }
     write("vogn_step", config, figures)
 

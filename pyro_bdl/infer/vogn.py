@@ -331,7 +331,7 @@ class VOGN:
             out=scale,
         )
         # KL's Σσ² and Σ log σ², kept for the loss of the next steps (only Σμ² changes).
-        log_scale = torch.log(scale)
+        log_scale = torch.log(scale, out=self._noise)  # ε is spent once w is drawn
         self._var_sums = (float(torch.dot(scale, scale)), 2.0 * float(log_scale.sum()))
 
     # -- the public step -----------------------------------------------------------------------
