@@ -10,8 +10,9 @@ Figures, each measured side by side in one process on the same network and batch
   Pyro ``SVI`` + ``AutoNormal`` + ``Trace_ELBO`` on the same lifted network, for comparison.
 
 CPU: MLP and small CNN on MNIST-size inputs, B ∈ {32, 128}, one thread. The five variants
-(plain, hooks, Adam, VOGN, SVI) alternate step by step after a warm-up, so a burst of load from a
-neighbour hits all of them alike; each figure is a ratio of medians of process time.
+(plain, hooks, Adam, VOGN, SVI) alternate step by step after a warm-up, in a new random order each
+round, so a burst of load from a neighbour hits all of them alike and none always inherits a warm
+cache from another; each figure is a ratio of medians of process time.
 
 Wall clock: a step of this process never sleeps or waits (no voluntary context switch, about no
 system time, one thread), but on a shared machine with more runnable processes than cores the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import resource
 import statistics
 import time
@@ -73,8 +75,14 @@ def interleaved(fns: dict[str, Callable[[], object]], *, repeats: int, warmup: i
         for _ in range(warmup):
             fn()
     rows: dict[str, list[tuple[float, float, int, int, float]]] = {k: [] for k in fns}
+    # A fresh random order every round: a variant that always ran right after another on the
+    # same network (hooks after plain) would find its weights in cache, the other never.
+    rng = random.Random(0)
+    names = list(fns)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        rng.shuffle(names)
+        for name in names:
+            fn = fns[name]
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             p0, w0 = time.process_time(), time.perf_counter()
             fn()
