@@ -2,6 +2,7 @@ r"""Per-layer rules for per-example gradients: plain functions of a layer's save
 gradient at its output (DESIGN.md 4.5), used by :class:`~pyro_bdl.curvature.PerExampleGradients`.
 
 Each returns per-example gradients of one chunk of examples, ``(c, *parameter shape)``.
+Below the rules: the chunking, summing and saved-statistics helpers the tape uses.
 
 References:
 
@@ -97,3 +98,65 @@ def batchnorm_per_example(
     bias = d3.sum(-1)
     weight = (torch.linalg.vecdot(d3, a3) - mean * bias) * rstd
     return {"weight": weight, "bias": bias}
+
+
+# -- helpers of PerExampleGradients: chunks, sums and squares, saved statistics ---------------
+
+
+def batchnorm_saved_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch mean and 1/sqrt(var + eps) that a training-mode BatchNorm saved for its
+    backward pass (native kernel only), so the per-example rule need not recompute them."""
+    fn = output.grad_fn
+    if fn is None or type(fn).__name__ != "NativeBatchNormBackward0":
+        return None
+    mean, rstd = getattr(fn, "_saved_result1", None), getattr(fn, "_saved_result2", None)
+    if not isinstance(mean, torch.Tensor) or not isinstance(rstd, torch.Tensor):
+        return None
+    if mean.dim() != 1 or mean.numel() != output.shape[1] or rstd.shape != mean.shape:
+        return None  # evaluation mode saves empty tensors
+    return mean, rstd
+
+
+def batch_slices(batch_size: int, per_example: int, max_elements: int, chunk_size: int | None):
+    size = chunk_size or max(1, min(batch_size, max_elements // max(per_example, 1)))
+    for lo in range(0, batch_size, size):
+        yield lo, min(lo + size, batch_size)
+
+
+def accumulate_sums(
+    out: dict[str, list[torch.Tensor]],
+    pname: str,
+    pe: torch.Tensor,
+    dest: tuple[torch.Tensor, torch.Tensor] | None = None,
+    add: bool = False,
+) -> None:
+    """Add one chunk's per-example gradients (c, *shape) to the running sums and squares (the
+    first chunk writes into ``dest`` if given, or adds to it if ``add``)."""
+    if pname in out or (dest is not None and add):
+        g, s = out[pname] if pname in out else dest  # type: ignore[misc]
+        g.add_(pe.sum(0))
+        s.add_(pe.square_().sum(0))  # pe is a fresh per-chunk tensor: square it in place
+        out[pname] = [g, s]
+    elif dest is not None:
+        torch.sum(pe, 0, out=dest[0])
+        torch.sum(pe.square_(), 0, out=dest[1])
+        out[pname] = list(dest)
+    else:
+        out[pname] = [pe.sum(0), pe.square_().sum(0)]
+
+
+def column_sum(x: torch.Tensor, _: None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.sum(x, 0, out=out) if out is not None else x.sum(0)
+
+
+def write_sums(dest, add: bool, op, x1, y1, x2, y2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(op(x1, y1), op(x2, y2))``, written into (or added to) ``dest`` when it is given."""
+    if dest is None:
+        return op(x1, y1), op(x2, y2)
+    if add:
+        dest[0].add_(op(x1, y1))
+        dest[1].add_(op(x2, y2))
+    else:
+        op(x1, y1, out=dest[0])
+        op(x2, y2, out=dest[1])
+    return dest[0], dest[1]

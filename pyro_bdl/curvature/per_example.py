@@ -48,9 +48,14 @@ from torch.autograd.graph import get_gradient_edge
 from torch.func import grad, vmap
 
 from pyro_bdl.curvature.layer_rules import (
+    accumulate_sums,
+    batch_slices,
     batchnorm_per_example,
+    batchnorm_saved_stats,
+    column_sum,
     conv_per_example,
     linear_per_example,
+    write_sums,
 )
 
 __all__ = ["PerExampleGradients", "substitute", "vmap_squared_gradients"]
@@ -101,20 +106,6 @@ class _Call:
     stats: tuple[torch.Tensor, torch.Tensor] | None = None  # BatchNorm's batch mean, 1/std
 
 
-def _batchnorm_stats(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The batch mean and 1/sqrt(var + eps) that a training-mode BatchNorm saved for its
-    backward pass (native kernel only), so the per-example rule need not recompute them."""
-    fn = output.grad_fn
-    if fn is None or type(fn).__name__ != "NativeBatchNormBackward0":
-        return None
-    mean, rstd = getattr(fn, "_saved_result1", None), getattr(fn, "_saved_result2", None)
-    if not isinstance(mean, torch.Tensor) or not isinstance(rstd, torch.Tensor):
-        return None
-    if mean.dim() != 1 or mean.numel() != output.shape[1] or rstd.shape != mean.shape:
-        return None  # evaluation mode saves empty tensors
-    return mean, rstd
-
-
 @contextmanager
 def substitute(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Temporarily replace parameters or lifted weight sites of ``module`` by given tensors.
@@ -152,51 +143,6 @@ def substitute(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterato
     finally:
         for sub, pname, _ in entries:
             sub.__dict__.pop(pname, None)
-
-
-def _batch_slices(batch_size: int, per_example: int, max_elements: int, chunk_size: int | None):
-    size = chunk_size or max(1, min(batch_size, max_elements // max(per_example, 1)))
-    for lo in range(0, batch_size, size):
-        yield lo, min(lo + size, batch_size)
-
-
-def _accumulate(
-    out: dict[str, list[torch.Tensor]],
-    pname: str,
-    pe: torch.Tensor,
-    dest: tuple[torch.Tensor, torch.Tensor] | None = None,
-    add: bool = False,
-) -> None:
-    """Add one chunk's per-example gradients (c, *shape) to the running sums and squares (the
-    first chunk writes into ``dest`` if given, or adds to it if ``add``)."""
-    if pname in out or (dest is not None and add):
-        g, s = out[pname] if pname in out else dest  # type: ignore[misc]
-        g.add_(pe.sum(0))
-        s.add_(pe.square_().sum(0))  # pe is a fresh per-chunk tensor: square it in place
-        out[pname] = [g, s]
-    elif dest is not None:
-        torch.sum(pe, 0, out=dest[0])
-        torch.sum(pe.square_(), 0, out=dest[1])
-        out[pname] = list(dest)
-    else:
-        out[pname] = [pe.sum(0), pe.square_().sum(0)]
-
-
-def _colsum(x: torch.Tensor, _: None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.sum(x, 0, out=out) if out is not None else x.sum(0)
-
-
-def _write(dest, add: bool, op, x1, y1, x2, y2) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(op(x1, y1), op(x2, y2))``, written into (or added to) ``dest`` when it is given."""
-    if dest is None:
-        return op(x1, y1), op(x2, y2)
-    if add:
-        dest[0].add_(op(x1, y1))
-        dest[1].add_(op(x2, y2))
-    else:
-        op(x1, y1, out=dest[0])
-        op(x2, y2, out=dest[1])
-    return dest[0], dest[1]
 
 
 # -- the tape ----------------------------------------------------------------------------------
@@ -304,7 +250,7 @@ class PerExampleGradients:
             args, kwargs, get_gradient_edge(output), tuple(t._version for t in tensors), values
         )
         if kind == "batchnorm" and module.training:
-            call.stats = _batchnorm_stats(output)
+            call.stats = batchnorm_saved_stats(output)
         self.calls.setdefault(module, []).append(call)
         return output
 
@@ -420,16 +366,16 @@ class PerExampleGradients:
             d2 = d.square()
             result = {}
             if "weight" in targets:
-                result["weight"] = _write(
+                result["weight"] = write_sums(
                     dest.get("weight"), add, torch.mm, d.T, a, d2.T, a.square()
                 )
             if "bias" in targets:
-                result["bias"] = _write(dest.get("bias"), add, _colsum, d, None, d2, None)
+                result["bias"] = write_sums(dest.get("bias"), add, column_sum, d, None, d2, None)
             return result
         numel = sum(self._numel(module, name) for name in targets)
         per_row = numel + sum(int(a[0].numel()) for a in inputs) * self._unfold_factor(module)
         sums: dict[str, list[torch.Tensor]] = {}
-        for lo, hi in _batch_slices(batch, per_row, self.max_chunk_elements, self.chunk_size):
+        for lo, hi in batch_slices(batch, per_row, self.max_chunk_elements, self.chunk_size):
             chunk: dict[str, torch.Tensor] = {}
             for call in calls:
                 assert call.delta is not None
@@ -438,7 +384,7 @@ class PerExampleGradients:
                     if name in targets:
                         chunk[name] = chunk[name] + pe if name in chunk else pe
             for name, pe in chunk.items():
-                _accumulate(sums, name, pe, dest.get(name), add)
+                accumulate_sums(sums, name, pe, dest.get(name), add)
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
     @staticmethod
@@ -543,5 +489,5 @@ def vmap_squared_gradients(
     for lo in range(0, size, step):
         pe = per_example(params, *(t[lo : lo + step] for t in batch))
         for name, value in pe.items():
-            _accumulate(sums, name, value)
+            accumulate_sums(sums, name, value)
     return {k: v[0] for k, v in sums.items()}, {k: v[1] for k, v in sums.items()}
