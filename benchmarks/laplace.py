@@ -21,8 +21,11 @@ Run: ``python -m benchmarks.laplace [--quick] [--data-dir DIR]``.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import time
+import warnings
+from importlib.metadata import version
 
 import pyro
 import torch
@@ -131,6 +134,82 @@ def cost(quick: bool, device: str) -> dict:
                 f"{ratio:.3f} (target <= 1.2), fit time ratio "
                 f"{big['fit_cpu_s'] / small['fit_cpu_s']:.2f}"
             )
+    return figures
+
+
+def reference_fit(net: nn.Module, size: int, *, n: int, device: str) -> dict:
+    """``fit`` process time of ours against laplace-torch's ``FullSubnetLaplace`` (full GGN,
+    its default Curvlinops backend) on the same network, data (batches of 32) and subnetwork
+    indices; the two GGNs are compared entry by entry as a check that the work is the same."""
+    try:
+        import laplace  # benchmark-only: the optional ``bench`` extra
+    except ImportError:
+        return {"status": "not measured: laplace-torch not installed (pip install .[bench])"}
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    x = torch.rand(n, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (n,), device=device)
+    plain = copy.deepcopy(net).to(device).eval()
+    offsets, offset = {}, 0
+    for name, p in plain.named_parameters():
+        offsets[name], offset = offset, offset + p.numel()
+    bnn = bayesianize(net.to(device), priors.Normal(scale=1.0))
+    model = models.classifier(bnn, n)
+    guide = AutoSubnetLaplace(model, subnetwork="random", size=size, batch_size=32).to(device)
+    guide(x[:2], y[:2])
+    # That call ran the network in training mode: give the reference the same BatchNorm stats.
+    buffers = dict(bnn.named_buffers())
+    for name, buffer in plain.named_buffers():
+        buffer.copy_(buffers[name])
+    start = time.process_time()
+    guide.fit((x, y))
+    ours = time.process_time() - start
+    # Our packed vector holds the lifted weights only (not BatchNorm's): map to theirs by name.
+    index = guide.subnet_index.cpu()
+    theirs_index = index.clone()
+    for site in guide._sites:
+        inside = (index >= site.offset) & (index < site.offset + site.numel)
+        theirs_index[inside] += offsets[site.name] - site.offset
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la = laplace.Laplace(
+            plain,
+            "classification",
+            subset_of_weights="subnetwork",
+            hessian_structure="full",
+            subnetwork_indices=theirs_index.to(device),
+        )
+        start = time.process_time()
+        la.fit(loader)
+        theirs = time.process_time() - start
+    h = la.H.to(guide.ggn)
+    return {
+        "D": guide.loc.numel(),
+        "S": size,
+        "n": n,
+        "ours_fit_cpu_s": ours,
+        "reference_fit_cpu_s": theirs,
+        "time_ratio": ours / theirs,
+        "reference": f"laplace-torch {version('laplace-torch')}, FullSubnetLaplace, "
+        f"{type(la.backend).__name__}",
+        "ggn_relative_difference": float((h - guide.ggn).norm() / h.norm()),
+    }
+
+
+def reference(quick: bool, device: str) -> dict:
+    n = 128 if quick else 256
+    figures = {}
+    for kind, build in (("mlp", lambda: mlp(784, 100)), ("cnn", lambda: cnn(16))):
+        r = figures[kind] = reference_fit(build(), 1000, n=n, device=device)
+        if "status" in r:
+            print(f"{kind}: reference library {r['status']}")
+            return {"status": r["status"]}
+        print(
+            f"{kind} D={r['D']} S=1000: fit {r['ours_fit_cpu_s']:.2f} s vs laplace-torch "
+            f"{r['reference_fit_cpu_s']:.2f} s CPU: ratio {r['time_ratio']:.3f} (target <= 0.5); "
+            f"GGN relative difference {r['ggn_relative_difference']:.1e}"
+        )
     return figures
 
 
@@ -316,12 +395,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", default=None, help="MNIST test split instead of digits")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-reference", action="store_true")
     args = parser.parse_args(argv if argv is not None else [])
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     figures: dict = {}
     if not args.skip_cost:
         figures["cost"] = cost(args.quick, device)
+    if not args.skip_reference:
+        figures["reference"] = reference(args.quick, device)
     if not args.skip_quality:
         figures["quality"] = quality(args.quick, args.data_dir)
     if device == "cpu":
