@@ -47,8 +47,12 @@ def conv_per_example(
         padding = list(conv.padding)  # type: ignore[arg-type]
     c_out, c_in = conv.out_channels, conv.in_channels // groups
     shape = (c * c_out, c_in, *conv.kernel_size)
-    # Only the weight's shape is read when the weight gradient alone is asked for.
-    weight = a.new_zeros((1,) * len(shape)).expand(shape)
+    # Only the weight's shape is read when the weight gradient alone is asked for: on CPU a
+    # stride-0 view spares the allocation; other backends (cuDNN checks layouts) get real zeros.
+    if a.device.type == "cpu":
+        weight = a.new_zeros((1,) * len(shape)).expand(shape)
+    else:
+        weight = a.new_zeros(shape)
     _, w, _ = torch.ops.aten.convolution_backward(
         delta.reshape(1, c * c_out, *delta.shape[2:]),
         a.reshape(1, c * a.shape[1], *a.shape[2:]),
