@@ -16,6 +16,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from torch import nn
+from torch.distributions import Distribution as TorchDistribution
 
 from pyro_bdl._validation import check_finite, check_positive, check_positive_int
 
@@ -25,6 +26,36 @@ __all__ = ["DATA_PLATE", "check_batch", "classifier", "data_plate", "regressor"]
 DATA_PLATE = "data"
 
 
+class _LogSoftmaxCategorical(dist.Categorical):
+    """``Categorical(logits=logits)``, normalised by one fused ``log_softmax`` (instead of
+    ``logits - logsumexp(logits)``) and scoring labels of the batch shape with one ``gather``.
+
+    The classifiers' likelihood pays this on every step; in every other respect (``logits``,
+    ``probs``, ``sample``, ``expand``, validation) it is the ordinary ``Categorical``.
+    """
+
+    def __init__(self, logits: torch.Tensor, validate_args=None):
+        if logits.dim() < 1:
+            raise ValueError("`logits` parameter must be at least one-dimensional.")
+        self.logits = torch.log_softmax(logits, dim=-1)
+        self._param = self.logits
+        self._num_events = logits.shape[-1]
+        TorchDistribution.__init__(self, logits.shape[:-1], validate_args=validate_args)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        if value.shape != self.batch_shape:  # broadcasting (e.g. enumerated values)
+            return super().log_prob(value)
+        return self.logits.gather(-1, value.long().unsqueeze(-1)).squeeze(-1)
+
+    def expand(self, batch_shape, _instance=None):
+        batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:  # what the data plate asks for on every call
+            return self
+        return dist.Categorical(logits=self.logits).expand(batch_shape)
+
+
 def data_plate(dataset_size: int, batch_size: int, device=None) -> pyro.plate:
     """The plate over examples: scales the likelihood by N/B (``batch_size`` may exceed N when
     predicting on a larger test set, in which case no scaling applies)."""
@@ -32,7 +63,19 @@ def data_plate(dataset_size: int, batch_size: int, device=None) -> pyro.plate:
         return pyro.plate(DATA_PLATE, batch_size)
     # The batch is already sliced, so the plate only needs the size for its N/B scale: explicit
     # indices avoid the randperm(N) that subsample_size would draw on every call.
-    return pyro.plate(DATA_PLATE, dataset_size, subsample=torch.arange(batch_size, device=device))
+    # Passing the device also spares the plate a probe tensor for the default device.
+    return pyro.plate(
+        DATA_PLATE,
+        dataset_size,
+        subsample=torch.arange(batch_size, device=device),
+        device=device,
+    )
+
+
+def _label_range(y: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of the (non-empty) labels in one pass over them."""
+    lo, hi = torch.aminmax(y)
+    return int(lo), int(hi)
 
 
 def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
@@ -62,11 +105,13 @@ def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_class
                 f"y must hold integer class labels for a categorical likelihood; got dtype "
                 f"{y.dtype}. Use y.long()."
             )
-        if num_classes is not None and y.numel() and (y.min() < 0 or y.max() >= num_classes):
-            raise ValueError(
-                f"class labels must lie in [0, {num_classes}); got min {int(y.min())}, max "
-                f"{int(y.max())}. Check the label encoding or the network's number of outputs."
-            )
+        if num_classes is not None and y.numel():
+            lo, hi = _label_range(y)
+            if lo < 0 or hi >= num_classes:
+                raise ValueError(
+                    f"class labels must lie in [0, {num_classes}); got min {lo}, max {hi}. "
+                    "Check the label encoding or the network's number of outputs."
+                )
     else:
         if not y.is_floating_point():
             raise ValueError(
@@ -83,10 +128,13 @@ def classifier(net: nn.Module, dataset_size: int):
     def model(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         check_batch(x, y, task="classification")
         logits = net(x)
-        if y is not None and (y.min() < 0 or y.max() >= logits.shape[-1]):
-            check_batch(x, y, task="classification", num_classes=logits.shape[-1])
+        if y is not None:
+            # The label range depends on the network's output width, known only now.
+            lo, hi = _label_range(y)
+            if lo < 0 or hi >= logits.shape[-1]:
+                check_batch(x, y, task="classification", num_classes=logits.shape[-1])
         with data_plate(dataset_size, x.shape[0], x.device):
-            pyro.sample("y", dist.Categorical(logits=logits), obs=y)
+            pyro.sample("y", _LogSoftmaxCategorical(logits), obs=y)
         return logits
 
     model.likelihood = "categorical"  # type: ignore[attr-defined]

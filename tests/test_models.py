@@ -76,3 +76,35 @@ def test_bad_dataset_size_and_noise(bad):
         models.regressor(nn.Linear(2, 1), dataset_size=10, noise_scale=bad)
     with pytest.raises(TypeError, match="dataset_size"):
         models.classifier(nn.Linear(2, 2), dataset_size=2.5)
+
+
+def test_likelihood_is_an_ordinary_categorical():
+    # The classifier's likelihood normalises with one log_softmax and scores with one gather;
+    # every observable must match torch's Categorical(logits=...) to float32 round-off.
+    model = _classifier()
+    x, y = torch.randn(7, 3), torch.randint(0, 4, (7,))
+    tr = poutine.trace(model).get_trace(x, y)
+    fn, logits = tr.nodes["y"]["fn"], tr.nodes["_RETURN"]["value"]
+    ref = torch.distributions.Categorical(logits=logits)
+    assert isinstance(fn, torch.distributions.Categorical)
+    torch.testing.assert_close(fn.logits, ref.logits)
+    torch.testing.assert_close(fn.probs, ref.probs)
+    torch.testing.assert_close(fn.log_prob(y), ref.log_prob(y))
+    values = torch.arange(4).reshape(4, 1)  # enumerated values broadcast against the batch
+    torch.testing.assert_close(fn.log_prob(values), ref.log_prob(values))
+    assert fn.expand((7,)) is fn
+    wide = fn.expand((2, 7))
+    assert wide.batch_shape == (2, 7)
+    torch.testing.assert_close(wide.log_prob(y), ref.log_prob(y).expand(2, 7))
+    assert fn.sample((3,)).shape == (3, 7)
+
+
+def test_finite_check_fast_path_keeps_the_verdict():
+    # Finite values whose sum overflows to inf must pass (the exact check decides), and a single
+    # NaN among them must still be found and located.
+    big = torch.full((4, 3), 3e38)
+    models.check_batch(big, None, task="classification")
+    big[2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"x contains 1 .* \(2, 1\)"):
+        models.check_batch(big, None, task="classification")
+    models.check_batch(torch.randint(0, 3, (4, 3)), None, task="classification")  # integers

@@ -3,10 +3,11 @@ r"""Shared machinery of the per-site location-scale guides (:class:`AutoMeanFiel
 
 Every latent site gets its own location-scale distribution **on the site itself** (DESIGN.md 2,
 contract 2), so an ELBO sees the (posterior, prior) pair and can use an exact KL. The locations and
-the unconstrained scales of all sites are packed into two flat parameters, as Pyro's
-``AutoDiagonalNormal`` does: an optimizer then updates two tensors instead of two per site, and
-the scales go through one softplus per step. Each site reads a view of the flat vectors, and the
-noise of all plate-free sites is drawn in one flat operation (:meth:`flat_sample`).
+the unconstrained scales of all sites are packed into one ``(2, D)`` parameter ``loc_rho`` (rows
+``guide.loc`` and ``guide.rho``), as Pyro's ``AutoDiagonalNormal`` packs its sites: an optimizer
+then updates one tensor instead of two per site, and the scales go through one softplus per step.
+Each site reads a view of the flat vectors, and the noise of all plate-free sites is drawn in one
+flat operation (:meth:`flat_sample`).
 
 A subclass fills three small hooks: :meth:`AutoLocScaleGuide.site_posterior` (the distribution
 of one unconstrained site given its location, scale and event dims), :meth:`flat_sample` (one
@@ -129,6 +130,7 @@ class AutoLocScaleGuide(AutoGuide):
         self.init_loc_fn = init_loc_fn
         super().__init__(InitMessenger(init_loc_fn)(model), create_plates=create_plates)
         self._layout: list[SiteLayout] = []
+        self._no_plates = False
 
     # -- the hooks a subclass fills -------------------------------------------------------------
 
@@ -203,9 +205,14 @@ class AutoLocScaleGuide(AutoGuide):
         self._layout = layout
         self._sites = {s.name: s for s in layout}
         self._sizes = [s.stop - s.start for s in layout]
-        self.loc = nn.Parameter(loc)
+        # Without plates on the latent sites (nor a create_plates or a master guide) the plates
+        # dict stays empty: each step then skips rebuilding it.
+        self.plates = {}
+        self._no_plates = not self._prototype_frames and self.create_plates is None
         rho = inverse_softplus(torch.full_like(loc, self._init_scale))
-        self.rho = nn.Parameter(rho)
+        # One parameter for both halves: the optimizer (pyro.optim keeps one torch optimizer
+        # per parameter) and the param store then do one update and one lookup per step.
+        self.loc_rho = nn.Parameter(torch.stack([loc, rho]))
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
@@ -217,28 +224,77 @@ class AutoLocScaleGuide(AutoGuide):
     # -- the guide -----------------------------------------------------------------------------
 
     @property
+    def loc(self) -> torch.Tensor:
+        """All posterior locations, flat: row 0 of :attr:`loc_rho` (a view; writable under
+        ``torch.no_grad()``). After a call of the guide it is the very tensor that call used, so
+        ``torch.autograd.grad(loss, [guide.loc, guide.rho])`` works."""
+        return self._loc_rho_views()[0]
+
+    @property
+    def rho(self) -> torch.Tensor:
+        """All free scale parameters ρ (σ = softplus(ρ)), flat: row 1 of :attr:`loc_rho`."""
+        return self._loc_rho_views()[1]
+
+    @property
     def scale(self) -> torch.Tensor:
         """All posterior scales, flat (``softplus`` of the free parameter)."""
         return softplus(self.rho)
+
+    def _loc_rho_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ensure_setup()
+        packed = self._parameters["loc_rho"]
+        views = self.__dict__.get("_views")
+        if (
+            views is None
+            or views[0]._base is not packed
+            or views[0].data_ptr() != packed.data_ptr()  # .to(), .double() swap the storage
+            or views[0].requires_grad != packed.requires_grad
+        ):
+            with torch.enable_grad():
+                views = packed[0], packed[1]
+            self._cache_views(views)
+        return views
+
+    def _cache_views(self, views) -> None:
+        # Not under inference mode: views made there cannot enter autograd later.
+        if not torch.is_inference_mode_enabled():
+            self.__dict__["_views"] = views
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_views", None)  # non-leaf views of loc_rho: rebuilt on demand
+        return state
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every latent site from its own posterior; returns ``{name: value}``."""
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
-        plates = self._create_plates(*args, **kwargs)
-        loc, scale = self.loc, softplus(self.rho)
+        if self._no_plates and self.master is None:
+            plates = self.plates
+        else:
+            plates = self._create_plates(*args, **kwargs)
+        packed = self.loc_rho  # the step's one param-store lookup
+        loc, rho = packed[0], packed[1]
+        self._cache_views((loc, rho))
+        scale = softplus(rho)
+        sizes = self._sizes
         # torch.split gives every site a view with ONE backward node for all of them; slicing
         # per site would make each slice's backward fill a zero tensor of the full length.
-        locs, scales = loc.split(self._sizes), scale.split(self._sizes)
+        locs, scales = loc.split(sizes), scale.split(sizes)
         # Fast path: draw the noise of every plate-free site in one flat operation. Under an
         # outer plate (vectorized particles, parallel Predictive) the sites are batched, so each
         # one samples for itself instead.
-        values = None if _inside_plate() else self.flat_sample(loc, scale).split(self._sizes)
+        values = None if _inside_plate() else self.flat_sample(loc, scale).split(sizes)
         result = {}
         for i, site in enumerate(self._layout):
-            site_loc, site_scale = locs[i].view(site.shape), scales[i].view(site.shape)
+            shape = site.shape
+            site_loc, site_scale = locs[i], scales[i]
+            if site_loc.shape != shape:  # a 1-d site already has its shape: skip the view
+                site_loc, site_scale = site_loc.view(shape), site_scale.view(shape)
             if not site.frames:  # the common case for weights: no plate to enter
-                value = None if values is None or not site.whole else values[i].view(site.shape)
+                value = None
+                if values is not None and site.whole:
+                    value = values[i] if values[i].shape == shape else values[i].view(shape)
                 fn = self._site_dist(site, site_loc, site_scale, value)
                 result[site.name] = pyro.sample(site.name, fn)
                 continue

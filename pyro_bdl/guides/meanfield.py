@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import pyro.distributions as dist
 import torch
+from torch.distributions import Distribution, Normal, register_kl
 
 from pyro_bdl.guides.base import AutoLocScaleGuide
 
 __all__ = ["AutoMeanField"]
 
 
-class _PresampledNormal(dist.Normal):
-    """A ``Normal`` whose first ``rsample()`` returns a draw made beforehand.
+class _SiteNormal(dist.Normal):
+    """The guide's ``Normal`` on one site, optionally carrying a draw made beforehand.
 
-    The guide draws the noise of all sites in one flat operation and hands each site its view;
-    the distribution is an ordinary ``Normal`` in every other respect (log_prob, KL, expand).
+    The guide draws the noise of all sites in one flat operation and hands each site its view:
+    the first ``rsample()`` returns that view. ``loc`` and ``scale`` are views of the guide's
+    flat parameters with the same shape, so the constructor skips ``broadcast_all`` and the
+    argument checks (the scale is a softplus output, valid by construction). In every other
+    respect it is an ordinary ``Normal`` (log_prob, entropy, expand, KL).
     """
 
-    def __init__(self, loc, scale, value):
-        super().__init__(loc, scale, validate_args=False)
+    def __init__(self, loc, scale, value=None):
+        self.loc, self.scale = loc, scale
         self._value = value
+        Distribution.__init__(self, loc.shape, validate_args=False)
 
     def rsample(self, sample_shape=torch.Size()):
         value, self._value = self._value, None  # one use: later calls draw fresh noise
@@ -29,6 +34,41 @@ class _PresampledNormal(dist.Normal):
 
     def expand(self, batch_shape, _instance=None):
         return dist.Normal(self.loc, self.scale, validate_args=False).expand(batch_shape)
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A parameter expanded from a scalar (all strides 0) as a one-element view, so the KL
+    evaluates it once instead of once per weight."""
+    if t.dim() and not any(t.stride()):
+        return t.as_strided((1,) * t.dim(), (0,) * t.dim())
+    return t
+
+
+def _prior_terms(p: Normal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, log s − ½, 1/(2s²)) of a Normal prior, compacted. A prior with constant parameters
+    is the same object on every step (lifted weights build it once), so the terms are kept on
+    it; parameters that require grad (a learned prior) are recomputed every time."""
+    cached = p.__dict__.get("_bdl_kl_terms")
+    if cached is not None and cached[0] is p.loc and cached[1] is p.scale:
+        return cached[2]
+    m, s = _compact(p.loc), _compact(p.scale)
+    terms = (m, s.log() - 0.5, (2 * s.square()).reciprocal())
+    if not (p.loc.requires_grad or p.scale.requires_grad):
+        p.__dict__["_bdl_kl_terms"] = (p.loc, p.scale, terms)
+    return terms
+
+
+@register_kl(_SiteNormal, Normal)
+def _kl_site_normal_normal(q: _SiteNormal, p: Normal) -> torch.Tensor:
+    r"""KL(N(μ, σ²) ‖ N(m, s²)) = log s − log σ + (σ² + (μ − m)²)/(2s²) − ½ (DESIGN.md 4.2).
+
+    The same value as torch's Normal–Normal KL in fewer full-size operations: a prior expanded
+    from scalars (every prior of :mod:`pyro_bdl.priors`) is evaluated once, not per weight.
+    """
+    m, log_s_minus_half, half_precision = _prior_terms(p)
+    diff = q.loc - m
+    spread = torch.addcmul(q.scale.square(), diff, diff)
+    return torch.addcmul(log_s_minus_half - q.scale.log(), spread, half_precision)
 
 
 class AutoMeanField(AutoLocScaleGuide):
@@ -57,11 +97,8 @@ class AutoMeanField(AutoLocScaleGuide):
     def site_posterior(self, loc, scale, event_dim, *, value=None):
         # The scale is a softplus output and the loc a free parameter, so they are valid by
         # construction; skipping torch's argument checks saves a constraint pass per site.
-        if value is None:
-            base = dist.Normal(loc, scale, validate_args=False)
-        else:
-            base = _PresampledNormal(loc, scale, value)
-        return base.to_event(event_dim)
+        base = _SiteNormal(loc, scale, value)
+        return dist.Independent(base, event_dim, validate_args=False) if event_dim else base
 
     def flat_sample(self, loc, scale):
         return torch.addcmul(loc, scale, torch.randn_like(loc))

@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 
 import torch
+from pyro.distributions.util import sum_rightmost
+from torch.distributions import Distribution, Independent, Normal, register_kl
 
-from pyro_bdl.distributions.radial import Radial, radial_marginal_icdf
+from pyro_bdl.distributions.radial import Radial, radial_entropy_constant, radial_marginal_icdf
 from pyro_bdl.guides.base import AutoLocScaleGuide
 
 __all__ = ["AutoRadial"]
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def _norm2(eps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -19,13 +23,17 @@ def _norm2(eps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return norm2.clamp_min_(torch.finfo(eps.dtype).tiny)
 
 
-class _PresampledRadial(Radial):
-    """A :class:`Radial` whose first ``rsample()`` returns a draw made beforehand (see
-    :class:`~pyro_bdl.guides.meanfield._PresampledNormal`)."""
+class _SiteRadial(Radial):
+    """The guide's :class:`Radial` on one site, optionally carrying a draw made beforehand (its
+    first ``rsample()`` returns it; see :class:`~pyro_bdl.guides.meanfield._SiteNormal`)."""
 
-    def __init__(self, loc, scale, value, *, event_dim):
-        super().__init__(loc, scale, event_dim=event_dim, validate_args=False)
+    def __init__(self, loc, scale, value=None, *, event_dim):
+        # loc and scale are same-shape views of the guide's flat parameters: skip Radial's
+        # broadcast and argument checks (a per-site cost paid on every step).
+        self.loc, self.scale = loc, scale
         self._value = value
+        split = loc.dim() - event_dim
+        Distribution.__init__(self, loc.shape[:split], loc.shape[split:], validate_args=False)
 
     def rsample(self, sample_shape=torch.Size()):
         value, self._value = self._value, None
@@ -36,6 +44,46 @@ class _PresampledRadial(Radial):
     def expand(self, batch_shape, _instance=None):
         plain = Radial(self.loc, self.scale, event_dim=len(self.event_shape), validate_args=False)
         return plain.expand(batch_shape)
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A parameter expanded from a scalar (all strides 0) as a one-element view."""
+    if t.dim() and not any(t.stride()):
+        return t.as_strided((1,) * t.dim(), (0,) * t.dim())
+    return t
+
+
+def _prior_terms(p: Normal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, 1/(2s²), ½ log 2π + log s) of a Normal prior, compacted; kept on a prior whose
+    parameters are constants (the same object on every step), recomputed for a learned one."""
+    cached = p.__dict__.get("_bdl_radial_kl_terms")
+    if cached is not None and cached[0] is p.loc and cached[1] is p.scale:
+        return cached[2]
+    m, s = _compact(p.loc), _compact(p.scale)
+    terms = (m, (2 * s.square()).reciprocal(), s.log() + _HALF_LOG_2PI)
+    if not (p.loc.requires_grad or p.scale.requires_grad):
+        p.__dict__["_bdl_radial_kl_terms"] = (p.loc, p.scale, terms)
+    return terms
+
+
+@register_kl(_SiteRadial, Independent)
+def _kl_site_radial_independent(q: _SiteRadial, p: Independent) -> torch.Tensor:
+    r"""KL(Radial(μ, σ) ‖ ∏ N(m, s²)) = Σᵢ [−log σᵢ + ((μᵢ−mᵢ)² + σᵢ²/D)/(2sᵢ²)
+    + ½ log(2π sᵢ²)] − H_D (DESIGN.md 4.3), as the library's ``kl_divergence(Radial, Normal)``
+    but with the prior's terms computed once (the guide's step pays this per site)."""
+    base, dims = p, 0
+    while isinstance(base, Independent):
+        dims += base.reinterpreted_batch_ndims
+        base = base.base_dist
+    event_dim = len(q.event_shape)
+    if not isinstance(base, Normal) or dims != event_dim:
+        raise NotImplementedError
+    numel = math.prod(q.event_shape)
+    m, half_precision, log_norm = _prior_terms(base)
+    diff = q.loc - m
+    spread = torch.addcmul(diff.square(), q.scale, q.scale, value=1.0 / numel)
+    terms = torch.addcmul(log_norm - q.scale.log(), spread, half_precision)
+    return sum_rightmost(terms, event_dim) - radial_entropy_constant(numel)
 
 
 class AutoRadial(AutoLocScaleGuide):
@@ -66,29 +114,32 @@ class AutoRadial(AutoLocScaleGuide):
         super().__init__(model, init_scale=init_scale, **kwargs)
 
     def site_posterior(self, loc, scale, event_dim, *, value=None):
-        if value is None:
-            return Radial(loc, scale, event_dim=event_dim, validate_args=False)
-        return _PresampledRadial(loc, scale, value, event_dim=event_dim)
+        return _SiteRadial(loc, scale, value, event_dim=event_dim)
 
     def flat_sample(self, loc, scale):
         # One direction per site for all sites at once: ε and the radii in one randn call,
-        # per-site squared norms by a segment sum, the factors r/‖ε‖ broadcast back with
-        # repeat_interleave.
+        # per-site squared norms by a segment sum, the factors r/‖ε‖ broadcast back by one
+        # index_select with a cached site index per number.
         with torch.no_grad():
-            lengths = self._lengths(loc.device)
+            lengths, site_of = self._segments(loc.device)
             numel, num_sites = loc.numel(), lengths.numel()
             noise = torch.randn(numel + num_sites, dtype=loc.dtype, device=loc.device)
             eps, radius = noise[:numel], noise[numel:]
             factor = radius.mul_(_norm2(eps, lengths).rsqrt_())
-            xi = eps.mul_(torch.repeat_interleave(factor, lengths, output_size=numel))
+            xi = eps.mul_(factor.index_select(0, site_of))
         return torch.addcmul(loc, scale, xi)
 
-    def _lengths(self, device) -> torch.Tensor:
-        lengths = getattr(self, "_lengths_cache", None)
-        if lengths is None or lengths.device != device:
+    def _segments(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(site lengths, site number of every flat coordinate) on ``device``, built once."""
+        cache = self.__dict__.get("_segments_cache")
+        if cache is None or cache[0].device != device:
             lengths = torch.tensor(self._sizes, device=device)
-            self._lengths_cache = lengths
-        return lengths
+            site_of = torch.repeat_interleave(
+                torch.arange(len(self._sizes), device=device), lengths
+            )
+            cache = (lengths, site_of)
+            self.__dict__["_segments_cache"] = cache
+        return cache
 
     def site_quantiles(self, loc, scale, event_dim, q):
         numel = math.prod(loc.shape[loc.dim() - event_dim :])

@@ -203,3 +203,50 @@ def test_set_loc_scale_checks_before_changing_anything():
     with pytest.raises(ValueError, match="scale"):
         guide.set_loc_scale("0.weight", loc=0.0, scale=-1.0)
     assert torch.equal(guide.loc.detach(), before)
+
+
+@pytest.mark.parametrize("prior_kind", ["scalar", "tensor", "learned"])
+def test_site_kl_is_torchs_normal_kl(prior_kind):
+    # The guide registers its own Normal-Normal KL (fewer kernels, prior terms kept on constant
+    # priors); it must equal torch's closed form, and gradients must reach a learned prior.
+    from torch.distributions import kl_divergence
+
+    from pyro_bdl.guides.meanfield import _SiteNormal
+
+    torch.manual_seed(0)
+    loc, scale = torch.randn(3, 4, dtype=F64), torch.rand(3, 4, dtype=F64) + 0.1
+    if prior_kind == "scalar":
+        m, s = torch.tensor(0.3, dtype=F64).expand(3, 4), torch.tensor(2.0, dtype=F64).expand(3, 4)
+    else:
+        m, s = torch.randn(3, 4, dtype=F64), torch.rand(3, 4, dtype=F64) + 0.5
+    if prior_kind == "learned":
+        m.requires_grad_(), s.requires_grad_()
+    prior = dist.Normal(m, s).to_event(2)
+    expected = kl_divergence(dist.Normal(loc, scale).to_event(2), prior)
+    for _ in range(2):  # the second call reads the terms kept on the prior
+        got = kl_divergence(_SiteNormal(loc, scale).to_event(2), prior)
+        assert_close(got, expected, rtol=1e-12)
+    if prior_kind == "learned":
+        g_got = torch.autograd.grad(got, [m, s])
+        g_exp = torch.autograd.grad(expected, [m, s])
+        for a, b in zip(g_got, g_exp):
+            assert_close(a, b, rtol=1e-12)
+
+
+def test_loc_and_rho_are_rows_of_one_parameter():
+    # One parameter (one optimizer, one param-store entry); guide.loc / guide.rho are the
+    # tensors the last call used, so gradients can be taken with respect to them.
+    pyro.clear_param_store()
+    model = small_model()
+    guide = AutoMeanField(model)
+    x, y = data()
+    guide(x, y)
+    assert [n for n, _ in guide.named_parameters()] == ["loc_rho"]
+    assert [k for k in pyro.get_param_store().keys() if "loc" in k] == ["AutoMeanField.loc_rho"]
+    loss = TraceMeanField_ELBO().differentiable_loss(model, guide, x, y)
+    g_loc, g_rho = torch.autograd.grad(loss, [guide.loc, guide.rho], retain_graph=True)
+    (g_packed,) = torch.autograd.grad(loss, [guide.loc_rho])
+    assert torch.equal(g_packed, torch.stack([g_loc, g_rho]))
+    with torch.no_grad():
+        guide.loc.zero_()
+    assert not guide.loc_rho[0].any()

@@ -6,6 +6,7 @@ import math
 
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 from pyro import poutine
 from pyro.infer import TraceMeanField_ELBO
@@ -89,3 +90,33 @@ def test_defaults_and_quantiles():
     q = guide.quantiles([0.1, 0.9])["0.weight"]
     expected = loc + scale * radial_marginal_icdf(torch.tensor([0.1, 0.9])[:, None, None], 30)
     assert_close(q, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("prior_kind", ["scalar", "tensor", "learned"])
+def test_site_kl_is_the_library_radial_kl(prior_kind):
+    # The guide's Radial registers a KL that keeps the prior's terms; it must equal the library's
+    # kl_divergence(Radial, Independent(Normal)) and pass gradients to a learned prior.
+    from torch.distributions import kl_divergence
+
+    from pyro_bdl.guides.radial import _SiteRadial
+
+    torch.manual_seed(0)
+    f64 = torch.float64
+    loc, scale = torch.randn(3, 4, dtype=f64), torch.rand(3, 4, dtype=f64) + 0.1
+    if prior_kind == "scalar":
+        m, s = torch.tensor(0.3, dtype=f64).expand(3, 4), torch.tensor(2.0, dtype=f64).expand(3, 4)
+    else:
+        m, s = torch.randn(3, 4, dtype=f64), torch.rand(3, 4, dtype=f64) + 0.5
+    if prior_kind == "learned":
+        m.requires_grad_(), s.requires_grad_()
+    for event_dim in (2, 1):
+        prior = dist.Normal(m, s).to_event(event_dim)
+        expected = kl_divergence(Radial(loc, scale, event_dim=event_dim), prior)
+        for _ in range(2):  # the second call reads the terms kept on the prior
+            got = kl_divergence(_SiteRadial(loc, scale, event_dim=event_dim), prior)
+            assert_close(got, expected, rtol=1e-12)
+        if prior_kind == "learned":
+            for a, b in zip(
+                torch.autograd.grad(got.sum(), [m, s]), torch.autograd.grad(expected.sum(), [m, s])
+            ):
+                assert_close(a, b, rtol=1e-12)
