@@ -1,15 +1,20 @@
-"""Subnetwork linearized Laplace: MAP training with the guide as a point estimate, a short
-SWAG-diag phase from the MAP (Adam at a constant rate, about 20 snapshots) whose marginal variances
-choose the subnetwork (at most 1,000 weights of largest variance), the GGN Laplace over it, the
-prior precision tuned by the subnetwork's marginal likelihood (with λ = 1/s² of the training prior
-the posterior is far too wide in distribution: test NLL 0.74 against the MAP's 0.05 on digits),
-and the probit predictive."""
+"""Subnetwork linearized Laplace: MAP training with the guide as a point estimate on 90% of the
+training split, a short SWAG-diag phase from the MAP (Adam at a constant rate, about 20
+snapshots) whose marginal variances choose the subnetwork (at most 1,000 weights of largest
+variance), the GGN Laplace over it, and the prior precision tuned by the probit predictive's
+log-likelihood on the held-out 10% of the training split (never the test set).
+
+Why not the marginal likelihood or the training prior: on digits the marginal-likelihood λ left
+the in-distribution test NLL at 0.125 against the MAP's 0.052, and λ = 1/s² of the training prior
+at 0.74; the held-out log-likelihood picks the width that predicts best in distribution."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pyro
+import torch
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior, train_svi
@@ -22,9 +27,25 @@ SUBNETWORK_SIZE = 1000
 #: Length of the SWAG-diag phase, as a share of the MAP epochs (at least one epoch).
 SWAG_FRACTION = 0.2
 SNAPSHOTS = 20
+#: Share of the training split held out to tune the prior precision.
+VALIDATION_FRACTION = 0.1
+#: λ grid: wide enough that the MAP limit (large λ) and a wide posterior are both reachable.
+GRID = torch.logspace(-4, 6, 21, dtype=torch.float64)
+
+
+def split_validation(problem: Problem) -> tuple[Problem, torch.Tensor, torch.Tensor]:
+    """(the problem on the remaining training rows, x_val, y_val), rows drawn with the seed."""
+    data = problem.dataset
+    g = torch.Generator().manual_seed(problem.seed)
+    order = torch.randperm(len(data.y_train), generator=g)
+    n_val = max(1, round(VALIDATION_FRACTION * len(order)))
+    val, train = order[:n_val], order[n_val:]
+    dataset = dataclasses.replace(data, x_train=data.x_train[train], y_train=data.y_train[train])
+    return dataclasses.replace(problem, dataset=dataset), data.x_train[val], data.y_train[val]
 
 
 def fit_subnet_laplace(problem: Problem) -> Predictor:
+    problem, x_val, y_val = split_validation(problem)
     _, model = problem.bayesian_model()
     scale = problem.prior.scale if isinstance(problem.prior, Normal) else 1.0
     guide = AutoSubnetLaplace(model, subnetwork="all")  # the MAP phase; the rule is set below
@@ -59,6 +80,8 @@ def fit_subnet_laplace(problem: Problem) -> Predictor:
     laplace(x[:2], y[:2])
     laplace.loc.data = guide.loc.detach().clone()
     laplace.fit((x, y))
-    laplace.tune_prior_precision(method="marglik")
+    laplace.tune_prior_precision(
+        (x_val.to(problem.device), y_val.to(problem.device)), method="val_ll", grid=GRID
+    )
     predict = lambda x_test: laplace.predict(x_test, link="probit").float()  # noqa: E731
     return attach_posterior(predict, model, laplace)
