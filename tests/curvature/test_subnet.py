@@ -14,6 +14,7 @@ from pyro_bdl.curvature.subnet import (
     TensorMemoryTracker,
     cholesky_jitter,
     diagonal_ggn,
+    jacobian_row_bytes,
     linearized_predictive,
     log_marginal,
     output_hessian_factor,
@@ -75,6 +76,26 @@ def test_subnet_jacobian_equals_jacrev_slice():
     assert_close(jac, full[:, :, index], rtol=1e-10, atol=1e-12)
     everything = subnet_jacobian(lambda: net(x), slots, torch.arange(flat.numel()))
     assert_close(everything, full, rtol=1e-10, atol=1e-12)
+
+
+def test_subnet_jacobian_is_the_same_with_the_smallest_temporaries():
+    net, x, slots, _, _ = _setup()
+    index = torch.randperm(200)[:60]
+    jac = subnet_jacobian(lambda: net(x), slots, index)
+    assert_close(subnet_jacobian(lambda: net(x), slots, index, select_numbers=1), jac, rtol=1e-14)
+
+
+def test_jacobian_row_bytes_grows_linearly_with_the_rows():
+    """The bytes of a chunk are a fixed part plus rows × a per-row part: the step from 2 to 4
+    rows is twice the step from 1 to 2 (10% for allocation granularity), and the per-row part
+    holds at least the row of J_S (C × S float64)."""
+    net, x, slots, _, _ = _setup()
+    x = torch.cat([x, x])  # 10 rows
+    index = torch.arange(60)
+    peak = {n: jacobian_row_bytes(lambda n=n: net(x[:n]), slots, index) for n in (1, 2, 4)}
+    step = peak[2] - peak[1]
+    assert step >= 3 * 60 * 8
+    assert abs((peak[4] - peak[2]) - 2 * step) <= 0.1 * 2 * step, peak
 
 
 def test_output_hessian_factor_matches_nll_hessian():

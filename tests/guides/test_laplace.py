@@ -388,6 +388,14 @@ def test_dataloader_and_tuple_give_the_same_posterior():
     assert_close(guide.fit((x, y)).covariance, first, rtol=1e-10)
 
 
+def test_row_chunks_sized_by_chunk_memory_give_the_same_posterior():
+    """``chunk_memory=1`` forces one example per Jacobian chunk and the smallest temporaries."""
+    guide, _, _, x, y = _trained("all", steps=20)
+    first = guide.fit((x, y)).covariance.clone()
+    guide.chunk_memory = 1
+    assert_close(guide.fit((x, y)).covariance, first, rtol=1e-10)
+
+
 def _peak_fit_bytes(hidden: int, size: int) -> tuple[int, int]:
     pyro.clear_param_store()  # guides of different sizes share the name "AutoSubnetLaplace"
     x, y = _data(n=64, d=20)
