@@ -53,16 +53,19 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _prior_terms(p: Normal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m, 1/(2s²), ½ log 2π + log s) of a Normal prior, compacted; kept on a prior whose
-    parameters are constants (the same object on every step), recomputed for a learned one."""
+def _prior_terms(p: Normal, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, 1/(2s²), ½ log 2π + log s − H_D/D) of a Normal prior, compacted, for a site of D =
+    ``numel`` weights (the Radial's entropy constant H_D spread over the weights, so the KL needs
+    no separate subtraction). Kept on a prior whose parameters are constants (the same object on
+    every step); recomputed for a learned one."""
     cached = p.__dict__.get("_bdl_radial_kl_terms")
-    if cached is not None and cached[0] is p.loc and cached[1] is p.scale:
-        return cached[2]
+    if cached is not None and cached[0] is p.loc and cached[1] is p.scale and cached[2] == numel:
+        return cached[3]
     m, s = _compact(p.loc), _compact(p.scale)
-    terms = (m, (2 * s.square()).reciprocal(), s.log() + _HALF_LOG_2PI)
+    log_norm = s.log() + (_HALF_LOG_2PI - radial_entropy_constant(numel) / numel)
+    terms = (m, (2 * s.square()).reciprocal(), log_norm)
     if not (p.loc.requires_grad or p.scale.requires_grad):
-        p.__dict__["_bdl_radial_kl_terms"] = (p.loc, p.scale, terms)
+        p.__dict__["_bdl_radial_kl_terms"] = (p.loc, p.scale, numel, terms)
     return terms
 
 
@@ -71,7 +74,7 @@ def _kl_site_radial_independent(q: _SiteRadial, p: Independent) -> torch.Tensor:
     r"""KL(Radial(μ, σ) ‖ ∏ N(m, s²)) = Σᵢ [−log σᵢ + ((μᵢ−mᵢ)² + σᵢ²/D)/(2sᵢ²)
     + ½ log(2π sᵢ²)] − H_D (DESIGN.md 4.3), as the library's ``kl_divergence(Radial, Normal)``
     but with the prior's terms computed once (the guide's step pays this per site)."""
-    base, dims = p, 0
+    base, dims = p.base_dist, p.reinterpreted_batch_ndims
     while isinstance(base, Independent):
         dims += base.reinterpreted_batch_ndims
         base = base.base_dist
@@ -79,11 +82,11 @@ def _kl_site_radial_independent(q: _SiteRadial, p: Independent) -> torch.Tensor:
     if not isinstance(base, Normal) or dims != event_dim:
         raise NotImplementedError
     numel = math.prod(q.event_shape)
-    m, half_precision, log_norm = _prior_terms(base)
+    m, half_precision, log_norm = _prior_terms(base, numel)
     diff = q.loc - m
     spread = torch.addcmul(diff.square(), q.scale, q.scale, value=1.0 / numel)
     terms = torch.addcmul(log_norm - q.scale.log(), spread, half_precision)
-    return sum_rightmost(terms, event_dim) - radial_entropy_constant(numel)
+    return sum_rightmost(terms, event_dim)
 
 
 class AutoRadial(AutoLocScaleGuide):
