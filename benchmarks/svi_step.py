@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     args, _ = parser.parse_known_args(argv)  # run_all passes its own argv through
     torch.set_num_threads(1)
     pyro.enable_validation(False)
-    repeats = 7 if args.quick else 15
+    repeats = 7 if args.quick else 25
     configs = [
         ("mlp-4", 4, 100),
         ("mlp-10", 10, 100),
