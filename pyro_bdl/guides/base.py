@@ -241,6 +241,7 @@ class AutoLocScaleGuide(AutoGuide):
         return softplus(self.rho)
 
     def _loc_rho_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # (loc view, rho view, version of loc_rho when they were made by unbind, else None)
         self._ensure_setup()
         packed = self._parameters["loc_rho"]
         views = self.__dict__.get("_views")
@@ -249,16 +250,19 @@ class AutoLocScaleGuide(AutoGuide):
             or views[0]._base is not packed
             or views[0].data_ptr() != packed.data_ptr()  # .to(), .double() swap the storage
             or views[0].requires_grad != packed.requires_grad
+            # The last call's unbind views cannot enter a new graph once loc_rho changed in
+            # place (an optimizer step): single views (select) can, so they replace them.
+            or (views[2] is not None and views[2] != packed._version)
         ):
             with torch.enable_grad():
-                views = packed[0], packed[1]
-            self._cache_views(views)
-        return views
+                views = packed[0], packed[1], None
+            self._cache_views(views[:2], None)
+        return views[0], views[1]
 
-    def _cache_views(self, views) -> None:
+    def _cache_views(self, views, version) -> None:
         # Not under inference mode: views made there cannot enter autograd later.
         if not torch.is_inference_mode_enabled():
-            self.__dict__["_views"] = views
+            self.__dict__["_views"] = (views[0], views[1], version)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -274,8 +278,10 @@ class AutoLocScaleGuide(AutoGuide):
         else:
             plates = self._create_plates(*args, **kwargs)
         packed = self.loc_rho  # the step's one param-store lookup
-        loc, rho = packed[0], packed[1]
-        self._cache_views((loc, rho))
+        # unbind: ONE backward node that stacks both gradients (two selects would each fill a
+        # zero tensor of the full (2, D) size and then add them).
+        loc, rho = packed.unbind(0)
+        self._cache_views((loc, rho), packed._version)
         scale = softplus(rho)
         sizes = self._sizes
         # torch.split gives every site a view with ONE backward node for all of them; slicing

@@ -250,3 +250,6 @@ def test_loc_and_rho_are_rows_of_one_parameter():
     with torch.no_grad():
         guide.loc.zero_()
     assert not guide.loc_rho[0].any()
+    # After an in-place update of loc_rho (as an optimizer does) guide.loc still enters graphs.
+    (guide.loc.sum() + guide.rho.sum()).backward()
+    assert torch.equal(guide.loc_rho.grad, torch.ones_like(guide.loc_rho))
