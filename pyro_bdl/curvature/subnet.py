@@ -285,12 +285,9 @@ def jacobian_row_bytes(
     *,
     exclude: Sequence[torch.Tensor] = (),
 ) -> int:
-    """Peak bytes that :func:`subnet_jacobian` allocates for ONE example (``forward_one`` runs
-    the network on one row): its forward graph, the gradients at the hooked layer outputs, the
-    unfolded convolution inputs and its row of J_S, with the entry-picking temporaries at their
-    minimum. The network-dependent memory of a chunk is about ``rows ×`` this, which lets a
-    caller size its row chunks from a memory budget. ``exclude``: weights and data (not counted).
-    """
+    """Peak bytes :func:`subnet_jacobian` allocates for the rows ``forward_one`` runs (forward
+    graph, layer-output gradients, unfolded inputs, rows of J_S; small entry-picking
+    temporaries), so callers can size row chunks from a budget. ``exclude``: weights, data."""
     with TensorMemoryTracker(exclude=exclude) as mem:
         subnet_jacobian(forward_one, slots, index, select_numbers=1 << 14)
     return max(mem.peak, 1)
