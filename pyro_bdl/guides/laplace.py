@@ -243,10 +243,16 @@ class AutoSubnetLaplace(AutoContinuous):
             if isinstance(net, nn.Module) and was:
                 net.train()
 
+    @property
+    def _raw_model(self):
+        # The user's model without the guide's InitMessenger: predicting leaves the target site
+        # unobserved, and a user's init_loc_fn need only know the weight sites.
+        return self._user_model[0] if self._user_model else self.model
+
     def _forward_fn(self, values: dict, args: tuple, kwargs: dict, obs_name: str):
         def forward() -> torch.Tensor:
             with poutine.block():
-                conditioned = poutine.condition(self.model, data=values)
+                conditioned = poutine.condition(self._raw_model, data=values)
                 trace = poutine.trace(conditioned).get_trace(*args, **kwargs)
             if obs_name not in trace.nodes:
                 raise ValueError(f"the model has no site {obs_name!r} any more.")
@@ -258,7 +264,7 @@ class AutoSubnetLaplace(AutoContinuous):
         """The observed site, the likelihood, the number of outputs and the noise. Called
         ``without_targets``, the site is the one sample site that is not a weight site."""
         with torch.no_grad(), poutine.block():
-            trace = poutine.trace(self.model).get_trace(*args, **kwargs)
+            trace = poutine.trace(self._raw_model).get_trace(*args, **kwargs)
         weights = {site.name for site in self._sites}
         observed = [
             n

@@ -381,6 +381,19 @@ def test_predict_before_fit_and_bad_data():
         guide.predict(x, link="mc", num_samples=0)
 
 
+def test_predict_does_not_call_init_loc_fn_on_the_target_site():
+    # A user's init_loc_fn need only know the weight sites; predicting leaves "y" unobserved.
+    x, y = _data()
+    bnn = bdl.bayesianize(_mlp(), bdl.priors.Normal(scale=1.0))
+    model = bdl.models.classifier(bnn, len(y))
+    start = {name: torch.zeros(spec.shape, dtype=F64) for name, spec in bdl.sites(bnn).items()}
+    guide = AutoSubnetLaplace(model, subnetwork="all", init_loc_fn=lambda site: start[site["name"]])
+    guide(x, y)
+    probs = guide.fit((x, y)).predict(x)
+    # All-zero weights give equal logits, so the probit predictive is uniform.
+    assert_close(probs, torch.full_like(probs, 1 / 3), atol=1e-12)
+
+
 def test_dataloader_and_tuple_give_the_same_posterior():
     guide, _, _, x, y = _trained("all", steps=20, batch_size=7)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
