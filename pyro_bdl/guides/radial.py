@@ -16,11 +16,11 @@ __all__ = ["AutoRadial"]
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def _norm2(eps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Per-site squared norms, kept above zero (an all-zero draw has probability zero, but a
-    one-weight site in low precision could meet it)."""
-    norm2 = torch.segment_reduce(eps * eps, "sum", lengths=lengths)
-    return norm2.clamp_min_(torch.finfo(eps.dtype).tiny)
+def _norms(parts, dtype) -> torch.Tensor:
+    """Norms of the sites' noise in one fused pass (no squared temporary), kept above zero (an
+    all-zero draw has probability zero, but a one-weight site in low precision could meet it)."""
+    norms = torch.stack(torch._foreach_norm(parts))
+    return norms.clamp_min_(torch.finfo(dtype).tiny)
 
 
 class _SiteRadial(Radial):
@@ -120,29 +120,18 @@ class AutoRadial(AutoLocScaleGuide):
         return _SiteRadial(loc, scale, value, event_dim=event_dim)
 
     def flat_sample(self, loc, scale):
-        # One direction per site for all sites at once: ε and the radii in one randn call,
-        # per-site squared norms by a segment sum, the factors r/‖ε‖ broadcast back by one
-        # index_select with a cached site index per number.
+        # One direction per site for all sites at once: ε and the radii in one randn call, the
+        # per-site norms in one fused foreach pass, and ε scaled by r/‖ε‖ in place by one
+        # foreach multiply over the sites' views (no full-length temporaries).
         with torch.no_grad():
-            lengths, site_of = self._segments(loc.device)
-            numel, num_sites = loc.numel(), lengths.numel()
+            sizes = self._sizes
+            numel, num_sites = loc.numel(), len(sizes)
             noise = torch.randn(numel + num_sites, dtype=loc.dtype, device=loc.device)
             eps, radius = noise[:numel], noise[numel:]
-            factor = radius.mul_(_norm2(eps, lengths).rsqrt_())
-            xi = eps.mul_(factor.index_select(0, site_of))
-        return torch.addcmul(loc, scale, xi)
-
-    def _segments(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(site lengths, site number of every flat coordinate) on ``device``, built once."""
-        cache = self.__dict__.get("_segments_cache")
-        if cache is None or cache[0].device != device:
-            lengths = torch.tensor(self._sizes, device=device)
-            site_of = torch.repeat_interleave(
-                torch.arange(len(self._sizes), device=device), lengths
-            )
-            cache = (lengths, site_of)
-            self.__dict__["_segments_cache"] = cache
-        return cache
+            parts = eps.split(sizes)
+            factor = radius.div_(_norms(parts, eps.dtype))
+            torch._foreach_mul_(parts, list(factor.unbind()))
+        return torch.addcmul(loc, scale, eps)
 
     def site_quantiles(self, loc, scale, event_dim, q):
         numel = math.prod(loc.shape[loc.dim() - event_dim :])
