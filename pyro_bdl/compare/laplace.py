@@ -6,12 +6,15 @@ log-likelihood on the held-out 10% of the training split (never the test set).
 
 Why not the marginal likelihood or the training prior: on digits the marginal-likelihood λ left
 the in-distribution test NLL at 0.125 against the MAP's 0.052, and λ = 1/s² of the training prior
-at 0.74; the held-out log-likelihood picks the width that predicts best in distribution."""
+at 0.74; the held-out log-likelihood picks the width that predicts best in distribution. On the
+default digits MLP that is the grid's upper edge (λ = 10⁶), the MAP limit: the subnetwork
+posterior is then nearly a point mass and the method's figures are close to its own MAP's."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pyro
 import torch
@@ -80,8 +83,14 @@ def fit_subnet_laplace(problem: Problem) -> Predictor:
     laplace(x[:2], y[:2])
     laplace.loc.data = guide.loc.detach().clone()
     laplace.fit((x, y))
-    laplace.tune_prior_precision(
-        (x_val.to(problem.device), y_val.to(problem.device)), method="val_ll", grid=GRID
-    )
+    with warnings.catch_warnings():
+        # On small data the held-out likelihood often prefers the grid's upper edge, the MAP
+        # limit: an expected outcome here (see the module docstring), not a grid to widen.
+        warnings.filterwarnings(
+            "ignore", message=".*the data prefer the MAP limit", category=UserWarning
+        )
+        laplace.tune_prior_precision(
+            (x_val.to(problem.device), y_val.to(problem.device)), method="val_ll", grid=GRID
+        )
     predict = lambda x_test: laplace.predict(x_test, link="probit").float()  # noqa: E731
     return attach_posterior(predict, model, laplace)

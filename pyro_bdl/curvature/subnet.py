@@ -486,9 +486,15 @@ def tune_grid(
     values = torch.where(torch.isfinite(values), values, torch.full_like(values, -math.inf))
     i = int(values.argmax())
     if i in (0, len(grid) - 1):
+        meaning = (
+            "the data prefer the MAP limit (almost no posterior width)"
+            if i == len(grid) - 1
+            else "the data prefer the widest posterior the grid allows"
+        )
         warnings.warn(
             f"the best prior precision {float(grid[i]):.3g} sits at the edge of the grid "
-            f"[{float(grid[0]):.3g}, {float(grid[-1]):.3g}]; widen the grid.",
+            f"[{float(grid[0]):.3g}, {float(grid[-1]):.3g}]: {meaning}; widen the grid to "
+            "look further.",
             UserWarning,
             stacklevel=3,
         )

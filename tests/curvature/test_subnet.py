@@ -191,8 +191,10 @@ def test_log_marginal_and_grid_search():
     # The refined grid spans two coarse steps (2 × ln(10)/2) in 20 steps: its spacing is 0.115 in
     # log λ, so the optimum is found to half of it.
     assert abs(math.log(best) - math.log(0.3)) < 0.058
-    with pytest.warns(UserWarning, match="edge of the grid"):
+    with pytest.warns(UserWarning, match="edge of the grid.*widest posterior"):
         tune_grid(lambda v: -v, grid)
+    with pytest.warns(UserWarning, match="edge of the grid.*MAP limit"):
+        tune_grid(lambda v: v, grid)
 
 
 def test_memory_tracker_counts_allocations():
