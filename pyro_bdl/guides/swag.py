@@ -93,7 +93,9 @@ class AutoSWAG(AutoContinuous):
     :param callable model: a Pyro model, for example :func:`pyro_bdl.models.classifier`.
     :param int rank: K, how many recent deviations define the low-rank part (≥ 2).
     :param bool diag_only: SWAG-diag: keep no deviations, sample with Σ_diag only.
-    :param float scale: multiplies the covariance when sampling (0.5 is the paper's default).
+    :param float scale: multiplies the covariance when sampling: SWAG draws from
+        N(θ̄, scale · (Σ_diag + D̂ᵀD̂/(K−1))), SWAG-diag from N(θ̄, scale · Σ_diag). The default 0.5
+        is exactly the paper's sample θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ z₂.
     :param callable init_loc_fn: initial point estimate per site (default: the network's
         weights, :func:`~pyro_bdl.nn.init_to_network`).
     :param float var_clamp: ε of Σ_diag = max(θ̄₂ − θ̄², ε).
@@ -372,7 +374,8 @@ class AutoSWAG(AutoContinuous):
     def marginal_variances(self) -> dict[str, torch.Tensor]:
         """SWAG-diag marginal variances, ``scale · Σ_diag``, as ``{site name: tensor of the
         site's (unconstrained) shape}`` — what subnetwork selection ranks weights by. Defined
-        for SWAG guides too (the diagonal statistics are always kept)."""
+        for SWAG guides too (the diagonal statistics are always kept), where it is the diagonal
+        part of the SWAG covariance, without the low-rank term."""
         self._require_collected("give marginal variances")
         variance = swag_variance(self.swag_mean, self.swag_sq_mean, clamp=self.var_clamp)
         variance.mul_(self.scale)

@@ -8,11 +8,14 @@ With T snapshots θ_1..θ_T collected, the running mean θ̄, the running second
 diagonal Σ_diag = max(θ̄₂ − θ̄², ε) and the last K ≤ rank deviations D̂ (rows θ_t − θ̄_t), a sample
 is
 
-    θ = θ̄ + √scale · [ (1/√2) Σ_diag^{1/2} ⊙ z₁ + (1/√(2(K−1))) D̂ᵀ z₂ ],
+    θ = θ̄ + √scale · [ Σ_diag^{1/2} ⊙ z₁ + (1/√(K−1)) D̂ᵀ z₂ ],
     z₁ ~ N(0, I_D), z₂ ~ N(0, I_K),
 
-so the covariance is scale · (Σ_diag + D̂ᵀD̂/(K−1)) / 2; SWAG-diag draws θ̄ + √scale Σ_diag^{1/2} ⊙ z₁
-(covariance scale · Σ_diag).
+so the covariance is scale · (Σ_diag + D̂ᵀD̂/(K−1)); SWAG-diag draws θ̄ + √scale Σ_diag^{1/2} ⊙ z₁
+(covariance scale · Σ_diag). The default scale = 0.5 is exactly the paper's sample
+θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ᵀ z₂ (its covariance (Σ_diag + D̂ᵀD̂/(K−1))/2), and
+SWAG and SWAG-diag share one convention: the same ``scale`` gives SWAG-diag the diagonal part
+of SWAG's covariance.
 
 References:
 
@@ -96,9 +99,9 @@ def swag_sample(
     # z₁ and z₂ in one call (one pass of the generator); θ is then built in z₁'s storage.
     noise = torch.randn(s * (d + k), dtype=mean.dtype, device=mean.device, generator=generator)
     theta = noise[: s * d].view(*sample_shape, d)
-    torch.addcmul(mean, theta, std, value=math.sqrt(scale if k == 0 else scale / 2), out=theta)
+    torch.addcmul(mean, theta, std, value=math.sqrt(scale), out=theta)
     if k:
-        alpha = math.sqrt(scale / (2.0 * (k - 1)))
+        alpha = math.sqrt(scale / (k - 1))
         z2 = noise[s * d :]
         if sample_shape:
             theta.view(s, d).addmm_(z2.view(s, k), deviations, alpha=alpha)
@@ -111,7 +114,7 @@ def swag_sample(
 
 
 class SWAGNormal(TorchDistribution):
-    r"""The SWAG Gaussian over a packed vector: N(θ̄, scale · (Σ_diag + D̂ᵀD̂/(K−1))/2), or
+    r"""The SWAG Gaussian over a packed vector: N(θ̄, scale · (Σ_diag + D̂ᵀD̂/(K−1))), or
     N(θ̄, scale · Σ_diag) when ``deviations`` has no rows (SWAG-diag).
 
     Sampling costs O((K + 1) D); :meth:`log_prob` uses the Woodbury identity with a K × K
@@ -122,7 +125,7 @@ class SWAGNormal(TorchDistribution):
     :param torch.Tensor variance: Σ_diag, shape (D,), positive (``None`` only from
         :meth:`from_moments`, which derives it).
     :param torch.Tensor deviations: D̂, shape (K, D) with K = 0 or K ≥ 2.
-    :param float scale: multiplies the covariance.
+    :param float scale: multiplies the covariance (0.5 gives the paper's 1/√2 factors).
     """
 
     arg_constraints: dict = {}
@@ -194,11 +197,10 @@ class SWAGNormal(TorchDistribution):
     def _factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, W) with covariance diag(a) + W Wᵀ, W of shape (D, K)."""
         k = self.deviations.shape[0]
+        a = self.scale * self.diag_variance
         if k == 0:
-            return self.scale * self.diag_variance, self.deviations.T
-        a = (self.scale / 2.0) * self.diag_variance
-        w = self.deviations.T * math.sqrt(self.scale / (2.0 * (k - 1)))
-        return a, w
+            return a, self.deviations.T
+        return a, self.deviations.T * math.sqrt(self.scale / (k - 1))
 
     @property
     def variance(self) -> torch.Tensor:

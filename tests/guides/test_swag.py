@@ -18,7 +18,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import AutoSWAG
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh, refresh_batchnorm
-from pyro_bdl.guides.swag import NotCollectedError, SWAGNormal, swag_collect_
+from pyro_bdl.guides.swag import NotCollectedError, SWAGNormal, swag_collect_, swag_sample
 from tests.common import assert_close
 
 F64 = torch.float64
@@ -66,7 +66,7 @@ def brute_force_swag(iterates: torch.Tensor, rank: int):
 
 def swag_covariance(var, deviations, scale):
     k = deviations.shape[0]
-    return scale * (torch.diag(var) + deviations.T @ deviations / (k - 1)) / 2
+    return scale * (torch.diag(var) + deviations.T @ deviations / (k - 1))
 
 
 def mlp_classifier(n: int = 40, *, batchnorm: bool = False, seed: int = 0):
@@ -172,8 +172,9 @@ def test_swag_samples_fill_the_95_percent_mahalanobis_region(draws):
     inside = int((maha <= chi2.ppf(0.95, d)).sum())
     # The count is Binomial(2000, 0.95) if the sampler has exactly the SWAG covariance: mean
     # 1900, sd √(2000·0.95·0.05) = 9.75, so 1880–1920 is ±2.05 sd (the seed is fixed, so the test
-    # is deterministic). A missing 1/√2 (covariance 2C) or √scale (covariance C/2 vs C) moves the
-    # count to ~540 or ~2000 respectively: far outside.
+    # is deterministic). Drawing with covariance C/2 (the former convention, which halved the
+    # covariance on top of scale) puts ~2000 inside; covariance 2C (a √scale missing at
+    # scale = 0.5) ~530: both far outside.
     assert 1880 <= inside <= 1920, inside
 
 
@@ -198,6 +199,33 @@ def test_swag_diag_intervals_cover_95_percent():
     samples = guide.get_posterior().sample((s,))
     own = ((samples - guide.swag_mean).abs() <= half).double().mean()
     assert 0.945 <= own <= 0.955, own
+
+
+def test_default_scale_is_the_papers_sampling_formula():
+    """scale = 0.5 draws exactly θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ᵀ z₂ (DESIGN.md
+    4.6); SWAG-diag draws θ̄ + (1/√2) Σ_diag^{1/2} z₁ from the same z₁."""
+    d, rank = 9, 4
+    iterates = torch.randn(7, d, dtype=F64)
+    _, var, _ = brute_force_swag(iterates, rank)
+    for diag_only in (False, True):
+        guide = AutoSWAG(vector_model(d), rank=rank, diag_only=diag_only)
+        guide()
+        feed(guide, iterates)
+        stored = guide._stored_deviations()  # D̂ (its rows checked against brute force above)
+        k = stored.shape[0]
+        assert guide.scale == 0.5 and k == (0 if diag_only else rank)
+        z = torch.randn(d + k, generator=torch.Generator().manual_seed(7), dtype=F64)
+        expected = guide.swag_mean + var.sqrt() * z[:d] / 2**0.5
+        if k:
+            expected = expected + stored.T @ z[d:] / (2 * (k - 1)) ** 0.5
+        theta = swag_sample(
+            guide.swag_mean,
+            var.sqrt(),
+            stored,
+            scale=guide.scale,
+            generator=torch.Generator().manual_seed(7),
+        )
+        assert_close(theta, expected, rtol=1e-12, atol=1e-14)
 
 
 def test_log_prob_and_variance_match_the_dense_gaussian():
