@@ -9,6 +9,7 @@ mean predictive only.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pyro_bdl import models
+from pyro_bdl._validation import check_probability
 from pyro_bdl.data import Dataset
 from pyro_bdl.nn import bayesianize
 from pyro_bdl.priors import Normal, Prior
@@ -33,6 +35,7 @@ __all__ = [
     "attach_posterior",
     "predictive_probs",
     "record_posteriors",
+    "split_validation",
     "train_svi",
 ]
 
@@ -187,3 +190,32 @@ def predictive_probs(model, guide, x: torch.Tensor, num_samples: int) -> torch.T
 def seed_everything(seed: int) -> None:
     pyro.set_rng_seed(seed)
     pyro.clear_param_store()
+
+
+def split_validation(
+    problem: Problem, fraction: float = 0.1
+) -> tuple[Problem, torch.Tensor, torch.Tensor]:
+    """``(the problem on the other training rows, x_val, y_val)``: a validation subset of
+    ``round(fraction · N)`` training rows (at least one), drawn with ``problem.seed``.
+
+    For methods that tune something on held-out data (never the test set). The rows are those
+    that ``subnet_laplace`` holds out at the same fraction and seed, so methods tuned this way
+    train on the same examples.
+
+    Usage::
+
+        train_problem, x_val, y_val = split_validation(problem)
+    """
+    check_probability("fraction", fraction)
+    data = problem.dataset
+    g = torch.Generator().manual_seed(problem.seed)
+    order = torch.randperm(len(data.y_train), generator=g)
+    n_val = max(1, round(fraction * len(order)))
+    if n_val >= len(order):
+        raise ValueError(
+            f"fraction={fraction} of {len(order)} training rows leaves none to train on; "
+            "use a smaller fraction or more training data."
+        )
+    val, train = order[:n_val], order[n_val:]
+    dataset = dataclasses.replace(data, x_train=data.x_train[train], y_train=data.y_train[train])
+    return dataclasses.replace(problem, dataset=dataset), data.x_train[val], data.y_train[val]

@@ -34,6 +34,7 @@ from pyro_bdl.diagnostics.ood import (
 )
 from pyro_bdl.diagnostics.plots import plot_entropy, plot_reliability, save_arviz_plots
 from pyro_bdl.diagnostics.psis import PsisResult, khat_band, loo, pareto_khat, psis_khat
+from pyro_bdl.diagnostics.temperature import fit_temperature, temperature_scale
 
 __all__ = [
     "PsisResult",
@@ -42,6 +43,7 @@ __all__ = [
     "auroc",
     "brier",
     "ece",
+    "fit_temperature",
     "fpr_at_95_tpr",
     "fpr_at_tpr",
     "gaussian_log_likelihood",
@@ -63,5 +65,6 @@ __all__ = [
     "rmse",
     "save_arviz_plots",
     "save_inference_data",
+    "temperature_scale",
     "to_inference_data",
 ]

@@ -1,0 +1,224 @@
+r"""Temperature scaling: one scalar T > 0 fitted on held-out data recalibrates a classifier.
+
+The predictive is :math:`\operatorname{softmax}(z / T)` for logits :math:`z`; T is the minimiser
+of the held-out negative log-likelihood. Dividing every logit by the same positive number keeps
+each row's ordering, so the predicted classes (and the accuracy) do not change: only the
+confidence does. It is the standard post-hoc baseline that a Bayesian predictive must beat.
+
+With :math:`\beta = 1/T`, the mean NLL of n labelled rows and its first two derivatives are
+
+.. math::
+
+    L(\beta) = \frac1n \sum_i \Big[\log\sum_c e^{\beta z_{ic}} - \beta z_{i y_i}\Big],\quad
+    L'(\beta) = \frac1n \sum_i \big(\mathbb E_{p_i}[z_i] - z_{i y_i}\big),\quad
+    L''(\beta) = \frac1n \sum_i \operatorname{Var}_{p_i}[z_i] \ge 0,
+
+with :math:`p_i = \operatorname{softmax}(\beta z_i)`. So L is convex in β, L' increases from
+:math:`L'(0) = \frac1n\sum_i(\bar z_i - z_{iy_i})` to :math:`L'(\infty) = \frac1n\sum_i(\max_c
+z_{ic} - z_{iy_i})`, and a finite optimum exists exactly when :math:`L'(0) < 0 < L'(\infty)`:
+the logits beat uniform guessing on average, and at least one label is not a top-scoring class.
+
+Usage::
+
+    T = fit_temperature(logits_val, y_val)          # held-out data, never the test set
+    probs = temperature_scale(logits_test, T)       # (n, C), rows sum to 1
+
+References:
+    Guo, Pleiss, Sun & Weinberger, "On Calibration of Modern Neural Networks", ICML 2017.
+    Platt, "Probabilistic Outputs for Support Vector Machines and Comparisons to Regularized
+    Likelihood Methods", 1999 (the scaling family it generalises).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pyro_bdl._validation import check_finite, check_positive, check_positive_int
+from pyro_bdl.diagnostics.metrics import as_tensor
+
+__all__ = ["fit_temperature", "temperature_scale"]
+
+#: The search never leaves |log T| ≤ this: exp(±700) is still a normal float64.
+_LOG_BETA_LIMIT = 700.0
+
+
+def _check_logits(logits, *, rows: bool) -> torch.Tensor:
+    logits = as_tensor("logits", logits)
+    if not logits.is_floating_point():
+        raise TypeError(
+            f"logits must be floating point; got dtype {logits.dtype}. Use logits.double()."
+        )
+    if rows and logits.dim() != 2:
+        raise ValueError(
+            f"logits must have shape (n, C); got {tuple(logits.shape)}. For one example use "
+            "logits.unsqueeze(0); temperature scaling fits one network's logits, not posterior "
+            "draws (S, n, C)."
+        )
+    if logits.dim() == 0 or logits.numel() == 0:
+        raise ValueError(
+            f"logits must be non-empty with classes on the last dimension; got shape "
+            f"{tuple(logits.shape)}. Pass the network's outputs for at least one example."
+        )
+    check_finite("logits", logits)
+    return logits
+
+
+def _check_labels(y, logits: torch.Tensor) -> torch.Tensor:
+    y = as_tensor("y", y)
+    n, num_classes = logits.shape
+    if y.shape != (n,):
+        raise ValueError(
+            f"labels y must have shape ({n},) to match logits {tuple(logits.shape)}; got "
+            f"{tuple(y.shape)}. Pass one integer label per row (y.reshape(-1), or y.argmax(-1) "
+            "for one-hot labels)."
+        )
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise TypeError(f"labels y must be integers; got dtype {y.dtype}. Use y.long().")
+    lo, hi = (int(v) for v in torch.aminmax(y))
+    if lo < 0 or hi >= num_classes:
+        raise ValueError(
+            f"labels y must lie in [0, {num_classes}) for logits with {num_classes} classes; got "
+            f"min {lo}, max {hi}. Check the label encoding or the network's number of outputs."
+        )
+    return y.long().to(logits.device)
+
+
+def _slope_and_curvature(z: torch.Tensor, z_y: torch.Tensor, beta: float) -> tuple[float, float]:
+    """(L'(β), L''(β)) of the module docstring, for row-max-shifted float64 logits ``z``."""
+    p = torch.softmax(beta * z, dim=-1)
+    mean = (p * z).sum(-1)
+    var = (p * (z - mean.unsqueeze(-1)) ** 2).sum(-1)
+    return float((mean - z_y).mean()), float(var.mean())
+
+
+def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> float:
+    r"""The temperature T > 0 that minimises the mean NLL of ``softmax(logits / T)`` on ``y``.
+
+    Fit it on held-out data (a validation split), never on the training or the test set: on
+    training data a network is overconfident in a way the test data will not confirm.
+
+    :param logits: the network's outputs on the held-out rows, shape (n, C), n ≥ 1, C ≥ 2
+        (a tensor or numpy array; computed in float64 whatever its dtype).
+    :param y: integer labels in [0, C), shape (n,).
+    :param float tol: stop once the step (or the bracket) in log T is at most this.
+    :param int max_iter: Newton or bisection steps allowed after bracketing.
+    :returns: T as a Python float; ``temperature_scale(logits, T)`` gives the probabilities.
+    :raises ValueError: for bad shapes, dtypes, labels or non-finite logits, and when no finite
+        T minimises the NLL: every label is already a top-scoring class (the NLL keeps falling as
+        T → 0), or the logits do no better than uniform on these labels (it falls as T → ∞).
+
+    Usage::
+
+        T = fit_temperature(net(x_val), y_val)
+        probs = temperature_scale(net(x_test), T)
+    """
+    check_positive("tol", tol)
+    check_positive_int("max_iter", max_iter)
+    logits = _check_logits(logits, rows=True)
+    if logits.shape[1] < 2:
+        raise ValueError(
+            f"logits must have at least 2 classes; got shape {tuple(logits.shape)}. A single "
+            "class has probability 1 at every temperature."
+        )
+    y = _check_labels(y, logits)
+
+    # float64, each row shifted by its maximum: softmax and L' are unchanged (the shift cancels
+    # in E_p[z] - z_y) and exp(β z) can only underflow, never overflow, for any β > 0.
+    z = logits.detach().double()
+    z = z - z.max(-1, keepdim=True).values
+    z_y = z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    slope_at_0 = float((z.mean(-1) - z_y).mean())
+    slope_at_inf = float(-z_y.mean())
+    if slope_at_inf <= 0.0:
+        raise ValueError(
+            "no finite temperature minimises the NLL: every label in y is a top-scoring class "
+            "of its row of logits, so the NLL keeps falling as T → 0. Fit on held-out data the "
+            "network sometimes gets wrong (a larger validation split), not on training data."
+        )
+    if slope_at_0 >= 0.0:
+        raise ValueError(
+            "no finite temperature minimises the NLL: on average the logits score the labels no "
+            f"higher than their mean (slope {slope_at_0:.3g} ≥ 0 at T = ∞), so uniform "
+            "probabilities are best. Check that y matches the rows and classes of logits."
+        )
+
+    # Why this is exact and deterministic: L is convex in β (L'' is a mean of variances), so L'
+    # has one root and its sign tells which side of it a point lies on. We search u = log β =
+    # −log T, which keeps T > 0 and handles any scale: Newton on h(u) = L'(e^u), whose
+    # derivative is e^u L''(e^u) > 0, safeguarded by bisection of a bracket [lo, hi] with
+    # h(lo) < 0 < h(hi). Every step shrinks the bracket, so the search ends in at most about
+    # log2(1400 / tol) steps even where Newton stalls, and Newton converges quadratically near
+    # the root. Fixed float64 arithmetic with no random start gives the same T on every run.
+    def h(u: float) -> tuple[float, float]:
+        beta = math.exp(u)
+        slope, curvature = _slope_and_curvature(z, z_y, beta)
+        return slope, beta * curvature
+
+    # Bracket the root by doubling steps away from T = 1 (where a trained network's T lies).
+    u, (value, deriv) = 0.0, h(0.0)
+    lo: float | None = None
+    hi: float | None = None
+    step = 1.0
+    while True:
+        if value == 0.0:
+            return math.exp(-u)
+        if value > 0:
+            hi = u
+        else:
+            lo = u
+        if lo is not None and hi is not None:
+            break
+        if abs(u) >= _LOG_BETA_LIMIT:
+            raise ValueError(
+                f"the NLL's minimum lies at |log T| > {_LOG_BETA_LIMIT:g}; the logits are too "
+                "close to a degenerate case (all labels top-scoring, or uninformative logits)."
+            )
+        # A positive slope puts the root at smaller β (larger T), a negative one at larger β.
+        u = min(max(u - step if value > 0 else u + step, -_LOG_BETA_LIMIT), _LOG_BETA_LIMIT)
+        value, deriv = h(u)
+        step *= 2.0
+    assert lo is not None and hi is not None  # for the type checker: the loop set both
+
+    previous_step = hi - lo
+    for _ in range(max_iter):
+        if value == 0.0 or hi - lo <= tol:
+            return math.exp(-u)
+        newton = u - value / deriv if deriv > 0 else math.nan
+        # Bisect when Newton leaves the bracket or is not at least halving the step size.
+        if not lo < newton < hi or abs(newton - u) > 0.5 * abs(previous_step):
+            nxt = 0.5 * (lo + hi)
+        else:
+            nxt = newton
+        previous_step = nxt - u
+        u = nxt
+        value, deriv = h(u)
+        if value > 0:
+            hi = u
+        elif value < 0:
+            lo = u
+        if abs(previous_step) <= tol:
+            return math.exp(-u)
+    raise RuntimeError(
+        f"fit_temperature did not reach tol={tol:g} in max_iter={max_iter} steps (bracket of "
+        f"log T: [{-hi:.6g}, {-lo:.6g}]); raise max_iter or tol."
+    )
+
+
+def temperature_scale(logits, temperature: float) -> torch.Tensor:
+    """``softmax(logits / temperature)`` over the last dimension, in the dtype of ``logits``.
+
+    The argmax of every row (so the accuracy) is the same at every temperature.
+
+    :param logits: shape (..., C), floating point, finite.
+    :param float temperature: T > 0, usually from :func:`fit_temperature`.
+    :returns: probabilities of the same shape; each row sums to 1.
+
+    Usage::
+
+        probs = temperature_scale(net(x_test), fit_temperature(net(x_val), y_val))
+    """
+    check_positive("temperature", temperature, fix="Pass T > 0, e.g. from fit_temperature.")
+    logits = _check_logits(logits, rows=False)
+    return torch.softmax(logits / float(temperature), dim=-1)
