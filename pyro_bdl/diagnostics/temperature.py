@@ -160,10 +160,12 @@ def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> fl
     u, (value, deriv) = 0.0, h(0.0)
     lo: float | None = None
     hi: float | None = None
+    best = (math.inf, u, value, deriv)  # (|h|, u, h, h') of the point closest to the root
     step = 1.0
     while True:
         if value == 0.0:
             return math.exp(-u)
+        best = min(best, (abs(value), u, value, deriv))
         if value > 0:
             hi = u
         else:
@@ -181,24 +183,31 @@ def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> fl
         step *= 2.0
     assert lo is not None and hi is not None  # for the type checker: the loop set both
 
-    previous_step = hi - lo
+    # Newton starts from the bracket end with the smaller slope: when the root sits next to an
+    # end (T = 1 optimal, say), that end's Newton step lands on it at once, whereas starting
+    # from the far end would keep overshooting past it and fall back to bisection.
+    _, u, value, deriv = best
+    step, older_step = hi - lo, hi - lo
     for _ in range(max_iter):
         if value == 0.0 or hi - lo <= tol:
             return math.exp(-u)
         newton = u - value / deriv if deriv > 0 else math.nan
-        # Bisect when Newton leaves the bracket or is not at least halving the step size.
-        if not lo < newton < hi or abs(newton - u) > 0.5 * abs(previous_step):
+        if abs(newton - u) <= tol:  # converged (the step may be below float resolution of u)
+            return math.exp(-newton)
+        # Bisect when Newton leaves the bracket or does not at least halve the step before last
+        # (Newton converging quadratically always does; a stalling one does not).
+        if not lo < newton < hi or abs(newton - u) > 0.5 * abs(older_step):
             nxt = 0.5 * (lo + hi)
         else:
             nxt = newton
-        previous_step = nxt - u
+        step, older_step = nxt - u, step
         u = nxt
         value, deriv = h(u)
         if value > 0:
             hi = u
         elif value < 0:
             lo = u
-        if abs(previous_step) <= tol:
+        if abs(step) <= tol:
             return math.exp(-u)
     raise RuntimeError(
         f"fit_temperature did not reach tol={tol:g} in max_iter={max_iter} steps (bracket of "

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import pyro_bdl.diagnostics.temperature as temperature_module
 from pyro_bdl.diagnostics import fit_temperature, metrics, temperature_scale
 from tests.common import assert_close
 
@@ -31,19 +32,39 @@ def _counted_rows(true_t: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("true_t", [1.0, 0.25, 3.0])
-def test_optimum_by_construction_is_found_exactly(true_t):
+def test_optimum_by_construction_is_found_exactly(true_t, monkeypatch):
     logits, y = _counted_rows(true_t)
-    # T = 1 is a fixed point when it is optimal: the search starts there and stays.
-    assert_close(fit_temperature(logits, y), true_t, rtol=1e-9)
+    calls = _count_evaluations(monkeypatch)
+    # T = 1 is a fixed point when it is optimal (the search starts there); the others are hit to
+    # float64 rounding of the logits.
+    assert_close(fit_temperature(logits, y), true_t, rtol=1e-12)
+    # Newton, not bisection: a bracket of width ≤ 2 then quadratic convergence (2-7 observed);
+    # bisection alone would need log2(2 / 1e-10) ≈ 35 evaluations.
+    assert len(calls) <= 10
+
+
+def _count_evaluations(monkeypatch) -> list:
+    """Record every evaluation of the NLL's slope and curvature during the search."""
+    calls: list = []
+    original = temperature_module._slope_and_curvature
+
+    def counted(*args):
+        calls.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(temperature_module, "_slope_and_curvature", counted)
+    return calls
 
 
 @pytest.mark.parametrize("true_t", [0.3, 1.0, 4.0])
-def test_recovers_the_temperature_that_generated_the_labels(true_t):
+def test_recovers_the_temperature_that_generated_the_labels(true_t, monkeypatch):
     g = torch.Generator().manual_seed(int(100 * true_t))
     n = 10_000
     z = 2.0 * torch.randn(n, 5, generator=g, dtype=torch.float64)
     y = torch.multinomial(z.softmax(-1), 1, generator=g).squeeze(-1)
+    calls = _count_evaluations(monkeypatch)
     fitted = fit_temperature(true_t * z, y)
+    assert len(calls) <= 12  # bracketing in ≤ 3 doublings, then Newton (5-8 observed)
     # T̂ is the MLE of β = 1/T in the model softmax(β·ℓ), ℓ = T*·z. Its Fisher information per
     # row is E[Var_p(ℓ)] = T*² v with v = E[Var_softmax(z)(z)], so sd(β̂) = 1/(T* √(n v)) and, by
     # the delta method, sd(log T̂) = sd(β̂)/β* = 1/√(n v) (≈ 0.012 here: v ≈ 0.66). Five standard
@@ -67,7 +88,8 @@ def test_gradient_vanishes_and_brute_force_agrees():
     assert abs(float(grad)) < 1e-8
     # Brute force: no point of a fine grid over [0.1, 10] has a lower NLL (1e-12 = rounding).
     grid = torch.logspace(-1, 1, 2001, dtype=torch.float64)
-    grid_nll = torch.stack([_nll(z, y, t) for t in grid])
+    log_p = torch.cat([(z / t.view(-1, 1, 1)).log_softmax(-1) for t in grid.split(100)])
+    grid_nll = -log_p.gather(-1, y.expand(len(grid), -1).unsqueeze(-1)).mean((1, 2))
     best = float(_nll(z, y, fitted))
     assert best <= float(grid_nll.min()) + 1e-12
     assert_close(fitted, float(grid[grid_nll.argmin()]), rtol=2.5e-3)  # grid spacing 2.3e-3
