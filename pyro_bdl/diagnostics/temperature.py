@@ -18,6 +18,14 @@ with :math:`p_i = \operatorname{softmax}(\beta z_i)`. So L is convex in β, L' i
 z_{ic} - z_{iy_i})`, and a finite optimum exists exactly when :math:`L'(0) < 0 < L'(\infty)`:
 the logits beat uniform guessing on average, and at least one label is not a top-scoring class.
 
+On a small validation set of a very accurate network that second condition fails often, and a
+few mistakes with small margins drive T far below 1. ``prior_shape=a`` (a > 1) puts the prior
+:math:`\beta \sim \mathrm{Gamma}(a, \text{rate } a)` (mean 1, standard deviation
+:math:`1/\sqrt a`) on the inverse temperature and returns the posterior mode: the objective gains
+:math:`[a\beta - (a - 1)\log\beta]/n`, which is convex too, and its slope
+:math:`L'(\beta) + (a - (a-1)/\beta)/n` runs from −∞ to :math:`L'(\infty) + a/n > 0`, so a finite
+T exists for any data.
+
 Usage::
 
     T = fit_temperature(logits_val, y_val)          # held-out data, never the test set
@@ -93,8 +101,11 @@ def _slope_and_curvature(z: torch.Tensor, z_y: torch.Tensor, beta: float) -> tup
     return float((mean - z_y).mean()), float(var.mean())
 
 
-def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> float:
-    r"""The temperature T > 0 that minimises the mean NLL of ``softmax(logits / T)`` on ``y``.
+def fit_temperature(
+    logits, y, *, prior_shape: float | None = None, tol: float = 1e-10, max_iter: int = 100
+) -> float:
+    r"""The temperature T > 0 that minimises the mean NLL of ``softmax(logits / T)`` on ``y``
+    (or, with ``prior_shape``, the posterior mode of 1/T under a Gamma prior centred on T = 1).
 
     Fit it on held-out data (a validation split), never on the training or the test set: on
     training data a network is overconfident in a way the test data will not confirm.
@@ -102,12 +113,16 @@ def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> fl
     :param logits: the network's outputs on the held-out rows, shape (n, C), n ≥ 1, C ≥ 2
         (a tensor or numpy array; computed in float64 whatever its dtype).
     :param y: integer labels in [0, C), shape (n,).
+    :param prior_shape: ``None`` (default) for the maximum-likelihood T; a number a > 1 for the
+        mode under the prior 1/T ~ Gamma(a, rate a) (see the module docstring), which always
+        exists and shrinks T toward 1 when the validation rows carry little information.
     :param float tol: stop once the step (or the bracket) in log T is at most this.
     :param int max_iter: Newton or bisection steps allowed after bracketing.
     :returns: T as a Python float; ``temperature_scale(logits, T)`` gives the probabilities.
-    :raises ValueError: for bad shapes, dtypes, labels or non-finite logits, and when no finite
-        T minimises the NLL: every label is already a top-scoring class (the NLL keeps falling as
-        T → 0), or the logits do no better than uniform on these labels (it falls as T → ∞).
+    :raises ValueError: for bad shapes, dtypes, labels or non-finite logits, and, without a
+        prior, when no finite T minimises the NLL: every label is already a top-scoring class
+        (the NLL keeps falling as T → 0), or the logits do no better than uniform on these
+        labels (it falls as T → ∞).
 
     Usage::
 
@@ -116,6 +131,13 @@ def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> fl
     """
     check_positive("tol", tol)
     check_positive_int("max_iter", max_iter)
+    if prior_shape is not None:
+        check_positive("prior_shape", prior_shape)
+        if prior_shape <= 1.0:
+            raise ValueError(
+                f"prior_shape must be > 1 (a Gamma(a, a) prior with a mode); got {prior_shape}. "
+                "Use e.g. 2 for a weak prior, or None for the maximum-likelihood T."
+            )
     logits = _check_logits(logits, rows=True)
     if logits.shape[1] < 2:
         raise ValueError(
@@ -131,13 +153,13 @@ def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> fl
     z_y = z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     slope_at_0 = float((z.mean(-1) - z_y).mean())
     slope_at_inf = float(-z_y.mean())
-    if slope_at_inf <= 0.0:
+    if prior_shape is None and slope_at_inf <= 0.0:
         raise ValueError(
             "no finite temperature minimises the NLL: every label in y is a top-scoring class "
             "of its row of logits, so the NLL keeps falling as T → 0. Fit on held-out data the "
             "network sometimes gets wrong (a larger validation split), not on training data."
         )
-    if slope_at_0 >= 0.0:
+    if prior_shape is None and slope_at_0 >= 0.0:
         raise ValueError(
             "no finite temperature minimises the NLL: on average the logits score the labels no "
             f"higher than their mean (slope {slope_at_0:.3g} ≥ 0 at T = ∞), so uniform "
@@ -154,6 +176,9 @@ def fit_temperature(logits, y, *, tol: float = 1e-10, max_iter: int = 100) -> fl
     def h(u: float) -> tuple[float, float]:
         beta = math.exp(u)
         slope, curvature = _slope_and_curvature(z, z_y, beta)
+        if prior_shape is not None:  # the Gamma prior's terms, per row like L
+            slope += (prior_shape - (prior_shape - 1.0) / beta) / len(z)
+            curvature += (prior_shape - 1.0) / (beta**2 * len(z))
         return slope, beta * curvature
 
     # Bracket the root by doubling steps away from T = 1 (where a trained network's T lies).

@@ -128,6 +128,33 @@ def test_temperature_scale_values():
     assert torch.equal(cold, torch.nn.functional.one_hot(logits.argmax(-1), 4).double())
 
 
+@pytest.mark.parametrize("prior_shape", [1.5, 2.0, 50.0])
+def test_gamma_prior_mode(prior_shape):
+    g = torch.Generator().manual_seed(4)
+    z = 4.0 * torch.randn(60, 5, generator=g, dtype=torch.float64)
+    y = torch.multinomial((0.5 * z).softmax(-1), 1, generator=g).squeeze(-1)
+    fitted = fit_temperature(z, y, prior_shape=prior_shape)
+    # The objective in β = 1/T: mean NLL + [aβ − (a − 1) log β]/n; its slope vanishes at 1/T̂.
+    beta = torch.tensor(1.0 / fitted, dtype=torch.float64, requires_grad=True)
+    a, n = prior_shape, len(y)
+    objective = _nll(z * beta, y, 1.0) + (a * beta - (a - 1) * beta.log()) / n
+    (grad,) = torch.autograd.grad(objective, beta)
+    assert abs(float(grad)) < 1e-8  # as in the no-prior test: a step of 1e-10 in log T
+    # The sum of two convex functions is minimised between their minimisers: the MLE 1/T_ml and
+    # the prior's mode (a − 1)/a.
+    ends = sorted([1.0 / fit_temperature(z, y), (a - 1) / a])
+    assert ends[0] < 1.0 / fitted < ends[1]
+
+
+def test_gamma_prior_gives_a_temperature_where_the_likelihood_has_none():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [0.5, 0.0, 3.0]])
+    # All labels top-scoring: the likelihood alone wants T → 0; the prior stops it below 1.
+    sharp = fit_temperature(logits, torch.tensor([0, 1, 2]), prior_shape=2.0)
+    # Labels on the lowest logits: the likelihood alone wants T → ∞; the prior stops it above 1.
+    soft = fit_temperature(logits, torch.tensor([2, 0, 1]), prior_shape=2.0)
+    assert 0 < sharp < 1 < soft < math.inf
+
+
 LOGITS = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [0.5, 0.0, 3.0]])
 Y = torch.tensor([0, 2, 2])
 
@@ -160,6 +187,9 @@ def test_fit_temperature_errors(logits, y, error, match):
 def test_option_and_convergence_errors():
     with pytest.raises(ValueError, match="tol must be finite and > 0"):
         fit_temperature(LOGITS, Y, tol=0.0)
+    for bad in (1.0, 0.5, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="prior_shape must be"):
+            fit_temperature(LOGITS, Y, prior_shape=bad)
     with pytest.raises(TypeError, match="max_iter must be an int"):
         fit_temperature(LOGITS, Y, max_iter=2.5)
     logits, y = _counted_rows(3.0)
