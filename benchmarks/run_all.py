@@ -12,6 +12,7 @@ BENCHMARKS: list[str] = [
     "svi_step",
     "radial_gradient_variance",
     "laplace",
+    "laplace_quality",
     "vogn_step",
     "uci",  # needs $PYRO_BDL_DATA (or ../shared/data); skips with a message without it
 ]

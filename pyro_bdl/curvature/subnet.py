@@ -481,11 +481,12 @@ def tune_grid(
     score: Callable[[torch.Tensor], torch.Tensor], grid: torch.Tensor, *, refine: bool = True
 ) -> float:
     """The grid value maximising ``score``, refined on a finer log grid between its neighbours;
-    warns when the best value sits at the grid's edge."""
+    warns when the best value sits at the edge of a grid of two or more values (one value just
+    sets λ)."""
     values = torch.stack([score(v) for v in grid])
     values = torch.where(torch.isfinite(values), values, torch.full_like(values, -math.inf))
     i = int(values.argmax())
-    if i in (0, len(grid) - 1):
+    if len(grid) > 1 and i in (0, len(grid) - 1):
         meaning = (
             "the data prefer the MAP limit (almost no posterior width)"
             if i == len(grid) - 1

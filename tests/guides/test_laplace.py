@@ -305,6 +305,8 @@ def test_tune_prior_precision():
     assert 0.01 <= lam <= 100
     with pytest.warns(UserWarning, match="edge of the grid"):
         guide.tune_prior_precision(method="marglik", grid=[1e3, 1e4])
+    # A one-value grid sets λ without an edge warning (warnings are errors in the suite).
+    assert guide.tune_prior_precision(method="marglik", grid=[2.0], refine=False) == 2.0
     with pytest.raises(ValueError, match="unknown method 'bic'"):
         guide.tune_prior_precision(method="bic")
     with pytest.raises(ValueError, match="needs validation data"):
@@ -482,28 +484,25 @@ def test_fit_on_cuda_matches_cpu():
 
 
 @pytest.mark.slow
-def test_digits_under_rotation_subnetwork_beats_map():
-    """On rotated digits (60°) the subnetwork Laplace has a lower NLL than the MAP network while
-    keeping its accuracy (the linearized probit predictive keeps the MAP argmax)."""
-    from torchvision.transforms.functional import rotate
-
+def test_digits_under_rotation_subnetwork_beats_map_diagonal_and_random():
+    """The issue's quality check under the protocol of ``benchmarks/laplace_quality.py`` (one λ
+    for every method, by diagonal Laplace's validation log-likelihood; λ_S = λ·S/D): on digits
+    rotated 0°–180°, subnetwork Laplace with the largest SWAG-diag variances has a lower mean NLL
+    and ECE than MAP, than diagonal Laplace, and than random subnetworks of the same size."""
+    from benchmarks.laplace_quality import run
     from pyro_bdl.data import load_digits
-    from pyro_bdl.diagnostics.metrics import nll
 
-    data = load_digits()
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 50), nn.ReLU(), nn.Linear(50, 10))
-    model = bdl.models.classifier(bdl.bayesianize(net), len(data.y_train))
-    guide = AutoSubnetLaplace(model, subnetwork="random", size=500, batch_size=128)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
-    g = torch.Generator().manual_seed(0)
-    for _ in range(30):
-        for idx in torch.randperm(len(data.y_train), generator=g).split(64):
-            svi.step(data.x_train[idx], data.y_train[idx])
-    guide.fit((data.x_train, data.y_train))
-    x = rotate(data.x_test, 60.0)
-    probs = guide.predict(x).float()
-    with torch.no_grad():
-        map_probs = poutine_map_logits(model, guide, x).softmax(-1)
-    assert torch.equal(probs.argmax(-1), map_probs.argmax(-1))
-    assert nll(probs, data.y_test) < 0.9 * nll(map_probs, data.y_test)
+    # The benchmark's settings (the fixture restores both): one thread, as on the shared CI
+    # cores, and no argument validation, which the tests above cover.
+    torch.set_num_threads(1)
+    pyro.enable_validation(False)
+    r = run(load_digits(), settings=("shared_val_ll",))["shared_val_ll"]
+    assert all(r["claims"].values()), r["claims"]
+    # Random selection is a distribution over subnetworks: beyond the 2-SE claim, ask for a gap
+    # of two standard deviations of a single random subnetwork (SD = SE·√seeds), about a 5%
+    # one-sided chance for a selection no better than random. Measured (seed 0): NLL 5.15 vs
+    # 5.79 ± 0.04 SD, ECE 0.514 vs 0.531 ± 0.0007 SD, gaps of 16 and 24 SD.
+    for metric in ("mean_nll", "mean_ece"):
+        sel = r["selection"][metric]
+        sd = sel["random_se"] * sel["seeds"] ** 0.5
+        assert sel["subnet_swag_sgd"] < sel["random_mean"] - 2 * sd, (metric, sel)
