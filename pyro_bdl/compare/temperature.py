@@ -7,6 +7,12 @@ rows; only the confidence moves (T > 1 softens an overconfident network). When t
 every validation row correctly no finite T minimises the validation NLL; the method then keeps
 T = 1 and warns.
 
+This is the maximum-likelihood T of the literature. On the default digits problem (116
+validation rows, 0 to 3 mistakes) it is noisy: over seeds 0-6 the MAP got every validation row
+right twice (T = 1 kept), and once a single mistake with a logit margin of 0.05 gave T = 0.14
+and a test NLL of 0.22. ``fit_temperature(..., prior_shape=a)`` is the regularised alternative;
+on MNIST (644 validation rows) the maximum-likelihood T is well determined.
+
 References:
     Guo, Pleiss, Sun & Weinberger, "On Calibration of Modern Neural Networks", ICML 2017.
 """
