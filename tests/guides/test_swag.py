@@ -500,50 +500,116 @@ def test_compare_fit_functions_run():
 
 # ----------------------------------------------------------------------------- real data
 
+#: Seeds of the real-data comparisons (network initialisation, minibatch order, SWAG draws).
+SEEDS = (0, 1, 2, 3, 4)
+
+
+def sgd_vs_swag(ds, seed: int) -> dict[str, tuple[float, float, float]]:
+    """(accuracy, NLL, ECE with 15 bins) on ``ds``'s test split of the SGD point estimate and of
+    SWAG from the same run, trained exactly as ``pyro-bdl compare --methods swag`` trains (its
+    MLP, the N(0, 1) prior, :func:`~pyro_bdl.compare.swag.train_swag` with its defaults) for 40
+    epochs: 30 of SGD with momentum, then 10 at the constant SWAG rate with ~40 snapshots. The
+    SGD point estimate is the network where the SWAG phase starts; SWAG averages 32 draws at the
+    default scale 0.5."""
+    from pyro_bdl.compare import swag as compare_swag
+    from pyro_bdl.compare.problem import Problem, seed_everything
+    from pyro_bdl.diagnostics import metrics
+
+    problem = Problem(ds, epochs=40, progress=False, seed=seed)
+    seed_everything(seed)
+    bnn, model = problem.bayesian_model()
+    guide = AutoSWAG(model, rank=20)
+    sgd_loc = compare_swag.train_swag(problem, guide, model, "swag")
+    with torch.no_grad(), poutine.condition(data=guide._constrain(sgd_loc)):
+        p_sgd = bnn(ds.x_test).softmax(-1)
+    p_swag = predict_with_bn_refresh(guide, bnn, ds.x_test, num_samples=32, bn_data=ds.x_train)
+    y = ds.y_test
+    return {
+        name: (metrics.accuracy(p, y), metrics.nll(p, y), metrics.ece(p, y))
+        for name, p in (("sgd", p_sgd), ("swag", p_swag))
+    }
+
+
+def assert_swag_beats_sgd(runs: list[dict[str, tuple[float, float, float]]]) -> None:
+    """SWAG's NLL and ECE lower than SGD's in every seed, accuracy within 1 point in each.
+
+    Why every seed rather than the mean with a t-margin: the paired differences d_s =
+    metric_SGD − metric_SWAG are heavy-tailed across seeds — in most seeds the SWAG-phase
+    iterates stay close together and d_s is small (MNIST NLL 0.002–0.007, ECE 0.001–0.002), in
+    some they spread widely and d_s is ~10× larger (seed 4: 0.032, 0.014) — so a Student-t
+    bound mean(d) − t₀.₉₅,₄ · sd(d)/√5 is dominated by that one seed's spread (on MNIST it came
+    out −0.0014 for NLL and −0.0016 for ECE although all five d_s are positive).
+    The sign test needs no distributional assumption: if SWAG were no better than SGD (median
+    d = 0), all 5 seeds favouring SWAG has probability 2⁻⁵ = 3.1%, a one-sided test at the 5%
+    level. The seeds are fixed, so the test itself is deterministic.
+    """
+    print(runs)
+    for run in runs:
+        sgd, swag = run["sgd"], run["swag"]
+        assert swag[1] < sgd[1] and swag[2] < sgd[2], run
+        assert abs(swag[0] - sgd[0]) <= 0.01 + 1e-9, run
+
+
+def mnist_or_skip():
+    """The MNIST test-set split (8,000 train / 2,000 test) from ``$PYRO_BDL_DATA`` or the
+    project's ``../shared/data``; the test skips when neither holds it."""
+    import os
+    from pathlib import Path
+
+    from pyro_bdl.data import load_mnist
+
+    root = (
+        os.environ.get("PYRO_BDL_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data"
+    )
+    try:
+        return load_mnist(root)
+    except (FileNotFoundError, ValueError) as error:
+        pytest.skip(f"the MNIST test-set files are not available ({error}); set PYRO_BDL_DATA.")
+
+
+@pytest.mark.slow
+def test_mnist_swag_beats_the_sgd_point_estimate_of_the_same_run():
+    """SWAG vs the SGD point estimate of the same run on the MNIST test-set split, seeds 0–4.
+
+    Protocol (chosen once, on a validation split carved from the training set, and then run
+    once on the test split): :func:`sgd_vs_swag`, i.e. compare's SWAG untouched — prior N(0, 1),
+    40 epochs, rank 20, scale 0.5, 32 draws, ECE with 15 bins on 2,000 test points. In this
+    regime — an MLP with ~89k weights that fits 8,000 images — SGD is overconfident (mean
+    confidence 0.982 at accuracy 0.960), which is what SWAG is for. Measured (seeds 0–4,
+    means): SGD accuracy 0.9602, NLL 0.1524, ECE 0.0235; SWAG 0.9615, 0.1421, 0.0197; ~2 min
+    on one core.
+    """
+    ds = mnist_or_skip()
+    # One thread: a 64-row MLP step is too small to gain from two, and on a shared 2-core
+    # machine two threads made it ~8× slower in CPU time (the autouse fixture restores it).
+    torch.set_num_threads(1)
+    assert_swag_beats_sgd([sgd_vs_swag(ds, seed) for seed in SEEDS])
+
 
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "known miss (issue #6 open): over seeds 0-6 of this run SWAG's test NLL is lower than "
-        "SGD's in 4 of 7 seeds (mean 0.090 vs 0.096) but its ECE is higher in all 7 (mean 0.020 "
-        "vs 0.015); seed 0 fails on NLL (0.0990 vs 0.0979). Strict: a pass means "
-        "the claim now holds and this marker must go."
+        "known miss on load_digits (the MNIST check above holds): SGD's point estimate there is "
+        "not overconfident, so SWAG cannot lower ECE (figures in the docstring). Strict: a "
+        "pass means the digits claim holds and this marker must go."
     ),
 )
 def test_digits_swag_beats_the_sgd_point_estimate_of_the_same_run():
-    """SGD with momentum (30 epochs), then 10 SWAG epochs at a constant, doubled rate; the SGD
-    point estimate is the network where the SWAG phase starts (the usual SGD result).
+    """The same protocol and assertion as the MNIST check, on ``load_digits`` (360 test points).
 
-    The prior is N(0, 10²) — almost no weight decay — so SGD fits the training set to
-    overconfidence, the regime SWAG is for. With the N(0, 1) prior of ``pyro-bdl compare`` the
-    MAP network on digits is already *under*confident (mean confidence below accuracy), and
-    averaging over weights cannot lower its ECE.
+    Measured (seeds 0–4, means): SGD accuracy 0.977, NLL 0.0863, ECE 0.0187; SWAG 0.982,
+    0.0852, 0.0219. SWAG's NLL is lower in 2 of 5 seeds, its ECE in 2 of 5. Diagnosis (seed 0):
+    SGD's mean confidence equals its accuracy (0.976 vs 0.977 over the seeds) and its ECE,
+    0.017, is what a perfectly calibrated predictor with the same confidences scores on 360
+    points (labels drawn from its own probabilities: 0.0175 ± 0.0043); SWAG lowers the
+    confidence of the few uncertain digits, which are then right more often than predicted
+    (mean confidence 0.967 at accuracy 0.98: *under*confident). Fewer bins (5, 10) do not
+    change this, and none of the 9 protocols tried on a validation split (prior N(0, 10²),
+    longer or decayed SGD, SWAG-phase rates 0.02–0.2, one snapshot per epoch, cyclical
+    rates, scales 0.25–1) lowered ECE in every seed.
     """
-    from pyro_bdl.compare import swag as compare_swag
-    from pyro_bdl.compare.problem import Problem, seed_everything
     from pyro_bdl.data import load_digits
-    from pyro_bdl.diagnostics import metrics
 
-    ds = load_digits(seed=0)
-    problem = Problem(ds, epochs=40, progress=False, prior=priors.Normal(scale=10.0))
-    seed_everything(0)
-    bnn, model = problem.bayesian_model()
-    guide = AutoSWAG(model, rank=20)
-    sgd_loc = compare_swag.train_swag(problem, guide, model, "swag")
-    guide.mode = "point"
-    with torch.no_grad():
-        guide.loc.copy_(sgd_loc)
-        sgd = Predictive(model, guide=guide, num_samples=1, return_sites=["_RETURN"])(ds.x_test)
-    p_sgd = sgd["_RETURN"][0].softmax(-1)
-    guide.mode = "auto"
-    p_swag = predict_with_bn_refresh(guide, bnn, ds.x_test, num_samples=32, bn_data=ds.x_train)
-    y = ds.y_test
-    figures = {
-        name: (metrics.accuracy(p, y), metrics.nll(p, y), metrics.ece(p, y))
-        for name, p in (("sgd", p_sgd), ("swag", p_swag))
-    }
-    print(figures)
-    assert figures["swag"][1] < figures["sgd"][1]
-    assert figures["swag"][2] < figures["sgd"][2]
-    assert abs(figures["swag"][0] - figures["sgd"][0]) <= 0.01 + 1e-9
+    torch.set_num_threads(1)  # as in the MNIST check
+    assert_swag_beats_sgd([sgd_vs_swag(load_digits(seed=0), seed) for seed in SEEDS])
