@@ -455,7 +455,7 @@ class AutoSubnetLaplace(AutoContinuous):
 
         Searches a log-spaced grid (default :math:`10^{-4} … 10^{4}`, 17 values), then a finer
         grid between the best value's neighbours, updates the posterior and returns λ. Warns
-        when the best value sits at the grid's edge.
+        when the best value sits at the grid's edge (a one-value grid just sets λ, silently).
 
         :param data: validation ``(x, y)`` (or a DataLoader) for ``method="val_ll"``.
         :param str method: ``"marglik"`` or ``"val_ll"`` (probit predictive log-likelihood).
