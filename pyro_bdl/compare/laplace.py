@@ -12,7 +12,6 @@ posterior is then nearly a point mass and the method's figures are close to its 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 
@@ -20,7 +19,13 @@ import pyro
 import torch
 from pyro.infer import SVI, Trace_ELBO
 
-from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior, train_svi
+from pyro_bdl.compare.problem import (
+    Predictor,
+    Problem,
+    attach_posterior,
+    split_validation,
+    train_svi,
+)
 from pyro_bdl.guides.laplace import AutoSubnetLaplace
 from pyro_bdl.guides.swag import AutoSWAG
 from pyro_bdl.priors import Normal
@@ -36,19 +41,8 @@ VALIDATION_FRACTION = 0.1
 GRID = torch.logspace(-4, 6, 21, dtype=torch.float64)
 
 
-def split_validation(problem: Problem) -> tuple[Problem, torch.Tensor, torch.Tensor]:
-    """(the problem on the remaining training rows, x_val, y_val), rows drawn with the seed."""
-    data = problem.dataset
-    g = torch.Generator().manual_seed(problem.seed)
-    order = torch.randperm(len(data.y_train), generator=g)
-    n_val = max(1, round(VALIDATION_FRACTION * len(order)))
-    val, train = order[:n_val], order[n_val:]
-    dataset = dataclasses.replace(data, x_train=data.x_train[train], y_train=data.y_train[train])
-    return dataclasses.replace(problem, dataset=dataset), data.x_train[val], data.y_train[val]
-
-
 def fit_subnet_laplace(problem: Problem) -> Predictor:
-    problem, x_val, y_val = split_validation(problem)
+    problem, x_val, y_val = split_validation(problem, VALIDATION_FRACTION)
     _, model = problem.bayesian_model()
     scale = problem.prior.scale if isinstance(problem.prior, Normal) else 1.0
     guide = AutoSubnetLaplace(model, subnetwork="all")  # the MAP phase; the rule is set below
