@@ -402,7 +402,7 @@ def test_a_model_whose_sites_change_after_the_first_step_is_refused():
 def digits_vogn_vs_adam(seed: int, epochs: int = 20) -> dict[str, dict[str, float]]:
     """The compare CNN on load_digits: VOGN (compare's settings) vs Adam, same batches, epochs."""
     from pyro_bdl.compare.problem import Problem, predictive_probs
-    from pyro_bdl.compare.vogn import BETAS, DAMPING, TEMPERATURE
+    from pyro_bdl.compare.vogn import BETAS, TEMPERATURE, damping
     from pyro_bdl.data import load_digits
     from pyro_bdl.diagnostics import metrics
 
@@ -438,7 +438,7 @@ def digits_vogn_vs_adam(seed: int, epochs: int = 20) -> dict[str, dict[str, floa
         lr=problem.lr,
         betas=BETAS,
         temperature=TEMPERATURE,
-        damping=DAMPING,
+        damping=damping(epochs * math.ceil(problem.num_train / problem.batch_size)),
     )
     for epoch in range(epochs):
         bnn.train()
@@ -454,11 +454,12 @@ def test_digits_cnn_matches_adam_accuracy_with_better_calibration():
     torch.set_num_threads(1)
     result = digits_vogn_vs_adam(seed=0)
     adam, vogn = result["adam"], result["vogn"]
-    # Seeds 0-3 (20 epochs, one thread, compare's τ = 0.1) gave accuracy adam/vogn 0.958/0.958,
-    # 0.967/0.958, 0.958/0.975, 0.967/0.955 (largest deficit 1.2 points, inside the issue's 2);
-    # NLL 0.36-0.39 vs 0.19-0.24; ECE 0.22-0.23 vs 0.11-0.12, so the orderings hold with margins
-    # of about 0.1 in both. (At τ = 0.01 VOGN was further ahead here, but overconfident on
-    # held-out classes in `pyro-bdl compare`; see pyro_bdl/compare/vogn.py.)
+    # Seeds 0-3 (20 epochs, one thread, compare's settings: τ = 0.03, β₂ = 0.01, γ ≈ 0.012 for
+    # these 460 steps) gave accuracy adam/vogn 0.958/0.969, 0.967/0.978, 0.958/0.969,
+    # 0.967/0.975 (VOGN ahead by 0.8-1.1 points, against the issue's allowed 2 behind);
+    # NLL 0.36-0.39 vs 0.17-0.19; ECE 0.22-0.23 vs 0.10, so the orderings hold with margins of
+    # about 0.1 in both. (A fixed γ = 3e-2, right for MNIST's ~3,000 steps, underfit here: up to
+    # 2.5 points behind Adam; see pyro_bdl/compare/vogn.py.)
     assert vogn["accuracy"] >= adam["accuracy"] - 0.02, result
     assert vogn["nll"] < adam["nll"], result
     assert vogn["ece"] < adam["ece"], result
