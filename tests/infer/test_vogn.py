@@ -463,3 +463,12 @@ def test_digits_cnn_matches_adam_accuracy_with_better_calibration():
     assert vogn["accuracy"] >= adam["accuracy"] - 0.02, result
     assert vogn["nll"] < adam["nll"], result
     assert vogn["ece"] < adam["ece"], result
+
+
+def test_compare_damping_grows_as_the_root_of_the_number_of_steps():
+    from pyro_bdl.compare.vogn import DAMPING, DAMPING_STEPS, damping
+
+    # Exact by construction: γ(T) = DAMPING · sqrt(T / DAMPING_STEPS).
+    assert damping(DAMPING_STEPS) == pytest.approx(DAMPING, rel=1e-12)
+    assert damping(DAMPING_STEPS // 4) == pytest.approx(DAMPING / 2, rel=1e-12)
+    assert damping(0) == damping(1) > 0  # a run with no steps still gets a valid γ
