@@ -47,7 +47,7 @@ from pyro_bdl.compare.problem import Predictor, Problem, predictive_probs
 from pyro_bdl.infer.vogn import VOGN
 from pyro_bdl.priors import Normal
 
-__all__ = ["damping", "fit_vogn"]
+__all__ = ["damping", "fit_vogn", "make_vogn"]
 
 TEMPERATURE = 0.03
 BETAS = (0.9, 0.01)
@@ -63,12 +63,12 @@ def damping(steps: int) -> float:
     return DAMPING * math.sqrt(max(steps, 1) / DAMPING_STEPS)
 
 
-def fit_vogn(problem: Problem) -> Predictor:
-    """Train :class:`~pyro_bdl.infer.VOGN` for ``problem.epochs`` epochs, one MC sample a step."""
-    net, model = problem.bayesian_model()
+def make_vogn(problem: Problem, model) -> VOGN:
+    """:class:`~pyro_bdl.infer.VOGN` over ``model`` with compare's settings for ``problem``: the
+    prior precision of its Normal prior, its learning rate, and γ for ``problem.epochs`` epochs."""
     prior = problem.prior
     precision = 1.0 / prior.scale**2 if isinstance(prior, Normal) else 1.0
-    vogn = VOGN(
+    return VOGN(
         model,
         dataset_size=problem.num_train,
         lr=problem.lr,
@@ -77,6 +77,12 @@ def fit_vogn(problem: Problem) -> Predictor:
         temperature=TEMPERATURE,
         damping=damping(problem.epochs * math.ceil(problem.num_train / problem.batch_size)),
     )
+
+
+def fit_vogn(problem: Problem) -> Predictor:
+    """Train :class:`~pyro_bdl.infer.VOGN` for ``problem.epochs`` epochs, one MC sample a step."""
+    net, model = problem.bayesian_model()
+    vogn = make_vogn(problem, model)
     bar = problem.epoch_bar("vogn")
     for epoch in bar:
         net.train()

@@ -411,18 +411,24 @@ def test_row_chunks_sized_by_chunk_memory_give_the_same_posterior():
     assert_close(guide.fit((x, y)).covariance, first, rtol=1e-10)
 
 
-def _peak_fit_bytes(hidden: int, size: int) -> tuple[int, int]:
-    pyro.clear_param_store()  # guides of different sizes share the name "AutoSubnetLaplace"
-    x, y = _data(n=64, d=20)
-    net = _mlp(d=20, hidden=hidden)
+def _peak_fit_bytes_of(net, x, y, size: int, **kwargs) -> tuple[int, int]:
+    """(peak tensor bytes of ``fit`` with a random subnetwork of ``size`` weights, D): the
+    parameters and the data are excluded, everything ``fit`` allocates is counted."""
     bnn = bdl.bayesianize(net, bdl.priors.Normal(scale=1.0))
     model = bdl.models.classifier(bnn, len(y))
-    guide = AutoSubnetLaplace(model, subnetwork="random", size=size, batch_size=32)
+    guide = AutoSubnetLaplace(model, subnetwork="random", size=size, batch_size=32, **kwargs)
     guide(x, y)
     exclude = [guide.loc, x, y, *[s.init_value for s in bdl.sites(bnn).values()]]
     with TensorMemoryTracker(exclude=exclude) as mem:
         guide.fit((x, y))
     return mem.peak, guide.loc.numel()
+
+
+def _peak_fit_bytes(hidden: int, size: int) -> tuple[int, int]:
+    pyro.clear_param_store()  # guides of different sizes share the name "AutoSubnetLaplace"
+    x, y = _data(n=64, d=20)
+    net = _mlp(d=20, hidden=hidden)
+    return _peak_fit_bytes_of(net, x, y, size)
 
 
 def test_fit_memory_does_not_grow_with_the_network():
@@ -448,14 +454,7 @@ def _peak_cnn_fit_bytes(width: int, size: int, **kwargs) -> tuple[int, int]:
     x = torch.randn(32, 1, 12, 12, generator=g, dtype=F64)
     y = torch.randint(0, 3, (32,), generator=g)
     torch.manual_seed(0)
-    bnn = bdl.bayesianize(compare_cnn((1,), 3, width).double(), bdl.priors.Normal())
-    model = bdl.models.classifier(bnn, len(y))
-    guide = AutoSubnetLaplace(model, subnetwork="random", size=size, batch_size=32, **kwargs)
-    guide(x, y)
-    exclude = [guide.loc, x, y, *[s.init_value for s in bdl.sites(bnn).values()]]
-    with TensorMemoryTracker(exclude=exclude) as mem:
-        guide.fit((x, y))
-    return mem.peak, guide.loc.numel()
+    return _peak_fit_bytes_of(compare_cnn((1,), 3, width).double(), x, y, size, **kwargs)
 
 
 def test_fit_memory_does_not_grow_with_the_cnn():

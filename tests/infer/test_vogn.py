@@ -402,7 +402,7 @@ def test_a_model_whose_sites_change_after_the_first_step_is_refused():
 def digits_vogn_vs_adam(seed: int, epochs: int = 20) -> dict[str, dict[str, float]]:
     """The compare CNN on load_digits: VOGN (compare's settings) vs Adam, same batches, epochs."""
     from pyro_bdl.compare.problem import Problem, predictive_probs
-    from pyro_bdl.compare.vogn import BETAS, TEMPERATURE, damping
+    from pyro_bdl.compare.vogn import make_vogn
     from pyro_bdl.data import load_digits
     from pyro_bdl.diagnostics import metrics
 
@@ -432,14 +432,7 @@ def digits_vogn_vs_adam(seed: int, epochs: int = 20) -> dict[str, dict[str, floa
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     bnn, model = problem.bayesian_model()
-    vogn = VOGN(
-        model,
-        dataset_size=problem.num_train,
-        lr=problem.lr,
-        betas=BETAS,
-        temperature=TEMPERATURE,
-        damping=damping(epochs * math.ceil(problem.num_train / problem.batch_size)),
-    )
+    vogn = make_vogn(problem, model)
     for epoch in range(epochs):
         bnn.train()
         for x, y in problem.batches(epoch):
