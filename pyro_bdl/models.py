@@ -20,7 +20,14 @@ from torch.distributions import Distribution as TorchDistribution
 
 from pyro_bdl._validation import check_finite, check_positive, check_positive_int
 
-__all__ = ["DATA_PLATE", "check_batch", "classifier", "data_plate", "regressor"]
+__all__ = [
+    "DATA_PLATE",
+    "NetworkModel",
+    "check_batch",
+    "classifier",
+    "data_plate",
+    "regressor",
+]
 
 #: The name of the plate over examples; VOGN and the diagnostics look for it.
 DATA_PLATE = "data"
@@ -79,7 +86,8 @@ def _label_range(y: torch.Tensor) -> tuple[int, int]:
 
 
 def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
-    """Refuse the bad inputs of RELIABILITY.md items 1–5 with an error that says what to do."""
+    """Refuse a malformed batch (type, empty, non-finite, shape, label dtype and range) with an
+    error that says what to do."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
     if x.dim() == 0 or x.shape[0] == 0:
@@ -121,38 +129,67 @@ def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_class
         check_finite("y", y)
 
 
-def classifier(net: nn.Module, dataset_size: int):
-    """A categorical-likelihood model ``model(x, y=None) -> logits`` over ``net``'s outputs."""
-    check_positive_int("dataset_size", dataset_size)
+class NetworkModel:
+    """A Pyro model around one network, with the facts methods read from it declared.
 
-    def model(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    Calling it runs ``model(x, y=None) -> network output``: the network's forward pass and one
+    observation site ``"y"`` inside :func:`data_plate`. Laplace (its GGN and predictive),
+    data-parallel training and checkpoints read :attr:`net`, :attr:`likelihood`,
+    :attr:`dataset_size` and :attr:`noise_scale` from here; a hand-written model has none of
+    them, and those methods then ask for what they need.
+
+    :ivar net: the (lifted) network.
+    :ivar str likelihood: ``"categorical"`` or ``"gaussian"``.
+    :ivar int dataset_size: N, for the data plate's N/B scaling.
+    :ivar noise_scale: the Gaussian observation noise σ (``None`` for a classifier).
+    """
+
+    LIKELIHOODS = ("categorical", "gaussian")
+
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        likelihood: str,
+        dataset_size: int,
+        noise_scale: float | None = None,
+    ):
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"net must be a torch.nn.Module; got {type(net).__name__}.")
+        if likelihood not in self.LIKELIHOODS:
+            raise ValueError(f"likelihood must be one of {self.LIKELIHOODS}; got {likelihood!r}.")
+        check_positive_int("dataset_size", dataset_size)
+        if likelihood == "gaussian":
+            if noise_scale is None:
+                raise ValueError(
+                    "a Gaussian likelihood needs noise_scale, the observation noise σ."
+                )
+            check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")
+        self.net = net
+        self.likelihood = likelihood
+        self.dataset_size = int(dataset_size)
+        self.noise_scale = None if noise_scale is None else float(noise_scale)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if self.likelihood == "categorical":
+            return self._categorical(x, y)
+        return self._gaussian(x, y)
+
+    def _categorical(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         check_batch(x, y, task="classification")
-        logits = net(x)
+        logits = self.net(x)
         if y is not None:
             # The label range depends on the network's output width, known only now.
             lo, hi = _label_range(y)
             if lo < 0 or hi >= logits.shape[-1]:
                 check_batch(x, y, task="classification", num_classes=logits.shape[-1])
-        with data_plate(dataset_size, x.shape[0], x.device):
+        with data_plate(self.dataset_size, x.shape[0], x.device):
             pyro.sample("y", _LogSoftmaxCategorical(logits), obs=y)
         return logits
 
-    model.likelihood = "categorical"  # type: ignore[attr-defined]
-    model.net = net  # type: ignore[attr-defined]
-    return model
-
-
-def regressor(net: nn.Module, dataset_size: int, noise_scale: float):
-    """A Gaussian-likelihood model ``model(x, y=None) -> mean`` with a fixed observation noise.
-
-    ``net`` must output shape ``(B,)`` or ``(B, 1)``; targets have shape ``(B,)``.
-    """
-    check_positive_int("dataset_size", dataset_size)
-    check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")
-
-    def model(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    def _gaussian(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         check_batch(x, y, task="regression")
-        mean = net(x)
+        mean = self.net(x)
         if mean.dim() == 2 and mean.shape[-1] == 1:
             mean = mean.squeeze(-1)
         if y is not None and y.shape != mean.shape:
@@ -160,11 +197,28 @@ def regressor(net: nn.Module, dataset_size: int, noise_scale: float):
                 f"y must have the network output's shape {tuple(mean.shape)}; got "
                 f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
             )
-        with data_plate(dataset_size, x.shape[0], x.device):
-            pyro.sample("y", dist.Normal(mean, noise_scale), obs=y)
+        with data_plate(self.dataset_size, x.shape[0], x.device):
+            pyro.sample("y", dist.Normal(mean, self.noise_scale), obs=y)
         return mean
 
-    model.likelihood = "gaussian"  # type: ignore[attr-defined]
-    model.net = net  # type: ignore[attr-defined]
-    model.noise_scale = noise_scale  # type: ignore[attr-defined]
-    return model
+    def __repr__(self) -> str:
+        noise = f", noise_scale={self.noise_scale}" if self.noise_scale is not None else ""
+        return (
+            f"NetworkModel({type(self.net).__name__}, likelihood={self.likelihood!r}, "
+            f"dataset_size={self.dataset_size}{noise})"
+        )
+
+
+def classifier(net: nn.Module, dataset_size: int) -> NetworkModel:
+    """A categorical-likelihood model ``model(x, y=None) -> logits`` over ``net``'s outputs."""
+    return NetworkModel(net, likelihood="categorical", dataset_size=dataset_size)
+
+
+def regressor(net: nn.Module, dataset_size: int, noise_scale: float) -> NetworkModel:
+    """A Gaussian-likelihood model ``model(x, y=None) -> mean`` with a fixed observation noise.
+
+    ``net`` must output shape ``(B,)`` or ``(B, 1)``; targets have shape ``(B,)``.
+    """
+    return NetworkModel(
+        net, likelihood="gaussian", dataset_size=dataset_size, noise_scale=noise_scale
+    )

@@ -22,7 +22,15 @@ from torch import nn
 from pyro_bdl._validation import check_choice, check_positive, check_probability
 from pyro_bdl.distributions import ScaleMixtureNormal as ScaleMixtureDistribution
 
-__all__ = ["Laplace", "LayerwiseNormal", "Normal", "Prior", "ScaleMixtureNormal"]
+__all__ = [
+    "Laplace",
+    "LayerwiseNormal",
+    "NonGaussianPriorError",
+    "Normal",
+    "Prior",
+    "ScaleMixtureNormal",
+    "gaussian_prior",
+]
 
 _INIT_OPTIONS = ("module", "prior_mean", "sample")
 
@@ -176,3 +184,36 @@ class ScaleMixtureNormal(Prior):
             self._tensor(self.scale1, param),
             self._tensor(self.scale2, param),
         )
+
+
+class NonGaussianPriorError(ValueError):
+    """A method that needs a Gaussian prior (VOGN, Laplace) was given another one."""
+
+
+def _base_normal(d: dist.Distribution) -> torch.distributions.Normal | None:
+    while isinstance(d, torch.distributions.Independent):
+        d = d.base_dist
+    return d if isinstance(d, torch.distributions.Normal) else None
+
+
+def gaussian_prior(spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, precision)`` of a lifted weight's Gaussian prior, each of the weight's shape.
+
+    Reads the distribution the site's prior builds (any :class:`Prior` or user callable), so
+    what :func:`~pyro_bdl.bayesianize` declared is what VOGN and Laplace use.
+
+    :param spec: the site's :class:`~pyro_bdl.nn.SiteSpec`.
+    :raises NonGaussianPriorError: the prior is not a (possibly independent) Normal.
+    """
+    d = spec(spec.module)
+    normal = _base_normal(d)
+    if normal is None:
+        raise NonGaussianPriorError(
+            f"site {spec.name!r} has prior {d!r}, but this method needs a Gaussian prior. Lift "
+            "the network with priors.Normal or priors.LayerwiseNormal, or pass "
+            "prior_precision= explicitly to use a Gaussian prior of that precision instead."
+        )
+    shape = spec.shape
+    mean = normal.loc.detach().expand(shape)
+    precision = normal.scale.detach().reciprocal().square().expand(shape)
+    return mean, precision

@@ -1,13 +1,14 @@
 r"""Shared machinery of the per-site location-scale guides (:class:`AutoMeanField`,
 :class:`AutoRadial`).
 
-Every latent site gets its own location-scale distribution **on the site itself** (DESIGN.md 2,
-contract 2), so an ELBO sees the (posterior, prior) pair and can use an exact KL. The locations and
-the unconstrained scales of all sites are packed into one ``(2, D)`` parameter ``loc_rho`` (rows
-``guide.loc`` and ``guide.rho``), as Pyro's ``AutoDiagonalNormal`` packs its sites: an optimizer
-then updates one tensor instead of two per site, and the scales go through one softplus per step.
-Each site reads a view of the flat vectors, and the noise of all plate-free sites is drawn in one
-flat operation (:meth:`flat_sample`).
+Every latent site gets its own location-scale distribution **on the site itself**, so an ELBO
+sees the (posterior, prior) pair and can use an exact KL. The locations and the unconstrained
+scales of all sites are packed into one ``(2, D)`` parameter ``loc_rho`` (rows ``guide.loc`` and
+``guide.rho``), as Pyro's ``AutoDiagonalNormal`` packs its sites: an optimizer then updates one
+tensor instead of two per site, and the scales go through one softplus per step. The
+:class:`~pyro_bdl.layout.SiteLayout` says where each site sits; each site reads a view of the
+flat vectors, and the noise of all plate-free sites is drawn in one flat operation
+(:meth:`flat_sample`).
 
 A subclass fills three small hooks: :meth:`AutoLocScaleGuide.site_posterior` (the distribution
 of one unconstrained site given its location, scale and event dims), :meth:`flat_sample` (one
@@ -17,27 +18,22 @@ draw of every site at once) and :meth:`site_quantiles` (marginal quantiles).
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
-from typing import Any
 
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
-from pyro.infer.autoguide.utils import helpful_support_errors
-from pyro.ops.tensor_utils import periodic_repeat
 from pyro.poutine.plate_messenger import PlateMessenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
-from torch.distributions import biject_to
-from torch.distributions.transforms import ComposeTransform, IndependentTransform
 from torch.nn.functional import softplus
 
 from pyro_bdl._validation import check_positive
+from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
-__all__ = ["AutoLocScaleGuide", "SiteLayout", "inverse_softplus"]
+__all__ = ["AutoLocScaleGuide", "inverse_softplus"]
 
 
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -48,40 +44,6 @@ def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
 def _inside_plate() -> bool:
     """Whether the guide runs under a plate (its sites then get batch dims)."""
     return any(isinstance(m, PlateMessenger) for m in _PYRO_STACK)
-
-
-def _is_identity(transform) -> bool:
-    """Whether ``biject_to(support)`` is the identity (real support, possibly with event dims)."""
-    while isinstance(transform, IndependentTransform):
-        transform = transform.base_transform
-    return isinstance(transform, ComposeTransform) and not transform.parts
-
-
-@dataclass(frozen=True)
-class SiteLayout:
-    """Where one site lives in the flat parameter vectors.
-
-    :ivar str name: the site name.
-    :ivar int start: first index in the flat vectors.
-    :ivar int stop: one past the last index.
-    :ivar torch.Size shape: the unconstrained shape at full plate size.
-    :ivar int event_dim: number of trailing event dims of the unconstrained value.
-    :ivar tuple frames: the site's vectorized plates, as ``(name, dim)``.
-    :ivar transform: maps the unconstrained value onto the site's support (``None``: identity).
-    """
-
-    name: str
-    start: int
-    stop: int
-    shape: torch.Size
-    event_dim: int
-    frames: tuple[tuple[str, int], ...]
-    transform: Any
-
-    @property
-    def whole(self) -> bool:
-        """Whether every dim is an event dim (the site is one draw of its distribution)."""
-        return self.event_dim == len(self.shape)
 
 
 class AutoLocScaleGuide(AutoGuide):
@@ -106,6 +68,9 @@ class AutoLocScaleGuide(AutoGuide):
     :param callable create_plates: optional, as in :class:`~pyro.infer.autoguide.AutoGuide`.
     """
 
+    #: Where each site sits in :attr:`loc_rho` (set by the first call of the guide).
+    layout: SiteLayout
+
     def __init__(
         self,
         model,
@@ -129,7 +94,6 @@ class AutoLocScaleGuide(AutoGuide):
         self._init_scale = float(init_scale)
         self.init_loc_fn = init_loc_fn
         super().__init__(InitMessenger(init_loc_fn)(model), create_plates=create_plates)
-        self._layout: list[SiteLayout] = []
         self._no_plates = False
 
     # -- the hooks a subclass fills -------------------------------------------------------------
@@ -146,7 +110,7 @@ class AutoLocScaleGuide(AutoGuide):
 
     def flat_sample(self, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """One reparameterized draw of every site at once from the flat ``loc`` and ``scale``
-        (sites are contiguous blocks of ``self._sizes`` numbers)."""
+        (sites are the contiguous blocks of :attr:`layout`)."""
         raise NotImplementedError
 
     def site_quantiles(
@@ -159,52 +123,8 @@ class AutoLocScaleGuide(AutoGuide):
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
-        layout, locs = [], []
-        start = 0
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
-            support = site["fn"].support
-            with helpful_support_errors(site):
-                transform = biject_to(support)
-            value = site["value"].detach()
-            init_loc = transform.inv(value).detach()
-            event_dim = site["fn"].event_dim + init_loc.dim() - value.dim()
-            frames = []
-            for frame in site["cond_indep_stack"]:
-                full_size = frame.full_size or frame.size
-                if full_size != frame.size:  # subsampled: keep parameters for the full plate
-                    init_loc = periodic_repeat(init_loc, full_size, frame.dim - event_dim)
-                frames.append((frame.name, frame.dim))
-            init_loc = init_loc.contiguous()
-            identity = _is_identity(transform)
-            layout.append(
-                SiteLayout(
-                    name=name,
-                    start=start,
-                    stop=start + init_loc.numel(),
-                    shape=init_loc.shape,
-                    event_dim=event_dim,
-                    frames=tuple(frames),
-                    transform=None if identity else transform,
-                )
-            )
-            locs.append(init_loc.reshape(-1))
-            start += init_loc.numel()
-        if not locs:
-            raise ValueError(
-                f"{type(self).__name__} found no latent sites in the model. Lift the network "
-                "with pyro_bdl.bayesianize(net) so that its weights become sample sites."
-            )
-        dtypes = {t.dtype for t in locs}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"{type(self).__name__} packs every site into one vector, so all latent sites "
-                f"must share a dtype; got {sorted(map(str, dtypes))}. Convert the network with "
-                "net.to(dtype) before lifting."
-            )
-        loc = torch.cat(locs)
-        self._layout = layout
-        self._sites = {s.name: s for s in layout}
-        self._sizes = [s.stop - s.start for s in layout]
+        layout, loc = SiteLayout.from_trace(self.prototype_trace)
+        self.layout = layout
         # Without plates on the latent sites (nor a create_plates or a master guide) the plates
         # dict stays empty: each step then skips rebuilding it.
         self.plates = {}
@@ -283,7 +203,7 @@ class AutoLocScaleGuide(AutoGuide):
         loc, rho = packed.unbind(0)
         self._cache_views((loc, rho), packed._version)
         scale = softplus(rho)
-        sizes = self._sizes
+        sizes = self.layout.sizes
         # torch.split gives every site a view with ONE backward node for all of them; slicing
         # per site would make each slice's backward fill a zero tensor of the full length.
         locs, scales = loc.split(sizes), scale.split(sizes)
@@ -292,7 +212,7 @@ class AutoLocScaleGuide(AutoGuide):
         # one samples for itself instead.
         values = None if _inside_plate() else self.flat_sample(loc, scale).split(sizes)
         result = {}
-        for i, site in enumerate(self._layout):
+        for i, site in enumerate(self.layout):
             shape = site.shape
             site_loc, site_scale = locs[i], scales[i]
             if site_loc.shape != shape:  # a 1-d site already has its shape: skip the view
@@ -315,7 +235,7 @@ class AutoLocScaleGuide(AutoGuide):
                 result[site.name] = pyro.sample(site.name, fn)
         return result
 
-    def _site_dist(self, site: SiteLayout, loc: torch.Tensor, scale: torch.Tensor, value=None):
+    def _site_dist(self, site: Site, loc: torch.Tensor, scale: torch.Tensor, value=None):
         fn = self.site_posterior(loc, scale, site.event_dim, value=value)
         if site.transform is not None:
             fn = dist.TransformedDistribution(fn, site.transform)
@@ -330,15 +250,10 @@ class AutoLocScaleGuide(AutoGuide):
         loc, scale = self._loc_scale(site)
         return self._site_dist(site, loc, scale)
 
-    def _site(self, name: str) -> SiteLayout:
-        site = self._sites.get(name)
-        if site is None:
-            raise ValueError(
-                f"unknown site {name!r}; the guide's sites are {', '.join(map(repr, self._sites))}."
-            )
-        return site
+    def _site(self, name: str) -> Site:
+        return self.layout[name]
 
-    def _loc_scale(self, site: SiteLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loc_scale(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
         loc = self.loc[site.start : site.stop].view(site.shape)
         scale = softplus(self.rho[site.start : site.stop]).view(site.shape)
         return loc, scale
@@ -379,7 +294,7 @@ class AutoLocScaleGuide(AutoGuide):
         with torch.no_grad():
             return {
                 s.name: tuple(t.detach().clone() for t in self._loc_scale(s))  # type: ignore[misc]
-                for s in self._layout
+                for s in self.layout
             }
 
     @torch.no_grad()
@@ -388,7 +303,7 @@ class AutoLocScaleGuide(AutoGuide):
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         out = {}
-        for site in self._layout:
+        for site in self.layout:
             loc, _ = self._loc_scale(site)
             out[site.name] = (site.transform(loc) if site.transform else loc).clone()
         return out
@@ -409,7 +324,7 @@ class AutoLocScaleGuide(AutoGuide):
                 f"quantiles must be a non-empty 1-d list of numbers in (0, 1); got {quantiles!r}."
             )
         out = {}
-        for site in self._layout:
+        for site in self.layout:
             loc, scale = self._loc_scale(site)
             qs = q.reshape((-1,) + (1,) * loc.dim())
             values = self.site_quantiles(loc, scale, site.event_dim, qs)
@@ -420,7 +335,7 @@ class AutoLocScaleGuide(AutoGuide):
     def site_names(self) -> list[str]:
         """Names of the latent sites, in the model's order."""
         self._ensure_setup()
-        return [s.name for s in self._layout]
+        return [s.name for s in self.layout]
 
     def num_latents(self) -> int:
         """Total number of unconstrained latent numbers."""

@@ -124,7 +124,7 @@ class AutoRadial(AutoLocScaleGuide):
         # per-site norms in one fused foreach pass, and ε scaled by r/‖ε‖ in place by one
         # foreach multiply over the sites' views (no full-length temporaries).
         with torch.no_grad():
-            sizes = self._sizes
+            sizes = self.layout.sizes
             numel, num_sites = loc.numel(), len(sizes)
             noise = torch.randn(numel + num_sites, dtype=loc.dtype, device=loc.device)
             eps, radius = noise[:numel], noise[numel:]
