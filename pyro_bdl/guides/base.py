@@ -12,7 +12,7 @@ flat vectors, and the noise of all plate-free sites is drawn in one flat operati
 
 A subclass fills three small hooks: :meth:`AutoLocScaleGuide.site_posterior` (the distribution
 of one unconstrained site given its location, scale and event dims), :meth:`flat_sample` (one
-draw of every site at once) and :meth:`site_quantiles` (marginal quantiles).
+draw of every site at once) and, for non-Gaussian marginals, :meth:`site_quantiles`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.functional import softplus
 
 from pyro_bdl._validation import check_positive
+from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
@@ -46,7 +47,7 @@ def _inside_plate() -> bool:
     return any(isinstance(m, PlateMessenger) for m in _PYRO_STACK)
 
 
-class AutoLocScaleGuide(AutoGuide):
+class AutoLocScaleGuide(SiteAccess, AutoGuide):
     r"""Base class: one location-scale posterior per latent site, sampled on the site itself.
 
     Locations start from ``init_loc_fn`` (by default :func:`~pyro_bdl.init_to_network`, the
@@ -111,12 +112,6 @@ class AutoLocScaleGuide(AutoGuide):
     def flat_sample(self, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """One reparameterized draw of every site at once from the flat ``loc`` and ``scale``
         (sites are the contiguous blocks of :attr:`layout`)."""
-        raise NotImplementedError
-
-    def site_quantiles(
-        self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int, q: torch.Tensor
-    ) -> torch.Tensor:
-        """Marginal quantiles ``q`` (shape ``(Q,) + (1,) * loc.dim()``) of one site."""
         raise NotImplementedError
 
     # -- set-up ------------------------------------------------------------------------------
@@ -253,9 +248,12 @@ class AutoLocScaleGuide(AutoGuide):
     def _site(self, name: str) -> Site:
         return self.layout[name]
 
+    def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loc, self.scale
+
     def _loc_scale(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
-        loc = self.loc[site.start : site.stop].view(site.shape)
-        scale = softplus(self.rho[site.start : site.stop]).view(site.shape)
+        loc = self.loc[site.slice].view(site.shape)
+        scale = softplus(self.rho[site.slice]).view(site.shape)
         return loc, scale
 
     @torch.no_grad()
@@ -287,57 +285,3 @@ class AutoLocScaleGuide(AutoGuide):
             self.loc[site.start : site.stop] = new["loc"]
         if "scale" in new:
             self.rho[site.start : site.stop] = inverse_softplus(new["scale"])
-
-    def locs_and_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """``{name: (loc, scale)}`` of every site in unconstrained space (detached copies)."""
-        self._ensure_setup()
-        with torch.no_grad():
-            return {
-                s.name: tuple(t.detach().clone() for t in self._loc_scale(s))  # type: ignore[misc]
-                for s in self.layout
-            }
-
-    @torch.no_grad()
-    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Posterior median of every site (the location pushed onto the support)."""
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        out = {}
-        for site in self.layout:
-            loc, _ = self._loc_scale(site)
-            out[site.name] = (site.transform(loc) if site.transform else loc).clone()
-        return out
-
-    @torch.no_grad()
-    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Marginal posterior quantiles of every site, shape ``(len(quantiles),) + site shape``.
-
-        Usage::
-
-            lo, hi = guide.quantiles([0.05, 0.95])["0.weight"]
-        """
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        q = torch.as_tensor(quantiles, dtype=self.loc.dtype, device=self.loc.device)
-        if q.dim() != 1 or q.numel() == 0 or not bool(((q > 0) & (q < 1)).all()):
-            raise ValueError(
-                f"quantiles must be a non-empty 1-d list of numbers in (0, 1); got {quantiles!r}."
-            )
-        out = {}
-        for site in self.layout:
-            loc, scale = self._loc_scale(site)
-            qs = q.reshape((-1,) + (1,) * loc.dim())
-            values = self.site_quantiles(loc, scale, site.event_dim, qs)
-            out[site.name] = site.transform(values) if site.transform else values
-        return out
-
-    @property
-    def site_names(self) -> list[str]:
-        """Names of the latent sites, in the model's order."""
-        self._ensure_setup()
-        return [s.name for s in self.layout]
-
-    def num_latents(self) -> int:
-        """Total number of unconstrained latent numbers."""
-        self._ensure_setup()
-        return int(self.loc.numel())

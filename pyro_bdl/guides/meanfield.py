@@ -102,6 +102,3 @@ class AutoMeanField(AutoLocScaleGuide):
 
     def flat_sample(self, loc, scale):
         return torch.addcmul(loc, scale, torch.randn_like(loc))
-
-    def site_quantiles(self, loc, scale, event_dim, q):
-        return loc + scale * (2**0.5) * torch.erfinv(2 * q - 1)

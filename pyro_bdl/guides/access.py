@@ -1,0 +1,105 @@
+"""Per-site access to a posterior over the flat vector, written once for every guide.
+
+A guide that mixes in :class:`SiteAccess` provides :attr:`layout` (a
+:class:`~pyro_bdl.layout.SiteLayout`), ``_ensure_setup()`` and :meth:`SiteAccess.flat_loc_scale`
+(the marginal location and scale of every unconstrained coordinate); it then has ``median``,
+``quantiles``, ``locs_and_scales``, ``site_names`` and ``num_latents``. A guide whose marginals
+are not Gaussian overrides :meth:`SiteAccess.site_quantiles`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyro_bdl.layout import Site, SiteLayout
+
+__all__ = ["SiteAccess", "check_quantiles"]
+
+
+def check_quantiles(quantiles, like: torch.Tensor) -> torch.Tensor:
+    """``quantiles`` as a 1-d tensor like ``like``, refused unless every value is in (0, 1)."""
+    q = torch.as_tensor(quantiles, dtype=like.dtype, device=like.device)
+    if q.dim() != 1 or q.numel() == 0 or not bool(((q > 0) & (q < 1)).all()):
+        raise ValueError(
+            f"quantiles must be a non-empty 1-d list of numbers in (0, 1); got {quantiles!r}."
+        )
+    return q
+
+
+class SiteAccess:
+    """Mixin: ``median``, ``quantiles`` and ``locs_and_scales`` from :meth:`flat_loc_scale`."""
+
+    layout: SiteLayout
+    prototype_trace: object
+
+    def _ensure_setup(self) -> None:
+        raise NotImplementedError
+
+    def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Marginal ``(location, scale)`` of every unconstrained coordinate, each ``(D,)``."""
+        raise NotImplementedError
+
+    def site_quantiles(
+        self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int, q: torch.Tensor
+    ) -> torch.Tensor:
+        """Marginal quantiles ``q`` (shape ``(Q,) + (1,) * loc.dim()``) of one site; Gaussian
+        marginals by default."""
+        return loc + scale * torch.special.ndtri(q)
+
+    def _site_loc_scale(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
+        loc, scale = self.flat_loc_scale()
+        return loc[site.slice].view(site.shape), scale[site.slice].view(site.shape)
+
+    def _setup_from(self, args, kwargs) -> None:
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)  # type: ignore[attr-defined]
+        self._ensure_setup()
+
+    @torch.no_grad()
+    def locs_and_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{name: (loc, scale)}`` of every site in unconstrained space (detached copies)."""
+        self._ensure_setup()
+        loc, scale = (t.detach() for t in self.flat_loc_scale())
+        return {
+            s.name: (loc[s.slice].view(s.shape).clone(), scale[s.slice].view(s.shape).clone())
+            for s in self.layout
+        }
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Posterior median of every site (the location pushed onto the support)."""
+        self._setup_from(args, kwargs)
+        loc, _ = self.flat_loc_scale()
+        return {s.name: s.constrain(loc[s.slice].view(s.shape)).clone() for s in self.layout}
+
+    @torch.no_grad()
+    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Marginal posterior quantiles of every site, shape ``(len(quantiles),) + site shape``.
+
+        Usage::
+
+            lo, hi = guide.quantiles([0.05, 0.95])["0.weight"]
+        """
+        self._setup_from(args, kwargs)
+        loc, scale = self.flat_loc_scale()
+        q = check_quantiles(quantiles, loc)
+        out = {}
+        for site in self.layout:
+            site_loc = loc[site.slice].view(site.shape)
+            site_scale = scale[site.slice].view(site.shape)
+            qs = q.reshape((-1,) + (1,) * site_loc.dim())
+            out[site.name] = site.constrain(
+                self.site_quantiles(site_loc, site_scale, site.event_dim, qs)
+            )
+        return out
+
+    @property
+    def site_names(self) -> list[str]:
+        """Names of the latent sites, in the model's order."""
+        self._ensure_setup()
+        return self.layout.names
+
+    def num_latents(self) -> int:
+        """Total number of unconstrained latent numbers."""
+        self._ensure_setup()
+        return self.layout.size
