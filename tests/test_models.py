@@ -108,3 +108,27 @@ def test_finite_check_fast_path_keeps_the_verdict():
     with pytest.raises(ValueError, match=r"x contains 1 .* \(2, 1\)"):
         models.check_batch(big, None, task="classification")
     models.check_batch(torch.randint(0, 3, (4, 3)), None, task="classification")  # integers
+
+
+def test_the_model_contract_is_an_explicit_object():
+    net = bayesianize(nn.Linear(3, 1))
+    model = models.regressor(net, dataset_size=50, noise_scale=0.5)
+    assert isinstance(model, models.NetworkModel)
+    assert (model.net, model.likelihood, model.dataset_size, model.noise_scale) == (
+        net,
+        "gaussian",
+        50,
+        0.5,
+    )
+    clf = _classifier()
+    assert clf.likelihood == "categorical" and clf.noise_scale is None
+    assert "likelihood='categorical'" in repr(clf)
+
+
+def test_network_model_refuses_a_bad_contract():
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        models.NetworkModel(lambda x: x, likelihood="categorical", dataset_size=3)
+    with pytest.raises(ValueError, match="likelihood must be one of"):
+        models.NetworkModel(nn.Linear(2, 2), likelihood="poisson", dataset_size=3)
+    with pytest.raises(ValueError, match="needs noise_scale"):
+        models.NetworkModel(nn.Linear(2, 1), likelihood="gaussian", dataset_size=3)

@@ -90,3 +90,21 @@ def test_unknown_options_list_the_choices():
         priors.Normal(init="zeros")
     with pytest.raises(ValueError, match="loc"):
         priors.Normal(loc=float("nan"))
+
+
+def test_gaussian_prior_reads_any_prior_that_builds_a_normal():
+    from pyro_bdl.nn import SiteSpec
+
+    lin = nn.Linear(3, 2)
+
+    def custom(module, name, param):  # a user callable, not a priors.Prior
+        return torch.distributions.Independent(
+            torch.distributions.Normal(torch.full_like(param, 0.25), torch.full_like(param, 2.0)),
+            param.dim(),
+        )
+
+    lin.register_buffer("_bdl_init_weight", lin.weight.detach().clone())
+    mean, precision = priors.gaussian_prior(SiteSpec("weight", lin, "weight", custom))
+    assert mean.shape == precision.shape == (2, 3)
+    assert_close(mean, torch.full((2, 3), 0.25))
+    assert_close(precision, torch.full((2, 3), 0.25))  # 1 / 2²
