@@ -16,8 +16,9 @@ from torch.func import functional_call, jacrev
 
 import pyro_bdl as bdl
 from pyro_bdl.compare.problem import cnn as compare_cnn
-from pyro_bdl.curvature.subnet import TensorMemoryTracker
+from pyro_bdl.curvature.memory import TensorMemoryTracker
 from pyro_bdl.guides import AutoSubnetLaplace, NotFittedError
+from pyro_bdl.guides.laplace_posterior import log_marginal
 from tests.common import assert_close
 from tests.scenarios import BayesianLinearRegression
 
@@ -53,16 +54,8 @@ def _trained(subnetwork="all", steps=150, net=None, **kwargs):
 
 def _brute_ggn(guide, plain, x, likelihood="categorical", noise=None):
     """Full GGN over all weights with torch.func.jacrev on an equivalent plain network."""
-    names = [s.name for s in guide._sites]
-    shapes = [s.shape for s in guide._sites]
-
     def f(theta):
-        params, offset = {}, 0
-        for name, shape in zip(names, shapes):
-            k = math.prod(shape)
-            params[name] = theta[offset : offset + k].view(shape)
-            offset += k
-        return functional_call(plain, params, (x,))
+        return functional_call(plain, guide.layout.unpack(theta), (x,))
 
     theta = guide.loc.detach()
     jac = jacrev(f)(theta)
@@ -169,7 +162,8 @@ def test_binary_mc_converges_to_quadrature_and_probit_is_close():
         svi.step(x, y)
     guide.fit((x, y))
     x_test = torch.linspace(-3, 3, 13, dtype=F64).unsqueeze(-1) * torch.tensor([[1.0, -0.3]])
-    out, jac = next(guide._jacobians(x_test.to(F64), "y"))
+    obs = guide._observe((x_test,), without_targets=True)
+    out, jac, _ = next(guide._jacobians((x_test,), obs))
     mu = out.squeeze(-1)
     var = torch.einsum("bcs,st,bct->b", jac, guide.covariance, jac)
     nodes, weights = np.polynomial.hermite_e.hermegauss(80)  # ∫ σ(μ + √v t) φ(t) dt
@@ -198,7 +192,7 @@ def test_linearized_argmax_equals_map_argmax():
 
 
 def poutine_map_logits(model, guide, x):
-    values = {s["name"]: v for s, v in guide._unpack_latent(guide.map_loc)}
+    values = guide.layout.unpack(guide.map_loc)
     return pyro.poutine.condition(model, data=values)(x)
 
 
@@ -283,7 +277,7 @@ def test_swag_variances_select_the_subnetwork():
     guide = AutoSubnetLaplace(model, subnetwork="largest_variance", size=5, variances=swag)
     guide(x, y)
     guide.fit((x, y))
-    flat = torch.cat([variances[s.name].reshape(-1) for s in guide._sites])
+    flat = guide.layout.pack(variances)
     assert torch.equal(guide.subnet_index, flat.topk(5).indices.sort().values)
 
 
@@ -294,7 +288,7 @@ def test_tune_prior_precision():
     evals = torch.linalg.eigvalsh(guide.ggn)
     best = guide.tune_prior_precision(method="marglik")
     grid = torch.logspace(-4, 4, 401, dtype=F64)
-    scores = [bdl.curvature.subnet.log_marginal(evals, theta, v) for v in grid]
+    scores = [log_marginal(evals, theta, v) for v in grid]
     dense = float(grid[int(torch.stack(scores).argmax())])
     assert abs(math.log(best) - math.log(dense)) < 0.12  # refinement spacing 0.115 in log λ
     assert float(guide.prior_precision) == best
