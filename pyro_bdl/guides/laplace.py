@@ -153,7 +153,7 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
         self.chunk_memory = chunk_memory
         self.prior_precision: torch.Tensor
         # Empty until fit reads the declared prior, unless one value is given.
-        given = [] if prior_precision is None else float(prior_precision)
+        given: list | float = [] if prior_precision is None else float(prior_precision)
         self.register_buffer("prior_precision", torch.tensor(given, dtype=torch.float64))
         for name in ("map_loc", "subnet_index", "ggn", "scale_tril"):
             self.register_buffer(name, torch.zeros(0))

@@ -54,6 +54,7 @@ def _trained(subnetwork="all", steps=150, net=None, **kwargs):
 
 def _brute_ggn(guide, plain, x, likelihood="categorical", noise=None):
     """Full GGN over all weights with torch.func.jacrev on an equivalent plain network."""
+
     def f(theta):
         return functional_call(plain, guide.layout.unpack(theta), (x,))
 
@@ -279,6 +280,70 @@ def test_swag_variances_select_the_subnetwork():
     guide.fit((x, y))
     flat = guide.layout.pack(variances)
     assert torch.equal(guide.subnet_index, flat.topk(5).indices.sort().values)
+
+
+def _lifted(prior, **kwargs):
+    """A guide at fixed (untrained) weights of the small MLP lifted with ``prior``."""
+    x, y = _data()
+    model = bdl.models.classifier(bdl.bayesianize(_mlp(), prior), len(y))
+    guide = AutoSubnetLaplace(model, **kwargs)
+    guide(x, y)
+    return guide, x, y
+
+
+def test_prior_precision_is_read_from_the_lifted_prior():
+    guide, x, y = _lifted(bdl.priors.Normal(scale=0.5), subnetwork="all")
+    assert guide.prior_precision.numel() == 0  # nothing read before fit
+    guide.fit((x, y))
+    assert_close(guide.prior_precision, torch.full((38,), 4.0, dtype=F64))  # 1 / 0.5²
+    expected = torch.linalg.inv(guide.ggn + 4.0 * torch.eye(38, dtype=F64))
+    assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
+
+
+def test_layerwise_prior_gives_one_precision_per_weight():
+    prior = bdl.priors.LayerwiseNormal(method="radford")  # s² = 1 / fan-in: 3 then 5
+    guide, x, y = _lifted(prior, subnetwork=[0, 19, 20, 37])
+    guide.fit((x, y))
+    lam = torch.tensor([3.0, 3.0, 5.0, 5.0], dtype=F64)
+    assert_close(guide.prior_precision, lam)
+    expected = torch.linalg.inv(guide.ggn + torch.diag(lam * 4 / 38))  # λ_S = λ·S/D
+    assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
+
+
+def test_explicit_prior_precision_overrides_the_lifted_prior():
+    guide, x, y = _lifted(bdl.priors.Normal(scale=0.5), subnetwork="all", prior_precision=2.0)
+    guide.fit((x, y))
+    assert guide.prior_precision.dim() == 0 and float(guide.prior_precision) == 2.0
+    expected = torch.linalg.inv(guide.ggn + 2.0 * torch.eye(38, dtype=F64))
+    assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
+    # A tuned λ is one value too, and a later fit keeps it.
+    guide.tune_prior_precision(method="marglik", grid=[0.3], refine=False)
+    expected = torch.linalg.inv(guide.ggn + 0.3 * torch.eye(38, dtype=F64))
+    assert_close(guide.fit((x, y)).covariance, expected, rtol=1e-6, atol=1e-10)
+
+
+def test_non_gaussian_lifted_prior_is_refused_before_fit_changes_anything():
+    guide, x, y = _lifted(bdl.priors.Laplace(scale=1.0), subnetwork="all")
+    loc = guide.loc.detach().clone()
+    with pytest.raises(bdl.priors.NonGaussianPriorError, match=r"'0\.weight'.*prior_precision="):
+        guide.fit((x, y))
+    assert not guide.fitted and guide.prior_precision.numel() == 0
+    assert torch.equal(guide.loc.detach(), loc)
+    pyro.clear_param_store()
+    guide, x, y = _lifted(bdl.priors.Laplace(scale=1.0), subnetwork="all", prior_precision=1.0)
+    assert guide.fit((x, y)).fitted  # the way out the message names
+
+
+def test_network_model_is_evaluated_in_eval_mode_and_restored():
+    guide, x, y = _lifted(bdl.priors.Normal(), subnetwork="last_layer")
+    net = guide._raw_model.net
+    modes = []
+    net[0].register_forward_hook(lambda m, i, o: modes.append(m.training))
+    net.train()
+    modes.clear()
+    guide.fit((x, y)).predict(x)
+    assert modes and not any(modes)
+    assert net.training
 
 
 def test_tune_prior_precision():
