@@ -40,6 +40,7 @@ from pyro_bdl.curvature.memory import check_memory, chunk_budget, chunk_rows
 from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.guides.laplace_model import (
     Observation,
+    declared_precision,
     eval_mode,
     forward_fn,
     head,
@@ -243,15 +244,16 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
 
     # ---- fitting ---------------------------------------------------------------------------
 
-    def _declared_precision(self) -> float | torch.Tensor:
-        """λ over all D weights: the one value held (given or tuned), else the precision of the
-        prior declared in bayesianize, per weight (float64, on the weights' device)."""
+    def _precision(self, index=None, full=None) -> float | torch.Tensor:
+        """λ: the one value held (given or tuned), else the declared prior's precision (float64)
+        of the weights ``index`` (taken from ``full`` when given), or of all D weights."""
         if self.prior_precision.dim() == 0:
             return float(self.prior_precision)
-        _, precision = self.layout.gaussian_prior()  # raises NonGaussianPriorError
-        return precision.to(self.loc.device, torch.float64)
+        if index is None:
+            return self.layout.gaussian_prior()[1].to(self.loc.device, torch.float64)
+        return full[index] if full is not None else declared_precision(self.layout, index)
 
-    def _variances(self, data: Any, lam: float | torch.Tensor, obs: Observation):
+    def _variances(self, data: Any, lam, obs: Observation):
         external = self.rule.external_variances(self.layout)
         if external is not None or not self.rule.needs_diagonal_laplace:
             return external
@@ -283,25 +285,23 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
         count = self.rule.size_of(self.layout)
         item = torch.finfo(dtype).bits // 8
         check_memory(count, obs.outputs, self.batch_size, dtype, self.loc.device, self.max_memory)
-        lam = self._declared_precision()
+        # The diagonal Laplace needs λ of all D weights; otherwise the subnetwork's are read
+        # site by site, so that no vector over all weights adds to the peak memory.
+        lam = self._precision() if self.rule.needs_diagonal_laplace else None
         variances = self._variances(data, lam, obs)
         index = self.rule.select(self.layout, variances).to(self.loc.device)
-        lam_s = lam if isinstance(lam, float) else lam[index]
-        del lam, variances  # the D-long vectors: not alive at the S × S peak below
+        lam_s = self._precision(index, full=lam)
+        del lam, variances
         budget = chunk_budget(count, obs.outputs, self.batch_size, item, self.chunk_memory)
         # Measured on the first rows; the weights and the data are not the chunk's memory.
+        tensors = [t for t in first if isinstance(t, torch.Tensor)]
         net = network(self._raw_model)
-        exclude = [self.loc, *(t for t in first if isinstance(t, torch.Tensor))]
-        exclude += [*net.parameters(), *net.buffers()] if net is not None else []
+        owned = [*net.parameters(), *net.buffers()] if net is not None else []
+        exclude = [self.loc, *tensors, *owned]
         with eval_mode(self._raw_model):
+            at = lambda n: self._forward(self.loc, head(first, n), obs)  # noqa: E731
             rows, select_numbers = chunk_rows(
-                lambda n: self._forward(self.loc, head(first, n), obs),
-                index,
-                budget,
-                self.batch_size,
-                item,
-                available=next(t.shape[0] for t in first if isinstance(t, torch.Tensor)),
-                exclude=exclude,
+                at, index, budget, self.batch_size, item, available=len(tensors[0]), exclude=exclude
             )
         ggn = torch.zeros(index.numel(), index.numel(), dtype=dtype, device=self.loc.device)
         with eval_mode(self._raw_model):

@@ -33,9 +33,11 @@ from pyro_bdl._validation import check_finite
 from pyro_bdl.curvature.jacobian import ParamSlot
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.models import NetworkModel
+from pyro_bdl.priors import NonGaussianPriorError, gaussian_prior
 
 __all__ = [
     "Observation",
+    "declared_precision",
     "eval_mode",
     "forward_fn",
     "head",
@@ -182,6 +184,27 @@ def forward_fn(model, values: dict, args: tuple, obs_name: str) -> Callable[[], 
         return read_outputs(trace.nodes[obs_name]["fn"])
 
     return forward
+
+
+def declared_precision(layout: SiteLayout, index: torch.Tensor) -> torch.Tensor:
+    """The precision (float64, on ``index``'s device) of the Gaussian prior declared in
+    :func:`~pyro_bdl.bayesianize` for the packed weights ``index`` (sorted), read site by site
+    so that no vector over all D weights is formed; every site is checked.
+
+    :raises NonGaussianPriorError: naming the first site whose prior is not Gaussian (or that is
+        not a lifted weight) and the way out, an explicit ``prior_precision=``.
+    """
+    parts = []
+    for site in layout:
+        if site.spec is None:
+            raise NonGaussianPriorError(
+                f"site {site.name!r} is not a weight lifted by pyro_bdl.bayesianize, so its "
+                "prior is unknown to this method; pass prior_precision= explicitly."
+            )
+        _, precision = gaussian_prior(site.spec)
+        local = index[(index >= site.start) & (index < site.stop)] - site.start
+        parts.append(precision.reshape(-1)[local.to(precision.device)].to(index.device))
+    return torch.cat(parts).to(torch.float64)
 
 
 def head(batch: tuple, n: int) -> tuple:

@@ -334,6 +334,31 @@ def test_non_gaussian_lifted_prior_is_refused_before_fit_changes_anything():
     assert guide.fit((x, y)).fitted  # the way out the message names
 
 
+def test_hand_written_weight_sites_need_an_explicit_precision():
+    # Their prior is not one declared in bayesianize: no silent default λ.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 2, generator=g, dtype=F64)
+    y = x @ torch.tensor([1.0, -1.0], dtype=F64)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=F64), 1.0).to_event(1))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+        return x @ w
+
+    guide = AutoSubnetLaplace(model, subnetwork="all")
+    guide(x, y)
+    with pytest.raises(bdl.priors.NonGaussianPriorError, match="'w' is not a weight lifted"):
+        guide.fit((x, y))
+    assert not guide.fitted
+    pyro.clear_param_store()
+    guide = AutoSubnetLaplace(model, subnetwork="all", prior_precision=1.0)
+    guide(x, y)
+    # Linear-Gaussian: the GGN is XᵀX/σ², whatever the weights.
+    expected = torch.linalg.inv(x.T @ x / 0.25 + torch.eye(2, dtype=F64))
+    assert_close(guide.fit((x, y)).covariance, expected, rtol=1e-8)
+
+
 def test_network_model_is_evaluated_in_eval_mode_and_restored():
     guide, x, y = _lifted(bdl.priors.Normal(), subnetwork="last_layer")
     net = guide._raw_model.net
