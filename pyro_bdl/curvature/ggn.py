@@ -4,10 +4,10 @@ diagonal over every weight.
 With :math:`\Lambda_n` the Hessian of the negative log-likelihood with respect to the outputs of
 example :math:`n` and :math:`L_n L_n^\top = \Lambda_n` (:func:`output_hessian_factor`), the GGN
 is :math:`\sum_n J_n^\top \Lambda_n J_n = \sum_n (L_n^\top J_n)^\top (L_n^\top J_n)`.
-:func:`subnet_ggn` accumulates it over a subnetwork from :math:`J_S` (
-:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`); :func:`diagonal_ggn` squares per-example
-gradients of :math:`L^\top f`, which diagonal Laplace and the largest-variance subnetwork rule
-need.
+:func:`subnet_ggn` accumulates it over a subnetwork from :math:`J_S`
+(:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`); :func:`diagonal_ggn` squares
+per-example gradients of :math:`L^\top f`, which diagonal Laplace and the largest-variance
+subnetwork rule need (docs/design/laplace.md).
 
 References:
     Daxberger et al., "Bayesian Deep Learning via Subnetwork Inference", ICML 2021.

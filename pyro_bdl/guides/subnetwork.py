@@ -1,11 +1,12 @@
 r"""Choosing the subnetwork of :class:`~pyro_bdl.guides.AutoSubnetLaplace`.
 
 A rule maps the guide's :class:`~pyro_bdl.layout.SiteLayout` (the packed weight vector) to
-sorted packed indices.
-Rules: ``"all"``, ``"last_layer"``, ``"random"``, ``"largest_variance"`` (the Wasserstein-optimal
-rule under a diagonal approximation: keep the S weights with the largest marginal posterior
-variance, estimated by SWAG-diag or by diagonal Laplace), a list of parameter names or globs, or
-explicit indices. Sizes are a count (``int``) or a fraction of all weights (``float`` in (0, 1]).
+sorted packed indices. Rules: ``"all"``, ``"last_layer"`` (every site whose
+:attr:`~pyro_bdl.layout.Site.module` is the last site's layer), ``"random"``,
+``"largest_variance"`` (the Wasserstein-optimal rule under a diagonal approximation: keep the S
+weights with the largest marginal posterior variance, estimated by SWAG-diag or by diagonal
+Laplace), a list of site names or globs, or explicit indices. Sizes are a count (``int``) or a
+fraction of all weights (``float`` in (0, 1]).
 
 Everything that can be checked without the model is checked when the guide is built; indices
 and names are checked against the model before ``fit`` changes anything.
