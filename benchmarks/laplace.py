@@ -2,7 +2,7 @@
 
 Part 1, cost: ``fit`` time (process time, one thread) and peak tensor memory (bytes of storages
 allocated during ``fit``, parameters and data excluded, counted by
-:class:`~pyro_bdl.curvature.subnet.TensorMemoryTracker`) against S ∈ {100, 1000, 5000} on an MLP
+:class:`~pyro_bdl.curvature.memory.TensorMemoryTracker`) against S ∈ {100, 1000, 5000} on an MLP
 and a small CNN (MNIST-shaped random inputs, so no data is needed), and the memory ratio when the
 network grows 10× at fixed S. For scale, the B × C × D Jacobian that the reference library builds
 per batch is reported beside it.
@@ -31,7 +31,7 @@ from torch import nn
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors, sites
 from pyro_bdl.compare import problem as compare_networks
-from pyro_bdl.curvature.subnet import TensorMemoryTracker
+from pyro_bdl.curvature.memory import TensorMemoryTracker
 from pyro_bdl.guides import AutoSubnetLaplace
 
 
@@ -152,9 +152,9 @@ def reference_fit(net: nn.Module, size: int, *, n: int, device: str) -> dict:
     # Our packed vector holds the lifted weights only (not BatchNorm's): map to theirs by name.
     index = guide.subnet_index.cpu()
     theirs_index = index.clone()
-    for site in guide._sites:
-        inside = (index >= site.offset) & (index < site.offset + site.numel)
-        theirs_index[inside] += offsets[site.name] - site.offset
+    for site in guide.layout:
+        inside = (index >= site.start) & (index < site.stop)
+        theirs_index[inside] += offsets[site.name] - site.start
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

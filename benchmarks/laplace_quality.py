@@ -11,9 +11,9 @@ Protocol, fixed before any figure and the same for every method:
    MNIST) under the prior N(0, 1).
 3. Marginal variances for selection: SWAG-diag from SGD with momentum 0.9 at the constant rate
    0.05 (on the mean loss), started at the MAP, 10 epochs, 4 snapshots per epoch (40), the
-   estimator the paper uses (DESIGN.md 4.7: diagonal Laplace would pick the weights with zero
-   GGN, whose variance is the prior's). Also reported: SWAG-diag from Adam snapshots (one per
-   epoch), diagonal-Laplace variances, and the last layer.
+   estimator the paper uses (docs/design/laplace.md: diagonal Laplace would pick the weights
+   with zero GGN, whose variance is the prior's). Also reported: SWAG-diag from Adam snapshots
+   (one per epoch), diagonal-Laplace variances, and the last layer.
 4. S = 1,000 weights for every selected subnetwork; random selection with :data:`RANDOM_SEEDS`
    seeds (the baseline is their mean ± standard error).
 5. Prior precision: **one λ for every method**, the value that maximises the validation
@@ -48,16 +48,12 @@ from torchvision.transforms.functional import rotate
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.compare import problem as compare_networks
-from pyro_bdl.curvature.subnet import (
-    diagonal_ggn,
-    log_marginal,
-    output_hessian_factor,
-    subnet_jacobian,
-    tune_grid,
-)
+from pyro_bdl.curvature import diagonal_ggn, output_hessian_factor, subnet_jacobian
 from pyro_bdl.data import Dataset, load_digits, load_mnist
 from pyro_bdl.diagnostics.metrics import ece, nll
 from pyro_bdl.guides import AutoSubnetLaplace, AutoSWAG
+from pyro_bdl.guides.laplace_model import eval_mode, forward_fn, leaf_slots
+from pyro_bdl.guides.laplace_posterior import log_marginal, tune_grid
 
 #: Random subnetworks are drawn with this many seeds; their mean ± standard error is the
 #: baseline that a selection rule must beat.
@@ -75,7 +71,8 @@ GRID = torch.logspace(-4, 4, 17, dtype=torch.float64)
 
 def _probit(f: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """Probit predictive from MAP logits (n, C) and pairwise-difference variances (n, L):
-    (L, n, C) probabilities, as in :func:`~pyro_bdl.curvature.subnet.linearized_predictive`."""
+    (L, n, C) probabilities, as in
+    :func:`~pyro_bdl.guides.laplace_posterior.linearized_predictive`."""
     kappa = (1 + math.pi / 8 * var.T).rsqrt().unsqueeze(-1)
     return (f.double().unsqueeze(0) * kappa).softmax(-1)
 
@@ -102,7 +99,7 @@ class RotationStudy:
             for idx in torch.randperm(n, generator=g).split(64):
                 svi.step(x[idx], y[idx])
         self.theta = self.base.loc.detach().clone()
-        values = {s["name"]: v.detach() for s, v in self.base._unpack_latent(self.base.loc)}
+        values = self.base.layout.unpack(self.base.loc.detach())
 
         def swag(optim, per_epoch: int) -> AutoSWAG:
             store = pyro.get_param_store()
@@ -142,10 +139,10 @@ class RotationStudy:
             self.fit_seconds[name] = time.process_time() - start
         # Diagonal Laplace over all weights: precision = diag GGN + λ.
         self.diag = torch.zeros_like(self.theta, dtype=torch.float64)
-        with self.base._eval_mode():
+        with eval_mode(self.model):
             for idx in torch.arange(n).split(128):
-                vals, slots = self.base._slots(self.theta)
-                forward = self.base._forward_fn(vals, (x[idx], y[idx]), {}, "y")
+                vals, slots = leaf_slots(self.base.layout, self.theta)
+                forward = forward_fn(self.model, vals, (x[idx], y[idx]), "y")
                 hess = lambda f: output_hessian_factor(f, "categorical")  # noqa: E731
                 self.diag += diagonal_ggn(forward, slots, hess).double()
         self.eigen = {k: torch.linalg.eigh(v.ggn.double()) for k, v in self.guides.items()}
@@ -156,10 +153,10 @@ class RotationStudy:
 
     def _map_jacobians(self, x: torch.Tensor, index: torch.Tensor, rows: int):
         """Centred J_S (over the classes) and logits at the MAP, ``rows`` examples at a time."""
-        with self.base._eval_mode():
+        with eval_mode(self.model):
             for start in range(0, len(x), rows):
-                values, slots = self.base._slots(self.theta)
-                forward = self.base._forward_fn(values, (x[start : start + rows],), {}, "y")
+                values, slots = leaf_slots(self.base.layout, self.theta)
+                forward = forward_fn(self.model, values, (x[start : start + rows],), "y")
                 jac, f = subnet_jacobian(forward, slots, index, return_outputs=True)
                 yield (jac - jac.mean(1, keepdim=True)).double(), f.detach().double()
 

@@ -28,7 +28,6 @@ from pyro_bdl.compare.problem import (
 )
 from pyro_bdl.guides.laplace import AutoSubnetLaplace
 from pyro_bdl.guides.swag import AutoSWAG
-from pyro_bdl.priors import Normal
 
 #: S: the paper's subnetworks are a few thousand weights; 1,000 keeps fit to a few seconds.
 SUBNETWORK_SIZE = 1000
@@ -44,14 +43,13 @@ GRID = torch.logspace(-4, 6, 21, dtype=torch.float64)
 def fit_subnet_laplace(problem: Problem) -> Predictor:
     problem, x_val, y_val = split_validation(problem, VALIDATION_FRACTION)
     _, model = problem.bayesian_model()
-    scale = problem.prior.scale if isinstance(problem.prior, Normal) else 1.0
     guide = AutoSubnetLaplace(model, subnetwork="all")  # the MAP phase; the rule is set below
     svi = SVI(model, guide, pyro.optim.Adam({"lr": problem.lr}), Trace_ELBO())
     train_svi(problem, svi, "subnet_laplace")
     total = guide.loc.numel()  # every lifted weight, packed
 
-    # SWAG-diag from the MAP: its marginal variances rank the weights (DESIGN.md 4.7).
-    values = {site["name"]: v.detach() for site, v in guide._unpack_latent(guide.loc)}
+    # SWAG-diag from the MAP: its marginal variances rank the weights (docs/design/laplace.md).
+    values = guide.layout.unpack(guide.loc.detach())
     swag = AutoSWAG(model, diag_only=True, init_loc_fn=lambda site: values[site["name"]])
     svi = SVI(model, swag, pyro.optim.Adam({"lr": problem.lr}), Trace_ELBO())
     epochs = max(1, round(SWAG_FRACTION * problem.epochs))
@@ -69,7 +67,6 @@ def fit_subnet_laplace(problem: Problem) -> Predictor:
         subnetwork="largest_variance",
         size=min(SUBNETWORK_SIZE, total),
         variances=swag,
-        prior_precision=1.0 / scale**2,
         batch_size=128,
     )
     x = problem.dataset.x_train.to(problem.device)

@@ -1,5 +1,6 @@
 r"""Per-layer rules for per-example gradients: plain functions of a layer's saved input and the
-gradient at its output (DESIGN.md 4.5), used by :class:`~pyro_bdl.curvature.PerExampleGradients`.
+gradient at its output (docs/design/vogn.md), used by
+:class:`~pyro_bdl.curvature.PerExampleGradients`.
 
 Each returns per-example gradients of one chunk of examples, ``(c, *parameter shape)``.
 Below the rules: the chunking, summing and saved-statistics helpers the tape uses.

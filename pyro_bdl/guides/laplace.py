@@ -1,19 +1,19 @@
-r"""Subnetwork linearized Laplace as a Pyro guide (DESIGN.md 4.7).
+r"""Subnetwork linearized Laplace as a Pyro guide (docs/design/laplace.md).
 
 While the network trains, :class:`AutoSubnetLaplace` is a MAP point estimate (a ``Delta`` over
 the packed weights, like Pyro's ``AutoLaplaceApproximation``). :meth:`~AutoSubnetLaplace.fit`
 then computes the full-covariance GGN Laplace posterior over a subnetwork S of the weights,
 
-.. math:: H_S = \sum_n J_S(x_n)^\top \Lambda(x_n) J_S(x_n) + \lambda_S I, \qquad
+.. math:: H_S = \sum_n J_S(x_n)^\top \Lambda(x_n) J_S(x_n) + \mathrm{diag}\,\lambda_S, \qquad
           \lambda_S = \lambda\, S / D,
 
-keeping every other weight at its MAP value. :math:`J_S` comes from
-:func:`~pyro_bdl.curvature.subnet.subnet_jacobian`, which never forms a Jacobian over all D
-weights. The network outputs are read from the model itself: the model runs with the weights
-conditioned on their values and the observed site's distribution gives the outputs (``logits``
-for ``Categorical``/``Bernoulli``, ``loc`` for ``Normal``, whose ``scale`` is the noise).
-Examples must be independent given the weights (BatchNorm in eval mode: ``fit`` and
-``predict`` switch ``model.net`` to eval mode when the model has one).
+keeping every other weight at its MAP value. λ is read from the prior declared in
+:func:`~pyro_bdl.bayesianize` (one precision per weight) unless ``prior_precision=`` gives one.
+The guide orchestrates: the :class:`~pyro_bdl.layout.SiteLayout` says where each weight sits,
+:mod:`~pyro_bdl.guides.subnetwork` chooses S, :mod:`~pyro_bdl.guides.laplace_model` reads the
+model, :mod:`pyro_bdl.curvature` computes :math:`J_S` (never over all D weights) and its GGN
+within the budgets of :mod:`~pyro_bdl.curvature.memory`, and
+:mod:`~pyro_bdl.guides.laplace_posterior` turns the GGN into the posterior and predictive.
 
 After ``fit`` the guide samples :math:`\theta = \theta^* + \mathrm{scatter}_S(L z)` so
 ``Predictive`` works, and :meth:`~AutoSubnetLaplace.predict` gives the linearized predictive.
@@ -26,57 +26,50 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Iterator
 from typing import Any
 
 import pyro.distributions as dist
 import torch
-from pyro import poutine
 from pyro.infer.autoguide import AutoContinuous
-from pyro.poutine.util import site_is_subsample
 from torch import nn
-from torch.distributions import biject_to
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
-from pyro_bdl.curvature.subnet import (
-    ParamSlot,
-    diagonal_ggn,
-    jacobian_row_bytes,
-    linearized_predictive,
-    output_hessian_factor,
-    subnet_ggn,
-    subnet_jacobian,
-    tune_grid,
+from pyro_bdl.curvature.ggn import diagonal_ggn, output_hessian_factor, subnet_ggn
+from pyro_bdl.curvature.jacobian import subnet_jacobian
+from pyro_bdl.curvature.memory import check_memory, chunk_budget, chunk_rows
+from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.laplace_model import (
+    Observation,
+    declared_precision,
+    eval_mode,
+    forward_fn,
+    head,
+    iter_batches,
+    leaf_slots,
+    network,
+    observe,
 )
 from pyro_bdl.guides.laplace_posterior import (
     SubnetNormal,
-    check_memory,
-    marglik_score,
     posterior_factor,
-    val_ll_score,
+    predictive,
+    tune_precision,
 )
-from pyro_bdl.guides.subnetwork import SiteInfo, iter_batches, parse_subnetwork, read_outputs
-from pyro_bdl.nn.lift import init_to_network, site_spec
+from pyro_bdl.guides.subnetwork import parse_subnetwork
+from pyro_bdl.layout import SiteLayout
+from pyro_bdl.nn.lift import init_to_network
 
 __all__ = ["AutoSubnetLaplace", "NotFittedError", "SubnetNormal"]
 
-
-#: The least default ``chunk_memory`` (bytes).
-MIN_CHUNK_MEMORY = 4 << 20
+#: The buffers ``fit`` sizes; a checkpoint gives them their stored shapes.
+_FITTED = ("map_loc", "subnet_index", "ggn", "scale_tril", "prior_precision")
 
 
 class NotFittedError(RuntimeError):
     """Raised when a post-hoc posterior is used before it was fitted."""
 
 
-def _head(batch: tuple, n: int) -> tuple:
-    """The first ``n`` rows of every tensor of a batch."""
-    return tuple(t[:n] if isinstance(t, torch.Tensor) else t for t in batch)
-
-
-class AutoSubnetLaplace(AutoContinuous):
+class AutoSubnetLaplace(SiteAccess, AutoContinuous):
     r"""Subnetwork linearized Laplace: a MAP guide while training, then a full-covariance GGN
     Laplace posterior over a subnetwork S after :meth:`fit`.
 
@@ -87,16 +80,22 @@ class AutoSubnetLaplace(AutoContinuous):
         guide.fit((x_train, y_train))
         probs = guide.predict(x_test, link="probit")
 
-    :param callable model: a Pyro model whose weights are latent sites (for example
-        :func:`pyro_bdl.models.classifier` over a lifted network) and with one observed site.
+    :param callable model: a Pyro model whose weights are latent sites and with one observed
+        site; a :class:`~pyro_bdl.models.NetworkModel` (:func:`pyro_bdl.models.classifier`,
+        :func:`~pyro_bdl.models.regressor`) declares its network and likelihood, a hand-written
+        model is read as :mod:`~pyro_bdl.guides.laplace_model` describes.
     :param subnetwork: ``"all"``, ``"last_layer"``, ``"random"``, ``"largest_variance"``, a list
         of site names or globs, or a list/LongTensor of packed weight indices.
     :param size: S for ``"random"``/``"largest_variance"``: a count or a fraction in (0, 1].
     :param variances: marginal variances for ``"largest_variance"``: ``"diagonal_laplace"``
         (computed in :meth:`fit`), a mapping site name -> tensor, or an
         :class:`~pyro_bdl.guides.AutoSWAG` guide (its ``marginal_variances()``, SWAG-diag).
-    :param float prior_precision: λ of the isotropic Gaussian prior over all D weights (match
-        the prior used for MAP training: 1/s²).
+    :param float prior_precision: λ of an isotropic Gaussian prior over all D weights, instead
+        of the prior declared in :func:`~pyro_bdl.bayesianize` (default: that prior, one
+        precision 1/s² per weight; :meth:`fit` raises
+        :class:`~pyro_bdl.priors.NonGaussianPriorError` when it is not Gaussian). The buffer
+        ``prior_precision`` holds λ: 0-dim when one value holds for every weight (given or
+        tuned), else, after :meth:`fit`, the declared precision of each subnetwork weight.
     :param bool prior_rescaling: use λ_S = λ·S/D over the subnetwork (the paper's rule) instead
         of λ.
     :param int seed: seed of the ``"random"`` rule.
@@ -114,6 +113,9 @@ class AutoSubnetLaplace(AutoContinuous):
     :param callable init_loc_fn: initial MAP values (default: the network's own weights).
     """
 
+    #: Where each weight site sits in the packed vector (set by the first call of the guide).
+    layout: SiteLayout
+
     def __init__(
         self,
         model,
@@ -121,7 +123,7 @@ class AutoSubnetLaplace(AutoContinuous):
         subnetwork: Any,
         size: int | float | None = None,
         variances: Any = "diagonal_laplace",
-        prior_precision: float = 1.0,
+        prior_precision: float | None = None,
         prior_rescaling: bool = True,
         seed: int = 0,
         batch_size: int = 64,
@@ -131,7 +133,8 @@ class AutoSubnetLaplace(AutoContinuous):
         init_loc_fn=init_to_network,
     ):
         self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
-        check_positive("prior_precision", prior_precision, fix="Pass λ = 1/prior_scale² > 0.")
+        if prior_precision is not None:
+            check_positive("prior_precision", prior_precision, fix="Pass λ = 1/prior_scale² > 0.")
         check_positive_int("batch_size", batch_size)
         if max_memory is not None:
             check_positive_int("max_memory", max_memory)
@@ -150,9 +153,9 @@ class AutoSubnetLaplace(AutoContinuous):
         self.max_memory = max_memory
         self.chunk_memory = chunk_memory
         self.prior_precision: torch.Tensor
-        self.register_buffer(
-            "prior_precision", torch.tensor(float(prior_precision), dtype=torch.float64)
-        )
+        # Empty until fit reads the declared prior, unless one value is given.
+        given: list | float = [] if prior_precision is None else float(prior_precision)
+        self.register_buffer("prior_precision", torch.tensor(given, dtype=torch.float64))
         for name in ("map_loc", "subnet_index", "ggn", "scale_tril"):
             self.register_buffer(name, torch.zeros(0))
 
@@ -160,15 +163,21 @@ class AutoSubnetLaplace(AutoContinuous):
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
-        self.loc = nn.Parameter(self._init_loc())
-        self._sites = []
-        offset = 0
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
-            spec = site_spec(site)
-            shape = self._unconstrained_shapes[name]
-            module_id = id(spec.module) if spec is not None else None
-            self._sites.append(SiteInfo(name, shape, offset, module_id))
-            offset += math.prod(shape)
+        # AutoContinuous keeps the subsampled sizes of plates, so the layout does too.
+        self.layout, loc = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
+        self.loc = nn.Parameter(loc)
+
+    def _ensure_setup(self) -> None:
+        if self.prototype_trace is None:
+            raise RuntimeError(
+                "AutoSubnetLaplace has not seen the model yet; call the guide once with the "
+                "model's arguments (for example guide(x, y) or one svi.step(x, y)) first."
+            )
+
+    def _unpack_latent(self, latent):
+        nodes = self.prototype_trace.nodes
+        for site, value in zip(self.layout, self.layout.split(latent)):
+            yield nodes[site.name], value
 
     @property
     def fitted(self) -> bool:
@@ -179,7 +188,7 @@ class AutoSubnetLaplace(AutoContinuous):
             return SubnetNormal(self.map_loc, self.subnet_index, self.scale_tril)
         return dist.Delta(self.loc, event_dim=1)
 
-    def _loc_scale(self, *args, **kwargs):
+    def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fitted:
             return self.loc, torch.zeros_like(self.loc)
         scale = torch.zeros_like(self.map_loc)
@@ -198,7 +207,7 @@ class AutoSubnetLaplace(AutoContinuous):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The fitted buffers are sized by fit(); give them the stored shapes before copying.
-        for name in ("map_loc", "subnet_index", "ggn", "scale_tril"):
+        for name in _FITTED:
             key = prefix + name
             if key in state_dict:
                 self._buffers[name] = torch.empty_like(state_dict[key])
@@ -213,99 +222,47 @@ class AutoSubnetLaplace(AutoContinuous):
                 "then call guide.fit(data) first."
             )
 
-    def _slots(self, packed: torch.Tensor) -> tuple[dict, list[ParamSlot]]:
-        """Leaf tensors (requiring grad) for every site, from a packed vector, and their slots."""
-        values, slots = {}, []
-        for site, unconstrained in self._unpack_latent(packed.detach()):
-            # A detached view of ``packed``: a fresh leaf without copying the weights.
-            u = unconstrained.detach().requires_grad_(True)
-            transform = biject_to(site["fn"].support)
-            value = transform(u)
-            spec = site_spec(site)
-            # The fast path needs the layer to use u itself; a constrained site (value ≠ u) takes
-            # the generic path, which differentiates through the transform.
-            if spec is not None and value is u:
-                slots.append(ParamSlot(u, spec.module, spec.param_name))
-            else:
-                slots.append(ParamSlot(u, None, ""))
-            values[site["name"]] = value
-        return values, slots
-
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        net = getattr(self._user_model[0], "net", None) if self._user_model else None
-        was = net.training if isinstance(net, nn.Module) else None
-        if isinstance(net, nn.Module):
-            net.eval()
-        try:
-            yield
-        finally:
-            if isinstance(net, nn.Module) and was:
-                net.train()
-
     @property
     def _raw_model(self):
         # The user's model without the guide's InitMessenger: predicting leaves the target site
         # unobserved, and a user's init_loc_fn need only know the weight sites.
         return self._user_model[0] if self._user_model else self.model
 
-    def _forward_fn(self, values: dict, args: tuple, kwargs: dict, obs_name: str):
-        def forward() -> torch.Tensor:
-            with poutine.block():
-                conditioned = poutine.condition(self._raw_model, data=values)
-                trace = poutine.trace(conditioned).get_trace(*args, **kwargs)
-            if obs_name not in trace.nodes:
-                raise ValueError(f"the model has no site {obs_name!r} any more.")
-            return read_outputs(trace.nodes[obs_name]["fn"])[1]
+    def _forward(self, flat: torch.Tensor, args: tuple, obs: Observation):
+        """(forward function, slots) of the network with the weights at the packed ``flat``."""
+        values, slots = leaf_slots(self.layout, flat)
+        return forward_fn(self._raw_model, values, args, obs.name), slots
 
-        return forward
-
-    def _detect(self, args: tuple, kwargs: dict, *, without_targets: bool = False) -> dict:
-        """The observed site, the likelihood, the number of outputs and the noise. Called
-        ``without_targets``, the site is the one sample site that is not a weight site."""
-        with torch.no_grad(), poutine.block():
-            trace = poutine.trace(self._raw_model).get_trace(*args, **kwargs)
-        weights = {site.name for site in self._sites}
-        observed = [
-            n
-            for n, s in trace.nodes.items()
-            if s["type"] == "sample"
-            and not site_is_subsample(s)
-            and (s["is_observed"] or (without_targets and n not in weights))
-        ]
-        if len(observed) != 1:
-            raise ValueError(
-                f"AutoSubnetLaplace needs exactly one observed site in the model; found "
-                f"{observed or 'none'}. Pass the targets as the model's y argument."
+    def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
+        with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
+            return observe(
+                self._raw_model, self.layout, head(batch, 1), without_targets=without_targets
             )
-        likelihood, out, noise = read_outputs(trace.nodes[observed[0]]["fn"])
-        outputs = out.shape[-1] if out.dim() == 2 else 1
-        return {
-            "obs_name": observed[0],
-            "likelihood": likelihood,
-            "noise": noise,
-            "C": outputs,
-            "vector": out.dim() == 1,
-        }
 
-    def _batches(self, data: Any) -> Iterator[tuple]:
-        return iter_batches(data, self.batch_size)
+    def _batches(self, data: Any, rows: int | None = None):
+        return iter_batches(data, rows or self.batch_size)
 
     # ---- fitting ---------------------------------------------------------------------------
 
-    def _variances(self, data: Any, lam: float, meta: dict) -> torch.Tensor | None:
-        external = self.rule.external_variances(self._sites)
+    def _precision(self, index=None, full=None) -> float | torch.Tensor:
+        """λ: the one value held (given or tuned), else the declared prior's precision (float64)
+        of the weights ``index`` (taken from ``full`` when given), or of all D weights."""
+        if self.prior_precision.dim() == 0:
+            return float(self.prior_precision)
+        if index is None:
+            return self.layout.gaussian_prior()[1].to(self.loc.device, torch.float64)
+        return full[index] if full is not None else declared_precision(self.layout, index)
+
+    def _variances(self, data: Any, lam, obs: Observation):
+        external = self.rule.external_variances(self.layout)
         if external is not None or not self.rule.needs_diagonal_laplace:
             return external
         diag = torch.zeros(self.loc.numel(), dtype=torch.float64, device=self.loc.device)
-        with self._eval_mode():
+        with eval_mode(self._raw_model):
             for batch in self._batches(data):
-                values, slots = self._slots(self.loc)
-                forward = self._forward_fn(values, batch, {}, meta["obs_name"])
+                forward, slots = self._forward(self.loc, batch, obs)
                 diag += diagonal_ggn(
-                    forward,
-                    slots,
-                    lambda f: output_hessian_factor(f, meta["likelihood"], meta["noise"]),
+                    forward, slots, lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
                 ).double()
         return 1.0 / (diag + lam)
 
@@ -315,102 +272,79 @@ class AutoSubnetLaplace(AutoContinuous):
         :param data: the training data, a tuple ``(x, y)`` of tensors or a DataLoader yielding
             ``(x, y)`` batches (the model's positional arguments).
         :returns: ``self``.
+        :raises NonGaussianPriorError: when no ``prior_precision`` was given and a weight's
+            declared prior is not Gaussian (before anything changes).
         """
-        batches = self._batches(data)
-        first = next(batches)
+        first = next(self._batches(data))
         if self.prototype_trace is None:
             self._setup_prototype(*first)
-        with self._eval_mode():  # one row is enough to read the outputs' shape
-            meta = self._detect(_head(first, 1), {})
-        total = self.loc.numel()
+        obs = self._observe(first)
+        total = self.layout.size
         # Checks first (nothing below changes state until the buffers are assigned).
         dtype = self.accumulate_dtype or self.loc.dtype
-        if self.rule.kind in ("random", "largest_variance"):
-            count = self.rule.count(total)
-        else:
-            count = int(self.rule.select(self._sites).numel())
+        count = self.rule.size_of(self.layout)
         item = torch.finfo(dtype).bits // 8
-        check_memory(count, meta["C"], self.batch_size, dtype, self.loc.device, self.max_memory)
-        lam = float(self.prior_precision)
-        variances = self._variances(data, lam, meta)
-        index = self.rule.select(self._sites, variances).to(self.loc.device)
-        # The network-dependent memory (forward graph, layer-output gradients, unfolded inputs)
-        # of a Jacobian chunk is kept within a budget the size of the S-dependent part, so the
-        # peak stays O(B·C·S + S²) as the network grows: rows per chunk = budget / bytes per row.
-        # The default, two S × S matrices, keeps this phase below the three S × S matrices of
-        # the factorisation below; the 4 MiB floor keeps small subnetworks from crawling one
-        # example at a time.
-        budget = self.chunk_memory or max(
-            item * max(2 * count * count, self.batch_size * meta["C"] * count), MIN_CHUNK_MEMORY
-        )
-        rows, select_numbers = self._chunk_rows(first, index, meta, budget, item)
+        check_memory(count, obs.outputs, self.batch_size, dtype, self.loc.device, self.max_memory)
+        # The diagonal Laplace needs λ of all D weights; otherwise the subnetwork's are read
+        # site by site, so that no vector over all weights adds to the peak memory.
+        lam = self._precision() if self.rule.needs_diagonal_laplace else None
+        variances = self._variances(data, lam, obs)
+        index = self.rule.select(self.layout, variances).to(self.loc.device)
+        lam_s = self._precision(index, full=lam)
+        del lam, variances
+        budget = chunk_budget(count, obs.outputs, self.batch_size, item, self.chunk_memory)
+        # Measured on the first rows; the weights and the data are not the chunk's memory.
+        tensors = [t for t in first if isinstance(t, torch.Tensor)]
+        net = network(self._raw_model)
+        owned = [*net.parameters(), *net.buffers()] if net is not None else []
+        exclude = [self.loc, *tensors, *owned]
+        with eval_mode(self._raw_model):
+            at = lambda n: self._forward(self.loc, head(first, n), obs)  # noqa: E731
+            rows, select_numbers = chunk_rows(
+                at, index, budget, self.batch_size, item, available=len(tensors[0]), exclude=exclude
+            )
         ggn = torch.zeros(index.numel(), index.numel(), dtype=dtype, device=self.loc.device)
-        with self._eval_mode():
-            for batch in iter_batches(data, rows):
-                values, slots = self._slots(self.loc)
-                forward = self._forward_fn(values, batch, {}, meta["obs_name"])
+        with eval_mode(self._raw_model):
+            for batch in self._batches(data, rows):
+                forward, slots = self._forward(self.loc, batch, obs)
                 jac, out = subnet_jacobian(
                     forward, slots, index, return_outputs=True, select_numbers=select_numbers
                 )
-                factor = output_hessian_factor(out, meta["likelihood"], meta["noise"])
+                factor = output_hessian_factor(out, obs.likelihood, obs.noise)
                 subnet_ggn(jac, factor, out=ggn)
-                del jac, out, factor, forward, values, slots
-        scale_tril = self._posterior_factor(ggn, lam, total)
+                del jac, out, factor, forward, slots
+        scale_tril = posterior_factor(ggn, self._prior_s(lam_s, index.numel(), total))
         self.map_loc = self.loc.detach().clone()
         self.subnet_index = index
         self.ggn = ggn
         self.scale_tril = scale_tril
+        if not isinstance(lam_s, float):
+            self.prior_precision = lam_s
         return self
 
-    def _chunk_rows(self, first: tuple, index, meta: dict, budget: int, item: int):
-        """(rows per Jacobian chunk, numbers per entry-picking temporary) within ``budget``
-        bytes: 3/4 for the rows' network memory, 1/4 for the three temporaries of
-        :func:`~pyro_bdl.curvature.subnet.subnet_jacobian`. The bytes per row are measured as
-        the difference between a two-row and a one-row chunk, which leaves out what a forward
-        pass allocates once whatever the rows (the prior's tensors, for example)."""
-        net = getattr(self._user_model[0], "net", None) if self._user_model else None
-        exclude = [self.loc, *(t for t in first if isinstance(t, torch.Tensor))]
-        if isinstance(net, nn.Module):
-            exclude += [*net.parameters(), *net.buffers()]
-        peaks = []
-        with self._eval_mode():
-            for n in (1, 2):
-                part = _head(first, n)
-                values, slots = self._slots(self.loc)
-                forward = self._forward_fn(values, part, {}, meta["obs_name"])
-                peaks.append(jacobian_row_bytes(forward, slots, index, exclude=exclude))
-        n_first = next(t.shape[0] for t in first if isinstance(t, torch.Tensor))
-        per_row = peaks[1] - peaks[0] if n_first > 1 else peaks[0]
-        rows = max(1, min(self.batch_size, budget * 3 // 4 // max(per_row, 1)))
-        return rows, max(1, budget // 4 // (3 * item))
-
-    def _prior_s(self, lam: float, count: int, total: int) -> float:
+    def _prior_s(self, lam, count: int, total: int):
+        """λ_S from λ (one value or one per subnetwork weight)."""
         return lam * count / total if self.prior_rescaling else lam
-
-    def _posterior_factor(self, ggn: torch.Tensor, lam: float, total: int) -> torch.Tensor:
-        return posterior_factor(ggn, self._prior_s(lam, ggn.shape[0], total))
 
     # ---- predicting --------------------------------------------------------------------------
 
-    def _jacobians(self, x: torch.Tensor, obs_name: str):
-        """(outputs (b, C), J_S (b, C, S)) at the MAP values, ``batch_size`` rows at a time."""
-        with self._eval_mode():
-            for (xb,) in self._batches((x,)):
-                values, slots = self._slots(self.map_loc)
-                forward = self._forward_fn(values, (xb,), {}, obs_name)
+    def _jacobians(self, data: Any, obs: Observation):
+        """(outputs (b, C), J_S (b, C, S), batch) at the MAP values, ``batch_size`` rows at a
+        time; the model gets the batch's first tensor (the inputs)."""
+        with eval_mode(self._raw_model):
+            for batch in self._batches(data):
+                forward, slots = self._forward(self.map_loc, batch[:1], obs)
                 jac, out = subnet_jacobian(forward, slots, self.subnet_index, return_outputs=True)
-                yield out, jac
+                yield out, jac, batch
 
     def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
         r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
 
         Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
         closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
-        ``link="probit"`` divides the logits by :math:`\sqrt{1 + \pi \bar v / 8}`, where
-        :math:`\bar v` is the variance of a logit (Bernoulli) or the mean variance of the pairwise
-        logit differences (categorical; exact binary probit for C = 2, invariant to shifting the
-        logits, and the argmax of the MAP network is kept); ``link="mc"`` averages the softmax
-        over ``num_samples`` draws of the Gaussian GLM.
+        ``link="probit"`` (the argmax of the MAP network is kept) or ``"mc"`` (``num_samples``
+        draws of the Gaussian GLM): see
+        :func:`~pyro_bdl.guides.laplace_posterior.linearized_predictive`.
 
         :param torch.Tensor x: inputs, the model's first argument.
         """
@@ -419,27 +353,12 @@ class AutoSubnetLaplace(AutoContinuous):
         self._check_fitted("predict")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
-        with self._eval_mode():
-            meta = self._detect((x[:1],), {}, without_targets=True)
-        parts = []
-        for out, jac in self._jacobians(x, meta["obs_name"]):
-            jl = jac.to(self.scale_tril.dtype) @ self.scale_tril
-            parts.append(
-                linearized_predictive(
-                    out.to(jl.dtype),
-                    jl,
-                    meta["likelihood"],
-                    link=link,
-                    num_samples=num_samples,
-                    noise=meta["noise"],
-                )
-            )
-        if meta["likelihood"] == "gaussian":
-            mean, var = torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
-            if meta["vector"]:  # the model's outputs have shape (B,)
-                return mean.squeeze(-1), var.squeeze(-1)
-            return mean, var
-        return torch.cat(parts)
+        obs = self._observe((x,), without_targets=True)
+        chunks = (
+            (out, jac.to(self.scale_tril.dtype) @ self.scale_tril)
+            for out, jac, _ in self._jacobians((x,), obs)
+        )
+        return predictive(chunks, obs.likelihood, obs.noise, obs.vector, link, num_samples)
 
     # ---- prior precision ---------------------------------------------------------------------
 
@@ -451,7 +370,8 @@ class AutoSubnetLaplace(AutoContinuous):
         grid: torch.Tensor | None = None,
         refine: bool = True,
     ) -> float:
-        r"""Choose λ by the Laplace marginal likelihood or by validation log-likelihood.
+        r"""Choose one λ for every weight by the Laplace marginal likelihood or by validation
+        log-likelihood.
 
         Searches a log-spaced grid (default :math:`10^{-4} … 10^{4}`, 17 values), then a finer
         grid between the best value's neighbours, updates the posterior and returns λ. Warns
@@ -464,38 +384,17 @@ class AutoSubnetLaplace(AutoContinuous):
         self._check_fitted("tune_prior_precision")
         if method == "val_ll" and data is None:
             raise ValueError("method='val_ll' needs validation data (x, y); pass data=.")
-        grid = torch.logspace(-4, 4, 17, dtype=torch.float64) if grid is None else grid
-        grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
-        check_positive("grid", grid)
         s, total = self.subnet_index.numel(), self.map_loc.numel()
         ratio = self._prior_s(1.0, s, total)
-        evals, evecs = torch.linalg.eigh(self.ggn.double())
-        evals = evals.clamp_min(0)
         if method == "marglik":
-            score = marglik_score(evals, self.map_loc[self.subnet_index].double(), ratio)
+            best = tune_precision(self.ggn, ratio, grid, refine, self.map_loc[self.subnet_index])
         else:
-            meta = self._val_meta(data)
-            parts = self._val_parts(data, meta["obs_name"])
-            score = val_ll_score(parts, meta["likelihood"], meta["noise"], evals, evecs, ratio)
-        best = tune_grid(score, grid, refine=refine)
+            first = next(self._batches(data))
+            if len(first) < 2:
+                raise ValueError("validation data must be (x, y).")
+            obs = self._observe(first)
+            parts = ((out, jac, batch[1]) for out, jac, batch in self._jacobians(data, obs))
+            best = tune_precision(self.ggn, ratio, grid, refine, parts=parts, obs=obs)
         self.prior_precision = torch.tensor(best, dtype=torch.float64)
-        self.scale_tril = self._posterior_factor(self.ggn, best, total)
+        self.scale_tril = posterior_factor(self.ggn, self._prior_s(best, s, total))
         return best
-
-    def _val_meta(self, data: Any) -> dict:
-        batch = next(self._batches(data))
-        if len(batch) < 2:
-            raise ValueError("validation data must be (x, y).")
-        with self._eval_mode():
-            return self._detect(_head(batch, 1), {})
-
-    def _val_parts(self, data: Any, obs_name: str):
-        """(outputs, J_S, targets) chunks of the validation data at the MAP values."""
-        with self._eval_mode():
-            for batch in self._batches(data):
-                if len(batch) < 2:
-                    raise ValueError("validation data must be (x, y).")
-                values, slots = self._slots(self.map_loc)
-                forward = self._forward_fn(values, batch[:1], {}, obs_name)
-                jac, out = subnet_jacobian(forward, slots, self.subnet_index, return_outputs=True)
-                yield out, jac, batch[1]

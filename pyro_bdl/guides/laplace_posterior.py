@@ -1,6 +1,11 @@
-r"""The model-free numerics of :class:`~pyro_bdl.guides.AutoSubnetLaplace`: the subnetwork
-Gaussian, its factor from the GGN, the memory check before ``fit``, and the prior-precision
-scores in the GGN's eigenbasis.
+r"""The subnetwork Laplace posterior as functions of tensors: the subnetwork Gaussian, its factor
+from the GGN, the linearized predictive, the marginal likelihood and the prior-precision scores
+in the GGN's eigenbasis (docs/design/laplace.md).
+
+With the GGN :math:`G` over a subnetwork S and a prior precision :math:`\lambda_S` per
+subnetwork weight, the posterior over S is :math:`N(\theta_S^*, (G + \mathrm{diag}\,
+\lambda_S)^{-1})`; every other weight stays at its MAP value. The linearized network
+:math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)` turns it into a Gaussian over outputs.
 
 With :math:`G = U\,\mathrm{diag}(e)\,U^\top` the subnetwork GGN, the posterior covariance at a
 prior precision :math:`\lambda_S` is :math:`\Sigma_S = U\,\mathrm{diag}(1/(e+\lambda_S))U^\top`,
@@ -23,7 +28,7 @@ References:
 from __future__ import annotations
 
 import math
-import os
+import warnings
 from collections.abc import Callable, Iterable
 
 import pyro.distributions as dist
@@ -31,13 +36,19 @@ import torch
 from pyro.distributions.torch_distribution import TorchDistribution
 from torch.distributions import constraints
 
-from pyro_bdl.curvature.subnet import cholesky_jitter, log_marginal
+from pyro_bdl._validation import check_positive
+from pyro_bdl.curvature.jacobian import as_matrix
 
 __all__ = [
     "SubnetNormal",
-    "check_memory",
+    "cholesky_jitter",
+    "linearized_predictive",
+    "log_marginal",
     "marglik_score",
     "posterior_factor",
+    "predictive",
+    "tune_grid",
+    "tune_precision",
     "val_ll_score",
 ]
 
@@ -68,38 +79,117 @@ class SubnetNormal(TorchDistribution):
         return dist.MultivariateNormal(zero, scale_tril=self.scale_tril).log_prob(d)
 
 
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return 1 << 62
+def cholesky_jitter(
+    matrix: torch.Tensor, *, what: str = "matrix", retries: int = 6
+) -> torch.Tensor:
+    """Lower Cholesky factor of a symmetric positive-definite ``matrix``, adding jitter
+    ``10⁻¹⁰ … 10⁻⁵ × mean(diag)`` to the diagonal when the plain factorisation fails.
+
+    :raises ValueError: naming ``what`` and its smallest eigenvalue when every retry fails.
+    """
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) == 0:
+        return factor
+    scale = float(matrix.diagonal().abs().mean()) or 1.0
+    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+    for k in range(retries):
+        jitter = scale * 10.0 ** (k - 10)
+        factor, info = torch.linalg.cholesky_ex(matrix + jitter * eye)
+        if int(info) == 0:
+            return factor
+    smallest = float(torch.linalg.eigvalsh(matrix.double()).min())
+    raise ValueError(
+        f"{what} is not positive definite (smallest eigenvalue {smallest:.3e}, still failing "
+        f"with jitter {jitter:.1e}); increase prior_precision, accumulate in float64 "
+        "(accumulate_dtype=torch.float64), or choose a smaller subnetwork."
+    )
 
 
-def check_memory(
-    count: int, outputs: int, batch_size: int, dtype: torch.dtype, device, budget: int | None
-) -> None:
-    """Raise a ``ValueError`` stating the bytes needed when three S × S matrices and one
-    ``batch_size × C × S`` Jacobian chunk exceed ``budget`` (default: the device's free
-    memory)."""
-    item = torch.finfo(dtype).bits // 8
-    needed = 3 * count * count * item + 4 * batch_size * outputs * count * item
-    budget = budget or _available_bytes(torch.device(device))
-    if needed > budget:
-        raise ValueError(
-            f"a subnetwork of S = {count} weights needs about {needed:,} bytes "
-            f"({needed / 2**30:.2f} GiB: three S × S matrices in {dtype} and one Jacobian "
-            f"chunk) but only {budget:,} bytes are available; choose a smaller size, "
-            "a smaller batch_size, or raise max_memory."
+def linearized_predictive(
+    outputs: torch.Tensor,
+    jl: torch.Tensor,
+    likelihood: str,
+    *,
+    link: str = "probit",
+    num_samples: int = 1000,
+    noise: float | None = None,
+):
+    r"""Predictive of the linearized network with :math:`f_{lin} \sim N(f, (JL)(JL)^\top)`.
+
+    :param outputs: the MAP outputs f, (B, C) or (B,).
+    :param jl: :math:`J_S L` (B, C, S), with :math:`LL^\top = \Sigma_S`.
+    :returns: class probabilities (B, C) (categorical), P(y = 1) (B,) (Bernoulli), or
+        ``(mean, variance)`` including σ² (Gaussian; ``link`` unused).
+    """
+    f = as_matrix(outputs)
+    if likelihood == "gaussian":
+        assert noise is not None
+        var = jl.square().sum(-1) + noise**2
+        if outputs.dim() == 1:
+            return f.squeeze(-1), var.squeeze(-1)
+        return f, var
+    if link == "mc":
+        z = torch.randn(num_samples, jl.shape[-1], dtype=jl.dtype, device=jl.device)
+        samples = f + torch.einsum("bcs,ks->kbc", jl, z)
+        if likelihood == "bernoulli":
+            return samples.sigmoid().mean(0).squeeze(-1)
+        return samples.softmax(-1).mean(0)
+    if likelihood == "bernoulli":
+        var = jl.square().sum(-1)
+        return (f / (1 + math.pi / 8 * var).sqrt()).sigmoid().squeeze(-1)
+    # Mean variance of the pairwise differences f_i − f_j: 2 tr(P Σ_f P) / (C − 1), P centring.
+    centred = jl - jl.mean(1, keepdim=True)
+    var = 2.0 / max(f.shape[1] - 1, 1) * centred.square().sum((1, 2))
+    return (f / (1 + math.pi / 8 * var).sqrt().unsqueeze(-1)).softmax(-1)
+
+
+def log_marginal(evals: torch.Tensor, theta: torch.Tensor, prior_s: torch.Tensor) -> torch.Tensor:
+    r"""The λ-dependent part of the Laplace log marginal likelihood over the subnetwork,
+    :math:`-\tfrac12\lambda_S\lVert\theta_S^*\rVert^2 + \tfrac S2\log\lambda_S
+    - \tfrac12\sum_k\log(e_k + \lambda_S)`, with :math:`e` the GGN's eigenvalues."""
+    s = theta.numel()
+    return (
+        -0.5 * prior_s * theta.square().sum()
+        + 0.5 * s * torch.log(prior_s)
+        - 0.5 * torch.log(evals + prior_s).sum()
+    )
+
+
+def tune_grid(
+    score: Callable[[torch.Tensor], torch.Tensor], grid: torch.Tensor, *, refine: bool = True
+) -> float:
+    """The grid value maximising ``score``, refined on a finer log grid between its neighbours;
+    warns when the best value sits at the edge of a grid of two or more values (one value just
+    sets λ)."""
+    values = torch.stack([score(v) for v in grid])
+    values = torch.where(torch.isfinite(values), values, torch.full_like(values, -math.inf))
+    i = int(values.argmax())
+    if len(grid) > 1 and i in (0, len(grid) - 1):
+        meaning = (
+            "the data prefer the MAP limit (almost no posterior width)"
+            if i == len(grid) - 1
+            else "the data prefer the widest posterior the grid allows"
         )
+        warnings.warn(
+            f"the best prior precision {float(grid[i]):.3g} sits at the edge of the grid "
+            f"[{float(grid[0]):.3g}, {float(grid[-1]):.3g}]: {meaning}; widen the grid to "
+            "look further.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if not refine or len(grid) < 3:
+        return float(grid[i])
+    lo, hi = grid[max(i - 1, 0)].log(), grid[min(i + 1, len(grid) - 1)].log()
+    fine = torch.linspace(float(lo), float(hi), 21, dtype=torch.float64).exp()
+    fine_values = torch.stack([score(v) for v in fine])
+    return float(fine[int(fine_values.argmax())])
 
 
-def posterior_factor(ggn: torch.Tensor, prior_s: float) -> torch.Tensor:
-    """Lower factor of Σ_S = (GGN + λ_S I)⁻¹, with at most three S × S matrices alive
-    besides ``ggn``."""
+def posterior_factor(ggn: torch.Tensor, prior_s: float | torch.Tensor) -> torch.Tensor:
+    """Lower factor of Σ_S = (GGN + diag λ_S)⁻¹, with at most three S × S matrices alive
+    besides ``ggn``; ``prior_s`` is one precision for every subnetwork weight or one each."""
     precision = ggn.clone()
-    precision.diagonal().add_(prior_s)
+    precision.diagonal().add_(prior_s if isinstance(prior_s, float) else prior_s.to(precision))
     chol = cholesky_jitter(precision, what="H_S = GGN + λ_S I")
     del precision
     cov = torch.cholesky_inverse(chol)
@@ -147,3 +237,53 @@ def val_ll_score(
         return dist.Categorical(logits=f * kappa).log_prob(y).sum()
 
     return score
+
+
+def predictive(
+    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    likelihood: str,
+    noise: float | None,
+    vector: bool,
+    link: str,
+    num_samples: int,
+):
+    """The linearized predictive of chunks ``(MAP outputs, J_S L)``, joined: probabilities, or
+    ``(mean, variance)`` for a Gaussian likelihood (each ``(n,)`` when ``vector``, the model's
+    outputs having shape ``(B,)``); see :func:`linearized_predictive`."""
+    parts = [
+        linearized_predictive(
+            out.to(jl.dtype), jl, likelihood, link=link, num_samples=num_samples, noise=noise
+        )
+        for out, jl in chunks
+    ]
+    if likelihood != "gaussian":
+        return torch.cat(parts)
+    mean, var = torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
+    return (mean.squeeze(-1), var.squeeze(-1)) if vector else (mean, var)
+
+
+def tune_precision(
+    ggn: torch.Tensor,
+    ratio: float,
+    grid,
+    refine: bool,
+    theta: torch.Tensor | None = None,
+    *,
+    parts: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    obs=None,
+) -> float:
+    """The λ of ``grid`` (default :math:`10^{-4} … 10^{4}`, 17 values; refined by
+    :func:`tune_grid`) that maximises the marginal likelihood at the MAP subnetwork weights
+    ``theta``, or, given validation ``parts`` and their observation ``obs``, the validation
+    log-likelihood; λ_S = ``ratio`` · λ."""
+    grid = torch.logspace(-4, 4, 17, dtype=torch.float64) if grid is None else grid
+    grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
+    check_positive("grid", grid)
+    evals, evecs = torch.linalg.eigh(ggn.double())
+    evals = evals.clamp_min(0)
+    if parts is None:
+        assert theta is not None
+        score = marglik_score(evals, theta.double(), ratio)
+    else:
+        score = val_ll_score(parts, obs.likelihood, obs.noise, evals, evecs, ratio)
+    return tune_grid(score, grid, refine=refine)

@@ -1,13 +1,12 @@
 r"""Choosing the subnetwork of :class:`~pyro_bdl.guides.AutoSubnetLaplace`.
 
-A rule maps the packed weight vector (the guide's sites, in order) to sorted packed indices.
-Rules: ``"all"``, ``"last_layer"``, ``"random"``, ``"largest_variance"`` (the Wasserstein-optimal
-rule under a diagonal approximation: keep the S weights with the largest marginal posterior
-variance, estimated by SWAG-diag or by diagonal Laplace), a list of parameter names or globs, or
-explicit indices. Sizes are a count (``int``) or a fraction of all weights (``float`` in (0, 1]).
-
-The module also holds the two helpers the guide needs to read a model: the network outputs
-from the observed site (:func:`read_outputs`) and row chunks of the data (:func:`iter_batches`).
+A rule maps the guide's :class:`~pyro_bdl.layout.SiteLayout` (the packed weight vector) to
+sorted packed indices. Rules: ``"all"``, ``"last_layer"`` (every site whose
+:attr:`~pyro_bdl.layout.Site.module` is the last site's layer), ``"random"``,
+``"largest_variance"`` (the Wasserstein-optimal rule under a diagonal approximation: keep the S
+weights with the largest marginal posterior variance, estimated by SWAG-diag or by diagonal
+Laplace), a list of site names or globs, or explicit indices. Sizes are a count (``int``) or a
+fraction of all weights (``float`` in (0, 1]).
 
 Everything that can be checked without the model is checked when the guide is built; indices
 and names are checked against the model before ``fit`` changes anything.
@@ -19,42 +18,19 @@ References:
 from __future__ import annotations
 
 import fnmatch
-import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import pyro.distributions as dist
 import torch
 
-from pyro_bdl._validation import check_finite
+from pyro_bdl.layout import SiteLayout
 
-__all__ = [
-    "RULES",
-    "SiteInfo",
-    "SubnetworkRule",
-    "iter_batches",
-    "parse_subnetwork",
-    "read_outputs",
-]
+__all__ = ["RULES", "SubnetworkRule", "parse_subnetwork"]
 
 #: The string rules; a list of names/globs or of indices is also accepted.
 RULES = ("all", "last_layer", "random", "largest_variance")
 VARIANCE_SOURCES = ("diagonal_laplace",)
-
-
-@dataclass(frozen=True)
-class SiteInfo:
-    """One weight site of the packed vector: name, shape, offset, and the layer that uses it."""
-
-    name: str
-    shape: torch.Size
-    offset: int
-    module_id: int | None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -84,26 +60,32 @@ class SubnetworkRule:
             )
         return self.size
 
-    def select(self, sites: Sequence[SiteInfo], variances: torch.Tensor | None = None):
+    def size_of(self, layout: SiteLayout) -> int:
+        """S, known before any variances are: checks the rule against the layout."""
+        if self.kind in ("random", "largest_variance"):
+            return self.count(layout.size)
+        return int(self.select(layout).numel())
+
+    def select(self, layout: SiteLayout, variances: torch.Tensor | None = None):
         """Sorted packed indices (a ``LongTensor``) of the subnetwork."""
-        total = sum(s.numel for s in sites)
+        total = layout.size
         if self.kind == "all":
             return torch.arange(total)
         if self.kind == "last_layer":
-            last = sites[-1].module_id
-            chosen = [s for s in sites if s.module_id == last] if last is not None else [sites[-1]]
-            return torch.cat([torch.arange(s.offset, s.offset + s.numel) for s in chosen])
+            # The layer of the last site, or that site alone when it is not a lifted weight.
+            last = layout[-1].module
+            chosen = [s for s in layout if s.module is last] if last is not None else [layout[-1]]
+            return torch.cat([layout.indices(s) for s in chosen])
         if self.kind == "names":
-            valid = [s.name for s in sites]
             parts = []
             for pattern in self.names:
-                hits = [s for s in sites if fnmatch.fnmatchcase(s.name, pattern)]
+                hits = [s for s in layout if fnmatch.fnmatchcase(s.name, pattern)]
                 if not hits:
                     raise ValueError(
                         f"subnetwork name {pattern!r} matches no weight site; valid names: "
-                        f"{', '.join(valid)}."
+                        f"{', '.join(layout.names)}."
                     )
-                parts += [torch.arange(s.offset, s.offset + s.numel) for s in hits]
+                parts += [layout.indices(s) for s in hits]
             return torch.cat(parts).unique()
         if self.kind == "indices":
             assert self.indices is not None
@@ -120,7 +102,7 @@ class SubnetworkRule:
         assert self.kind == "largest_variance" and variances is not None
         return variances.detach().cpu().topk(count).indices.sort().values
 
-    def external_variances(self, sites: Sequence[SiteInfo]) -> torch.Tensor | None:
+    def external_variances(self, layout: SiteLayout) -> torch.Tensor | None:
         """The packed marginal variances given as a mapping or by an object such as
         :class:`~pyro_bdl.guides.AutoSWAG` (``marginal_variances()``); ``None`` otherwise."""
         source = self.variances
@@ -134,7 +116,7 @@ class SubnetworkRule:
                 f"object with marginal_variances() (AutoSWAG); got {type(source).__name__}."
             )
         parts = []
-        for s in sites:
+        for s in layout:
             if s.name not in source:
                 raise ValueError(
                     f"variances lacks site {s.name!r}; it has {', '.join(map(repr, source))}. "
@@ -233,71 +215,3 @@ def parse_subnetwork(
         f"subnetwork must be one of {', '.join(map(repr, RULES))}, a list of parameter names, "
         f"or a list/LongTensor of indices; got {type(subnetwork).__name__}."
     )
-
-
-# ---- helpers shared with the guide: reading the model's outputs and chunking the data ----
-
-
-def _unwrap(fn):
-    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
-        fn = fn.base_dist
-    return fn
-
-
-def read_outputs(fn) -> tuple[str, torch.Tensor, float | None]:
-    """(likelihood, outputs (B, C) or (B,), noise scale) from the observed site's distribution."""
-    base = _unwrap(fn)
-    if isinstance(base, torch.distributions.Categorical):
-        return "categorical", base.logits, None
-    if isinstance(base, torch.distributions.Bernoulli):
-        return "bernoulli", base.logits, None
-    if isinstance(base, torch.distributions.Normal):
-        scale = torch.as_tensor(base.scale).detach()
-        if scale.numel() > 1 and not torch.allclose(scale, scale.reshape(-1)[0].expand_as(scale)):
-            raise ValueError(
-                "the Normal observation noise must be one fixed σ for the linearized Laplace; "
-                "got a scale that varies across examples. Use models.regressor(net, N, σ)."
-            )
-        return "gaussian", base.loc, float(scale.reshape(-1)[0])
-    raise ValueError(
-        f"unsupported likelihood {type(base).__name__} at the observed site; expected "
-        "Categorical(logits=...), Bernoulli(logits=...) or Normal(loc, σ)."
-    )
-
-
-def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
-    """Chunks of at most ``batch_size`` rows from a tuple of tensors or a DataLoader."""
-    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
-        batches: Iterable = [tuple(data)]
-    elif isinstance(data, Iterable) and not isinstance(data, (torch.Tensor, str, dict)):
-        batches = data
-    else:
-        raise TypeError(
-            "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); got "
-            f"{type(data).__name__}."
-        )
-    empty = True
-    for batch in batches:
-        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-        if not any(isinstance(t, torch.Tensor) for t in batch):
-            raise TypeError(
-                "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
-                f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
-            )
-        for i, t in enumerate(batch):
-            if isinstance(t, torch.Tensor):
-                check_finite(f"data tensor {i} (0: x, 1: y)", t)
-        rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
-        if len(rows) != 1 or 0 in rows:
-            raise ValueError(
-                f"every tensor of a batch needs the same, non-zero number of rows; got "
-                f"{sorted(rows)}. Pass matching (x, y)."
-            )
-        n = rows.pop()
-        for start in range(0, n, batch_size):
-            empty = False
-            yield tuple(
-                t[start : start + batch_size] if isinstance(t, torch.Tensor) else t for t in batch
-            )
-    if empty:
-        raise ValueError("data is empty; fit needs at least one example.")

@@ -9,17 +9,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from pyro_bdl.curvature.subnet import (
-    ParamSlot,
-    TensorMemoryTracker,
+from pyro_bdl.curvature.ggn import diagonal_ggn, output_hessian_factor, subnet_ggn
+from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian
+from pyro_bdl.curvature.memory import TensorMemoryTracker, jacobian_row_bytes
+from pyro_bdl.guides.laplace_posterior import (
     cholesky_jitter,
-    diagonal_ggn,
-    jacobian_row_bytes,
     linearized_predictive,
     log_marginal,
-    output_hessian_factor,
-    subnet_ggn,
-    subnet_jacobian,
     tune_grid,
 )
 from tests.common import assert_close

@@ -16,8 +16,9 @@ from torch.func import functional_call, jacrev
 
 import pyro_bdl as bdl
 from pyro_bdl.compare.problem import cnn as compare_cnn
-from pyro_bdl.curvature.subnet import TensorMemoryTracker
+from pyro_bdl.curvature.memory import TensorMemoryTracker
 from pyro_bdl.guides import AutoSubnetLaplace, NotFittedError
+from pyro_bdl.guides.laplace_posterior import log_marginal
 from tests.common import assert_close
 from tests.scenarios import BayesianLinearRegression
 
@@ -53,16 +54,9 @@ def _trained(subnetwork="all", steps=150, net=None, **kwargs):
 
 def _brute_ggn(guide, plain, x, likelihood="categorical", noise=None):
     """Full GGN over all weights with torch.func.jacrev on an equivalent plain network."""
-    names = [s.name for s in guide._sites]
-    shapes = [s.shape for s in guide._sites]
 
     def f(theta):
-        params, offset = {}, 0
-        for name, shape in zip(names, shapes):
-            k = math.prod(shape)
-            params[name] = theta[offset : offset + k].view(shape)
-            offset += k
-        return functional_call(plain, params, (x,))
+        return functional_call(plain, guide.layout.unpack(theta), (x,))
 
     theta = guide.loc.detach()
     jac = jacrev(f)(theta)
@@ -169,7 +163,8 @@ def test_binary_mc_converges_to_quadrature_and_probit_is_close():
         svi.step(x, y)
     guide.fit((x, y))
     x_test = torch.linspace(-3, 3, 13, dtype=F64).unsqueeze(-1) * torch.tensor([[1.0, -0.3]])
-    out, jac = next(guide._jacobians(x_test.to(F64), "y"))
+    obs = guide._observe((x_test,), without_targets=True)
+    out, jac, _ = next(guide._jacobians((x_test,), obs))
     mu = out.squeeze(-1)
     var = torch.einsum("bcs,st,bct->b", jac, guide.covariance, jac)
     nodes, weights = np.polynomial.hermite_e.hermegauss(80)  # ∫ σ(μ + √v t) φ(t) dt
@@ -198,7 +193,7 @@ def test_linearized_argmax_equals_map_argmax():
 
 
 def poutine_map_logits(model, guide, x):
-    values = {s["name"]: v for s, v in guide._unpack_latent(guide.map_loc)}
+    values = guide.layout.unpack(guide.map_loc)
     return pyro.poutine.condition(model, data=values)(x)
 
 
@@ -283,8 +278,97 @@ def test_swag_variances_select_the_subnetwork():
     guide = AutoSubnetLaplace(model, subnetwork="largest_variance", size=5, variances=swag)
     guide(x, y)
     guide.fit((x, y))
-    flat = torch.cat([variances[s.name].reshape(-1) for s in guide._sites])
+    flat = guide.layout.pack(variances)
     assert torch.equal(guide.subnet_index, flat.topk(5).indices.sort().values)
+
+
+def _lifted(prior, **kwargs):
+    """A guide at fixed (untrained) weights of the small MLP lifted with ``prior``."""
+    x, y = _data()
+    model = bdl.models.classifier(bdl.bayesianize(_mlp(), prior), len(y))
+    guide = AutoSubnetLaplace(model, **kwargs)
+    guide(x, y)
+    return guide, x, y
+
+
+def test_prior_precision_is_read_from_the_lifted_prior():
+    guide, x, y = _lifted(bdl.priors.Normal(scale=0.5), subnetwork="all")
+    assert guide.prior_precision.numel() == 0  # nothing read before fit
+    guide.fit((x, y))
+    assert_close(guide.prior_precision, torch.full((38,), 4.0, dtype=F64))  # 1 / 0.5²
+    expected = torch.linalg.inv(guide.ggn + 4.0 * torch.eye(38, dtype=F64))
+    assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
+
+
+def test_layerwise_prior_gives_one_precision_per_weight():
+    prior = bdl.priors.LayerwiseNormal(method="radford")  # s² = 1 / fan-in: 3 then 5
+    guide, x, y = _lifted(prior, subnetwork=[0, 19, 20, 37])
+    guide.fit((x, y))
+    lam = torch.tensor([3.0, 3.0, 5.0, 5.0], dtype=F64)
+    assert_close(guide.prior_precision, lam)
+    expected = torch.linalg.inv(guide.ggn + torch.diag(lam * 4 / 38))  # λ_S = λ·S/D
+    assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
+
+
+def test_explicit_prior_precision_overrides_the_lifted_prior():
+    guide, x, y = _lifted(bdl.priors.Normal(scale=0.5), subnetwork="all", prior_precision=2.0)
+    guide.fit((x, y))
+    assert guide.prior_precision.dim() == 0 and float(guide.prior_precision) == 2.0
+    expected = torch.linalg.inv(guide.ggn + 2.0 * torch.eye(38, dtype=F64))
+    assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
+    # A tuned λ is one value too, and a later fit keeps it.
+    guide.tune_prior_precision(method="marglik", grid=[0.3], refine=False)
+    expected = torch.linalg.inv(guide.ggn + 0.3 * torch.eye(38, dtype=F64))
+    assert_close(guide.fit((x, y)).covariance, expected, rtol=1e-6, atol=1e-10)
+
+
+def test_non_gaussian_lifted_prior_is_refused_before_fit_changes_anything():
+    guide, x, y = _lifted(bdl.priors.Laplace(scale=1.0), subnetwork="all")
+    loc = guide.loc.detach().clone()
+    with pytest.raises(bdl.priors.NonGaussianPriorError, match=r"'0\.weight'.*prior_precision="):
+        guide.fit((x, y))
+    assert not guide.fitted and guide.prior_precision.numel() == 0
+    assert torch.equal(guide.loc.detach(), loc)
+    pyro.clear_param_store()
+    guide, x, y = _lifted(bdl.priors.Laplace(scale=1.0), subnetwork="all", prior_precision=1.0)
+    assert guide.fit((x, y)).fitted  # the way out the message names
+
+
+def test_hand_written_weight_sites_need_an_explicit_precision():
+    # Their prior is not one declared in bayesianize: no silent default λ.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 2, generator=g, dtype=F64)
+    y = x @ torch.tensor([1.0, -1.0], dtype=F64)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=F64), 1.0).to_event(1))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+        return x @ w
+
+    guide = AutoSubnetLaplace(model, subnetwork="all")
+    guide(x, y)
+    with pytest.raises(bdl.priors.NonGaussianPriorError, match="'w' is not a weight lifted"):
+        guide.fit((x, y))
+    assert not guide.fitted
+    pyro.clear_param_store()
+    guide = AutoSubnetLaplace(model, subnetwork="all", prior_precision=1.0)
+    guide(x, y)
+    # Linear-Gaussian: the GGN is XᵀX/σ², whatever the weights.
+    expected = torch.linalg.inv(x.T @ x / 0.25 + torch.eye(2, dtype=F64))
+    assert_close(guide.fit((x, y)).covariance, expected, rtol=1e-8)
+
+
+def test_network_model_is_evaluated_in_eval_mode_and_restored():
+    guide, x, y = _lifted(bdl.priors.Normal(), subnetwork="last_layer")
+    net = guide._raw_model.net
+    modes = []
+    net[0].register_forward_hook(lambda m, i, o: modes.append(m.training))
+    net.train()
+    modes.clear()
+    guide.fit((x, y)).predict(x)
+    assert modes and not any(modes)
+    assert net.training
 
 
 def test_tune_prior_precision():
@@ -294,7 +378,7 @@ def test_tune_prior_precision():
     evals = torch.linalg.eigvalsh(guide.ggn)
     best = guide.tune_prior_precision(method="marglik")
     grid = torch.logspace(-4, 4, 401, dtype=F64)
-    scores = [bdl.curvature.subnet.log_marginal(evals, theta, v) for v in grid]
+    scores = [log_marginal(evals, theta, v) for v in grid]
     dense = float(grid[int(torch.stack(scores).argmax())])
     assert abs(math.log(best) - math.log(dense)) < 0.12  # refinement spacing 0.115 in log λ
     assert float(guide.prior_precision) == best

@@ -1,0 +1,132 @@
+r"""The generalized Gauss-Newton matrix of a network: over a subnetwork from its Jacobian, and its
+diagonal over every weight.
+
+With :math:`\Lambda_n` the Hessian of the negative log-likelihood with respect to the outputs of
+example :math:`n` and :math:`L_n L_n^\top = \Lambda_n` (:func:`output_hessian_factor`), the GGN
+is :math:`\sum_n J_n^\top \Lambda_n J_n = \sum_n (L_n^\top J_n)^\top (L_n^\top J_n)`.
+:func:`subnet_ggn` accumulates it over a subnetwork from :math:`J_S`
+(:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`); :func:`diagonal_ggn` squares
+per-example gradients of :math:`L^\top f`, which diagonal Laplace and the largest-variance
+subnetwork rule need (docs/design/laplace.md).
+
+References:
+    Daxberger et al., "Bayesian Deep Learning via Subnetwork Inference", ICML 2021.
+    Immer et al., "Improving predictions of Bayesian neural nets via local linearization",
+    AISTATS 2021.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pyro_bdl.curvature.jacobian import (
+    ParamSlot,
+    as_matrix,
+    capture,
+    per_example_full,
+    placements,
+)
+
+__all__ = ["LIKELIHOODS", "diagonal_ggn", "output_hessian_factor", "subnet_ggn"]
+
+LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
+
+
+def output_hessian_factor(
+    outputs: torch.Tensor, likelihood: str, noise_scale: float | None = None
+) -> torch.Tensor:
+    r"""A factor :math:`L` (B, C, C) with :math:`L L^\top = \Lambda`, the Hessian of the negative
+    log-likelihood with respect to the outputs.
+
+    Categorical: :math:`\Lambda = \mathrm{diag}(p) - pp^\top`, :math:`L = \mathrm{diag}(\sqrt p)
+    - p\sqrt p^\top`; Bernoulli (C = 1): :math:`\sqrt{p(1-p)}`; Gaussian: :math:`I/\sigma`.
+    """
+    out = as_matrix(outputs).detach()
+    b, c = out.shape
+    if likelihood == "categorical":
+        p = out.softmax(-1)
+        sq = p.sqrt()
+        return torch.diag_embed(sq) - p.unsqueeze(-1) * sq.unsqueeze(-2)
+    if likelihood == "bernoulli":
+        p = out.sigmoid()
+        return (p * (1 - p)).sqrt().unsqueeze(-1)
+    if likelihood == "gaussian":
+        if noise_scale is None:
+            raise ValueError("a Gaussian likelihood needs noise_scale (the observation noise σ).")
+        eye = torch.eye(c, dtype=out.dtype, device=out.device)
+        return (eye / noise_scale).expand(b, c, c)
+    raise ValueError(
+        f"unknown likelihood {likelihood!r}; expected one of {', '.join(map(repr, LIKELIHOODS))}."
+    )
+
+
+def subnet_ggn(
+    jac: torch.Tensor, factor: torch.Tensor, *, dtype=None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    r""":math:`\sum_n J_n^\top \Lambda_n J_n` (S, S) from ``jac`` (B, C, S) and ``factor``
+    (B, C, K), accumulated in ``dtype`` (default: ``jac``'s, or ``out``'s). With ``out`` the sum
+    is added to it in place (no second S × S matrix) and ``out`` is returned."""
+    dtype = out.dtype if out is not None else dtype or jac.dtype
+    m = torch.einsum("bck,bcs->bks", factor.to(dtype), jac.to(dtype)).reshape(-1, jac.shape[-1])
+    if out is not None:
+        return out.addmm_(m.T, m)
+    return m.T @ m
+
+
+def diagonal_ggn(
+    forward: Callable[[], torch.Tensor],
+    slots: Sequence[ParamSlot],
+    factor_fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    batch_chunk: int = 16,
+) -> torch.Tensor:
+    r"""Diagonal of :math:`\sum_n J_n^\top \Lambda_n J_n` over every packed weight: shape (D,).
+
+    ``factor_fn(outputs)`` returns :math:`L` (B, C, K) with :math:`LL^\top = \Lambda`; the
+    diagonal is :math:`\sum_{n,k} (\partial (L_{n,:,k}^\top f_n) / \partial\theta)^2`, squared
+    per example. Per-example gradients are formed ``batch_chunk`` examples at a time.
+    """
+    every = torch.arange(sum(s.value.numel() for s in slots))
+    placed = placements(slots, every)
+    fast_modules = list({id(s.module): s.module for s, k, _, _ in placed if k}.values())
+    with capture(fast_modules) as calls:  # type: ignore[arg-type]
+        out = as_matrix(forward())
+    factor = factor_fn(out).detach()
+    diag = torch.zeros(every.numel(), dtype=out.dtype, device=out.device)
+    pairs = [(m, call) for m in fast_modules for call in calls[m]]
+    zs = [z for _, (_, z) in pairs]
+    fallback = [(s, pos) for s, k, _, pos in placed if not k]
+    b = out.shape[0]
+    for k in range(factor.shape[-1]):
+        v = factor[:, :, k]
+        if zs:
+            grads = torch.autograd.grad(
+                out, zs, grad_outputs=v, retain_graph=True, allow_unused=True
+            )
+            g_of = {id(z): g for z, g in zip(zs, grads)}
+            for slot, kind, _, pos in placed:
+                if not kind:
+                    continue
+                for start in range(0, b, batch_chunk):
+                    rows = slice(start, start + batch_chunk)
+                    per_example = None
+                    # Weight sharing: sum the calls per example before squaring.
+                    for a, z in calls[slot.module]:  # type: ignore[index]
+                        g = g_of[id(z)]
+                        if g is None:
+                            continue
+                        part = per_example_full(slot, kind, a[rows], g[rows])
+                        per_example = part if per_example is None else per_example + part
+                    if per_example is not None:
+                        diag[pos.to(diag.device)] += per_example.square().sum(0)
+        for i in range(b if fallback else 0):
+            values = [s.value for s, _ in fallback]
+            grads = torch.autograd.grad(
+                (out[i] * v[i]).sum(), values, retain_graph=True, allow_unused=True
+            )
+            for (_, pos), g in zip(fallback, grads):
+                if g is not None:
+                    diag[pos.to(diag.device)] += g.reshape(-1).square()
+    return diag

@@ -1,0 +1,218 @@
+r"""The Jacobian of a network's outputs with respect to a subnetwork of its weights, computed
+directly.
+
+For outputs :math:`f(x, \theta) \in \mathbb{R}^C` and a subnetwork :math:`S` of the packed weight
+vector, :func:`subnet_jacobian` returns :math:`J_S = \partial f / \partial \theta_S` of shape
+``(B, C, S)`` without ever forming a ``B × C × D`` tensor over all ``D`` weights. For ``Linear``
+and ``Conv2d`` layers a forward hook keeps the layer's input :math:`a`, one backward pass per
+output gives the gradient :math:`g` at the layer's output, and the per-example derivative with
+respect to weight :math:`W_{ij}` is :math:`g_i a_j` (summed over positions for convolutions and
+sequence dims), evaluated only at the selected entries. Any other parameter falls back to one
+backward pass per (example, output) pair that reads the gradient of that tensor only.
+
+Memory is :math:`O(B \cdot C \cdot S)` for the result plus the forward graph of the network. The
+same hooks give the diagonal GGN over all weights (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`).
+
+Usage::
+
+    slots = [ParamSlot(net[0].weight, net[0], "weight"), ParamSlot(net[0].bias, net[0], "bias")]
+    jac = subnet_jacobian(lambda: net(x), slots, torch.tensor([0, 5, 7]))
+
+References:
+    Daxberger et al., "Bayesian Deep Learning via Subnetwork Inference", ICML 2021.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ParamSlot", "subnet_jacobian"]
+
+
+class ParamSlot(NamedTuple):
+    """One weight tensor of the packed vector.
+
+    :ivar value: the tensor the forward pass uses (it must require grad).
+    :ivar module: the layer that uses it (``None``: use the generic fallback).
+    :ivar str name: its name in ``module`` (``"weight"`` or ``"bias"`` take the fast path).
+    """
+
+    value: torch.Tensor
+    module: nn.Module | None
+    name: str
+
+
+def fast_kind(slot: ParamSlot) -> str | None:
+    """``"linear"``/``"conv"`` when the per-example derivative has a closed form from hooks."""
+    m = slot.module
+    if slot.name not in ("weight", "bias") or m is None:
+        return None
+    if isinstance(m, nn.Linear):
+        return "linear"
+    if (
+        isinstance(m, nn.Conv2d)
+        and m.groups == 1
+        and m.padding_mode == "zeros"
+        and not isinstance(m.padding, str)
+    ):
+        return "conv"
+    return None
+
+
+def input_factor(kind: str, module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """The layer input as (B, K, T), so that the per-example weight gradient is
+    ``Σ_t g[b,:,t] a[b,:,t]ᵀ`` with ``g`` from :func:`grad_factor`."""
+    if kind == "linear":
+        return a.reshape(a.shape[0], -1, a.shape[-1]).transpose(1, 2)
+    assert isinstance(module, nn.Conv2d)
+    return F.unfold(
+        a,
+        module.kernel_size,
+        dilation=module.dilation,
+        padding=module.padding,  # type: ignore[arg-type]
+        stride=module.stride,
+    )
+
+
+def grad_factor(kind: str, g: torch.Tensor) -> torch.Tensor:
+    """The gradient at the layer output as (B, O, T)."""
+    if kind == "linear":
+        return g.reshape(g.shape[0], -1, g.shape[-1]).transpose(1, 2)
+    return g.flatten(2)
+
+
+def _select(slot: ParamSlot, a, g, local: torch.Tensor, budget: int = 1 << 20):
+    """Per-example derivatives at the flat entries ``local`` of ``slot``: shape (B, len(local)),
+    from :func:`input_factor` and :func:`grad_factor`."""
+    if slot.name == "bias":
+        return g.sum(-1)[:, local]
+    k = a.shape[1]
+    out = []
+    # Chunk the columns: each of the three temporaries below holds B × chunk × T ≤ ``budget``
+    # numbers (for chunks of at least one column), not B × S × T.
+    chunk = max(1, budget // (a.shape[0] * a.shape[2]))
+    for part in local.split(chunk):
+        rows, cols = part // k, part % k
+        out.append((g[:, rows, :] * a[:, cols, :]).sum(-1))
+    return torch.cat(out, 1)
+
+
+def per_example_full(slot: ParamSlot, kind: str, a, g) -> torch.Tensor:
+    """Per-example gradient of the whole tensor, (B, numel); callers chunk the batch."""
+    a, g = input_factor(kind, slot.module, a), grad_factor(kind, g)  # type: ignore[arg-type]
+    if slot.name == "bias":
+        return g.sum(-1)
+    return torch.einsum("bot,bkt->bok", g, a).flatten(1)
+
+
+@contextlib.contextmanager
+def capture(modules: Sequence[nn.Module]) -> Iterator[dict[nn.Module, list]]:
+    """Forward hooks recording ``(input, output)`` of every call of ``modules``."""
+    calls: dict[nn.Module, list] = {m: [] for m in modules}
+
+    def hook(module, inputs, output):
+        calls[module].append((inputs[0].detach(), output))
+
+    handles = [m.register_forward_hook(hook) for m in calls]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def placements(slots: Sequence[ParamSlot], index: torch.Tensor):
+    """For each slot: (slot, fast kind, local flat indices, positions in ``index``)."""
+    out, offset = [], 0
+    for slot in slots:
+        n = slot.value.numel()
+        mask = (index >= offset) & (index < offset + n)
+        pos = mask.nonzero().squeeze(-1)
+        if pos.numel():
+            out.append((slot, fast_kind(slot), index[pos] - offset, pos))
+        offset += n
+    return out
+
+
+def as_matrix(out: torch.Tensor) -> torch.Tensor:
+    if out.dim() == 1:
+        return out.unsqueeze(-1)
+    if out.dim() != 2:
+        raise ValueError(
+            f"the network outputs must have shape (B, C) or (B,); got {tuple(out.shape)}. "
+            "Flatten the outputs per example."
+        )
+    return out
+
+
+def subnet_jacobian(
+    forward: Callable[[], torch.Tensor],
+    slots: Sequence[ParamSlot],
+    index: torch.Tensor,
+    *,
+    return_outputs: bool = False,
+    select_numbers: int = 1 << 20,
+):
+    r"""Jacobian of the outputs with respect to the packed weights at ``index``: (B, C, S).
+
+    The packed vector is the concatenation of ``slot.value.reshape(-1)`` in order. Examples must
+    be independent (BatchNorm in eval mode). One backward pass per output for ``Linear``/``Conv2d``
+    weights; one per (example, output) for anything else.
+
+    :param forward: runs the network and returns its outputs, (B, C) or (B,) (taken as C = 1).
+    :param slots: the weight tensors, in packing order.
+    :param torch.Tensor index: packed indices of the subnetwork (any order, no duplicates).
+    :param bool return_outputs: also return the detached outputs (B, C).
+    :param int select_numbers: numbers in each of the three temporaries that pick the selected
+        entries of a layer (B × columns × positions); bounds their memory.
+    """
+    index = index.to(torch.long)
+    placed = placements(slots, index.cpu())
+    fast_modules = list({id(s.module): s.module for s, k, _, _ in placed if k}.values())
+    with capture(fast_modules) as calls:  # type: ignore[arg-type]
+        out = as_matrix(forward())
+    b, c = out.shape
+    jac = out.new_zeros(b, c, index.numel())
+    pairs = [(m, call) for m in fast_modules for call in calls[m]]
+    zs = [z for _, (_, z) in pairs]
+    fallback = [(s, loc, pos) for s, k, loc, pos in placed if not k]
+    unfolded: dict[int, torch.Tensor] = {}
+    for j in range(c):
+        if zs:
+            v = torch.zeros_like(out)
+            v[:, j] = 1
+            grads = torch.autograd.grad(
+                out, zs, grad_outputs=v, retain_graph=True, allow_unused=True
+            )
+            g_of = {id(z): g for z, g in zip(zs, grads)}
+            for slot, kind, loc, pos in placed:
+                if not kind:
+                    continue
+                for a, z in calls[slot.module]:  # type: ignore[index]
+                    g = g_of[id(z)]
+                    if g is None:
+                        continue
+                    # The unfolded input does not depend on the output: build it once.
+                    if id(z) not in unfolded:
+                        unfolded[id(z)] = input_factor(kind, slot.module, a)  # type: ignore[arg-type]
+                    part = _select(
+                        slot,
+                        unfolded[id(z)],
+                        grad_factor(kind, g),
+                        loc.to(a.device),
+                        select_numbers,
+                    )
+                    jac[:, j, pos.to(jac.device)] += part
+        for i in range(b if fallback else 0):
+            values = [s.value for s, _, _ in fallback]
+            grads = torch.autograd.grad(out[i, j], values, retain_graph=True, allow_unused=True)
+            for (_, loc, pos), g in zip(fallback, grads):
+                if g is not None:
+                    jac[i, j, pos.to(jac.device)] = g.reshape(-1)[loc.to(g.device)]
+    return (jac, out.detach()) if return_outputs else jac
