@@ -4,7 +4,8 @@ A guide that mixes in :class:`SiteAccess` provides :attr:`layout` (a
 :class:`~pyro_bdl.layout.SiteLayout`), ``_ensure_setup()`` and :meth:`SiteAccess.flat_loc_scale`
 (the marginal location and scale of every unconstrained coordinate); it then has ``median``,
 ``quantiles``, ``locs_and_scales``, ``site_names`` and ``num_latents``. A guide whose marginals
-are not Gaussian overrides :meth:`SiteAccess.site_quantiles`.
+are not Gaussian overrides :meth:`SiteAccess.site_quantiles`; one whose median is not the
+marginal location (or exists before the marginals do) overrides :meth:`SiteAccess.flat_median`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class SiteAccess:
         """Marginal ``(location, scale)`` of every unconstrained coordinate, each ``(D,)``."""
         raise NotImplementedError
 
+    def flat_median(self) -> torch.Tensor:
+        """The unconstrained vector whose image on the support is the median, ``(D,)``; the
+        marginal location by default."""
+        return self.flat_loc_scale()[0]
+
     def site_quantiles(
         self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int, q: torch.Tensor
     ) -> torch.Tensor:
@@ -69,7 +75,7 @@ class SiteAccess:
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Posterior median of every site (the location pushed onto the support)."""
         self._setup_from(args, kwargs)
-        loc, _ = self.flat_loc_scale()
+        loc = self.flat_median()
         return {s.name: s.constrain(loc[s.slice].view(s.shape)).clone() for s in self.layout}
 
     @torch.no_grad()
