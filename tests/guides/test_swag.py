@@ -202,8 +202,9 @@ def test_swag_diag_intervals_cover_95_percent():
 
 
 def test_default_scale_is_the_papers_sampling_formula():
-    """scale = 0.5 draws exactly θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ᵀ z₂ (DESIGN.md
-    4.6); SWAG-diag draws θ̄ + (1/√2) Σ_diag^{1/2} z₁ from the same z₁."""
+    """scale = 0.5 draws exactly θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ᵀ z₂
+    (docs/design/swag.md, Maddox et al. 2019); SWAG-diag draws θ̄ + (1/√2) Σ_diag^{1/2} z₁ from
+    the same z₁."""
     d, rank = 9, 4
     iterates = torch.randn(7, d, dtype=F64)
     _, var, _ = brute_force_swag(iterates, rank)
