@@ -53,6 +53,7 @@ class SiteAccess:
         return loc + scale * torch.special.ndtri(q)
 
     def _site_loc_scale(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
+        """Marginal ``(location, scale)`` of one site, each of the site's shape."""
         loc, scale = self.flat_loc_scale()
         return loc[site.slice].view(site.shape), scale[site.slice].view(site.shape)
 
@@ -65,18 +66,15 @@ class SiteAccess:
     def locs_and_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{name: (loc, scale)}`` of every site in unconstrained space (detached copies)."""
         self._ensure_setup()
-        loc, scale = (t.detach() for t in self.flat_loc_scale())
-        return {
-            s.name: (loc[s.slice].view(s.shape).clone(), scale[s.slice].view(s.shape).clone())
-            for s in self.layout
-        }
+        loc, scale = (self.layout.split(t.detach()) for t in self.flat_loc_scale())
+        return {s.name: (l.clone(), c.clone()) for s, l, c in zip(self.layout, loc, scale)}
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Posterior median of every site (the location pushed onto the support)."""
         self._setup_from(args, kwargs)
-        loc = self.flat_median()
-        return {s.name: s.constrain(loc[s.slice].view(s.shape)).clone() for s in self.layout}
+        loc = self.layout.split(self.flat_median())
+        return {s.name: s.constrain(v).clone() for s, v in zip(self.layout, loc)}
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -90,9 +88,9 @@ class SiteAccess:
         loc, scale = self.flat_loc_scale()
         q = check_quantiles(quantiles, loc)
         out = {}
-        for site in self.layout:
-            site_loc = loc[site.slice].view(site.shape)
-            site_scale = scale[site.slice].view(site.shape)
+        for site, site_loc, site_scale in zip(
+            self.layout, self.layout.split(loc), self.layout.split(scale)
+        ):
             qs = q.reshape((-1,) + (1,) * site_loc.dim())
             out[site.name] = site.constrain(
                 self.site_quantiles(site_loc, site_scale, site.event_dim, qs)

@@ -429,6 +429,28 @@ def test_median_and_quantiles_after_collection():
         assert_close(q[name][1], value, atol=1e-6, rtol=0)
 
 
+def test_per_site_access_reads_the_swag_marginals_through_the_layout():
+    guide = trained_guide(collections=5)[2]
+    posterior = guide.get_posterior()
+    std = posterior.variance.sqrt()
+    locs_and_scales = guide.locs_and_scales()
+    assert list(locs_and_scales) == guide.site_names == guide.layout.names
+    for site in guide.layout:
+        loc, scale = locs_and_scales[site.name]
+        assert torch.equal(loc, guide.swag_mean[site.slice].view(site.shape))
+        assert torch.equal(scale, std[site.slice].view(site.shape))
+    assert guide.num_latents() == guide.latent_dim == guide.layout.size
+
+
+def test_median_is_the_point_estimate_before_two_collections():
+    _, _, guide, x, y = trained_guide(collections=1)
+    median = guide.median(x, y)
+    for site in guide.layout:
+        assert torch.equal(median[site.name], guide.loc.detach()[site.slice].view(site.shape))
+    with pytest.raises(NotCollectedError, match="1 collection"):
+        guide.quantiles([0.5], x, y)
+
+
 def test_swag_normal_refuses_a_single_deviation():
     with pytest.raises(ValueError, match=r"0 rows .* or at least 2; got 1"):
         SWAGNormal(torch.zeros(3), torch.ones(3), torch.zeros(1, 3))
