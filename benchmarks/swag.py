@@ -1,6 +1,6 @@
 """SWAG costs: collect() vs an epoch, one sample vs a test-batch forward pass, and memory.
 
-Targets (BENCHMARKS.md): collect cost / epoch time ≤ 2%; one sample (before BatchNorm refresh)
+Targets: collect cost / epoch time ≤ 2%; one sample (before BatchNorm refresh)
 ≤ 2× one test-batch forward pass (256 rows; 1024 rows reported too), with no host–device copies;
 memory exactly (rank + 2)·D numbers beyond the model. Also reported: the floor of a sample (one
 normal draw of D + K numbers plus one read of the K × D deviations), the guide's full call, the
@@ -64,7 +64,7 @@ def side_by_side(
 ) -> dict[str, float]:
     """Median seconds of each of ``fns``, timed **interleaved** (one call of each per round, in a
     fresh random order each round), so that load from neighbours on a shared machine, and what
-    the previous call left in the caches, hit every figure alike (BENCHMARKS.md)."""
+    the previous call left in the caches, hit every figure alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()

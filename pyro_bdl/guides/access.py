@@ -4,7 +4,8 @@ A guide that mixes in :class:`SiteAccess` provides :attr:`layout` (a
 :class:`~pyro_bdl.layout.SiteLayout`), ``_ensure_setup()`` and :meth:`SiteAccess.flat_loc_scale`
 (the marginal location and scale of every unconstrained coordinate); it then has ``median``,
 ``quantiles``, ``locs_and_scales``, ``site_names`` and ``num_latents``. A guide whose marginals
-are not Gaussian overrides :meth:`SiteAccess.site_quantiles`.
+are not Gaussian overrides :meth:`SiteAccess.site_quantiles`; one whose median is not the
+marginal location (or exists before the marginals do) overrides :meth:`SiteAccess.flat_median`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class SiteAccess:
         """Marginal ``(location, scale)`` of every unconstrained coordinate, each ``(D,)``."""
         raise NotImplementedError
 
+    def flat_median(self) -> torch.Tensor:
+        """The unconstrained vector whose image on the support is the median, ``(D,)``; the
+        marginal location by default."""
+        return self.flat_loc_scale()[0]
+
     def site_quantiles(
         self, loc: torch.Tensor, scale: torch.Tensor, event_dim: int, q: torch.Tensor
     ) -> torch.Tensor:
@@ -47,6 +53,7 @@ class SiteAccess:
         return loc + scale * torch.special.ndtri(q)
 
     def _site_loc_scale(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
+        """Marginal ``(location, scale)`` of one site, each of the site's shape."""
         loc, scale = self.flat_loc_scale()
         return loc[site.slice].view(site.shape), scale[site.slice].view(site.shape)
 
@@ -59,18 +66,15 @@ class SiteAccess:
     def locs_and_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{name: (loc, scale)}`` of every site in unconstrained space (detached copies)."""
         self._ensure_setup()
-        loc, scale = (t.detach() for t in self.flat_loc_scale())
-        return {
-            s.name: (loc[s.slice].view(s.shape).clone(), scale[s.slice].view(s.shape).clone())
-            for s in self.layout
-        }
+        loc, scale = (self.layout.split(t.detach()) for t in self.flat_loc_scale())
+        return {s.name: (l.clone(), c.clone()) for s, l, c in zip(self.layout, loc, scale)}
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Posterior median of every site (the location pushed onto the support)."""
         self._setup_from(args, kwargs)
-        loc, _ = self.flat_loc_scale()
-        return {s.name: s.constrain(loc[s.slice].view(s.shape)).clone() for s in self.layout}
+        loc = self.layout.split(self.flat_median())
+        return {s.name: s.constrain(v).clone() for s, v in zip(self.layout, loc)}
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -84,9 +88,9 @@ class SiteAccess:
         loc, scale = self.flat_loc_scale()
         q = check_quantiles(quantiles, loc)
         out = {}
-        for site in self.layout:
-            site_loc = loc[site.slice].view(site.shape)
-            site_scale = scale[site.slice].view(site.shape)
+        for site, site_loc, site_scale in zip(
+            self.layout, self.layout.split(loc), self.layout.split(scale)
+        ):
             qs = q.reshape((-1,) + (1,) * site_loc.dim())
             out[site.name] = site.constrain(
                 self.site_quantiles(site_loc, site_scale, site.event_dim, qs)

@@ -242,7 +242,7 @@ class AutoLocScaleGuide(SiteAccess, AutoGuide):
         """The posterior distribution of site ``name`` (at full plate size)."""
         self._ensure_setup()
         site = self._site(name)
-        loc, scale = self._loc_scale(site)
+        loc, scale = self._site_loc_scale(site)
         return self._site_dist(site, loc, scale)
 
     def _site(self, name: str) -> Site:
@@ -251,7 +251,8 @@ class AutoLocScaleGuide(SiteAccess, AutoGuide):
     def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.loc, self.scale
 
-    def _loc_scale(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
+    def _site_loc_scale(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
+        # The softplus of this site's ρ only, not of the whole vector.
         loc = self.loc[site.slice].view(site.shape)
         scale = softplus(self.rho[site.slice]).view(site.shape)
         return loc, scale

@@ -60,7 +60,8 @@ def _prior_terms(p: Normal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @register_kl(_SiteNormal, Normal)
 def _kl_site_normal_normal(q: _SiteNormal, p: Normal) -> torch.Tensor:
-    r"""KL(N(μ, σ²) ‖ N(m, s²)) = log s − log σ + (σ² + (μ − m)²)/(2s²) − ½ (DESIGN.md 4.2).
+    r"""KL(N(μ, σ²) ‖ N(m, s²)) = log s − log σ + (σ² + (μ − m)²)/(2s²) − ½
+    (docs/design/variational.md).
 
     The same value as torch's Normal–Normal KL in fewer full-size operations: a prior expanded
     from scalars (every prior of :mod:`pyro_bdl.priors`) is evaluated once, not per weight.
@@ -73,7 +74,7 @@ def _kl_site_normal_normal(q: _SiteNormal, p: Normal) -> torch.Tensor:
 
 class AutoMeanField(AutoLocScaleGuide):
     r"""Fully factorised Gaussian posterior :math:`q(w) = \prod_i \mathcal N(\mu_i, \sigma_i^2)`
-    with :math:`\sigma = \mathrm{softplus}(\rho)` (DESIGN.md 4.2).
+    with :math:`\sigma = \mathrm{softplus}(\rho)` (docs/design/variational.md).
 
     Unlike :class:`~pyro.infer.autoguide.AutoNormal`, the ``Normal`` is the distribution of the
     weight site itself (no auxiliary site plus ``Delta``), so

@@ -72,8 +72,9 @@ def _prior_terms(p: Normal, numel: int) -> tuple[torch.Tensor, torch.Tensor, tor
 @register_kl(_SiteRadial, Independent)
 def _kl_site_radial_independent(q: _SiteRadial, p: Independent) -> torch.Tensor:
     r"""KL(Radial(μ, σ) ‖ ∏ N(m, s²)) = Σᵢ [−log σᵢ + ((μᵢ−mᵢ)² + σᵢ²/D)/(2sᵢ²)
-    + ½ log(2π sᵢ²)] − H_D (DESIGN.md 4.3), as the library's ``kl_divergence(Radial, Normal)``
-    but with the prior's terms computed once (the guide's step pays this per site)."""
+    + ½ log(2π sᵢ²)] − H_D (docs/design/variational.md), as the library's
+    ``kl_divergence(Radial, Normal)`` but with the prior's terms computed once (the guide's step
+    pays this per site)."""
     base, dims = p.base_dist, p.reinterpreted_batch_ndims
     while isinstance(base, Independent):
         dims += base.reinterpreted_batch_ndims
@@ -91,7 +92,7 @@ def _kl_site_radial_independent(q: _SiteRadial, p: Independent) -> torch.Tensor:
 
 class AutoRadial(AutoLocScaleGuide):
     r"""Radial posterior per site: :math:`w = \mu + \sigma\odot r\,\varepsilon/\lVert\varepsilon
-    \rVert` with one direction per weight tensor per sample (DESIGN.md 4.3).
+    \rVert` with one direction per weight tensor per sample (docs/design/variational.md).
 
     The ``Radial`` is the distribution of the weight site itself, so
     :class:`~pyro.infer.TraceMeanField_ELBO` uses the exact ``kl_divergence(Radial, Normal)``.

@@ -2,12 +2,13 @@ r"""SWAG: a Gaussian posterior from the SGD trajectory (Maddox et al., NeurIPS 2
 
 :class:`AutoSWAG` is a thin :class:`~pyro.infer.autoguide.AutoContinuous` around
 :class:`~pyro_bdl.guides.swag_gaussian.SWAGNormal`; the numerical core (collection, Σ_diag,
-sampling) is plain functions in :mod:`pyro_bdl.guides.swag_gaussian`, re-exported here.
-"""
+sampling) is plain functions in :mod:`pyro_bdl.guides.swag_gaussian`, re-exported here. Where each
+site sits in the packed vector is the model's :class:`~pyro_bdl.layout.SiteLayout`; per-site
+access (``median``, ``quantiles``, ``locs_and_scales``) is :class:`~pyro_bdl.guides.access.
+SiteAccess`. The method and its conventions: docs/design/swag.md."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -15,13 +16,12 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
-from pyro.distributions import constraints
 from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
-from torch.distributions import biject_to
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
+from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.guides.swag_gaussian import (
     SWAGNormal,
     swag_collect_,
@@ -29,6 +29,7 @@ from pyro_bdl.guides.swag_gaussian import (
     swag_std,
     swag_variance,
 )
+from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn import init_to_network
 
 __all__ = [
@@ -51,7 +52,7 @@ class NotCollectedError(RuntimeError):
 # --------------------------------------------------------------------------- guide
 
 
-class AutoSWAG(AutoContinuous):
+class AutoSWAG(SiteAccess, AutoContinuous):
     r"""SWAG (SWA-Gaussian) as a Pyro guide over every continuous latent site, packed.
 
     **Two roles.** While gradients are recorded (``SVI.step`` with any ELBO, or a plain PyTorch
@@ -157,7 +158,9 @@ class AutoSWAG(AutoContinuous):
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
-        self.loc = nn.Parameter(self._init_loc())
+        # The sites at the prototype's shapes, as AutoContinuous packs them.
+        self.layout, init = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
+        self.loc = nn.Parameter(init)
         like = self.loc.detach()
         rows = 0 if self.diag_only else self.rank
         self.register_buffer("swag_mean", torch.zeros_like(like))
@@ -167,38 +170,36 @@ class AutoSWAG(AutoContinuous):
             "swag_num_collected", torch.zeros((), dtype=torch.long, device=like.device)
         )
         self._num_collected = 0
-        # Per-site slicing of the packed vector, computed once: Pyro's generic unpacking walks
-        # the trace and re-derives shapes on every call (≈ 40 µs per site), which would dominate
-        # the cost of one SWAG sample for small networks.
-        self._packing = []
-        pos = 0
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
-            shape = self._unconstrained_shapes[name]
-            size = math.prod(shape)
-            event_dim = site["fn"].event_dim + len(shape) - site["value"].dim()
-            support = site["fn"].support
-            transform = None if _is_real(support) else biject_to(support)
-            self._packing.append((site, torch.Size(shape), pos, size, event_dim, transform))
-            pos += size
         # Plates (and the random subsample indices pyro.plate draws when it is built) are needed
         # only for latent sites inside a plate; weight sites of a lifted network never are.
-        self._in_plates = any(self._cond_indep_stacks[site["name"]] for site, *_ in self._packing)
+        self._in_plates = any(site.frames for site in self.layout)
+
+    def _split(self, latent: torch.Tensor) -> list[torch.Tensor]:
+        """Every site's unconstrained block of ``latent`` (last dim D), shaped as
+        :meth:`AutoContinuous._unpack_latent` shapes it: one ``torch.split`` for all sites, so
+        the backward pass writes the gradient of the whole vector once (a slice per site would
+        fill a zero tensor of length D per site)."""
+        parts = self.layout.split(latent)
+        batch = latent.shape[:-1]
+        if not batch:
+            return parts
+        return [
+            part.reshape(torch.broadcast_shapes(site.shape, batch + (1,) * site.event_dim))
+            for part, site in zip(parts, self.layout)
+        ]
 
     def _unpack_latent(self, latent):
-        """Like :meth:`AutoContinuous._unpack_latent` (``(site, unconstrained value)`` pairs), from
-        the slicing cached at set-up."""
-        batch_shape = latent.shape[:-1]
-        for site, shape, pos, size, event_dim, _ in self._packing:
-            if batch_shape:
-                shape = torch.broadcast_shapes(shape, batch_shape + (1,) * event_dim)
-            yield site, latent[..., pos : pos + size].view(shape)
+        """``(prototype site, unconstrained value)`` pairs, as
+        :meth:`AutoContinuous._unpack_latent` yields them."""
+        nodes = self.prototype_trace.nodes
+        for site, value in zip(self.layout, self._split(latent)):
+            yield nodes[site.name], value
 
     def _constrain(self, latent: torch.Tensor) -> dict[str, torch.Tensor]:
-        values = {}
-        for (site, value), packing in zip(self._unpack_latent(latent), self._packing):
-            transform = packing[-1]
-            values[site["name"]] = value if transform is None else transform(value)
-        return values
+        return {
+            site.name: site.constrain(value)
+            for site, value in zip(self.layout, self._split(latent))
+        }
 
     @property
     def mode(self) -> str:
@@ -214,6 +215,9 @@ class AutoSWAG(AutoContinuous):
     def num_collected(self) -> int:
         """How many snapshots :meth:`collect` has recorded."""
         return self._num_collected
+
+    def _ensure_setup(self) -> None:
+        self._require_setup("use its sites")
 
     def _require_setup(self, action: str) -> None:
         if self.prototype_trace is None:
@@ -241,7 +245,7 @@ class AutoSWAG(AutoContinuous):
         if not bool(torch.isfinite(theta).all()):
             bad = int((~torch.isfinite(theta)).nonzero()[0, 0])
             raise ValueError(
-                f"collect(): the weights contain NaN or inf (site {self._site_of(bad)!r}, "
+                f"collect(): the weights contain NaN or inf (site {self._site_at(bad)!r}, "
                 f"packed index {bad}); SWAG statistics were left unchanged. Lower the learning "
                 "rate or check the data."
             )
@@ -251,13 +255,8 @@ class AutoSWAG(AutoContinuous):
         self._num_collected += 1
         self.swag_num_collected.fill_(self._num_collected)
 
-    def _site_of(self, index: int) -> str:
-        pos = 0
-        for name, shape in self._unconstrained_shapes.items():
-            pos += math.prod(shape)
-            if index < pos:
-                return name
-        return "?"
+    def _site_at(self, index: int) -> str:
+        return next(site.name for site in self.layout if index < site.stop)
 
     def _stored_deviations(self) -> torch.Tensor:
         """The filled rows of the ring buffer (a view, no copy); none for SWAG-diag."""
@@ -315,7 +314,7 @@ class AutoSWAG(AutoContinuous):
         posterior: dist.Distribution
         if self._use_point_estimate():
             # validate_args=False: checking the constant log-density is a device→host sync.
-            posterior = dist.Delta(self.loc, event_dim=1, validate_args=False)
+            posterior = _PointMass(self.loc, event_dim=1, validate_args=False)
         else:
             posterior = self.get_posterior()
         return pyro.sample(f"_{self._pyro_name}_latent", posterior, infer={"is_auxiliary": True})
@@ -323,8 +322,8 @@ class AutoSWAG(AutoContinuous):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """One draw (or the point estimate) of every latent site, ``{site name: value}``.
 
-        :meth:`AutoContinuous.forward` with the per-site work that is wasted here removed: the
-        slicing is cached, real-valued sites skip the identity transform and its all-zeros
+        :meth:`AutoContinuous.forward` without its per-site overheads: one split of the latent
+        vector for all sites, real-valued sites skip the identity transform and its all-zeros
         log-Jacobian (two passes over every weight), the site Deltas skip argument validation
         (a device→host sync per site), and plates are built only if a site lives in one.
         """
@@ -334,21 +333,22 @@ class AutoSWAG(AutoContinuous):
         plates = self._create_plates(*args, **kwargs) if self._in_plates else {}
         no_jacobian = poutine.get_mask() is False
         result = {}
-        for (site, value), packing in zip(self._unpack_latent(latent), self._packing):
-            name, event_dim, transform = site["name"], site["fn"].event_dim, packing[-1]
-            log_density: float | torch.Tensor = 0.0
-            if transform is not None:
-                unconstrained, value = value, transform(value)
+        for site, unconstrained in zip(self.layout, self._split(latent)):
+            # The constrained value may have other dims than the unconstrained one.
+            value, event_dim, log_density = unconstrained, site.event_dim, 0.0
+            if site.transform is not None:
+                value = site.transform(unconstrained)
+                event_dim += value.dim() - unconstrained.dim()
                 if not no_jacobian:
-                    ladj = transform.inv.log_abs_det_jacobian(value, unconstrained)
+                    ladj = site.transform.inv.log_abs_det_jacobian(value, unconstrained)
                     log_density = sum_rightmost(ladj, ladj.dim() - value.dim() + event_dim)
-            delta = dist.Delta(
+            delta = _PointMass(
                 value, log_density=log_density, event_dim=event_dim, validate_args=False
             )
             with ExitStack() as stack:
-                for frame in self._cond_indep_stacks[name]:
-                    stack.enter_context(plates[frame.name])
-                result[name] = pyro.sample(name, delta)
+                for plate_name, _ in site.frames:
+                    stack.enter_context(plates[plate_name])
+                result[site.name] = pyro.sample(site.name, delta)
         return result
 
     @torch.no_grad()
@@ -358,17 +358,15 @@ class AutoSWAG(AutoContinuous):
         does)."""
         return self._constrain(self.get_posterior().sample())
 
-    def _loc_scale(self, *args, **kwargs):
+    def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SWAG marginals: mean θ̄ and standard deviation of every unconstrained number."""
         posterior = self.get_posterior()
         return posterior.mean, posterior.variance.sqrt()
 
-    @torch.no_grad()
-    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+    def flat_median(self) -> torch.Tensor:
         """The SWA mean θ̄ once two snapshots exist; the point estimate ``loc`` before."""
-        if self.prototype_trace is None:
-            self._setup_prototype(*args, **kwargs)
-        loc = self.loc.detach() if self._num_collected < 2 else self.swag_mean
-        return self._constrain(loc)
+        self._ensure_setup()
+        return self.loc.detach() if self._num_collected < 2 else self.swag_mean
 
     @torch.no_grad()
     def marginal_variances(self) -> dict[str, torch.Tensor]:
@@ -379,14 +377,21 @@ class AutoSWAG(AutoContinuous):
         self._require_collected("give marginal variances")
         variance = swag_variance(self.swag_mean, self.swag_sq_mean, clamp=self.var_clamp)
         variance.mul_(self.scale)
-        return {site["name"]: value for site, value in self._unpack_latent(variance)}
+        return self.layout.unpack(variance)
 
 
-def _is_real(support) -> bool:
-    """Whether ``support`` is the real line (possibly with event dims): no transform needed."""
-    while hasattr(support, "base_constraint"):
-        support = support.base_constraint
-    return support is constraints.real
+class _PointMass(dist.Delta):
+    """A ``Delta`` that knows its own draw: ``rsample()`` returns ``v`` itself, and the density
+    of that draw is ``log_density`` without the elementwise test ``x == v`` and its logarithm
+    (two passes over every weight per training step whose result is always 0)."""
+
+    def rsample(self, sample_shape=torch.Size()):
+        return self.v if not sample_shape else super().rsample(sample_shape)
+
+    def log_prob(self, x):
+        if x is self.v:
+            return self.log_density
+        return super().log_prob(x)
 
 
 def _sync_counter(module: nn.Module, incompatible_keys) -> None:

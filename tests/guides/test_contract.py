@@ -1,8 +1,10 @@
-"""The contract every guide over a lifted network keeps (DESIGN.md 2, STYLE.md 8).
+"""The contract every guide over a lifted network keeps (docs/design/README.md).
 
 Each check runs over the :data:`GUIDES` registry: site shapes, ``median()``, ``quantiles()``,
-``state_dict`` and ``torch.save`` round trips (same samples after reload under the same seed),
-``Predictive``, and minibatches from a subsampled data plate.
+``get_posterior`` (per site or over the packed vector, as the guide defines it), ``state_dict``
+and ``torch.save`` round trips (same samples after reload under the same seed), ``Predictive``,
+and minibatches from a subsampled data plate. Guides are driven through public APIs only (SVI,
+``collect()``, ``fit()``, ``VOGN.step``).
 
 How to add a guide
 ------------------
@@ -11,7 +13,11 @@ Write a factory ``make_<yours>() -> Case`` that builds a fresh model with
 callable that trains it briefly (a few SVI steps, plus ``collect()``/``fit()`` for post-hoc
 posteriors) so that it can sample. Then append one line to :data:`GUIDES`::
 
-    GuideEntry("swag", make_swag),
+    GuideEntry("swag", make_swag, posterior="flat"),
+
+``posterior`` says what ``guide.get_posterior`` returns: ``"site"`` for ``get_posterior(name)``,
+the distribution of one site; ``"flat"`` for ``get_posterior()``, a distribution over all sites
+packed into one vector in the model's order.
 
 The factory must be deterministic (seed inside it), so that a second call rebuilds the same
 model: the ``state_dict`` test builds a fresh case, calls ``case.guide(x, y)`` once to create lazy
@@ -25,6 +31,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import pyro
 import pytest
@@ -66,8 +73,11 @@ class Case:
 
 @dataclass(frozen=True)
 class GuideEntry:
+    """One guide under contract: its test id, its factory, and the form of its posterior."""
+
     name: str
     make: Callable[[], Case]
+    posterior: Literal["site", "flat"] = "site"
 
 
 def data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +174,8 @@ def make_vogn() -> Case:
 GUIDES: list[GuideEntry] = [
     GuideEntry("meanfield", make_meanfield),
     GuideEntry("radial", make_radial),
-    GuideEntry("subnet_laplace", make_subnet_laplace),
-    GuideEntry("swag", make_swag),
+    GuideEntry("subnet_laplace", make_subnet_laplace, posterior="flat"),
+    GuideEntry("swag", make_swag, posterior="flat"),
     GuideEntry("vogn", make_vogn),
 ]
 
@@ -223,6 +233,40 @@ def test_quantiles(fitted):
         assert (q[name][0] < q[name][1]).all() and (q[name][1] < q[name][2]).all(), name
         # Every family here is symmetric about its median; 1e-5 absorbs float32 round-off.
         assert_close(q[name][1], median[name], atol=1e-5, rtol=0)
+
+
+def _mean(posterior) -> torch.Tensor | None:
+    try:
+        return posterior.mean
+    except NotImplementedError:  # a family without a closed-form mean
+        return None
+
+
+def test_get_posterior(fitted):
+    entry, case, x, y = fitted
+    shapes = weight_shapes(case.model)
+    median = case.guide.median(x, y)
+    if entry.posterior == "site":
+        for name, shape in shapes.items():
+            posterior = case.guide.get_posterior(name)
+            assert posterior.batch_shape + posterior.event_shape == shape, name
+            assert posterior.sample().shape == shape, name
+            mean = _mean(posterior)
+            # Every family here is symmetric about its median (weights have real support).
+            if mean is not None:
+                assert_close(mean, median[name], atol=1e-6, rtol=0)
+            with pytest.raises(ValueError, match="unknown site"):
+                case.guide.get_posterior("no such site")
+    else:
+        # One distribution over the packed vector, sites in the model's order.
+        packed = torch.cat([median[name].reshape(-1) for name in shapes])
+        posterior = case.guide.get_posterior()
+        assert posterior.batch_shape == () and posterior.event_shape == packed.shape
+        draw = posterior.sample()
+        assert draw.shape == packed.shape and torch.isfinite(draw).all()
+        mean = _mean(posterior)
+        if mean is not None:
+            assert_close(mean, packed, atol=1e-6, rtol=0)
 
 
 def test_state_dict_round_trip(fitted):

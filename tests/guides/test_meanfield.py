@@ -44,7 +44,7 @@ def test_converges_to_the_meanfield_optimum():
 
 
 def _closed_form_kl(loc, scale, prior_scale):
-    """DESIGN.md 4.2 with m = 0: Σ log(s/σ) + (σ² + μ²)/(2s²) − ½."""
+    """docs/design/variational.md with m = 0: Σ log(s/σ) + (σ² + μ²)/(2s²) − ½."""
     s2 = prior_scale**2
     return (math.log(prior_scale) - scale.log() + (scale**2 + loc**2) / (2 * s2) - 0.5).sum()
 

@@ -28,7 +28,7 @@ def test_kl_part_of_the_loss_is_exact():
         guide.loc.add_(0.5)
     loc, scale = guide.locs_and_scales()["weight"]
     d = loc.numel()
-    # DESIGN.md 4.3 by hand: KL = −H[q] − E_q[log N(w; 0, s²)], E[(w−μ)²] = σ²/D.
+    # docs/design/variational.md by hand: KL = −H[q] − E_q[log N(w; 0, s²)], E[(w−μ)²] = σ²/D.
     entropy = scale.log().sum() + radial_entropy_constant(d)
     s2 = s.prior_scale**2
     cross = (-0.5 * math.log(2 * math.pi * s2) - (loc**2 + scale**2 / d) / (2 * s2)).sum()

@@ -202,8 +202,9 @@ def test_swag_diag_intervals_cover_95_percent():
 
 
 def test_default_scale_is_the_papers_sampling_formula():
-    """scale = 0.5 draws exactly θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ᵀ z₂ (DESIGN.md
-    4.6); SWAG-diag draws θ̄ + (1/√2) Σ_diag^{1/2} z₁ from the same z₁."""
+    """scale = 0.5 draws exactly θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ᵀ z₂
+    (docs/design/swag.md, Maddox et al. 2019); SWAG-diag draws θ̄ + (1/√2) Σ_diag^{1/2} z₁ from
+    the same z₁."""
     d, rank = 9, 4
     iterates = torch.randn(7, d, dtype=F64)
     _, var, _ = brute_force_swag(iterates, rank)
@@ -426,6 +427,28 @@ def test_median_and_quantiles_after_collection():
         assert q[name].shape == (3, *value.shape)
         assert (q[name][0] < q[name][2]).all()
         assert_close(q[name][1], value, atol=1e-6, rtol=0)
+
+
+def test_per_site_access_reads_the_swag_marginals_through_the_layout():
+    guide = trained_guide(collections=5)[2]
+    posterior = guide.get_posterior()
+    std = posterior.variance.sqrt()
+    locs_and_scales = guide.locs_and_scales()
+    assert list(locs_and_scales) == guide.site_names == guide.layout.names
+    for site in guide.layout:
+        loc, scale = locs_and_scales[site.name]
+        assert torch.equal(loc, guide.swag_mean[site.slice].view(site.shape))
+        assert torch.equal(scale, std[site.slice].view(site.shape))
+    assert guide.num_latents() == guide.latent_dim == guide.layout.size
+
+
+def test_median_is_the_point_estimate_before_two_collections():
+    _, _, guide, x, y = trained_guide(collections=1)
+    median = guide.median(x, y)
+    for site in guide.layout:
+        assert torch.equal(median[site.name], guide.loc.detach()[site.slice].view(site.shape))
+    with pytest.raises(NotCollectedError, match="1 collection"):
+        guide.quantiles([0.5], x, y)
 
 
 def test_swag_normal_refuses_a_single_deviation():

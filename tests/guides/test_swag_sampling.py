@@ -150,6 +150,8 @@ def test_forward_matches_pyro_autocontinuous_forward():
             )
         assert (ours.nodes["s"]["value"] > 0).all()
         assert ours.nodes["s"]["log_prob"].abs().sum() > 0  # the Jacobian term is there
+        latent = f"_{guide._pyro_name}_latent"
+        assert_close(ours.nodes[latent]["log_prob"], pyros.nodes[latent]["log_prob"], rtol=0)
 
 
 @pytest.mark.gpu
