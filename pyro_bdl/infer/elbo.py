@@ -1,7 +1,7 @@
 r"""``TraceSuffStat_ELBO``: the ELBO with an M-sample KL whose graph does not grow with M.
 
 The likelihood is estimated as in :class:`~pyro.infer.Trace_ELBO` (``num_particles`` draws of the
-weights); every latent site enters through KL(q ‖ p), picked per site (DESIGN.md 4.4):
+weights); every latent site enters through KL(q ‖ p), picked per site (docs/design/variational.md):
 
 - ``kl="auto"`` (default): the exact KL when one is registered with
   :func:`torch.distributions.kl.register_kl`, else the Monte Carlo estimator registered in
@@ -11,6 +11,15 @@ weights); every latent site enters through KL(q ‖ p), picked per site (DESIGN.
 - ``kl="exact"``: the closed form, or an error naming the site;
 - ``kl="direct"``: the naive M-sample graph (memory linear in M), a reference for experiments.
 
+A constrained site (the guide's base pushed through ``biject_to(support)``) is reduced to the
+real line first (:mod:`pyro_bdl.infer.kl_transform`): against a prior pushed through the same
+bijection (``LogNormal``) the KL is that of the two bases, exact where they have a closed form;
+against any other element-wise prior (``Gamma``, ``Uniform``, ``HalfCauchy``) the prior is
+pulled back and the streaming estimator applies. A site none of this covers (a non-element-wise
+prior, a guide that is not location-scale, AutoNormal's auxiliary sites) enters through
+Trace_ELBO's one-sample term, with a :class:`KLFallbackWarning` naming it; a ``Delta`` guide site
+(AutoDelta) takes that term silently, as it is exact for a point mass.
+
 Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``/``mask``, the
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
 ``scale * KL``). Weight sites live outside the data plate, so under a subsampled plate the KL is
@@ -19,11 +28,13 @@ counted once per step while the likelihood is scaled by N/B.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from pyro import poutine
-from pyro.distributions.util import scale_and_mask
+from pyro.distributions import Delta
+from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.infer import Trace_ELBO
 from pyro.infer.util import is_validation_enabled, torch_item
 from pyro.poutine.util import prune_subsample_sites
@@ -32,8 +43,9 @@ from torch.distributions import Distribution, Independent, kl_divergence
 
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.infer import kl as _kl
+from pyro_bdl.infer.kl_transform import reduce_transformed
 
-__all__ = ["TraceSuffStat_ELBO"]
+__all__ = ["KLFallbackWarning", "TraceSuffStat_ELBO"]
 
 _KL_OPTIONS = ("auto", "mc", "exact", "direct")
 
@@ -68,17 +80,57 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _same_scale_and_mask(model_site, guide_site) -> bool:
+    return _same(guide_site["scale"], model_site["scale"]) and _same(
+        guide_site["mask"], model_site["mask"]
+    )
+
+
+def _exact_kl(q: Distribution, p: Distribution) -> torch.Tensor | None:
+    """KL(q ‖ p) in closed form (batch shape), or ``None``. Pairs whose wrappers differ
+    (``Independent`` against an expanded prior) are tried element-wise and summed."""
+    try:
+        return kl_divergence(q, p)
+    except NotImplementedError:
+        pass
+    q_el, _ = _unwrap(q)
+    p_el, _ = _unwrap(p)
+    if (q_el is q and p_el is p) or q_el.event_shape or p_el.event_shape:
+        return None
+    try:
+        kl = kl_divergence(q_el, p_el)
+    except NotImplementedError:
+        return None
+    return sum_rightmost(kl.expand(q.batch_shape + q.event_shape), len(q.event_shape))
+
+
+class KLFallbackWarning(UserWarning):
+    """A latent site of :class:`TraceSuffStat_ELBO` enters through Trace_ELBO's one-sample term
+    instead of a KL; emitted once per ELBO instance and site, naming the site and the reason."""
+
+
 class TraceSuffStat_ELBO(Trace_ELBO):
     r"""A :class:`~pyro.infer.Trace_ELBO` whose KL term uses ``num_kl_samples`` Monte Carlo samples
     at the memory of one.
 
     Overrides only ``_differentiable_loss_particle`` (and ``loss``), like
-    :class:`~pyro.infer.TraceMeanField_ELBO`. The guide must put a ``Normal`` or
+    :class:`~pyro.infer.TraceMeanField_ELBO`. The M-sample KL needs a ``Normal`` or
     :class:`~pyro_bdl.distributions.Radial` on each latent site itself
-    (:class:`~pyro_bdl.guides.AutoMeanField`, :class:`~pyro_bdl.guides.AutoRadial`), and the prior
-    must be element-wise (every prior of :mod:`pyro_bdl.priors`); any other pair raises a
-    ``ValueError`` naming the site. After each step :attr:`kl_methods` maps site names to the
-    estimator used (``"exact"``, ``"suffstat_normal"``, ``"streaming_laplace"``, ...).
+    (:class:`~pyro_bdl.guides.AutoMeanField`, :class:`~pyro_bdl.guides.AutoRadial`), possibly
+    pushed through ``biject_to(support)`` for a constrained site, and an element-wise prior (every
+    prior of :mod:`pyro_bdl.priors`, and ``LogNormal``, ``Gamma``, ``Uniform``, ... on a
+    constrained site). For a constrained site whose prior is the same bijection of a base
+    (``LogNormal`` and the guide's ``exp``), the KL is that of the bases, exactly: KL is invariant
+    under a bijection applied to both sides.
+
+    Any other site keeps working as under ``Trace_ELBO``: it contributes
+    log p(z) − log q(z) at the guide's draw (with the sites' scales and masks), and a
+    :class:`KLFallbackWarning` naming the site, the reason and the fix is emitted once per ELBO
+    instance and site. Only ``kl="exact"`` without a closed form and guide sites that are not
+    reparameterizable (no score-function term here) raise a ``ValueError`` naming the site.
+    After each step :attr:`kl_methods` maps site names to the estimator used (``"exact"``,
+    ``"suffstat_normal"``, ``"streaming_laplace"``, ``"trace_elbo"`` for the one-sample term,
+    ``"delta"`` for a point-mass guide site, ...).
 
     Usage::
 
@@ -115,6 +167,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         self.chunk_size = chunk_size
         super().__init__(num_particles=num_particles, **kwargs)
         self.kl_methods: dict[str, str] = {}
+        self._warned: set[str] = set()
 
     def _get_trace(self, model, guide, args, kwargs):
         # As pyro.infer.enum.get_importance_trace, minus the log-densities of latent sites in the
@@ -148,15 +201,24 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         return loss
 
     def _differentiable_loss_particle(self, model_trace, guide_trace):
-        for name, site in guide_trace.nodes.items():
-            if site["type"] == "sample" and name not in model_trace.nodes:
-                raise ValueError(
-                    f"TraceSuffStat_ELBO: guide site {name!r} has no model site (an auxiliary "
-                    "site, as in AutoNormal's Normal + Delta construction); its KL cannot be "
-                    "formed. Use pyro_bdl.guides.AutoMeanField or AutoRadial, which sample each "
-                    "weight site from its own distribution."
-                )
         terms: list[tuple[str, str, torch.Tensor]] = []
+        for name, site in guide_trace.nodes.items():
+            if site["type"] != "sample":
+                continue
+            if not getattr(site["fn"], "has_rsample", False):
+                raise ValueError(
+                    f"TraceSuffStat_ELBO: guide site {name!r} ({type(site['fn']).__name__}) is "
+                    "not reparameterizable, and this ELBO has no score-function term for it. Use "
+                    "pyro.infer.TraceGraph_ELBO (or TraceEnum_ELBO to enumerate a discrete site)."
+                )
+            if name not in model_trace.nodes:
+                reason = (
+                    "the guide site has no model site (an auxiliary site, as in AutoNormal's "
+                    "Normal + Delta construction); for the M-sample KL use "
+                    "pyro_bdl.guides.AutoMeanField or AutoRadial, which sample each site from its "
+                    "own distribution"
+                )
+                terms.append(("KL", name, self._fallback(name, None, site, reason)))
         for name, site in model_trace.nodes.items():
             if site["type"] != "sample":
                 continue
@@ -183,82 +245,146 @@ class TraceSuffStat_ELBO(Trace_ELBO):
     def _site_elbo(self, name: str, model_site, guide_site) -> torch.Tensor:
         """E_q[log p] (model scale/mask) − E_q[log q] (guide scale/mask) for one latent site."""
         q, p = guide_site["fn"], model_site["fn"]
+        if isinstance(_unwrap(q)[0], Delta):
+            # A point mass (AutoDelta; AutoNormal's Delta, whose log_density carries the
+            # Jacobian): Trace_ELBO's term is exact, with no sampling variance of its own.
+            self.kl_methods[name] = "delta"
+            return self._trace_elbo_term(model_site, guide_site)
+        reduced = reduce_transformed(q, p)
+        value: torch.Tensor | str
+        if reduced is None:
+            value = self._kl_elbo(name, q, p, model_site, guide_site)
+        elif isinstance(reduced, str):
+            value = reduced
+        else:
+            value = self._kl_elbo(name, reduced.q, reduced.p, model_site, guide_site)
+            if not isinstance(value, str) and not _same_scale_and_mask(model_site, guide_site):
+                value = value + self._jacobian_term(reduced.transform, model_site, guide_site)
+        if isinstance(value, str):
+            if self.kl == "exact":
+                raise ValueError(
+                    f"TraceSuffStat_ELBO(kl='exact'): site {name!r} has no closed-form KL "
+                    f"between the guide's {type(q).__name__} and the prior's {type(p).__name__}. "
+                    "Use kl='auto' (a Monte Carlo estimate where no closed form exists) or "
+                    "register one with torch.distributions.kl.register_kl."
+                )
+            return self._fallback(name, model_site, guide_site, value)
+        return value
+
+    def _kl_elbo(self, name: str, q, p, model_site, guide_site) -> torch.Tensor | str:
+        """The site's term from KL(q ‖ p) (exact or M-sample), or why there is none."""
         g_scale, g_mask = guide_site["scale"], guide_site["mask"]
         m_scale, m_mask = model_site["scale"], model_site["mask"]
         if self.kl in ("auto", "exact"):
-            try:
-                exact = kl_divergence(q, p)
-            except NotImplementedError:
-                if self.kl == "exact":
-                    raise ValueError(
-                        f"TraceSuffStat_ELBO(kl='exact'): site {name!r} has no closed-form KL "
-                        f"between the guide's {type(q).__name__} and the prior's "
-                        f"{type(p).__name__}. Use kl='auto' (Monte Carlo where no closed form "
-                        "exists) or register one with torch.distributions.kl.register_kl."
-                    ) from None
-            else:
+            exact = _exact_kl(q, p)
+            if exact is not None and _same_scale_and_mask(model_site, guide_site):
                 self.kl_methods[name] = "exact"
-                if _same(g_scale, m_scale) and _same(g_mask, m_mask):
-                    return -scale_and_mask(exact, g_scale, g_mask).sum()
+                return -scale_and_mask(exact, g_scale, g_mask).sum()
+            if exact is not None:
                 # Different scales on the two halves: split KL = −H − E_q[log p] exactly.
-                entropy = q.entropy()
-                return (
-                    scale_and_mask(-exact - entropy, m_scale, m_mask).sum()
-                    + scale_and_mask(entropy, g_scale, g_mask).sum()
-                )
+                try:
+                    entropy = q.entropy()
+                except NotImplementedError:
+                    entropy = None
+                if entropy is not None:
+                    self.kl_methods[name] = "exact"
+                    return (
+                        scale_and_mask(-exact - entropy, m_scale, m_mask).sum()
+                        + scale_and_mask(entropy, g_scale, g_mask).sum()
+                    )
+            if self.kl == "exact":
+                return "no closed form"
         terms = self._mc_terms(name, q, p)
+        if isinstance(terms, str):
+            return terms
         return (
             scale_and_mask(terms.log_p, m_scale, m_mask).sum()
             - scale_and_mask(terms.log_q, g_scale, g_mask).sum()
         )
 
-    def _mc_terms(self, name: str, q: Distribution, p: Distribution) -> _kl.KLTerms:
+    @staticmethod
+    def _jacobian_term(transform, model_site, guide_site) -> torch.Tensor:
+        r"""With z = T(u), log q(z) and log p(z) both carry −log|T'(u)|; it cancels in the KL but
+        not when the two halves are scaled differently: (g − m)·E_q[log|T'(u)|], estimated at the
+        guide's draw (reparameterized, so unbiased in value and gradient)."""
+        z = guide_site["value"]
+        u = transform.inv(z)
+        ladj = transform.log_abs_det_jacobian(u, z)
+        ladj = sum_rightmost(ladj, ladj.dim() - len(guide_site["fn"].batch_shape))
+        return (
+            scale_and_mask(ladj, guide_site["scale"], guide_site["mask"]).sum()
+            - scale_and_mask(ladj, model_site["scale"], model_site["mask"]).sum()
+        )
+
+    def _fallback(self, name: str, model_site, guide_site, reason: str) -> torch.Tensor:
+        """Trace_ELBO's term for the site: log p(z) − log q(z) at the guide's draw."""
+        if name not in self._warned:
+            self._warned.add(name)
+            warnings.warn(
+                f"TraceSuffStat_ELBO: no M-sample KL for site {name!r}: {reason}. The site "
+                "enters through Trace_ELBO's one-sample term log p(z) - log q(z) at the guide's "
+                "draw (unbiased, with more variance).",
+                KLFallbackWarning,
+                stacklevel=2,
+            )
+        self.kl_methods[name] = "trace_elbo"
+        return self._trace_elbo_term(model_site, guide_site)
+
+    @staticmethod
+    def _trace_elbo_term(model_site, guide_site) -> torch.Tensor:
+        value = guide_site["value"]
+        log_q = guide_site["fn"].log_prob(value)
+        elbo = -scale_and_mask(log_q, guide_site["scale"], guide_site["mask"]).sum()
+        if model_site is not None:
+            log_p = model_site["fn"].log_prob(value)
+            elbo = elbo + scale_and_mask(log_p, model_site["scale"], model_site["mask"]).sum()
+        return elbo
+
+    def _mc_terms(self, name: str, q: Distribution, p: Distribution) -> _kl.KLTerms | str:
+        """The registered M-sample estimator's terms, or why none applies (with the fix)."""
         q_base, q_dims = _unwrap(q)
         p_base, p_dims = _unwrap(p)
         family = _noise_family(q_base)
-        reason = ""
-        estimator = None
         if family is None:
-            reason = (
+            known = ", ".join(c.__name__ for c in _kl.NOISE_FAMILIES)
+            return (
                 f"the guide's {type(q_base).__name__} is not a registered location-scale "
-                f"posterior (known: {', '.join(c.__name__ for c in _kl.NOISE_FAMILIES)})"
+                f"posterior (known: {known}); for the M-sample KL use a guide with one of these "
+                "on each site, such as pyro_bdl.guides.AutoMeanField or AutoRadial"
             )
-        elif family is _kl.RADIAL_NOISE and q_dims:
-            reason = "a Radial wrapped in Independent normalises over too few dims"
-        elif p_base.event_shape != torch.Size() or p_dims != len(q.event_shape):
-            reason = (
+        if family is _kl.RADIAL_NOISE and q_dims:
+            return (
+                "a Radial wrapped in Independent normalises over too few dims; use "
+                "pyro_bdl.guides.AutoRadial, whose Radial covers the whole site"
+            )
+        if p_base.event_shape != torch.Size() or p_dims != len(q.event_shape):
+            return (
                 f"the prior {type(p_base).__name__} is not element-wise over the site's "
-                f"{len(q.event_shape)} event dims"
+                f"{len(q.event_shape)} event dims; the M-sample estimators need an element-wise "
+                "prior (or register a closed form with torch.distributions.kl.register_kl)"
             )
-        else:
-            estimator = (
-                _kl.kl_direct
-                if self.kl == "direct"
-                else _kl.find_kl_estimator(family.name, type(p_base))
-            )
-            if estimator is None:
-                reason = f"nothing is registered for ({family.name!r}, {type(p_base).__name__})"
-        if estimator is not None:
-            assert family is not None
-            loc, scale = q_base.loc, q_base.scale  # type: ignore[attr-defined]
-            try:
-                terms = estimator(
-                    loc,
-                    scale,
-                    p_base,
-                    noise=family,
-                    num_samples=self.num_kl_samples,
-                    event_dim=len(q.event_shape),
-                    chunk_size=self.chunk_size,
-                )
-            except NotImplementedError as err:
-                reason = str(err)
-            else:
-                self.kl_methods[name] = getattr(estimator, "__name__", "custom")
-                return terms
-        raise ValueError(
-            f"TraceSuffStat_ELBO: no KL estimator for site {name!r}: posterior "
-            f"{type(q_base).__name__}, prior {type(p_base).__name__} ({reason}). Use "
-            "pyro_bdl.guides.AutoMeanField or AutoRadial with a prior from pyro_bdl.priors, or "
-            "register an estimator with pyro_bdl.infer.register_kl_estimator(noise, prior_type)."
+        estimator = (
+            _kl.kl_direct
+            if self.kl == "direct"
+            else _kl.find_kl_estimator(family.name, type(p_base))
         )
+        if estimator is None:
+            return (
+                f"nothing is registered for ({family.name!r}, {type(p_base).__name__}); register "
+                "an estimator with pyro_bdl.infer.register_kl_estimator(noise, prior_type)"
+            )
+        loc, scale = q_base.loc, q_base.scale  # type: ignore[attr-defined]
+        try:
+            terms = estimator(
+                loc,
+                scale,
+                p_base,
+                noise=family,
+                num_samples=self.num_kl_samples,
+                event_dim=len(q.event_shape),
+                chunk_size=self.chunk_size,
+            )
+        except NotImplementedError as err:
+            return str(err)
+        self.kl_methods[name] = getattr(estimator, "__name__", "custom")
+        return terms

@@ -5,7 +5,8 @@ For a location-scale posterior :math:`w_j = \mu + \sigma\odot\xi_j` and M noise 
 
 .. math:: \widehat{KL}_M = \frac1M\sum_j \log q(w_j) - \frac1M\sum_j \log p(w_j)
 
-is computed here without building the M × D graph of the direct estimator (DESIGN.md 4.4):
+is computed here without building the M × D graph of the direct estimator
+(docs/design/variational.md):
 
 - **entropy side**: :math:`\sum_j \log q(w_j) = \sum_j \log p_\xi(\xi_j) - M\sum_i\log\sigma_i`;
   the first sum needs no gradient;

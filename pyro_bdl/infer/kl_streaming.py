@@ -2,8 +2,8 @@ r"""The streaming M-sample KL estimator: any element-wise prior, memory O(D) wha
 
 A custom :class:`torch.autograd.Function` evaluates :math:`\sum_j \log p(\mu + \sigma\xi_j)` over
 chunks of noise and keeps only :math:`G_\mu = \sum_j f'(w_j)` and
-:math:`G_\sigma = \sum_j \xi_j f'(w_j)` for backward (DESIGN.md 4.4). Closed-form chunk sums for
-the Laplace and scale-mixture priors avoid autograd inside the loop.
+:math:`G_\sigma = \sum_j \xi_j f'(w_j)` for backward (docs/design/variational.md). Closed-form
+chunk sums for the Laplace and scale-mixture priors avoid autograd inside the loop.
 
 Usage::
 

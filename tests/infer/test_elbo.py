@@ -1,16 +1,18 @@
 """``TraceSuffStat_ELBO`` with the per-site guides and every prior: exact KL parity with
-``TraceMeanField_ELBO``, Monte Carlo KL accuracy, scale/mask/subsampling semantics and errors."""
+``TraceMeanField_ELBO``, Monte Carlo KL accuracy, scale/mask/subsampling semantics, Trace_ELBO's
+term for sites without a KL, and errors. Constrained sites: test_elbo_constrained.py."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
-from pyro.infer import SVI, TraceMeanField_ELBO
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoNormal
 from pyro.poutine.util import prune_subsample_sites
 from torch import nn
@@ -20,6 +22,7 @@ from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.distributions import Radial
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 from pyro_bdl.infer import TraceSuffStat_ELBO
+from pyro_bdl.infer.elbo import KLFallbackWarning
 from tests.common import assert_close
 from tests.scenarios import BayesianLinearRegression
 
@@ -257,21 +260,40 @@ def test_bad_options(kwargs, error, match):
         TraceSuffStat_ELBO(**kwargs)
 
 
-@pytest.mark.parametrize(
-    "guide_cls,match",
-    [
-        (AutoNormal, "guide site '0.weight_unconstrained'.*auxiliary site"),
-        (AutoDelta, "no KL estimator for site '0.weight': posterior Delta"),
-    ],
-)
-def test_guides_without_a_per_site_posterior_are_refused_by_name(guide_cls, match):
+@pytest.mark.parametrize("guide_cls", [AutoNormal, AutoDelta])
+def test_guides_without_a_per_site_posterior_take_trace_elbos_terms(guide_cls):
+    # AutoNormal (auxiliary Normal + Delta) and AutoDelta have no M-sample KL: every site takes
+    # Trace_ELBO's term, which draws nothing beyond the guide, so under one seed the losses and
+    # gradients are Trace_ELBO's to rounding. Only the auxiliary sites warn (a Delta's term is
+    # exact for a point mass), once per ELBO instance and site.
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 3))
+    net = nn.Sequential(nn.Linear(4, 3)).to(F64)
     model = models.classifier(bayesianize(net, priors.Normal()), N)
     guide = guide_cls(model)
-    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
-    with pytest.raises(ValueError, match=match):
-        TraceSuffStat_ELBO(kl="mc").loss(model, guide, x, y)
+    x, y = torch.randn(10, 4, dtype=F64), torch.randint(0, 3, (10,))
+    guide(x, y)
+    params = list(guide.parameters())
+    elbo = TraceSuffStat_ELBO(kl="mc")
+    values = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for loss_fn in (elbo, elbo, Trace_ELBO()):
+            pyro.set_rng_seed(6)
+            loss = loss_fn.differentiable_loss(model, guide, x, y)
+            values.append((loss.detach(), torch.autograd.grad(loss, params)))
+    names = sorted(str(w.message).split("site ")[1].split(":")[0] for w in caught)
+    if guide_cls is AutoNormal:
+        assert all(issubclass(w.category, KLFallbackWarning) for w in caught)
+        assert names == ["'0.bias_unconstrained'", "'0.weight_unconstrained'"]
+        assert "auxiliary site" in str(caught[0].message)
+        assert elbo.kl_methods["0.weight_unconstrained"] == "trace_elbo"
+    else:
+        assert not caught
+    assert elbo.kl_methods["0.weight"] == "delta"
+    for loss, grads in values[1:]:
+        assert_close(loss, values[0][0], rtol=1e-12)
+        for g, ref in zip(grads, values[0][1]):
+            assert_close(g, ref, rtol=1e-10, atol=1e-12)
 
 
 def test_exact_without_a_closed_form_names_the_site():
@@ -280,19 +302,45 @@ def test_exact_without_a_closed_form_names_the_site():
         TraceSuffStat_ELBO(kl="exact").loss(model, guide, x, y)
 
 
-def test_non_elementwise_prior_and_learnable_streaming_prior_name_the_site():
+def test_non_elementwise_prior_and_learnable_streaming_prior_fall_back_by_name():
+    # No M-sample KL applies: the site takes Trace_ELBO's term (nothing else is drawn, so the
+    # loss is Trace_ELBO's under one seed) and the warning names the site, the reason and a fix.
     def model(prior):
         pyro.sample("w", prior)
 
+    loc = torch.zeros(2, requires_grad=True)
+
     def guide(prior):
-        pyro.sample("w", dist.Normal(torch.zeros(2), torch.ones(2)).to_event(1))
+        pyro.sample("w", dist.Normal(loc, torch.ones(2)).to_event(1))
 
     mvn = dist.MultivariateNormal(torch.zeros(2), torch.eye(2))
-    with pytest.raises(ValueError, match=r"site 'w'.*not element-wise"):
-        TraceSuffStat_ELBO(kl="mc").loss(model, guide, mvn)
-    learnable = dist.Laplace(0.0, torch.tensor(1.0, requires_grad=True)).expand([2]).to_event(1)
-    with pytest.raises(ValueError, match=r"site 'w'.*'scale' requires grad"):
-        TraceSuffStat_ELBO(kl="mc").differentiable_loss(model, guide, learnable)
+    prior_scale = torch.tensor(1.0, requires_grad=True)
+    learnable = dist.Laplace(0.0, prior_scale).expand([2]).to_event(1)
+    for prior, match in [
+        (mvn, r"site 'w'.*not element-wise.*register_kl"),
+        (learnable, r"site 'w'.*'scale' requires grad.*kl='direct'"),
+    ]:
+        elbo = TraceSuffStat_ELBO(kl="mc")
+        pyro.set_rng_seed(1)
+        with pytest.warns(KLFallbackWarning, match=match):
+            value = elbo.differentiable_loss(model, guide, prior)
+        assert elbo.kl_methods == {"w": "trace_elbo"}
+        pyro.set_rng_seed(1)
+        assert_close(value.detach(), Trace_ELBO().differentiable_loss(model, guide, prior).detach())
+    # The prior's parameter is learned as under Trace_ELBO.
+    (grad,) = torch.autograd.grad(value, [prior_scale])
+    assert torch.isfinite(grad) and grad != 0
+
+
+def test_non_reparameterizable_guide_site_is_refused_by_name():
+    def model():
+        pyro.sample("z", dist.Bernoulli(0.3))
+
+    def guide():
+        pyro.sample("z", dist.Bernoulli(torch.tensor(0.6)))
+
+    with pytest.raises(ValueError, match=r"guide site 'z' \(Bernoulli\).*TraceGraph_ELBO"):
+        TraceSuffStat_ELBO().loss(model, guide)
 
 
 def test_non_finite_terms_are_reported_with_site_and_term():
