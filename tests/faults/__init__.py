@@ -1,0 +1,1 @@
+"""Fault injection: bad inputs, interrupted writes, mismatched state; each refusal leaves nothing changed."""
