@@ -1,5 +1,5 @@
-"""VOGN: the update of DESIGN.md 4.5, its fixed point on Bayesian linear regression, state,
-schedules, hidden parameters and bad input."""
+"""VOGN: the update (docs/design/vogn.md) by hand, its fixed point on Bayesian linear regression,
+the prior read from the lifted sites, state, schedules, hidden parameters and bad input."""
 
 from __future__ import annotations
 
@@ -191,8 +191,8 @@ def test_hidden_batchnorm_parameters_are_point_estimates():
     assert set(vogn.guide.median()) == {"0.weight", "0.bias", "4.weight", "4.bias"}
     assert not torch.equal(bn.weight.detach(), before)  # trained ...
     assert set(vogn.state_dict()["hidden"]) == {"1.weight", "1.bias"}  # ... as hidden parameters
-    state = vogn.optimizer.state[bn.weight]
-    assert state["s"].shape == bn.weight.shape and bool((state["s"] >= 0).all())
+    s = vogn.state.hidden_curvature[[p is bn.weight for p in vogn.state.hidden].index(True)]
+    assert s.shape == bn.weight.shape and bool((s >= 0).all())
 
 
 def test_state_dict_round_trip_resumes_exactly():
@@ -219,16 +219,20 @@ def test_state_dict_round_trip_resumes_exactly():
         fresh.step(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
     got = fresh.state_dict()
     assert got["step"] == expected["step"] == 4
-    assert torch.equal(got["guide"]["loc"], expected["guide"]["loc"])
-    assert torch.equal(got["guide"]["scale"], expected["guide"]["scale"])
-    for name in expected["hidden"]:
-        assert torch.equal(got["hidden"][name], expected["hidden"][name])
-    # Without the optimizer state (m, s) the run differs: the test can fail.
+    for key in ("mean", "momentum", "curvature"):
+        assert torch.equal(got[key], expected[key])
+    assert torch.equal(fresh.guide.loc, vogn.guide.loc)
+    assert torch.equal(fresh.guide.scale, vogn.guide.scale)
+    for key in ("hidden", "hidden_momentum", "hidden_curvature"):
+        for name in expected[key]:
+            assert torch.equal(got[key][name], expected[key][name])
+    # Without the moments (m, s) the run differs: the test can fail.
     broken = copy.deepcopy(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
-    broken["optimizer"]["state"] = {
-        k: {n: torch.zeros_like(t) for n, t in v.items()}
-        for k, v in broken["optimizer"]["state"].items()
-    }
+    for key in ("momentum", "curvature"):
+        broken[key] = torch.zeros_like(broken[key])
+        broken["hidden_" + key] = {
+            n: torch.zeros_like(t) for n, t in broken["hidden_" + key].items()
+        }
     other = VOGN(small_cnn_model(), dataset_size=40, lr=1e-2)
     other.step(x[:8], y[:8])
     other.model.net.load_state_dict(net_state)
@@ -236,7 +240,7 @@ def test_state_dict_round_trip_resumes_exactly():
     torch.set_rng_state(rng)
     for i in range(2, 4):
         other.step(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
-    assert not torch.equal(other.state_dict()["guide"]["loc"], expected["guide"]["loc"])
+    assert not torch.equal(other.state_dict()["mean"], expected["mean"])
 
 
 def test_state_dict_of_another_model_is_refused():
@@ -272,10 +276,9 @@ def test_lr_scheduler_and_temperature_schedule():
     assert seen == [1, 2, 3, 4, 5]
     assert vogn.temperature == 1.0
     # σ² = τ/(Ñ(s + δ̃)) with the current τ.
-    s = vogn.optimizer.state[vogn.guide.loc]["s"]
     vogn.temperature = 0.25
     vogn.step(sc.x, sc.y)
-    s = vogn.optimizer.state[vogn.guide.loc]["s"]
+    s = vogn.state.curvature
     assert_close(vogn.guide.scale.square(), 0.25 / (20 * (s + 0.25 / 20)), rtol=1e-12)
 
 
