@@ -107,9 +107,10 @@ def vogn_update(
     torch._foreach_add_(s, list(h_hat), alpha=beta2)
     if isinstance(d_tilde, torch.Tensor) or d_tilde != hyper.hidden_precision_tilde:
         denominator = [torch.add(state.curvature, d_tilde).add_(hyper.damping)]
-        denominator += torch._foreach_add(
-            state.hidden_curvature, hyper.hidden_precision_tilde + hyper.damping
-        )
+        if state.hidden_curvature:
+            denominator += torch._foreach_add(
+                state.hidden_curvature, hyper.hidden_precision_tilde + hyper.damping
+            )
     else:
         denominator = list(torch._foreach_add(s, d_tilde + hyper.damping))
     torch._foreach_addcdiv_(params, m, denominator, value=-hyper.lr)
