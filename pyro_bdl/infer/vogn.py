@@ -219,9 +219,13 @@ class VOGN:
         return self.state is None
 
     def setup(self, *args, **kwargs) -> None:
-        """Read the model on a minibatch and initialise the state: the first part of the first
-        :meth:`step` (s starts at ĥ of this minibatch at w = μ, Algorithm 1 line 1). Does nothing
-        once VOGN has seen the model. A checkpoint loader calls it before restoring a state."""
+        """Read the model on a minibatch and initialise the state, as the first :meth:`step` does
+        before its update (s starts at ĥ of this minibatch at w = μ, Algorithm 1 line 1), but
+        leaving BatchNorm's running statistics as they were. Does nothing once VOGN has seen the
+        model. A checkpoint loader calls it before checking and restoring a state."""
+        self._setup(args, kwargs, keep_statistics=False)
+
+    def _setup(self, args, kwargs, *, keep_statistics: bool) -> None:
         if self.state is not None:
             return
         pending = self._pending
@@ -238,14 +242,16 @@ class VOGN:
         if pending is not None:
             self._pending = None
             self.load_state_dict(pending)
-            return
-        losses, batch, _ = per_example_nll(ready.observed, 1)
-        self._passes.gradients(ready.tape, losses, add=False)
-        _, h = self._passes.split()
-        assert self.state is not None
-        self.state.curvature = h[0] / batch
-        self.state.hidden_curvature = [t / batch for t in h[1:]]
-        self._refresh_scale()
+        else:
+            losses, batch, _ = per_example_nll(ready.observed, 1)
+            self._passes.gradients(ready.tape, losses, add=False)
+            _, h = self._passes.split()
+            assert self.state is not None
+            self.state.curvature = h[0] / batch
+            self.state.hidden_curvature = [t / batch for t in h[1:]]
+            self._refresh_scale()
+        if not keep_statistics:
+            ready.restore_statistics()
 
     def _install(self, ready: Prepared) -> None:
         """Own the state of a freshly read model; allocate the buffers every pass reuses."""
@@ -288,7 +294,7 @@ class VOGN:
     def step(self, *args, **kwargs) -> float:
         """One VOGN update on a minibatch; returns the estimated (tempered) negative ELBO,
         N/B Σᵢ ℓᵢ averaged over the particles plus τ·KL(q ‖ prior), like ``SVI.step``."""
-        self.setup(*args, **kwargs)
+        self._setup(args, kwargs, keep_statistics=True)
         assert self.state is not None and self.prior is not None
         if self._schedule is not None:
             tau = float(self._schedule(self.step_count + 1))

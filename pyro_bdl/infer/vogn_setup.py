@@ -30,6 +30,7 @@ class Prepared:
     :ivar prior: the prior VOGN uses.
     :ivar tape: the tape that recorded the pass (its layers are the ones to hook from then on).
     :ivar observed: the observed sites of the pass, weights at their initial values.
+    :ivar statistics: the buffers of every layer as they were before the pass.
     """
 
     layout: SiteLayout
@@ -37,6 +38,19 @@ class Prepared:
     prior: VOGNPrior
     tape: PerExampleGradients
     observed: list[dict]
+    statistics: dict[nn.Module, dict[str, torch.Tensor]]
+
+    def restore_statistics(self) -> None:
+        """Put back the buffers (BatchNorm's running statistics) that the pass changed; only
+        once the pass's backward is done, which reads them."""
+        _restore(self.statistics)
+
+
+@torch.no_grad()
+def _restore(snapshots: dict[nn.Module, dict[str, torch.Tensor]]) -> None:
+    for module, buffers in snapshots.items():
+        for k, b in buffers.items():
+            getattr(module, k).copy_(b)
 
 
 def prepare(
@@ -52,9 +66,10 @@ def prepare(
     """Trace ``model`` at the weights' initial values while a tape records every layer; check the
     model (and, with ``check``, anything else about its layout) and read its prior.
 
-    On any refusal the BatchNorm statistics the pass changed are put back before raising, and the
-    random streams are left as they were found either way (a subsampling plate draws indices), so
-    that a run resumed from a state_dict continues bit for bit.
+    The pass is a training pass: it updates BatchNorm's running statistics, which are put back on
+    a refusal (and by :meth:`Prepared.restore_statistics`). The random streams are left as they
+    were found (a subsampling plate draws indices), so that a run resumed from a state_dict
+    continues bit for bit.
 
     :raises ValueError: for a model VOGN cannot fit (including
         :class:`~pyro_bdl.priors.NonGaussianPriorError`).
@@ -84,10 +99,7 @@ def prepare(
         if check is not None:
             check(layout, hidden)
     except (ValueError, TypeError):
-        with torch.no_grad():
-            for module, buffers in snapshots.items():
-                for k, b in buffers.items():
-                    getattr(module, k).copy_(b)
+        _restore(snapshots)
         raise
     observed = observed_sites(trace, set(layout.names))
-    return Prepared(layout, hidden, prior, tape, observed)
+    return Prepared(layout, hidden, prior, tape, observed, snapshots)
