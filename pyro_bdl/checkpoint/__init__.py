@@ -1,9 +1,10 @@
 r"""Checkpoints that resume training bit for bit.
 
 A checkpoint holds everything a training loop needs to continue exactly where it stopped: Pyro's
-param store, the guide's and any module's ``state_dict`` (SWAG, Laplace and VOGN keep their
-posteriors in buffers), the optimizer state, the step counter, the caller's data-order state and
-every random number generator (Python ``random``, NumPy, torch CPU and CUDA).
+param store, the guide's and any module's ``state_dict`` (SWAG and Laplace keep their posteriors
+in the guide's buffers, VOGN in its own ``state_dict``), the optimizer state, the step counter,
+the caller's data-order state and every random number generator (Python ``random``, NumPy, torch
+CPU and CUDA).
 
 Guarantees:
 

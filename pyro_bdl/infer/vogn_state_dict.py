@@ -93,6 +93,14 @@ def check_state_dict(
                 f"the VOGN state_dict is damaged: {key!r} must have shape ({size},), the total "
                 f"size of its sites; got {getattr(state[key], 'shape', type(state[key]))}."
             )
+    groups = (
+        state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
+    )
+    if not isinstance(groups, list) or len(groups) != 1 or not {"lr", "betas"} <= set(groups[0]):
+        raise ValueError(
+            "the VOGN state_dict is damaged: 'optimizer' must be the state_dict of VOGN's "
+            "optimizer (one parameter group with 'lr' and 'betas')."
+        )
     names = sorted(state["hidden"])
     for key in ("hidden_momentum", "hidden_curvature"):
         if sorted(state[key]) != names:
