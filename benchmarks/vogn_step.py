@@ -1,4 +1,4 @@
-"""VOGN's cost (BENCHMARKS.md): squared per-example gradients and one VOGN step, as ratios.
+"""VOGN's cost: squared per-example gradients and one VOGN step, as ratios (docs/design/vogn.md).
 
 Figures, each measured side by side in one process on the same network and batch:
 

@@ -26,6 +26,7 @@ from pyro_bdl.checkpoint import (
     save_checkpoint,
 )
 from pyro_bdl.checkpoint._parts import constraint_from_spec, constraint_label, constraint_spec
+from tests.scenarios import BayesianLinearRegression
 
 ROOT = Path(__file__).resolve().parents[1]
 K, STEPS = 5, 9  # killed after step 5 of 9: mid-epoch (4 batches per epoch), so data order matters
@@ -543,3 +544,98 @@ def test_bad_arguments(tmp_path, kwargs, match):
 def test_negative_step_is_refused(tmp_path):
     with pytest.raises(ValueError, match="step must be >= 0"):
         save_checkpoint(tmp_path / "c.ckpt", step=-1)
+
+
+# -- VOGN: a module that reads the model lazily and checks the state it is given ---------------
+
+
+def vogn_cnn(seed: int = 0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 3, 3, padding=1),
+        torch.nn.BatchNorm2d(3),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(3 * 4 * 4, 3),
+    )
+    bnn = bdl.bayesianize(net, bdl.priors.Normal(scale=0.5))
+    model = bdl.models.classifier(bnn, 40)
+    return bnn, bdl.infer.VOGN(model, dataset_size=40, lr=1e-2, num_particles=2)
+
+
+def vogn_data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(40, 1, 4, 4, generator=g), torch.randint(0, 3, (40,), generator=g)
+
+
+def test_vogn_resumes_bit_for_bit_through_a_checkpoint(tmp_path):
+    x, y = vogn_data()
+    bnn, vogn = vogn_cnn()
+    for i in range(2):
+        vogn.step(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+    path = tmp_path / "vogn.ckpt"
+    save_checkpoint(path, modules={"vogn": vogn, "net": bnn}, step=2)
+    for i in range(2, 5):
+        vogn.step(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+
+    pyro.clear_param_store()
+    fresh_bnn, fresh = vogn_cnn(seed=1)  # other initial weights: everything must come from the file
+    with pytest.raises(ValueError, match=r"module 'vogn' has not seen the model.*example_args"):
+        load_checkpoint(path, modules={"vogn": fresh, "net": fresh_bnn})
+    info = load_checkpoint(path, modules={"vogn": fresh, "net": fresh_bnn}, example_args=(x, y))
+    assert info["step"] == fresh.step_count == 2
+    for i in range(2, 5):
+        fresh.step(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+    assert torch.equal(fresh.guide.loc, vogn.guide.loc)
+    assert torch.equal(fresh.guide.scale, vogn.guide.scale)
+    assert torch.equal(fresh_bnn[1].running_mean, bnn[1].running_mean)
+    assert torch.equal(fresh_bnn[1].weight, bnn[1].weight)
+
+
+def forge_earlier_vogn_state(path: Path) -> None:
+    """Rewrite a checkpoint's VOGN state in the layout VOGN wrote when its μ, σ lived in the
+    guide's state_dict and m, s in the optimizer's."""
+    payload = torch.load(path, weights_only=True)
+    new = payload["modules"]["vogn"]
+    payload["modules"]["vogn"] = {
+        "step": new["step"],
+        "sites": new["sites"],
+        "hidden": new["hidden"],
+        "guide": {"loc": new["mean"], "scale": torch.ones_like(new["mean"])},
+        "optimizer": {"state": {0: {"m": new["momentum"]}}, "param_groups": []},
+    }
+    torch.save(payload, path)
+
+
+@pytest.mark.parametrize("case", ["earlier format", "other architecture"])
+def test_a_vogn_state_it_cannot_restore_is_refused_before_any_change(tmp_path, case):
+    x, y = vogn_data()
+    _, vogn = vogn_cnn()
+    vogn.step(x[:8], y[:8])
+    path = tmp_path / "vogn.ckpt"
+    save_checkpoint(path, modules={"vogn": vogn}, step=1)
+    if case == "earlier format":
+        forge_earlier_vogn_state(path)
+        fresh_bnn, fresh = vogn_cnn(seed=1)
+        match = "earlier layout"
+    else:
+        # The same module names, another architecture; without net= in the checkpoint only VOGN
+        # itself can tell.
+        sc = BayesianLinearRegression(n=40, d=3)
+        fresh_bnn = sc.network()
+        fresh = bdl.infer.VOGN(sc.model(fresh_bnn), dataset_size=40)
+        x, y = sc.x, sc.y
+        match = "different model"
+    before = {k: v.clone() for k, v in fresh_bnn.state_dict().items()}
+    with pytest.raises(CheckpointMismatchError, match=match):
+        load_checkpoint(path, modules={"vogn": fresh}, example_args=(x, y))
+    # Set up (its initial state, as before a first step), but nothing restored or trained.
+    assert fresh.step_count == 0
+    mean = torch.cat([s.spec.init_value.reshape(-1) for s in fresh.layout])
+    assert torch.equal(fresh.state.mean, mean)
+    for k, v in fresh_bnn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    if case == "earlier format":  # and VOGN says the same when given the state directly
+        state = torch.load(path, weights_only=True)["modules"]["vogn"]
+        with pytest.raises(ValueError, match="earlier layout"):
+            bdl.infer.VOGN(vogn.model, dataset_size=40).load_state_dict(state)

@@ -1,9 +1,10 @@
 r"""Checkpoints that resume training bit for bit.
 
 A checkpoint holds everything a training loop needs to continue exactly where it stopped: Pyro's
-param store, the guide's and any module's ``state_dict`` (SWAG, Laplace and VOGN keep their
-posteriors in buffers), the optimizer state, the step counter, the caller's data-order state and
-every random number generator (Python ``random``, NumPy, torch CPU and CUDA).
+param store, the guide's and any module's ``state_dict`` (SWAG and Laplace keep their posteriors
+in the guide's buffers, VOGN in its own ``state_dict``), the optimizer state, the step counter,
+the caller's data-order state and every random number generator (Python ``random``, NumPy, torch
+CPU and CUDA).
 
 Guarantees:
 
@@ -20,7 +21,10 @@ random numbers while doing so (initialisation, the first sample). Restoring the 
 set-up lets the set-up consume the restored stream, and the resumed run drifts from the
 uninterrupted one. So the order is: build the model, guide and optimizer; set the guide up (call
 it once on a batch); restore the state; restore the RNG last. :func:`load_checkpoint` does this
-itself when given ``example_args``.
+itself when given ``example_args``. A module that reads the model lazily too (it has
+``needs_setup`` and ``setup(*args)``, as :class:`~pyro_bdl.infer.VOGN` does) is set up the same way,
+and one that can check a state against its model (``check_state_dict``) does so before anything is
+restored.
 
 Usage::
 
@@ -32,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -40,8 +43,8 @@ from typing import Any
 import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.optim.optim import is_scheduler
 
+from pyro_bdl.checkpoint._files import FORMAT, VERSION, atomic_save, read
 from pyro_bdl.checkpoint._parts import (
     CheckpointError,
     CheckpointMismatchError,
@@ -49,8 +52,6 @@ from pyro_bdl.checkpoint._parts import (
     check_path,
     check_plain,
     check_targets,
-    compare,
-    constraint_from_spec,
     constraint_spec,
     has,
     likelihood_of,
@@ -61,6 +62,7 @@ from pyro_bdl.checkpoint._parts import (
     rng_state,
     set_rng_state,
 )
+from pyro_bdl.checkpoint._restore import mismatches, restore_optim, restore_params, state_errors
 
 __all__ = [
     "CheckpointError",
@@ -70,45 +72,9 @@ __all__ = [
     "save_checkpoint",
 ]
 
-_FORMAT = "pyro_bdl.checkpoint"
-_VERSION = 1
-
 
 # ---------------------------------------------------------------------------------------------
 # Writing
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # Windows cannot open folders; the rename is still atomic there.
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_save(payload: dict[str, Any], path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    # Same folder as the target, so os.replace is a rename within one file system (atomic).
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(folder)
 
 
 def save_checkpoint(
@@ -170,8 +136,8 @@ def save_checkpoint(
     modules = dict(modules or {})
     guide_state = guide.state_dict() if isinstance(guide, torch.nn.Module) else None
     payload: dict[str, Any] = {
-        "format": _FORMAT,
-        "version": _VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "fingerprint": {
             "params": params_fingerprint(values, specs),
             "guide": None if guide is None else qualname(guide),
@@ -192,110 +158,11 @@ def save_checkpoint(
     # Check every part before writing anything, so a bad part leaves no file behind.
     for key, value in payload.items():
         check_plain(value, key)
-    _atomic_save(payload, path)
+    atomic_save(payload, path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
-
-
-_KEYS = ("fingerprint", "param_store", "guide", "modules", "optim", "generators", "step", "rng")
-
-
-def _read(path: str, map_location) -> dict[str, Any]:
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"no checkpoint at {path!r}: the file does not exist. Check the path (or start the "
-            "run from step 0)."
-        )
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(
-            f"cannot read checkpoint {path!r}: the file is truncated or corrupt, or holds more "
-            f"than tensors and plain values ({type(err).__name__}: {reason}). Resume from an "
-            "earlier checkpoint; save_checkpoint writes atomically, so files it wrote are whole."
-        ) from err
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise CheckpointError(
-            f"{path!r} is not a pyro_bdl checkpoint (no {_FORMAT!r} header). Write checkpoints "
-            "with pyro_bdl.checkpoint.save_checkpoint."
-        )
-    if payload.get("version") != _VERSION or any(k not in payload for k in _KEYS):
-        raise CheckpointError(
-            f"{path!r} is a pyro_bdl checkpoint of format version {payload.get('version')!r} "
-            f"with keys {sorted(payload)}; this version reads version {_VERSION}."
-        )
-    return payload
-
-
-def _mismatches(payload, guide, model, modules, generators) -> tuple[list[str], list[str]]:
-    """The differences that refuse the file, and the saved parts nobody asked for."""
-    saved = payload["fingerprint"]
-    out: list[str] = []
-    both_guides = guide is not None and saved["guide"] is not None
-    if both_guides:
-        compare({"class": saved["guide"]}, {"class": qualname(guide)}, "guide", out)
-    now_lik = likelihood_of(model, guide)
-    shared = set(saved["likelihood"]) & set(now_lik)
-    compare(
-        {k: saved["likelihood"][k] for k in shared}, {k: now_lik[k] for k in shared}, "model", out
-    )
-    store = pyro.get_param_store().get_state()
-    if store["params"]:  # an empty store is filled from the file instead
-        specs = {n: constraint_spec(c) for n, c in store["constraints"].items()}
-        compare(saved["params"], params_fingerprint(store["params"], specs), "param", out)
-    if both_guides and saved["guide_state"] is not None and isinstance(guide, torch.nn.Module):
-        compare(saved["guide_state"], module_fingerprint(guide), "guide key", out)
-    for name, m in modules.items():
-        if name not in saved["modules"]:
-            out.append(f"module {name!r}: only in this process")
-        else:
-            compare(saved["modules"][name], module_fingerprint(m), f"module {name!r} key", out)
-    for name in generators:
-        if name not in payload["generators"]:
-            out.append(f"generator {name!r}: only in this process")
-    unused = [f"module {n!r}" for n in saved["modules"] if n not in modules]
-    unused += [f"generator {n!r}" for n in payload["generators"] if n not in generators]
-    return out, unused
-
-
-def _restore_params(payload, path: str) -> None:
-    live = pyro.get_param_store().get_state()["params"]
-    saved = payload["param_store"]
-    new, new_constraints = {}, {}
-    with torch.no_grad():
-        for name, value in saved["values"].items():
-            if name in live:
-                # In place: the guide's modules and the optimizers hold these very tensors.
-                live[name].copy_(value)
-            else:
-                new[name] = value.detach().clone().requires_grad_()
-                new_constraints[name] = constraint_from_spec(
-                    saved["constraints"][name], param=name, path=path
-                )
-    if new:
-        pyro.get_param_store().set_state({"params": new, "constraints": new_constraints})
-
-
-def _restore_optim(optim, state) -> None:
-    if not has(optim, "get_state", "set_state"):
-        optim.load_state_dict(state)
-        return
-    live = pyro.get_param_store().get_state()["params"]
-    waiting = {}
-    for name, s in state.items():
-        param = live.get(name)
-        obj = None if param is None else optim.optim_objs.get(param)
-        if obj is None:  # created on the next step, which then consumes this state
-            waiting[name] = s
-        elif is_scheduler(obj):
-            obj.load_state_dict(s["scheduler"])
-            obj.optimizer.load_state_dict(s["optimizer"])
-        else:
-            obj.load_state_dict(s)
-    optim.set_state(waiting)
 
 
 def load_checkpoint(
@@ -333,7 +200,9 @@ def load_checkpoint(
     :param dict modules: name -> object with ``load_state_dict``; names must be in the file.
     :param dict generators: name -> :class:`torch.Generator` to restore.
     :param model: the model, for the likelihood check (default ``guide.model``).
-    :param tuple example_args: positional arguments for one set-up call of the guide.
+    :param tuple example_args: positional arguments for one set-up call of the guide and of
+        every module that has not seen the model yet (``needs_setup``, such as a VOGN that has
+        not stepped; needed then).
     :param dict example_kwargs: keyword arguments for that call.
     :param bool rng: restore every RNG (default); warns if the file has none.
     :param map_location: where the file's tensors are loaded (default ``"cpu"``; they are then
@@ -348,29 +217,45 @@ def load_checkpoint(
     path = check_path(path)
     check_targets(optim, modules, generators)
     modules, generators = dict(modules or {}), dict(generators or {})
+    lazy = {
+        n: m for n, m in modules.items() if has(m, "setup") and getattr(m, "needs_setup", False)
+    }
     if example_args is not None:
         if not isinstance(example_args, tuple):
             raise TypeError(
                 f"example_args must be a tuple of the guide's arguments; got "
                 f"{type(example_args).__name__}. Write example_args=(x_batch, y_batch)."
             )
-        if guide is None:
-            raise ValueError("example_args sets the guide up, but no guide was given; pass guide=.")
+        if guide is None and not lazy:
+            raise ValueError(
+                "example_args sets the guide (or a module such as VOGN) up, but no guide was "
+                "given and every module is set up already; pass guide=, or leave example_args out."
+            )
     elif getattr(guide, "prototype_trace", False) is None:
         raise ValueError(
             f"the guide {type(guide).__name__} has not created its parameters yet (Pyro guides "
             "do so on their first call, drawing random numbers). Pass example_args=(x_batch, "
             "y_batch) so load_checkpoint sets it up before restoring the RNG."
         )
-    payload = _read(path, map_location)
+    elif lazy:
+        raise ValueError(
+            f"module {next(iter(lazy))!r} has not seen the model yet (it reads it on its first "
+            "step), so the state cannot be checked against it. Pass example_args=(x_batch, "
+            "y_batch) so load_checkpoint sets it up first."
+        )
+    payload = read(path, map_location)
 
     # (1) Lazy set-up first: it consumes random numbers, which step (4) then overwrites.
     if example_args is not None:
-        with poutine.block():
-            guide(*example_args, **dict(example_kwargs or {}))
+        kwargs = dict(example_kwargs or {})
+        for m in lazy.values():
+            m.setup(*example_args, **kwargs)
+        if guide is not None:
+            with poutine.block():
+                guide(*example_args, **kwargs)
 
     # (2) Refuse a different model before changing anything.
-    bad, unused = _mismatches(payload, guide, model, modules, generators)
+    bad, unused = mismatches(payload, guide, model, modules, generators)
     if bad:
         shown = "\n  - ".join(bad[:20]) + (
             f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
@@ -378,6 +263,11 @@ def load_checkpoint(
         raise CheckpointMismatchError(
             f"{path!r} was saved from a different model, guide or likelihood; mismatching "
             f"keys:\n  - {shown}\nLoad it into the architecture and guide it was saved from."
+        )
+    refused = state_errors(payload, modules)
+    if refused:
+        raise CheckpointMismatchError(
+            f"{path!r} cannot be restored; nothing was changed:\n  - " + "\n  - ".join(refused)
         )
     if unused:
         warnings.warn(
@@ -388,7 +278,7 @@ def load_checkpoint(
         )
 
     # (3) State.
-    _restore_params(payload, path)
+    restore_params(payload, path)
     if isinstance(guide, torch.nn.Module) and payload["guide"] is not None:
         guide.load_state_dict(payload["guide"])
     for name, m in modules.items():
@@ -397,7 +287,7 @@ def load_checkpoint(
         g.set_state(payload["generators"][name].cpu())
     optim_restored = optim is not None and payload["optim"] is not None
     if optim_restored:
-        _restore_optim(optim, payload["optim"])
+        restore_optim(optim, payload["optim"])
     elif optim is not None:
         warnings.warn(
             f"{path!r} holds no optimizer state: the optimizer restarts, so the resumed run "

@@ -1,4 +1,4 @@
-r"""Squared per-example gradients without a batch × parameters tensor (DESIGN.md 4.5).
+r"""Squared per-example gradients without a batch × parameters tensor (docs/design/vogn.md).
 
 For per-example losses :math:`\ell_i` and a parameter tensor :math:`W`, VOGN needs the summed
 gradient :math:`\sum_i g_i` and the sum of squares :math:`\sum_i g_i \odot g_i`, where
@@ -37,15 +37,13 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.func import grad, vmap
 
 from pyro_bdl.curvature.layer_rules import (
     accumulate_sums,
@@ -57,6 +55,12 @@ from pyro_bdl.curvature.layer_rules import (
     linear_per_example,
     write_sums,
 )
+from pyro_bdl.curvature.per_example_functional import (
+    direct_targets,
+    module_per_example,
+    substitute,
+    vmap_squared_gradients,
+)
 
 __all__ = ["PerExampleGradients", "substitute", "vmap_squared_gradients"]
 
@@ -64,15 +68,6 @@ __all__ = ["PerExampleGradients", "substitute", "vmap_squared_gradients"]
 DEFAULT_MAX_CHUNK_ELEMENTS = 2**24
 
 Key = tuple[nn.Module, str]
-
-
-def _direct_targets(module: nn.Module) -> list[str]:
-    """Names of ``module``'s own trainable parameters and lifted (``PyroSample``) sites."""
-    names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
-    samples = module.__dict__.get("_pyro_samples")
-    if samples:
-        names += [n for n in samples if n not in names]
-    return names
 
 
 def _is(module: nn.Module, base: type[nn.Module]) -> bool:
@@ -106,45 +101,6 @@ class _Call:
     stats: tuple[torch.Tensor, torch.Tensor] | None = None  # BatchNorm's batch mean, 1/std
 
 
-@contextmanager
-def substitute(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Temporarily replace parameters or lifted weight sites of ``module`` by given tensors.
-
-    Works on plain and :func:`~pyro_bdl.bayesianize` -lifted modules alike (a lifted site is then
-    read from ``values`` instead of being sampled), so a network can be called as a pure function
-    of its weights, for example inside :func:`torch.func.vmap`.
-
-    Usage::
-
-        with substitute(bnn, {"0.weight": w0, "0.bias": b0}):
-            out = bnn(x)
-
-    :param module: the network.
-    :param values: tensors keyed by dotted parameter (site) name.
-    """
-    modules = dict(module.named_modules())
-    entries = []
-    for name, value in values.items():
-        mod_name, _, pname = name.rpartition(".")
-        sub = modules.get(mod_name)
-        if sub is None or pname not in _direct_targets(sub) + list(sub._parameters):
-            valid = [f"{m}.{p}" if m else p for m, s in modules.items() for p in _direct_targets(s)]
-            raise ValueError(
-                f"substitute: {name!r} is not a parameter or weight site of "
-                f"{type(module).__name__}; valid names are {', '.join(map(repr, valid))}."
-            )
-        entries.append((sub, pname, value))
-    try:
-        for sub, pname, value in entries:
-            # An instance attribute shadows both nn.Module's parameter lookup and PyroModule's
-            # PyroSample lookup (both live in __getattr__), without touching the module's state.
-            sub.__dict__[pname] = value
-        yield
-    finally:
-        for sub, pname, _ in entries:
-            sub.__dict__.pop(pname, None)
-
-
 # -- the tape ----------------------------------------------------------------------------------
 
 
@@ -168,6 +124,8 @@ class PerExampleGradients:
         lifted sites are hooked. ``None`` hooks every module called in the block (the process-
         wide hooks VOGN uses when it runs a Pyro model; results are then keyed by
         ``(module, name)``).
+    :param layers: hook exactly these modules instead (a tape kept across steps over layers
+        already known, as VOGN's after its first step); results are keyed by ``(module, name)``.
     :param int chunk_size: examples per chunk (default: as many as fit in
         ``max_chunk_elements``).
     :param int max_chunk_elements: bound on the numbers held per chunk.
@@ -177,12 +135,19 @@ class PerExampleGradients:
         self,
         module: nn.Module | None = None,
         *,
+        layers: Sequence[nn.Module] | None = None,
         chunk_size: int | None = None,
         max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
     ):
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(
                 f"module must be a torch.nn.Module or None; got {type(module).__name__}."
+            )
+        if layers is not None and (
+            module is not None or not all(isinstance(m, nn.Module) for m in layers)
+        ):
+            raise TypeError(
+                "layers must be a list of torch.nn.Module, given instead of module (not with it)."
             )
         for name, value in (("chunk_size", chunk_size), ("max_chunk_elements", max_chunk_elements)):
             if value is None and name == "chunk_size":
@@ -198,13 +163,12 @@ class PerExampleGradients:
         # (kind, targets) per module, found once per tape: a tape reused across steps (as VOGN
         # does) skips the per-call look-up.
         self._info: dict[nn.Module, tuple[str, list[str]]] = {}
-        # Hook exactly these modules (VOGN, once it knows the model's layers) instead of all.
-        self._layers: list[nn.Module] | None = None
+        self._layers = None if layers is None else list(layers)
 
     def _layer_info(self, module: nn.Module) -> tuple[str, list[str]]:
         info = self._info.get(module)
         if info is None:
-            info = self._info[module] = (_kind(module), _direct_targets(module))
+            info = self._info[module] = (_kind(module), direct_targets(module))
         return info
 
     # -- recording -----------------------------------------------------------------------------
@@ -223,7 +187,7 @@ class PerExampleGradients:
             self._handles = [
                 sub.register_forward_hook(self._hook, with_kwargs=True)
                 for sub in self.module.modules()
-                if _direct_targets(sub)
+                if direct_targets(sub)
             ]
         return self
 
@@ -231,6 +195,10 @@ class PerExampleGradients:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def clear(self) -> None:
+        """Drop the recorded calls (and the activations they hold) before the next block."""
+        self.calls = {}
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self._paused or not torch.is_grad_enabled():
@@ -409,85 +377,11 @@ class PerExampleGradients:
             return conv_per_example(module, a, d)
         if kind == "batchnorm":
             return batchnorm_per_example(module, a, d, call.args[0], call.stats)
-        return self._fallback(module, call, lo, hi)
-
-    def _fallback(self, module: nn.Module, call: _Call, lo: int, hi: int):
-        """vmap(grad) of ⟨δᵢ, f(aᵢ; θ)⟩ over the chunk's examples, θ the module's own targets."""
-        batch = call.args[0].shape[0]
-
-        def split(t):
-            return (
-                (t[lo:hi], 0)
-                if isinstance(t, torch.Tensor) and t.shape[:1] == (batch,)
-                else (
-                    t,
-                    None,
-                )
-            )
-
-        args = [split(t) for t in call.args]
-        kw_names = list(call.kwargs)
-        kwargs = [split(call.kwargs[k]) for k in kw_names]
-        values = {k: v.detach() for k, v in call.values.items()}
-
-        def inner(theta, delta, *flat):
-            pos, kw = flat[: len(args)], flat[len(args) :]
-            pos = [p.unsqueeze(0) if dim == 0 else p for p, (_, dim) in zip(pos, args)]
-            kws = {
-                k: (v.unsqueeze(0) if dim == 0 else v)
-                for k, v, (_, dim) in zip(kw_names, kw, kwargs)
-            }
-            for name, value in theta.items():
-                module.__dict__[name] = value
-            try:
-                out = module.forward(*pos, **kws)
-            finally:
-                for name in theta:
-                    module.__dict__.pop(name, None)
-            return (out * delta.unsqueeze(0)).sum()
-
-        in_dims = (None, 0, *(dim for _, dim in args), *(dim for _, dim in kwargs))
         assert call.delta is not None
-        self._paused = True
+        self._paused = True  # the fallback calls the module again: record nothing meanwhile
         try:
-            with torch.enable_grad():
-                return vmap(grad(inner), in_dims=in_dims)(
-                    values, call.delta[lo:hi], *(t for t, _ in args), *(t for t, _ in kwargs)
-                )
+            return module_per_example(
+                module, call.args, call.kwargs, call.values, call.delta, lo, hi
+            )
         finally:
             self._paused = False
-
-
-def vmap_squared_gradients(
-    loss_fn: Callable[..., torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    *batch: torch.Tensor,
-    chunk_size: int | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    r"""Brute force: :math:`\sum_i g_i` and :math:`\sum_i g_i^2` by ``torch.func.vmap(grad)``.
-
-    ``loss_fn(params, *example)`` returns one example's scalar loss (each tensor of ``batch`` is
-    sliced along dim 0). This is the oracle :class:`PerExampleGradients` is tested against and the
-    fallback it uses for layers without a rule; it forms ``chunk_size`` × parameters at a time.
-
-    Usage::
-
-        def loss_fn(p, x, y):
-            with substitute(net, p):
-                return F.cross_entropy(net(x[None]), y[None])
-        grads, squared = vmap_squared_gradients(loss_fn, dict(net.named_parameters()), x, y)
-
-    :param int chunk_size: examples per vmap call (default: the whole batch).
-    """
-    if not batch:
-        raise ValueError("vmap_squared_gradients needs at least one batched tensor.")
-    size = batch[0].shape[0]
-    params = {k: v.detach() for k, v in params.items()}
-    per_example = vmap(grad(loss_fn), in_dims=(None, *(0,) * len(batch)))
-    sums: dict[str, list[torch.Tensor]] = {}
-    step = chunk_size or size
-    for lo in range(0, size, step):
-        pe = per_example(params, *(t[lo : lo + step] for t in batch))
-        for name, value in pe.items():
-            accumulate_sums(sums, name, value)
-    return {k: v[0] for k, v in sums.items()}, {k: v[1] for k, v in sums.items()}

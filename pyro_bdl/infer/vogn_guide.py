@@ -8,15 +8,19 @@ import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide import AutoGuide
 
+from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.layout import SiteLayout
+
 __all__ = ["VOGNGuide"]
 
 
-class VOGNGuide(AutoGuide):
+class VOGNGuide(SiteAccess, AutoGuide):
     """VOGN's posterior as a Pyro guide: an independent Normal on every weight site.
 
-    The flat buffers ``loc`` (μ) and ``scale`` (σ) are written by :class:`VOGN`; the guide is set
-    up by VOGN's first step and is then an ordinary guide for ``Predictive``, ``poutine`` and
-    checkpoints (``state_dict`` holds both buffers).
+    The flat buffers ``loc`` (μ) and ``scale`` (σ) are VOGN's: :meth:`attach` hands them over
+    once VOGN has seen the model, and VOGN updates them in place. The guide is then an ordinary
+    guide for ``Predictive``, ``poutine`` and checkpoints (``state_dict`` holds both buffers), with
+    ``median``, ``quantiles`` and ``locs_and_scales`` per site.
 
     Usage::
 
@@ -24,22 +28,28 @@ class VOGNGuide(AutoGuide):
         probs = Predictive(model, guide=vogn.guide, num_samples=32)(x_test)
     """
 
-    def __init__(self, model) -> None:
-        super().__init__(model)
-        self._layout: list[tuple[str, int, int, torch.Size]] = []
+    layout: SiteLayout
+    loc: torch.Tensor
+    scale: torch.Tensor
 
-    def _install(self, trace, layout, loc: torch.Tensor, scale: torch.Tensor) -> None:
-        # Keep only the weight sites, detached and with a Normal at the initial location: the
-        # full trace holds the network (and its parameters' weakrefs), which torch.save refuses.
+    def attach(self, layout: SiteLayout, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        """Serve the posterior N(``loc``, ``scale``²) over the sites of ``layout``; the guide
+        reads the given tensors (not copies), so their owner's in-place updates show here."""
+        if loc.shape != (layout.size,) or scale.shape != (layout.size,):
+            raise ValueError(
+                f"loc and scale must have shape ({layout.size},) (the layout's D); got "
+                f"{tuple(loc.shape)} and {tuple(scale.shape)}."
+            )
+        # A small prototype trace of the weight sites only (detached, Normal at the current
+        # location): the model's full trace holds the network, which torch.save refuses.
         prototype = poutine.Trace()
-        for name, _, _, shape in layout:
-            site = trace.nodes[name]
-            value = site["value"].detach()
+        for site in layout:
+            value = loc[site.slice].detach().view(site.shape).clone()
             prototype.add_node(
-                name,
+                site.name,
                 type="sample",
-                name=name,
-                fn=dist.Normal(value, torch.ones_like(value)).to_event(len(shape)),
+                name=site.name,
+                fn=dist.Normal(value, torch.ones_like(value)).to_event(len(site.shape)),
                 value=value,
                 is_observed=False,
                 args=(),
@@ -53,59 +63,36 @@ class VOGNGuide(AutoGuide):
                 continuation=None,
             )
         self.prototype_trace = prototype
-        self._layout = layout
+        self.layout = layout
         self.register_buffer("loc", loc)
         self.register_buffer("scale", scale)
+
+    def _setup_prototype(self, *args, **kwargs) -> None:
+        self._ensure_setup()
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
             raise RuntimeError(
-                "VOGNGuide is set up by VOGN: call vogn.step(x, y) (or vogn.load_state_dict) "
+                "VOGNGuide is set up by VOGN: call vogn.step(x, y) (or vogn.setup(x, y)) "
                 "before using vogn.guide."
             )
 
-    def _site_loc_scale(self, name: str, start: int, stop: int, shape) -> tuple:
-        return self.loc[start:stop].view(shape), self.scale[start:stop].view(shape)
+    def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loc, self.scale
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every weight site from N(μ, σ²); returns ``{name: value}``."""
         self._ensure_setup()
         out = {}
-        for name, start, stop, shape in self._layout:
-            loc, scale = self._site_loc_scale(name, start, stop, shape)
-            out[name] = pyro.sample(name, dist.Normal(loc, scale).to_event(len(shape)))
+        locs, scales = self.layout.split(self.loc), self.layout.split(self.scale)
+        for site, loc, scale in zip(self.layout, locs, scales):
+            posterior = dist.Normal(loc, scale).to_event(site.event_dim)
+            out[site.name] = pyro.sample(site.name, posterior)
         return out
 
     def get_posterior(self, name: str) -> dist.Distribution:
         """The Normal posterior of site ``name``."""
         self._ensure_setup()
-        for site, start, stop, shape in self._layout:
-            if site == name:
-                loc, scale = self._site_loc_scale(site, start, stop, shape)
-                return dist.Normal(loc, scale).to_event(len(shape))
-        raise ValueError(
-            f"unknown site {name!r}; the guide's sites are "
-            f"{', '.join(repr(s[0]) for s in self._layout)}."
-        )
-
-    @torch.no_grad()
-    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """The posterior median (= mean μ) of every site."""
-        self._ensure_setup()
-        return {s[0]: self._site_loc_scale(*s)[0].clone() for s in self._layout}
-
-    @torch.no_grad()
-    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Marginal quantiles, shape ``(len(quantiles),) + site shape``."""
-        self._ensure_setup()
-        q = torch.as_tensor(quantiles, dtype=self.loc.dtype, device=self.loc.device)
-        if q.dim() != 1 or q.numel() == 0 or not bool(((q > 0) & (q < 1)).all()):
-            raise ValueError(
-                f"quantiles must be a 1-d list of numbers in (0, 1); got {quantiles!r}."
-            )
-        z = torch.special.ndtri(q)
-        out = {}
-        for s in self._layout:
-            loc, scale = self._site_loc_scale(*s)
-            out[s[0]] = loc + scale * z.reshape((-1,) + (1,) * loc.dim())
-        return out
+        site = self.layout[name]
+        loc, scale = self._site_loc_scale(site)
+        return dist.Normal(loc, scale).to_event(site.event_dim)

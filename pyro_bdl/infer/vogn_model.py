@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,16 +27,27 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
-from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.layout import SiteLayout
 from pyro_bdl.models import DATA_PLATE
-from pyro_bdl.nn.lift import SiteSpec, site_spec
+from pyro_bdl.nn.lift import site_spec
 
-__all__ = ["SiteRecorder", "inspect_model", "per_example_nll", "run_substituted"]
+__all__ = ["Hidden", "SiteRecorder", "inspect_model", "per_example_nll", "run_substituted"]
 
-#: (name, start, stop, shape, (module, parameter name)) of a weight site in the flat vector μ.
-Site = tuple[str, int, int, torch.Size, tuple[nn.Module, str]]
-#: (dotted name, parameter, (module, parameter name)) of a hidden parameter.
-Hidden = tuple[str, nn.Parameter, tuple[nn.Module, str]]
+
+@dataclass(frozen=True, eq=False)
+class Hidden:
+    """A hidden parameter: a ``pyro.param`` of a layer that VOGN keeps as a point estimate.
+
+    :ivar str name: the dotted parameter (``param`` site) name.
+    :ivar param: the parameter itself.
+    :ivar module: the layer that owns it.
+    :ivar str param_name: its name within ``module``.
+    """
+
+    name: str
+    param: nn.Parameter
+    module: nn.Module
+    param_name: str
 
 
 def data_frame(site) -> Any:
@@ -47,12 +59,10 @@ def data_frame(site) -> Any:
 
 
 def inspect_model(
-    trace, tape: PerExampleGradients, dataset_size: int
-) -> tuple[list[tuple[str, SiteSpec]], list[Site], list[Hidden]]:
-    """Validate the model's first trace and map its sites to the tape's layers.
-
-    Returns the weight sites with their specs, the flat layout of μ and the hidden parameters.
-    """
+    trace, layers: Iterable[nn.Module], dataset_size: int
+) -> tuple[SiteLayout, list[Hidden]]:
+    """Validate the model's first trace; returns the layout of its weight sites (the flat μ) and
+    the hidden parameters among the ``layers`` the trace called."""
     sites, observed, params = [], [], []
     for name, site in trace.nodes.items():
         if site["type"] == "param":
@@ -72,7 +82,7 @@ def inspect_model(
             raise ValueError(
                 f"weight site {name!r} lies inside a plate; VOGN needs global weights."
             )
-        sites.append((name, spec))
+        sites.append(spec)
     if not sites:
         raise ValueError(
             "the model has no weight sites; lift the network with pyro_bdl.bayesianize(net)."
@@ -94,16 +104,11 @@ def inspect_model(
                 f"dataset_size is {dataset_size} but the model's data plate has size "
                 f"{full} (site {s['name']!r}); pass the same N to both."
             )
-    dtypes = {spec.init_value.dtype for _, spec in sites}
+    dtypes = {spec.init_value.dtype for spec in sites}
     if len(dtypes) > 1:
         raise ValueError(f"all weight sites must share one dtype; got {sorted(map(str, dtypes))}.")
-    start, layout = 0, []
-    for name, spec in sites:
-        n = spec.init_value.numel()
-        layout.append((name, start, start + n, spec.shape, (spec.module, spec.param_name)))
-        start += n
     hidden, covered = [], set()
-    for module in tape.calls:
+    for module in layers:
         prefix = module.__dict__.get("_pyro_name")
         for pname, p in module._parameters.items():
             if p is None or not p.requires_grad or prefix is None:
@@ -111,7 +116,7 @@ def inspect_model(
             fullname = f"{prefix}.{pname}" if prefix else pname
             if fullname in params and fullname not in covered:
                 covered.add(fullname)
-                hidden.append((fullname, p, (module, pname)))
+                hidden.append(Hidden(fullname, p, module, pname))
     missing = [p for p in params if p not in covered]
     if missing:
         raise ValueError(
@@ -119,7 +124,7 @@ def inspect_model(
             f"param sites {missing} belong to no layer of the network. Make them constants, "
             "or fit the model with SVI."
         )
-    return sites, layout, hidden  # type: ignore[return-value]
+    return SiteLayout.from_specs(sites), hidden
 
 
 def per_example_nll(sites: Iterable[dict], step: int) -> tuple[torch.Tensor, int, float]:

@@ -1,5 +1,17 @@
-r"""The VOGN update as plain functions of tensors, and as a ``torch.optim.Optimizer`` so that
-PyTorch learning-rate schedulers drive it (DESIGN.md 4.5; used by :class:`~pyro_bdl.infer.VOGN`).
+r"""VOGN's state and its update as a pure function (docs/design/vogn.md), and the thin
+``torch.optim.Optimizer`` through which PyTorch learning-rate schedulers drive
+:class:`~pyro_bdl.infer.VOGN`.
+
+The update, with :math:`\tilde\delta = \tau\delta/\tilde N` (elementwise when the prior
+precision :math:`\delta` differs between weights) and prior mean :math:`\mu_0`:
+
+.. math::
+
+    m \leftarrow \beta_1 m + \hat g + \tilde\delta(\mu - \mu_0), \qquad
+    s \leftarrow (1-\beta_2) s + \beta_2 \hat h, \qquad
+    \mu \leftarrow \mu - \alpha\, m / (s + \tilde\delta + \gamma).
+
+Hidden parameters (point estimates) take the same step without the prior term.
 
 References:
 
@@ -8,70 +20,101 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VOGNOptimizer", "vogn_scale", "vogn_update"]
+__all__ = ["VOGNHyperparameters", "VOGNOptimizer", "VOGNState", "vogn_scale", "vogn_update"]
+
+
+@dataclass
+class VOGNState:
+    r"""Everything VOGN updates, in one object.
+
+    :ivar mean: μ, the flat posterior mean of every weight site, ``(D,)``.
+    :ivar momentum: m, like ``mean``.
+    :ivar curvature: s, the running average of ĥ, like ``mean``.
+    :ivar hidden: the hidden point-estimate parameters (the network's own tensors).
+    :ivar hidden_momentum: m of each hidden parameter.
+    :ivar hidden_curvature: s of each hidden parameter.
+    :ivar int step: the number of updates done.
+    """
+
+    mean: torch.Tensor
+    momentum: torch.Tensor
+    curvature: torch.Tensor
+    hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    hidden_momentum: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    hidden_curvature: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class VOGNHyperparameters:
+    r"""The numbers one update reads.
+
+    :ivar float lr: α.
+    :ivar tuple betas: (β₁, β₂); β₂ weights the new ĥ.
+    :ivar prior_precision_tilde: δ̃ = τδ/Ñ, a number or a ``(D,)`` tensor.
+    :ivar prior_mean: μ₀, a ``(D,)`` tensor, or ``None`` for zero.
+    :ivar float hidden_precision_tilde: the δ̃ that damps the hidden parameters' step.
+    :ivar float damping: γ, added to the denominator of the step only.
+    """
+
+    lr: float
+    betas: tuple[float, float]
+    prior_precision_tilde: float | torch.Tensor
+    prior_mean: torch.Tensor | None = None
+    hidden_precision_tilde: float = 0.0
+    damping: float = 0.0
 
 
 @torch.no_grad()
 def vogn_update(
-    mu: torch.Tensor,
-    m: torch.Tensor,
-    s: torch.Tensor,
-    g_hat: torch.Tensor,
-    h_hat: torch.Tensor,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    prior_precision_tilde: float,
-    damping: float = 0.0,
-    bayesian: bool = True,
-) -> None:
-    r"""One VOGN update of ``mu``, ``m``, ``s`` in place (DESIGN.md 4.5).
+    state: VOGNState,
+    g_hat: Sequence[torch.Tensor],
+    h_hat: Sequence[torch.Tensor],
+    hyper: VOGNHyperparameters,
+) -> VOGNState:
+    r"""One VOGN update: returns the state after the step.
 
-    With ``bayesian=False`` (hidden parameters such as BatchNorm's) the prior term
-    :math:`\tilde\delta\mu` is left out of the momentum; :math:`\tilde\delta` still damps the step.
+    ``g_hat`` and ``h_hat`` hold ĝ and ĥ of μ first, then of each hidden parameter. For speed the
+    state's tensors are updated **in place** (``torch._foreach_*`` calls over all of them) and the
+    returned state holds the same tensors with ``step + 1``; the function reads nothing but its
+    arguments and writes nothing but the state's tensors.
     """
-    _update_all(
-        [mu],
-        [m],
-        [s],
-        [g_hat],
-        [h_hat],
-        lr=lr,
-        betas=betas,
-        prior_precision_tilde=prior_precision_tilde,
-        damping=damping,
-        bayesian=bayesian,
-    )
-
-
-def _update_all(
-    mu: list[torch.Tensor],
-    m: list[torch.Tensor],
-    s: list[torch.Tensor],
-    g_hat: list[torch.Tensor],
-    h_hat: list[torch.Tensor],
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    prior_precision_tilde: float,
-    damping: float,
-    bayesian: bool,
-) -> None:
-    """:func:`vogn_update` on lists of tensors, one ``torch._foreach_*`` call per operation."""
-    beta1, beta2 = betas
+    params = [state.mean, *state.hidden]
+    m = [state.momentum, *state.hidden_momentum]
+    s = [state.curvature, *state.hidden_curvature]
+    if not len(g_hat) == len(h_hat) == len(params):
+        raise ValueError(
+            f"vogn_update needs ĝ and ĥ for μ and each of the {len(state.hidden)} hidden "
+            f"parameters ({len(params)} each); got {len(g_hat)} and {len(h_hat)}."
+        )
+    beta1, beta2 = hyper.betas
+    d_tilde = hyper.prior_precision_tilde
     torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, g_hat)
-    if bayesian:
-        torch._foreach_add_(m, mu, alpha=prior_precision_tilde)
+    torch._foreach_add_(m, list(g_hat))
+    # The prior's gradient δ̃(μ − μ₀), on μ only.
+    offset = state.mean if hyper.prior_mean is None else state.mean - hyper.prior_mean
+    if isinstance(d_tilde, torch.Tensor):
+        state.momentum.addcmul_(d_tilde, offset)
+    else:
+        torch._foreach_add_([state.momentum], [offset], alpha=d_tilde)
     torch._foreach_mul_(s, 1.0 - beta2)
-    torch._foreach_add_(s, h_hat, alpha=beta2)
-    denominator = torch._foreach_add(s, prior_precision_tilde + damping)
-    torch._foreach_addcdiv_(mu, m, denominator, value=-lr)
+    torch._foreach_add_(s, list(h_hat), alpha=beta2)
+    if isinstance(d_tilde, torch.Tensor) or d_tilde != hyper.hidden_precision_tilde:
+        denominator = [torch.add(state.curvature, d_tilde).add_(hyper.damping)]
+        if state.hidden_curvature:
+            denominator += torch._foreach_add(
+                state.hidden_curvature, hyper.hidden_precision_tilde + hyper.damping
+            )
+    else:
+        denominator = list(torch._foreach_add(s, d_tilde + hyper.damping))
+    torch._foreach_addcdiv_(params, m, denominator, value=-hyper.lr)
+    return dataclasses.replace(state, step=state.step + 1)
 
 
 @torch.no_grad()
@@ -80,7 +123,7 @@ def vogn_scale(
     *,
     temperature: float,
     effective_size: float,
-    prior_precision_tilde: float,
+    prior_precision_tilde: float | torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r""":math:`\sigma = \sqrt{\tau / (\tilde N (s + \tilde\delta))}`; the posterior precision is
@@ -90,47 +133,26 @@ def vogn_scale(
 
 
 class VOGNOptimizer(torch.optim.Optimizer):
-    """The VOGN update as a :class:`torch.optim.Optimizer`, so PyTorch LR schedulers drive it.
+    """The learning rate α and the betas of :class:`~pyro_bdl.infer.VOGN`, for PyTorch's
+    learning-rate schedulers.
 
-    Group 0 holds the flat posterior mean μ of every weight site; group 1 (if any) the hidden
-    parameters. Every hyperparameter lives in ``param_groups`` (``lr``, ``betas``,
-    ``prior_precision``, ``temperature``, ``effective_size``, ``damping``), so a scheduler may
-    change any of them. :class:`VOGN` stores ĝ and ĥ in ``state[p]`` and then calls :meth:`step`.
+    Pass it to any ``torch.optim.lr_scheduler`` class; VOGN reads ``param_groups[0]["lr"]`` and
+    ``["betas"]`` before every update. It holds no state of VOGN's (:class:`VOGNState` does) and
+    one placeholder tensor as its parameter; :meth:`step` updates nothing and is called by VOGN
+    after each update, so that the schedulers see the optimizer step before theirs.
     """
 
-    def __init__(self, defaults: dict):
-        # Both groups exist from the start (with placeholders until VOGN has seen the model), so
-        # a scheduler created right after VOGN covers both.
-        groups: list[dict[str, Any]] = [
-            {"params": [torch.zeros(0)], "bayesian": True},
-            {"params": [torch.zeros(0)], "bayesian": False},
-        ]
-        super().__init__(groups, defaults)
+    def __init__(self, lr: float, betas: tuple[float, float]):
+        super().__init__([torch.zeros(0)], {"lr": float(lr), "betas": tuple(betas)})
 
-    def _install(self, mu: torch.Tensor, hidden: Sequence[torch.Tensor]) -> None:
-        self.param_groups[0]["params"] = [mu]
-        self.param_groups[1]["params"] = list(hidden)
-        self.state.clear()
+    @property
+    def lr(self) -> float:
+        return float(self.param_groups[0]["lr"])
 
-    @torch.no_grad()
+    @property
+    def betas(self) -> tuple[float, float]:
+        b1, b2 = self.param_groups[0]["betas"]
+        return float(b1), float(b2)
+
     def step(self, closure: Callable | None = None):  # type: ignore[override]
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            params = group["params"]
-            if not params:
-                continue
-            delta_tilde = group["temperature"] * group["prior_precision"] / group["effective_size"]
-            states = [self.state[p] for p in params]
-            _update_all(
-                params,
-                [st["m"] for st in states],
-                [st["s"] for st in states],
-                [st.pop("g_hat") for st in states],
-                [st.pop("h_hat") for st in states],
-                lr=group["lr"],
-                betas=group["betas"],
-                prior_precision_tilde=delta_tilde,
-                damping=group["damping"],
-                bayesian=group["bayesian"],
-            )
-        return loss
+        return closure() if closure is not None else None
