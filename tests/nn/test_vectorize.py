@@ -94,14 +94,15 @@ def test_vectorized_particles_run_and_match_the_sequential_elbo_in_mean():
     x, y = torch.randn(6, 1, 6, 6), torch.randint(0, 3, (6,))
     guide = AutoMeanField(model, init_scale=0.05)
     guide(x, y)
-    n = 400
+    n = 50
     vec = Trace_ELBO(num_particles=n, vectorize_particles=True, max_plate_nesting=1)
-    seq = Trace_ELBO(num_particles=n, vectorize_particles=False, max_plate_nesting=1)
-    # The per-particle spread, from single-particle losses, sets the tolerance.
-    single = torch.tensor([Trace_ELBO().loss(model, guide, x, y) for _ in range(100)])
-    se = single.std() * (2.0 / n) ** 0.5  # standard error of the difference of two n-means
-    diff = vec.loss(model, guide, x, y) - seq.loss(model, guide, x, y)
-    # 5 standard errors: a false failure has probability below 1e-6 for Gaussian means.
+    # The sequential estimator with n particles is the mean of n single-particle losses; their
+    # spread gives the standard error of the difference of the two independent n-means.
+    single = torch.tensor([Trace_ELBO().loss(model, guide, x, y) for _ in range(n)])
+    se = single.std() * (2.0 / n) ** 0.5
+    diff = vec.loss(model, guide, x, y) - single.mean()
+    # 5 standard errors: a false failure has probability below 1e-6 for Gaussian means (the
+    # sd estimated from n = 50 losses is within 30% of the truth with overwhelming probability).
     assert abs(diff) < 5 * float(se), (diff, float(se))
 
 
