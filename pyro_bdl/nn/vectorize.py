@@ -124,7 +124,8 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 cache[key] = value.reshape(spec.shape)
             return forward(*args, **kwargs)
         _check_batchnorm_eval(module)
-        flat, in_dims = [], []
+        flat: list[torch.Tensor] = []
+        in_dims: list[int | None] = []
         for spec, value, shape in zip(specs, values, batch_shapes):
             if math.prod(shape) == 1:  # shared by all samples
                 flat.append(value.reshape(spec.shape))
@@ -139,9 +140,7 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 cache[key] = weight
             return forward(*args, **kwargs)
 
-        out = torch.func.vmap(one, in_dims=(tuple(in_dims),), randomness="different")(
-            tuple(flat)
-        )
+        out = torch.func.vmap(one, in_dims=(tuple(in_dims),), randomness="different")(tuple(flat))
     finally:
         cache.update(saved)
     return tree_map(
