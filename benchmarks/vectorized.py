@@ -3,10 +3,11 @@
 For each network (``compare``'s ``mlp`` and ``cnn`` on 8×8 digits, BatchNorm in eval mode) with
 a mean-field guide it times, on the digits test set (360 images), under ``torch.no_grad``:
 
-- ``predict_loop``: ``sample_outputs(..., parallel=False)`` (Pyro's Predictive, one draw at a
-  time);
+- ``predict_loop``: ``sample_outputs(..., parallel=False)`` (one guide call and one forward
+  per draw);
 - ``predict_vec``: ``sample_outputs(..., parallel=True)`` (one guide call under a plate, one
   vmapped forward);
+- ``predict_vec8``: the same with ``max_parallel=8`` (four vmapped passes of 8 draws);
 
 and, with gradients, the loss and backward of ``Trace_ELBO(num_particles=32)`` on a batch of 64
 with ``vectorize_particles`` False and True (``elbo_loop``, ``elbo_vec``). Figures are the
@@ -93,9 +94,10 @@ def run(quick: bool) -> dict:
         for kind in ("mlp", "cnn"):
             net, model, guide = _setup(kind, digits.x_train, digits.y_train)
 
-            def predict(parallel: bool, model=model, guide=guide):
-                with torch.no_grad():
-                    return sample_outputs(model, guide, x_test, num_samples=S, parallel=parallel)
+            def predict(parallel: bool, chunk=None, model=model, guide=guide):
+                return sample_outputs(
+                    model, guide, x_test, num_samples=S, parallel=parallel, max_parallel=chunk
+                )
 
             def elbo(vectorize: bool, model=model, guide=guide):
                 loss = Trace_ELBO(
@@ -106,11 +108,13 @@ def run(quick: bool) -> dict:
             t = {
                 "predict_loop": cpu_times(lambda: predict(False), warmup=1, repeats=repeats),
                 "predict_vec": cpu_times(lambda: predict(True), warmup=1, repeats=repeats),
+                "predict_vec8": cpu_times(lambda: predict(True, 8), warmup=1, repeats=repeats),
                 "elbo_loop": cpu_times(lambda: elbo(False), warmup=1, repeats=repeats),
                 "elbo_vec": cpu_times(lambda: elbo(True), warmup=1, repeats=repeats),
             }
             entry = {k: v["median"] for k, v in t.items()}
             entry["predict_ratio"] = entry["predict_vec"] / entry["predict_loop"]
+            entry["predict8_ratio"] = entry["predict_vec8"] / entry["predict_loop"]
             entry["elbo_ratio"] = entry["elbo_vec"] / entry["elbo_loop"]
             figures[f"{kind}_threads{threads}"] = entry
             print(kind, threads, {k: round(v, 4) for k, v in entry.items()})

@@ -1,13 +1,17 @@
 r"""The posterior predictive of a model over a lifted network: the network's output for S
 posterior draws, in one batched forward pass.
 
-:func:`sample_outputs` is :class:`pyro.infer.Predictive` with ``return_sites=["_RETURN"]`` and
-``parallel=True``: the guide draws all S weight samples at once under a plate and the lifted
-network runs once on the batched weights (:mod:`pyro_bdl.nn.vectorize`). It works with every
-guide whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
+:func:`sample_outputs` draws the S weight samples from the guide at once under a plate (as
+``Predictive(parallel=True)`` does) and replays them into the model, whose lifted network runs
+once on the batched weights (:mod:`pyro_bdl.nn.vectorize`). For a
+:class:`~pyro_bdl.models.NetworkModel` it replays them into the network alone, so no labels are
+sampled; another model runs whole and must return the network output. It works with every guide
+whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
 :class:`~pyro_bdl.guides.AutoRadial`, :class:`~pyro_bdl.guides.AutoSWAG`,
-:class:`~pyro_bdl.guides.AutoSubnetLaplace` after ``fit``, VOGN's ``guide``).
-``max_parallel`` bounds the memory by drawing at most that many samples per batched pass.
+:class:`~pyro_bdl.guides.AutoSubnetLaplace` after ``fit``, VOGN's ``guide``); guides run under
+``torch.no_grad()``, as ``Predictive`` runs them. ``max_parallel`` bounds the memory (and, for
+convolutional networks on a CPU, keeps the activations in cache) by drawing at most that many
+samples per batched pass.
 
 Usage::
 
@@ -19,12 +23,39 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyro
 import torch
-from pyro.infer import Predictive
+from pyro import poutine
+from pyro.infer.predictive import _guess_max_plate_nesting
 
 from pyro_bdl._validation import check_positive_int
+from pyro_bdl.models import NetworkModel
 
 __all__ = ["sample_outputs"]
+
+#: The plate over posterior draws (Pyro's Predictive uses the same name).
+SAMPLES_PLATE = "_num_predictive_samples"
+
+
+def _draw(model, guide, args, kwargs, size: int | None, dim: int) -> torch.Tensor:
+    """The output for ``size`` draws under a plate at ``dim`` (one draw, no plate, if ``None``)."""
+    target = model.net if isinstance(model, NetworkModel) else model
+    target_args = args[:1] if isinstance(model, NetworkModel) else args
+    target_kwargs = {} if isinstance(model, NetworkModel) else kwargs
+    if size is None or size == 1:  # one draw: the network's own shapes, no sample dim to add
+        tr = poutine.trace(guide).get_trace(*args, **kwargs)
+        out = poutine.replay(target, trace=tr)(*target_args, **target_kwargs)
+        return out if size is None else out.unsqueeze(0)
+    with pyro.plate(SAMPLES_PLATE, size, dim=dim):
+        tr = poutine.trace(guide).get_trace(*args, **kwargs)
+        out = poutine.replay(target, trace=tr)(*target_args, **target_kwargs)
+    if out.shape[0] != size:
+        raise ValueError(
+            f"the model's return value has leading dim {out.shape[0]} for {size} samples; "
+            "sample_outputs needs a model that returns the network output (as "
+            "pyro_bdl.models.classifier/regressor do)."
+        )
+    return out
 
 
 def sample_outputs(
@@ -52,19 +83,18 @@ def sample_outputs(
     check_positive_int("num_samples", num_samples)
     if max_parallel is not None:
         check_positive_int("max_parallel", max_parallel)
-    chunk = num_samples if (max_parallel is None or not parallel) else max_parallel
+    if isinstance(model, NetworkModel):
+        nesting = 1  # the data plate
+    else:
+        with torch.no_grad():
+            nesting = _guess_max_plate_nesting(model, args, kwargs)
     outputs = []
-    for start in range(0, num_samples, chunk):
-        size = min(chunk, num_samples - start)
-        predictive = Predictive(
-            model, guide=guide, num_samples=size, return_sites=["_RETURN"], parallel=parallel
-        )
-        out = predictive(*args, **kwargs)["_RETURN"]
-        if out.shape[0] != size:
-            raise ValueError(
-                f"the model's return value has leading dim {out.shape[0]} for {size} samples; "
-                "sample_outputs needs a model that returns the network output (as "
-                "pyro_bdl.models.classifier/regressor do)."
-            )
-        outputs.append(out)
+    with torch.no_grad(), poutine.block():
+        if not parallel:
+            outputs = [_draw(model, guide, args, kwargs, None, 0) for _ in range(num_samples)]
+            return torch.stack(outputs)
+        chunk = num_samples if max_parallel is None else max_parallel
+        for start in range(0, num_samples, chunk):
+            size = min(chunk, num_samples - start)
+            outputs.append(_draw(model, guide, args, kwargs, size, -nesting - 1))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -70,9 +70,27 @@ def test_parallel_and_sequential_predictive_agree_in_distribution(kind, net_kind
 def test_chunks_of_max_parallel_give_all_samples():
     model, guide, x = _fit("meanfield", "mlp")
     with torch.no_grad():
-        out = sample_outputs(model, guide, x, num_samples=7, max_parallel=3)
+        out = sample_outputs(model, guide, x, num_samples=7, max_parallel=3)  # chunks 3, 3, 1
     assert out.shape == (7, 12, 3)
     assert not torch.allclose(out[0], out[6])
+
+
+def test_a_hand_written_model_returning_the_network_output_works_too():
+    model, guide, x = _fit("meanfield", "cnn")
+
+    def mine(x, y=None):
+        return model(x, y)
+
+    with torch.no_grad():
+        out = sample_outputs(mine, guide, x, num_samples=4)
+    assert out.shape == (4, 12, 3)
+
+    def bad(x, y=None):
+        model(x, y)
+        return torch.zeros(2)
+
+    with pytest.raises(ValueError, match="needs a model that returns the network output"):
+        sample_outputs(bad, guide, x, num_samples=4)
 
 
 def test_parallel_predictive_with_a_seed_is_reproducible():
