@@ -13,6 +13,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models
 from pyro_bdl.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField
+from pyro_bdl.infer import TraceSuffStat_ELBO
 from pyro_bdl.nn.vectorize import batched_forward
 from tests.common import assert_close
 
@@ -106,13 +107,14 @@ def test_vectorized_particles_run_and_match_the_sequential_elbo_in_mean():
     assert abs(diff) < 5 * float(se), (diff, float(se))
 
 
-def test_vectorized_particles_give_gradients_to_every_guide_parameter():
+@pytest.mark.parametrize("elbo_class", [Trace_ELBO, TraceSuffStat_ELBO])
+def test_vectorized_particles_give_gradients_to_every_guide_parameter(elbo_class):
     net = _net("cnn")
     model = models.classifier(net, dataset_size=20)
     x, y = torch.randn(6, 1, 6, 6), torch.randint(0, 3, (6,))
     guide = AutoMeanField(model)
     guide(x, y)
-    elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
+    elbo = elbo_class(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
     loss = elbo.differentiable_loss(model, guide, x, y)
     loss.backward()
     grads = [p.grad for p in guide.parameters()]
