@@ -14,6 +14,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
 
+from pyro_bdl.nn.vectorize import install_batched_forward
 from pyro_bdl.priors import Normal, Prior
 
 __all__ = [
@@ -121,6 +122,11 @@ def bayesianize(
     the last matching rule wins; a parameter no rule matches is exposed. Passing ``hide``
     replaces the default (normalisation layers); ``expose`` lists exceptions.
 
+    When the weights carry leading sample dims (``Trace_ELBO(vectorize_particles=True)``,
+    ``Predictive(parallel=True)``), the network runs once on the batched weights under
+    ``torch.func.vmap`` and its output gets the sample dims in front
+    (:mod:`pyro_bdl.nn.vectorize`); outside a plate its forward is unchanged.
+
     Already-lifted sites, and :class:`~pyro.nn.PyroSample`/:class:`~pyro.nn.PyroParam`
     attributes the user declared, are left as they are, so calling it twice is harmless.
 
@@ -186,6 +192,7 @@ def bayesianize(
         setattr(sub, pname, PyroSample(spec))
         registry[full] = spec
     object.__setattr__(module, _SITES_ATTR, registry)
+    install_batched_forward(module)
     return module  # type: ignore[return-value]
 
 

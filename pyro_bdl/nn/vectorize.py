@@ -1,0 +1,148 @@
+r"""One batched forward pass of a lifted network when its weights carry sample dimensions.
+
+Under ``Trace_ELBO(vectorize_particles=True)``, ``Predictive(parallel=True)`` or any outer
+``pyro.plate``, every weight site of a lifted network is drawn with leading batch dims, e.g.
+``(K, 1, *param_shape)`` for K particles over a data plate at dim -1, which ``F.linear`` and
+``F.conv2d`` cannot take. :func:`bayesianize` therefore gives the lifted module a forward that,
+only while a plate is active, reads every lifted site once (Pyro caches the values for the
+call), and, if any value is batched, runs the network's own forward once under
+:func:`torch.func.vmap` over the flattened sample dims, each lifted layer reading its slice of
+the weights from the same cache. Outside any plate the network's forward runs unchanged.
+
+Conventions:
+
+- The output gets the weights' batch dims with their trailing singleton dims removed (those are
+  the inner plates the weights do not vary along), followed by the network's usual output shape:
+  ``(K, B, C)`` for K particles of a ``(B, C)`` classifier, so a likelihood in the data plate
+  broadcasts against the particle plate.
+- Inputs, hidden (non-lifted) parameters and buffers are shared by all samples.
+- Random operations in the forward (dropout) draw independently per sample.
+- BatchNorm must be in eval mode: its running statistics are one buffer shared by the samples,
+  which K batched forwards cannot update at once (a clear error says so).
+- Every lifted site is drawn before the forward, including those of layers the forward does not
+  use.
+
+See docs/design/lifting.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pyro.poutine.plate_messenger import PlateMessenger
+from pyro.poutine.runtime import _PYRO_STACK
+from torch import nn
+from torch.utils._pytree import tree_map
+
+__all__ = ["batched_forward", "install_batched_forward", "under_plate"]
+
+_SITES_ATTR = "_bdl_sites"
+
+
+def under_plate() -> bool:
+    """Whether any ``pyro.plate`` is active (the only case where weights can carry batch dims)."""
+    return any(isinstance(m, PlateMessenger) for m in _PYRO_STACK)
+
+
+def install_batched_forward(module: nn.Module) -> None:
+    """Give the lifted ``module`` the forward described in this module's docstring (idempotent).
+
+    The forward is an instance attribute (a :func:`functools.partial` of a module-level function,
+    so the network still pickles and deep-copies); its class and ``state_dict`` are unchanged.
+    """
+    current = module.__dict__.get("forward")
+    if isinstance(current, functools.partial) and current.func is batched_forward:
+        return
+    object.__setattr__(module, "forward", functools.partial(batched_forward, module))
+
+
+def _lifted_sites(module: nn.Module) -> list[Any]:
+    """The :class:`~pyro_bdl.nn.SiteSpec` s of every lifted site under ``module``."""
+    specs: dict[int, Any] = {}
+    for sub in module.modules():
+        for spec in getattr(sub, _SITES_ATTR, {}).values():
+            specs.setdefault(id(spec), spec)
+    return list(specs.values())
+
+
+def _check_batchnorm_eval(module: nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if (
+            isinstance(sub, nn.modules.batchnorm._BatchNorm)
+            and sub.training
+            and sub.track_running_stats
+        ):
+            raise RuntimeError(
+                f"BatchNorm layer {name!r} is in training mode while the weights carry sample "
+                "dims (vectorized particles or Predictive(parallel=True)): its running "
+                "statistics are one buffer shared by all samples and cannot be updated from "
+                "all of them at once. Call net.eval() before a parallel prediction, or train "
+                "with Trace_ELBO(vectorize_particles=False)."
+            )
+
+
+def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The lifted module's forward: the class's own forward, vectorized over sample dims of the
+    weights when there are any (see this module's docstring)."""
+    forward: Callable[..., Any] = functools.partial(type(module).forward, module)
+    context = getattr(module, "_pyro_context", None)
+    if context is None or not context.active or not under_plate():
+        return forward(*args, **kwargs)
+
+    specs = _lifted_sites(module)
+    keys, values, batch_shapes = [], [], []
+    for spec in specs:
+        value = getattr(spec.module, spec.param_name)  # draws the site; Pyro caches it
+        event = spec.shape
+        batch = value.shape[: value.dim() - len(event)]
+        if value.dim() < len(event) or value.shape[len(batch) :] != event:
+            raise ValueError(
+                f"lifted site {spec.name!r} has value shape {tuple(value.shape)}; expected "
+                f"(*sample_dims, {', '.join(map(str, event))}). A guide or condition must give "
+                "this weight its parameter's shape, with optional leading sample dims."
+            )
+        keys.append(spec.module._pyro_get_fullname(spec.param_name))
+        values.append(value)
+        batch_shapes.append(batch)
+    batch = torch.broadcast_shapes(*batch_shapes) if batch_shapes else torch.Size()
+    if not batch:
+        return forward(*args, **kwargs)
+
+    lead = list(batch)
+    while lead and lead[-1] == 1:
+        lead.pop()
+    num = math.prod(lead)
+    cache = context.cache
+    saved = {key: cache[key] for key in keys}
+    try:
+        if not lead:  # a single sample with singleton plate dims: the plain forward
+            for key, spec, value in zip(keys, specs, values):
+                cache[key] = value.reshape(spec.shape)
+            return forward(*args, **kwargs)
+        _check_batchnorm_eval(module)
+        flat: list[torch.Tensor] = []
+        in_dims: list[int | None] = []
+        for spec, value, shape in zip(specs, values, batch_shapes):
+            if math.prod(shape) == 1:  # shared by all samples
+                flat.append(value.reshape(spec.shape))
+                in_dims.append(None)
+            else:
+                value = value.expand(*batch, *spec.shape)
+                flat.append(value.reshape(num, *spec.shape))
+                in_dims.append(0)
+
+        def one(weights: tuple[torch.Tensor, ...]) -> Any:
+            for key, weight in zip(keys, weights):
+                cache[key] = weight
+            return forward(*args, **kwargs)
+
+        out = torch.func.vmap(one, in_dims=(tuple(in_dims),), randomness="different")(tuple(flat))
+    finally:
+        cache.update(saved)
+    return tree_map(
+        lambda t: t.reshape(*lead, *t.shape[1:]) if isinstance(t, torch.Tensor) else t, out
+    )

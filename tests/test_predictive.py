@@ -1,0 +1,111 @@
+"""sample_outputs / Predictive(parallel=True) with every guide of the library."""
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+from pyro_bdl import bayesianize, infer, models
+from pyro_bdl.compare.problem import cnn, mlp
+from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
+from pyro_bdl.predictive import sample_outputs
+
+N = 40
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(12, 1, 6, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+
+
+def _fit(kind: str, net_kind: str):
+    """``(model, guide)`` on a small digits-shaped net, fitted through public APIs only."""
+    torch.manual_seed(0)
+    build = {"mlp": mlp, "cnn": cnn}[net_kind]
+    net = bayesianize(build((1, 6, 6), 3))
+    model = models.classifier(net, dataset_size=N)
+    x, y = _data()
+    if kind == "vogn":
+        vogn = infer.VOGN(model, dataset_size=N, lr=1e-3)
+        for _ in range(2):
+            vogn.step(x, y)
+        guide = vogn.guide
+    elif kind == "swag":
+        guide = AutoSWAG(model, rank=2)
+        svi = SVI(model, guide, pyro.optim.SGD({"lr": 1e-2}), Trace_ELBO())
+        for _ in range(2):
+            svi.step(x, y)
+            guide.collect()
+    elif kind == "laplace":
+        guide = AutoSubnetLaplace(model, subnetwork="largest_variance", size=20)
+        SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO()).step(x, y)
+        guide.fit((x, y))
+    else:
+        guide = {"meanfield": AutoMeanField, "radial": AutoRadial}[kind](model, init_scale=0.1)
+        guide(x, y)
+    net.eval()
+    return model, guide, x
+
+
+GUIDES = ["meanfield", "radial", "swag", "vogn", "laplace"]
+
+
+@pytest.mark.parametrize("net_kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("kind", GUIDES)
+def test_parallel_and_sequential_predictive_agree_in_distribution(kind, net_kind):
+    model, guide, x = _fit(kind, net_kind)
+    s = 200
+    with torch.no_grad():
+        par = sample_outputs(model, guide, x, num_samples=s).softmax(-1)
+        seq = sample_outputs(model, guide, x, num_samples=s, parallel=False).softmax(-1)
+    assert par.shape == seq.shape == (s, 12, 3)
+    assert par.std(0).max() > 0  # the draws differ: it is a distribution, not a point
+    # Predictive means of two independent s-sample estimates: the difference has standard error
+    # sqrt(var_par/s + var_seq/s) per entry; 6 SE over 36 entries keeps a false failure below
+    # 36 * 2e-9 for Gaussian means (s = 200 makes the CLT accurate for probabilities in [0, 1]).
+    se = ((par.var(0) + seq.var(0)) / s).sqrt()
+    assert ((par.mean(0) - seq.mean(0)).abs() <= 6 * se + 1e-6).all()
+
+
+def test_chunks_of_max_parallel_give_all_samples():
+    model, guide, x = _fit("meanfield", "mlp")
+    with torch.no_grad():
+        out = sample_outputs(model, guide, x, num_samples=7, max_parallel=3)  # chunks 3, 3, 1
+    assert out.shape == (7, 12, 3)
+    assert not torch.allclose(out[0], out[6])
+
+
+def test_a_hand_written_model_returning_the_network_output_works_too():
+    model, guide, x = _fit("meanfield", "cnn")
+
+    def mine(x, y=None):
+        return model(x, y)
+
+    with torch.no_grad():
+        out = sample_outputs(mine, guide, x, num_samples=4)
+    assert out.shape == (4, 12, 3)
+
+    def bad(x, y=None):
+        model(x, y)
+        return torch.zeros(2)
+
+    with pytest.raises(ValueError, match="needs a model that returns the network output"):
+        sample_outputs(bad, guide, x, num_samples=4)
+
+
+def test_parallel_predictive_with_a_seed_is_reproducible():
+    model, guide, x = _fit("radial", "cnn")
+    outs = []
+    for _ in range(2):
+        pyro.set_rng_seed(3)
+        with torch.no_grad():
+            outs.append(sample_outputs(model, guide, x, num_samples=5))
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_bad_num_samples_is_refused():
+    model, guide, x = _fit("meanfield", "mlp")
+    with pytest.raises(TypeError, match="num_samples must be an int >= 1"):
+        sample_outputs(model, guide, x, num_samples=0.5)
+    with pytest.raises(ValueError, match="max_parallel"):
+        sample_outputs(model, guide, x, num_samples=4, max_parallel=0)
