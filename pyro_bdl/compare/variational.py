@@ -18,7 +18,8 @@ from pyro_bdl.infer import TraceSuffStat_ELBO
 
 __all__ = ["fit_meanfield", "fit_radial"]
 
-#: Initial posterior scale: small against the MLP's weights (≈ 0.1), as DESIGN.md 4.2 advises.
+#: Initial posterior scale: small against the MLP's weights (≈ 0.1), as
+#: docs/design/variational.md advises.
 INIT_SCALE = 1e-2
 
 
