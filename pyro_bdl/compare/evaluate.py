@@ -115,6 +115,12 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
     With ``output``, also write each method's ArviZ data and plots there (the paths are listed
     in the row's ``"files"``).
     """
+    if problem.is_regression:
+        raise ValueError(
+            f"compare.run scores classifiers; dataset {problem.dataset.name!r} is a regression "
+            "dataset (num_classes=None). Call the registry's fit functions (METHODS[name]) and "
+            "score their predictive distributions instead, as benchmarks/uci.py does."
+        )
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(
@@ -131,8 +137,8 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
         predict = METHODS[name](problem)
         fit_seconds = time.perf_counter() - start
         with record_posteriors() as seen:
-            probs = predict(x_test)
-        probs_ood = predict(x_ood) if x_ood is not None else None
+            probs = _probs(predict, x_test)
+        probs_ood = _probs(predict, x_ood) if x_ood is not None else None
         row: dict[str, Any] = {"method": name, **evaluate(probs, y_test, probs_ood)}
         row["fit_seconds"] = fit_seconds
         row["reliability"] = metrics.reliability(probs, y_test).to_dict()
@@ -141,6 +147,15 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
             row["files"] = [str(f) for f in files]
         rows.append(row)
     return rows
+
+
+def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
+    probs = predict(x)
+    if not isinstance(probs, torch.Tensor):  # a classifier's predictor returns probabilities
+        raise TypeError(
+            f"a predictor returned {type(probs).__name__}; expected class probabilities."
+        )
+    return probs
 
 
 def format_table(rows: list[dict]) -> str:
