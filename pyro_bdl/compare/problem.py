@@ -270,7 +270,8 @@ _SEEN: ContextVar[list | None] = ContextVar("pyro_bdl_seen_posteriors", default=
 
 @contextmanager
 def record_posteriors():
-    """Collect the ``(model, guide)`` pairs that :func:`predictive_probs` uses inside the block
+    """Collect the ``(model, guide)`` pairs that :func:`predictive_probs` and
+    :func:`predictive_mixture` use inside the block
     (how ``compare`` finds what to export for predictors built on it)."""
     seen: list = []
     token = _SEEN.set(seen)
