@@ -36,7 +36,7 @@ def machine() -> dict:
 
 
 def cpu_times(fn: Callable[[], object], *, warmup: int = 4, repeats: int = 15) -> dict:
-    """Median and min process time (seconds) of ``fn`` after ``warmup`` calls (BENCHMARKS.md)."""
+    """Median and min process time (seconds) of ``fn`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     proc, wall = [], []
@@ -53,7 +53,7 @@ def cpu_times(fn: Callable[[], object], *, warmup: int = 4, repeats: int = 15) -
 
 
 def gpu_times(fn: Callable[[], object], *, warmup: int = 4, repeats: int = 15) -> dict:
-    """Median and min of CUDA-event times (seconds) after ``warmup`` calls (BENCHMARKS.md)."""
+    """Median and min of CUDA-event times (seconds) after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []

@@ -1,6 +1,6 @@
 """KL term with M Monte Carlo samples: our graph-free estimators against the direct M-sample graph.
 
-Figures (BENCHMARKS.md, issue 4):
+Figures:
 
 1. saved-for-backward bytes and time (forward + backward) of the KL term for
    M ∈ {1, 10, 100, 1000, 10⁴}, ours vs the direct estimator, on one 262,144-weight site

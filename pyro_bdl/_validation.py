@@ -1,7 +1,7 @@
 """Argument checks shared by every public boundary.
 
 Each check raises a ``ValueError``/``TypeError`` that names the argument, states the expected and
-the actual value, and proposes a fix (RELIABILITY.md), whether or not Pyro's validation is on.
+the actual value, and proposes a fix, whether or not Pyro's validation is on.
 """
 
 from __future__ import annotations

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import torch
 
-from pyro_bdl.compare import METHODS, NETWORKS, Problem, format_table, run, write_json
+from pyro_bdl.compare import (
+    COMPARE_METHODS,
+    METHODS,
+    NETWORKS,
+    Problem,
+    format_table,
+    run,
+    write_json,
+)
 from pyro_bdl.data import DATASETS, hold_out_classes, load_dataset, load_ood
 
 #: Classes held out as OOD data by default (``--ood held-out``).
@@ -52,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--methods",
-        default=",".join(METHODS),
-        help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)",
+        default=",".join(COMPARE_METHODS),
+        help=f"comma-separated subset of: {', '.join(METHODS)} (default: all but the "
+        "full-network laplace)",
     )
     c.add_argument("--network", default="mlp", choices=sorted(NETWORKS))
     c.add_argument("--epochs", type=_positive_int, default=30)

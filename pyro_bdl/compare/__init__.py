@@ -2,6 +2,6 @@
 
 from pyro_bdl.compare.evaluate import format_table, run, write_json
 from pyro_bdl.compare.problem import NETWORKS, Problem
-from pyro_bdl.compare.registry import METHODS
+from pyro_bdl.compare.registry import COMPARE_METHODS, METHODS
 
-__all__ = ["METHODS", "NETWORKS", "Problem", "format_table", "run", "write_json"]
+__all__ = ["COMPARE_METHODS", "METHODS", "NETWORKS", "Problem", "format_table", "run", "write_json"]

@@ -16,12 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import arviz as az
 import torch
 
 from pyro_bdl.compare.problem import Problem, record_posteriors, seed_everything
 from pyro_bdl.compare.registry import METHODS
-from pyro_bdl.diagnostics import export, metrics, ood, plots
+from pyro_bdl.diagnostics import metrics, ood
 
 __all__ = ["COLUMNS", "evaluate", "export_method", "format_table", "run", "write_json"]
 
@@ -55,27 +54,6 @@ def evaluate(
     return row
 
 
-def _export_mean_only(probs: torch.Tensor, y: torch.Tensor):
-    """For a predictor with no model/guide to draw from: the mean predictive alone."""
-    import numpy as np
-    import xarray as xr
-
-    probs_np = probs.detach().double().cpu().numpy()[None, None]
-    dims = ("chain", "draw", "data", "class")
-    predictions = xr.Dataset(
-        {"probs": xr.DataArray(probs_np, dims=dims)},
-        attrs={"note": "the method's predictor exposes no model/guide: mean predictive only"},
-    )
-    observed = xr.Dataset({"y": xr.DataArray(y.cpu().numpy(), dims=("data",))})
-    coords = {"data": np.arange(len(y)), "class": np.arange(probs.shape[1])}
-    return export.package(
-        {
-            "predictions": predictions.assign_coords(coords),
-            "observed_data": observed.assign_coords({"data": coords["data"]}),
-        }
-    )
-
-
 def export_method(
     name: str,
     predict: Callable,
@@ -86,6 +64,10 @@ def export_method(
     output: Path,
 ) -> list[Path]:
     """Write ``<name>.nc`` and the plots of one method into ``output``; returns the paths."""
+    import arviz as az  # local: ArviZ and matplotlib load only when a run writes files
+
+    from pyro_bdl.diagnostics import export, plots
+
     output.mkdir(parents=True, exist_ok=True)
     x_test = problem.dataset.x_test.to(problem.device)
     y_test = problem.dataset.y_test.to(problem.device)
@@ -98,7 +80,7 @@ def export_method(
             model, guide, x_test, y_test, num_samples=problem.num_samples
         )
     else:
-        data = _export_mean_only(probs, y_test)
+        data = export.mean_predictive_data(probs, y_test)
     written = [Path(export.save_inference_data(data, output / f"{name}.nc"))]
 
     fig = plots.plot_reliability(
@@ -133,6 +115,12 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
     With ``output``, also write each method's ArviZ data and plots there (the paths are listed
     in the row's ``"files"``).
     """
+    if problem.is_regression:
+        raise ValueError(
+            f"compare.run scores classifiers; dataset {problem.dataset.name!r} is a regression "
+            "dataset (num_classes=None). Call the registry's fit functions (METHODS[name]) and "
+            "score their predictive distributions instead, as benchmarks/uci.py does."
+        )
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(
@@ -149,8 +137,8 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
         predict = METHODS[name](problem)
         fit_seconds = time.perf_counter() - start
         with record_posteriors() as seen:
-            probs = predict(x_test)
-        probs_ood = predict(x_ood) if x_ood is not None else None
+            probs = _probs(predict, x_test)
+        probs_ood = _probs(predict, x_ood) if x_ood is not None else None
         row: dict[str, Any] = {"method": name, **evaluate(probs, y_test, probs_ood)}
         row["fit_seconds"] = fit_seconds
         row["reliability"] = metrics.reliability(probs, y_test).to_dict()
@@ -159,6 +147,15 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
             row["files"] = [str(f) for f in files]
         rows.append(row)
     return rows
+
+
+def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
+    probs = predict(x)
+    if not isinstance(probs, torch.Tensor):  # a classifier's predictor returns probabilities
+        raise TypeError(
+            f"a predictor returned {type(probs).__name__}; expected class probabilities."
+        )
+    return probs
 
 
 def format_table(rows: list[dict]) -> str:

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import pyro
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 
-from pyro_bdl.compare.problem import Predictor, Problem, predictive_probs, train_svi
-from pyro_bdl.nn import init_to_network
+from pyro_bdl.compare.problem import Predictor, Problem, train_svi
 
 __all__ = ["fit_map", "train_map"]
 
 
 def train_map(problem: Problem, desc: str = "map"):
-    """``(bnn, model, guide)``: the MAP network trained on ``problem``'s training rows."""
+    """``(bnn, model, guide)``: the MAP network trained on ``problem``'s training rows, starting
+    from ``problem.init`` when given."""
     bnn, model = problem.bayesian_model()
-    guide = AutoDelta(model, init_loc_fn=init_to_network)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": problem.lr}), Trace_ELBO())
+    guide = AutoDelta(model, init_loc_fn=problem.init_loc_fn())
+    svi = SVI(model, guide, problem.optimizer(), Trace_ELBO())
     train_svi(problem, svi, desc)
     return bnn, model, guide
 
 
 def fit_map(problem: Problem) -> Predictor:
+    """The MAP's predictive (one draw of the point mass); ``predictor.guide.median()`` holds the
+    MAP site values."""
     _, model, guide = train_map(problem)
-    return lambda x: predictive_probs(model, guide, x, num_samples=1)
+    return problem.predictor(model, guide, num_samples=1)

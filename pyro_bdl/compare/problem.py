@@ -1,4 +1,10 @@
-"""The shared set-up of ``pyro-bdl compare``: data, network, minibatches and training loops.
+"""The shared set-up of every method in the registry: data, network, minibatches, the optimiser,
+the one training loop (:func:`train_loop`) and the predictive.
+
+A :class:`Problem` is a classification problem (``dataset.num_classes`` set: a categorical model,
+predictors return mean class probabilities) or a regression problem (``num_classes`` is ``None``:
+a Gaussian model with the fixed observation noise ``Problem.noise``, predictors return the
+predictive distribution of the targets, a ``torch.distributions.Distribution``).
 
 Out-of-distribution inputs for the OOD figures travel in ``Problem.ood_x``. For the ArviZ export,
 ``compare`` needs the model and guide behind a predictor: a predictor may carry them (see
@@ -10,8 +16,9 @@ mean predictive only.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -20,12 +27,13 @@ import pyro
 import torch
 from pyro.infer import SVI, Predictive
 from torch import nn
+from torch.distributions import Distribution
 from tqdm.auto import tqdm
 
 from pyro_bdl import models
 from pyro_bdl._validation import check_probability
 from pyro_bdl.data import Dataset
-from pyro_bdl.nn import bayesianize
+from pyro_bdl.nn import bayesianize, init_to_network
 from pyro_bdl.priors import Normal, Prior
 
 __all__ = [
@@ -33,14 +41,18 @@ __all__ = [
     "Predictor",
     "Problem",
     "attach_posterior",
+    "init_at",
+    "predictive_mixture",
     "predictive_probs",
     "record_posteriors",
     "split_validation",
+    "train_loop",
     "train_svi",
 ]
 
-#: Maps test inputs to mean predictive class probabilities, shape (n, C).
-Predictor = Callable[[torch.Tensor], torch.Tensor]
+#: Maps test inputs to mean predictive class probabilities, shape (n, C), for a classification
+#: problem; to the predictive distribution of the targets (batch shape (n,)) for a regression one.
+Predictor = Callable[[torch.Tensor], torch.Tensor | Distribution]
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 100) -> nn.Module:
@@ -77,12 +89,29 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.M
 NETWORKS = {"mlp": mlp, "cnn": cnn}
 
 
+def init_at(values: Mapping[str, torch.Tensor]):
+    """Initialisation at given site values (e.g. a MAP's ``guide.median()``); any other site
+    (such as an unobserved ``y`` when a guide traces the model for prediction) falls back to
+    :func:`~pyro_bdl.init_to_network`."""
+
+    def init(site):
+        name = site["name"]
+        return values[name].clone() if name in values else init_to_network(site)
+
+    return init
+
+
 @dataclass
 class Problem:
-    """Everything a method needs to train on the same data and network as the others."""
+    """Everything a method needs to train on the same data and network as the others.
+
+    ``network`` names an entry of :data:`NETWORKS` or is a builder ``(input_shape, num_outputs)
+    -> nn.Module``. The steps run ``epochs`` passes of ``batch_size`` rows (``batch_size >= N``:
+    full batch, so ``epochs`` counts steps).
+    """
 
     dataset: Dataset
-    network: str = "mlp"
+    network: str | Callable[[tuple[int, ...], int], nn.Module] = "mlp"
     epochs: int = 30
     batch_size: int = 64
     lr: float = 1e-3
@@ -96,22 +125,71 @@ class Problem:
     ood_x: torch.Tensor | None = None
     #: What ``ood_x`` is, for the printed report (e.g. "held-out classes 8, 9").
     ood_name: str = ""
+    #: Observation noise σ of a regression problem (fixed; required when ``num_classes`` is None).
+    noise: float | None = None
+    #: Site values every method starts from (e.g. a trained MAP), or None for the network's own
+    #: initial weights.
+    init: Mapping[str, torch.Tensor] | None = None
+    #: None: Adam at ``lr``. A factor f: Pyro's ``ClippedAdam`` with the rate decayed by f over
+    #: the run (for full-batch runs of many steps).
+    lr_decay: float | None = None
 
     @property
     def num_train(self) -> int:
         return len(self.dataset.y_train)
 
+    @property
+    def is_regression(self) -> bool:
+        return self.dataset.num_classes is None
+
+    @property
+    def num_steps(self) -> int:
+        """Optimisation steps of the whole run: ``epochs · ⌈N / batch_size⌉``."""
+        return self.epochs * math.ceil(self.num_train / self.batch_size)
+
     def net(self) -> nn.Module:
         """A freshly initialised plain network (the same weights for every method)."""
         torch.manual_seed(self.seed)
-        assert self.dataset.num_classes is not None
-        build = NETWORKS[self.network]
-        return build(self.dataset.input_shape, self.dataset.num_classes).to(self.device)
+        build = NETWORKS[self.network] if isinstance(self.network, str) else self.network
+        outputs = 1 if self.dataset.num_classes is None else self.dataset.num_classes
+        return build(self.dataset.input_shape, outputs).to(self.device)
 
     def bayesian_model(self):
-        """``(bnn, model)``: the lifted network and a categorical model over it."""
+        """``(bnn, model)``: the lifted network and a categorical (classification) or Gaussian
+        (regression, noise ``self.noise``) model over it."""
+        if self.is_regression and self.noise is None:
+            raise ValueError(
+                f"dataset {self.dataset.name!r} is a regression dataset (num_classes=None), so "
+                "the Problem needs its observation noise; pass Problem(..., noise=sigma)."
+            )
         bnn = bayesianize(self.net(), self.prior)
+        if self.noise is not None and self.is_regression:
+            return bnn, models.regressor(bnn, self.num_train, self.noise)
         return bnn, models.classifier(bnn, self.num_train)
+
+    def init_loc_fn(self):
+        """Where guides start: :func:`init_at` ``self.init``, else the network's own weights."""
+        return init_to_network if self.init is None else init_at(self.init)
+
+    def optimizer(self) -> pyro.optim.PyroOptim:
+        """Adam at ``lr``, or ``ClippedAdam`` decaying it by ``lr_decay`` over ``num_steps``."""
+        if self.lr_decay is None:
+            return pyro.optim.Adam({"lr": self.lr})
+        return pyro.optim.ClippedAdam(
+            {"lr": self.lr, "lrd": self.lr_decay ** (1 / max(self.num_steps, 1))}
+        )
+
+    def predictor(self, model, guide, num_samples: int | None = None) -> Predictor:
+        """The predictive of ``guide``'s draws (``num_samples``, default ``self.num_samples``):
+        mean class probabilities, or the mixture of N(f_s(x), σ²) for regression."""
+        s = self.num_samples if num_samples is None else num_samples
+        if self.is_regression:
+            return attach_posterior(
+                lambda x: predictive_mixture(model, guide, x, num_samples=s), model, guide
+            )
+        return attach_posterior(
+            lambda x: predictive_probs(model, guide, x, num_samples=s), model, guide
+        )
 
     def batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The shuffled minibatches of one epoch (the order depends only on seed and epoch)."""
@@ -133,17 +211,43 @@ class Problem:
         )
 
 
-def train_svi(problem: Problem, svi: SVI, desc: str) -> list[float]:
-    """Run ``svi`` for ``problem.epochs`` epochs with a progress bar; returns per-epoch losses."""
+def train_loop(
+    problem: Problem,
+    step: Callable[[torch.Tensor, torch.Tensor], float],
+    desc: str,
+    *,
+    on_epoch: Callable[[int], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+    status: Callable[[], Mapping[str, object]] | None = None,
+) -> list[float]:
+    """The training loop of every method: ``problem.epochs`` epochs of ``step(x, y) -> loss``
+    over :meth:`Problem.batches`, with a progress bar; returns the per-epoch losses per example.
+
+    :param on_epoch: called with the epoch number before its first step (e.g. to switch phase).
+    :param on_step: called with the running step count (from 1) after each step (e.g. to collect
+        a snapshot or step a learning-rate schedule).
+    :param status: extra figures for the progress bar, read after each epoch.
+    """
     losses = []
     bar = problem.epoch_bar(desc)
+    count = 0
     for epoch in bar:
+        if on_epoch is not None:
+            on_epoch(epoch)
         total = 0.0
         for x, y in problem.batches(epoch):
-            total += svi.step(x, y)
+            total += step(x, y)
+            count += 1
+            if on_step is not None:
+                on_step(count)
         losses.append(total / problem.num_train)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", **(status() if status is not None else {}))
     return losses
+
+
+def train_svi(problem: Problem, svi: SVI, desc: str) -> list[float]:
+    """Run ``svi`` for ``problem.epochs`` epochs (:func:`train_loop`); returns per-epoch losses."""
+    return train_loop(problem, svi.step, desc)
 
 
 def attach_posterior(predict: Predictor, model, guide) -> Predictor:
@@ -166,7 +270,8 @@ _SEEN: ContextVar[list | None] = ContextVar("pyro_bdl_seen_posteriors", default=
 
 @contextmanager
 def record_posteriors():
-    """Collect the ``(model, guide)`` pairs that :func:`predictive_probs` uses inside the block
+    """Collect the ``(model, guide)`` pairs that :func:`predictive_probs` and
+    :func:`predictive_mixture` use inside the block
     (how ``compare`` finds what to export for predictors built on it)."""
     seen: list = []
     token = _SEEN.set(seen)
@@ -185,6 +290,20 @@ def predictive_probs(model, guide, x: torch.Tensor, num_samples: int) -> torch.T
     predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
     logits = predictive(x)["_RETURN"]
     return logits.softmax(-1).mean(0)
+
+
+@torch.no_grad()
+def predictive_mixture(model, guide, x: torch.Tensor, num_samples: int):
+    """The equal-weight mixture of N(f_s(x), σ²) over ``num_samples`` posterior draws f_s of a
+    :func:`~pyro_bdl.models.regressor` (σ its fixed noise); batch shape (n,)."""
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.append((model, guide))
+    predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
+    f = predictive(x)["_RETURN"].reshape(num_samples, -1).T  # (n, S)
+    components = torch.distributions.Normal(f, float(model.noise_scale))
+    weights = torch.distributions.Categorical(logits=torch.zeros_like(f))
+    return torch.distributions.MixtureSameFamily(weights, components)
 
 
 def seed_everything(seed: int) -> None:

@@ -3,8 +3,14 @@
 The first ``1 − SWAG_FRACTION`` of the epochs train the point estimate; the rest keep the same
 SGD and collect a snapshot every c steps, with c chosen to gather about ``2 · rank`` snapshots
 (so the ring buffer of the last ``rank`` deviations is full and the moments average over twice as
-many). Predictions average softmax over ``problem.num_samples`` draws, refreshing BatchNorm for
-each draw when the network has BatchNorm.
+many). When the problem starts from a trained point estimate (``Problem.init``), every epoch is
+the SWAG phase, as in the paper's use from a pretrained solution. Classification predictions
+average softmax over ``problem.num_samples`` draws, refreshing BatchNorm for each draw when the
+network has BatchNorm; regression predictions are the mixture over draws.
+
+References:
+    Maddox, Izmailov, Garipov, Vetrov & Wilson, "A Simple Baseline for Bayesian Uncertainty in
+    Deep Learning", NeurIPS 2019.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import pyro
 import torch
 from pyro.infer import SVI, Trace_ELBO
 
-from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior
+from pyro_bdl._validation import check_choice, check_positive_int
+from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior, train_loop
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from pyro_bdl.guides.swag import AutoSWAG
 
@@ -35,39 +42,67 @@ RANK = 20
 BN_FRACTION = 0.25
 
 
-def _svi(model, guide, lr: float, n: int) -> SVI:
+def _svi(model, guide, lr: float, n: int, optimizer: str) -> SVI:
+    if optimizer == "adam":
+        return SVI(model, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
     # Pyro's ELBO sums the likelihood over the N examples, so a per-example rate is divided by N.
     return SVI(model, guide, pyro.optim.SGD({"lr": lr / n, "momentum": MOMENTUM}), Trace_ELBO())
 
 
-def train_swag(problem: Problem, guide: AutoSWAG, model, desc: str) -> torch.Tensor:
+def train_swag(
+    problem: Problem,
+    guide: AutoSWAG,
+    model,
+    desc: str,
+    *,
+    swa_lr: float = SWA_LR,
+    optimizer: str = "sgd",
+    snapshots: int | None = None,
+) -> torch.Tensor:
     """SGD with momentum on the MAP objective through ``guide``, then the SWAG phase: a constant
-    rate ``SWA_LR`` with a snapshot every c steps.
+    rate ``swa_lr`` with a snapshot every c steps (no SGD phase when ``problem.init`` is given).
 
+    :param str optimizer: the SWAG phase's optimiser: ``"sgd"`` (with momentum; ``swa_lr`` is a
+        per-example rate) or ``"adam"`` (``swa_lr`` is Adam's rate).
+    :param int snapshots: about how many snapshots to gather (default ``2 · rank``).
     :returns: the SGD point estimate at the end of the SGD phase (a copy of ``guide.loc``).
     """
+    check_choice("optimizer", optimizer, ("sgd", "adam"))
     n = problem.num_train
-    swag_epochs = max(1, round(SWAG_FRACTION * problem.epochs))
+    swag_epochs = (
+        problem.epochs
+        if problem.init is not None
+        else max(1, round(SWAG_FRACTION * problem.epochs))
+    )
     first_swag_epoch = max(0, problem.epochs - swag_epochs)
     steps_per_epoch = math.ceil(n / problem.batch_size)
-    every = max(1, (problem.epochs - first_swag_epoch) * steps_per_epoch // (2 * guide.rank))
-    svi = _svi(model, guide, SGD_LR, n)
-    sgd_loc: torch.Tensor | None = None
-    bar = problem.epoch_bar(desc)
-    step = 0
-    for epoch in bar:
+    target = 2 * guide.rank if snapshots is None else check_positive_int("snapshots", snapshots)
+    every = max(1, (problem.epochs - first_swag_epoch) * steps_per_epoch // target)
+    state: dict = {"svi": _svi(model, guide, SGD_LR, n, "sgd"), "sgd_loc": None, "step": 0}
+
+    def on_epoch(epoch: int) -> None:
+        state["swag"] = epoch >= first_swag_epoch
         if epoch == first_swag_epoch:
             if epoch > 0:
-                sgd_loc = guide.loc.detach().clone()
-            svi = _svi(model, guide, SWA_LR, n)
-        total = 0.0
-        for x, y in problem.batches(epoch):
-            total += svi.step(x, y)
-            if epoch >= first_swag_epoch:
-                step += 1
-                if step % every == 0:
-                    guide.collect()
-        bar.set_postfix(loss=f"{total / n:.3f}", snapshots=guide.num_collected)
+                state["sgd_loc"] = guide.loc.detach().clone()
+            state["svi"] = _svi(model, guide, swa_lr, n, optimizer)
+
+    def on_step(_: int) -> None:
+        if state["swag"]:
+            state["step"] += 1
+            if state["step"] % every == 0:
+                guide.collect()
+
+    train_loop(
+        problem,
+        lambda x, y: state["svi"].step(x, y),
+        desc,
+        on_epoch=on_epoch,
+        on_step=on_step,
+        status=lambda: {"snapshots": guide.num_collected},
+    )
+    svi = state["svi"]
+    sgd_loc = state["sgd_loc"]
     extra = problem.epochs
     while guide.num_collected < 2:  # tiny runs: make sure the posterior exists
         for x, y in problem.batches(extra):
@@ -77,10 +112,12 @@ def train_swag(problem: Problem, guide: AutoSWAG, model, desc: str) -> torch.Ten
     return guide.loc.detach().clone() if sgd_loc is None else sgd_loc
 
 
-def _fit(problem: Problem, *, diag_only: bool, desc: str) -> Predictor:
+def _fit(problem: Problem, *, diag_only: bool, desc: str, **schedule) -> Predictor:
     bnn, model = problem.bayesian_model()
-    guide = AutoSWAG(model, rank=RANK, diag_only=diag_only)
-    train_swag(problem, guide, model, desc)
+    guide = AutoSWAG(model, rank=RANK, diag_only=diag_only, init_loc_fn=problem.init_loc_fn())
+    train_swag(problem, guide, model, desc, **schedule)
+    if problem.is_regression:
+        return problem.predictor(model, guide)
     x_train = problem.dataset.x_train.to(problem.device)
 
     def predict(x):
@@ -96,9 +133,26 @@ def _fit(problem: Problem, *, diag_only: bool, desc: str) -> Predictor:
     return attach_posterior(predict, model, guide)
 
 
-def fit_swag(problem: Problem) -> Predictor:
-    return _fit(problem, diag_only=False, desc="swag")
+def fit_swag(
+    problem: Problem,
+    *,
+    swa_lr: float = SWA_LR,
+    optimizer: str = "sgd",
+    snapshots: int | None = None,
+) -> Predictor:
+    """SWAG (rank-``RANK`` plus diagonal covariance); the keywords set the SWAG phase as in
+    :func:`train_swag`."""
+    schedule = {"swa_lr": swa_lr, "optimizer": optimizer, "snapshots": snapshots}
+    return _fit(problem, diag_only=False, desc="swag", **schedule)
 
 
-def fit_swag_diag(problem: Problem) -> Predictor:
-    return _fit(problem, diag_only=True, desc="swag_diag")
+def fit_swag_diag(
+    problem: Problem,
+    *,
+    swa_lr: float = SWA_LR,
+    optimizer: str = "sgd",
+    snapshots: int | None = None,
+) -> Predictor:
+    """SWAG-diag (diagonal covariance only); keywords as :func:`fit_swag`."""
+    schedule = {"swa_lr": swa_lr, "optimizer": optimizer, "snapshots": snapshots}
+    return _fit(problem, diag_only=True, desc="swag_diag", **schedule)

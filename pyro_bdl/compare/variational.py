@@ -9,33 +9,34 @@ predict by averaging ``problem.num_samples`` posterior draws.
 
 from __future__ import annotations
 
-import pyro
 from pyro.infer import SVI
 
-from pyro_bdl.compare.problem import Predictor, Problem, predictive_probs, train_svi
+from pyro_bdl.compare.problem import Predictor, Problem, train_svi
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 from pyro_bdl.infer import TraceSuffStat_ELBO
 
 __all__ = ["fit_meanfield", "fit_radial"]
 
-#: Initial posterior scale: small against the MLP's weights (≈ 0.1), as DESIGN.md 4.2 advises.
+#: Initial posterior scale: small against the MLP's weights (≈ 0.1), as
+#: docs/design/variational.md advises.
 INIT_SCALE = 1e-2
 
 
-def _fit(problem: Problem, guide_cls, desc: str) -> Predictor:
+def _fit(problem: Problem, guide_cls, desc: str, init_scale: float) -> Predictor:
     _, model = problem.bayesian_model()
-    guide = guide_cls(model, init_scale=INIT_SCALE)
+    guide = guide_cls(model, init_scale=init_scale, init_loc_fn=problem.init_loc_fn())
     elbo = TraceSuffStat_ELBO(num_kl_samples=problem.num_kl_samples)
-    svi = SVI(model, guide, pyro.optim.Adam({"lr": problem.lr}), elbo)
+    svi = SVI(model, guide, problem.optimizer(), elbo)
     train_svi(problem, svi, desc)
-    return lambda x: predictive_probs(model, guide, x, num_samples=problem.num_samples)
+    return problem.predictor(model, guide)
 
 
-def fit_meanfield(problem: Problem) -> Predictor:
-    """Mean-field Gaussian VI with :class:`~pyro_bdl.guides.AutoMeanField`."""
-    return _fit(problem, AutoMeanField, "meanfield")
+def fit_meanfield(problem: Problem, *, init_scale: float = INIT_SCALE) -> Predictor:
+    """Mean-field Gaussian VI with :class:`~pyro_bdl.guides.AutoMeanField`, every posterior
+    scale starting at ``init_scale``."""
+    return _fit(problem, AutoMeanField, "meanfield", init_scale)
 
 
-def fit_radial(problem: Problem) -> Predictor:
+def fit_radial(problem: Problem, *, init_scale: float = INIT_SCALE) -> Predictor:
     """Radial VI with :class:`~pyro_bdl.guides.AutoRadial`."""
-    return _fit(problem, AutoRadial, "radial")
+    return _fit(problem, AutoRadial, "radial", init_scale)

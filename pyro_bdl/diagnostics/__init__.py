@@ -1,5 +1,8 @@
 """Diagnostics: calibration and out-of-distribution metrics, ArviZ export, Pareto k̂, plots.
 
+The metrics load with the package; the ArviZ export, PSIS and the plots (which need ArviZ,
+xarray and matplotlib) load on first use, so ``import pyro_bdl`` stays light.
+
 Usage::
 
     probs = predictor(x_test)
@@ -8,12 +11,12 @@ Usage::
     bdl.diagnostics.psis_khat(model, guide, x_train, y_train, num_samples=2000).band
 """
 
-from pyro_bdl.diagnostics import metrics, ood, plots
-from pyro_bdl.diagnostics.export import (
-    load_inference_data,
-    save_inference_data,
-    to_inference_data,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pyro_bdl.diagnostics import metrics, ood
 from pyro_bdl.diagnostics.metrics import (
     Reliability,
     accuracy,
@@ -32,9 +35,50 @@ from pyro_bdl.diagnostics.ood import (
     ood_scores,
     predictive_entropy,
 )
-from pyro_bdl.diagnostics.plots import plot_entropy, plot_reliability, save_arviz_plots
-from pyro_bdl.diagnostics.psis import PsisResult, khat_band, loo, pareto_khat, psis_khat
 from pyro_bdl.diagnostics.temperature import fit_temperature, temperature_scale
+
+if TYPE_CHECKING:
+    from pyro_bdl.diagnostics import export, plots, psis
+    from pyro_bdl.diagnostics.export import (
+        load_inference_data,
+        save_inference_data,
+        to_inference_data,
+    )
+    from pyro_bdl.diagnostics.plots import plot_entropy, plot_reliability, save_arviz_plots
+    from pyro_bdl.diagnostics.psis import PsisResult, khat_band, loo, pareto_khat, psis_khat
+
+#: Names loaded on first access: name -> the submodule that defines it (ArviZ / matplotlib).
+_LAZY = {
+    "export": "",
+    "plots": "",
+    "psis": "",
+    "load_inference_data": "export",
+    "save_inference_data": "export",
+    "to_inference_data": "export",
+    "plot_entropy": "plots",
+    "plot_reliability": "plots",
+    "save_arviz_plots": "plots",
+    "PsisResult": "psis",
+    "khat_band": "psis",
+    "loo": "psis",
+    "pareto_khat": "psis",
+    "psis_khat": "psis",
+}
+
+
+def __getattr__(name: str) -> Any:
+    owner = _LAZY.get(name)
+    if owner is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{owner or name}")
+    value = module if not owner else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "PsisResult",
@@ -43,6 +87,7 @@ __all__ = [
     "auroc",
     "brier",
     "ece",
+    "export",
     "fit_temperature",
     "fpr_at_95_tpr",
     "fpr_at_tpr",
@@ -60,6 +105,7 @@ __all__ = [
     "plot_reliability",
     "plots",
     "predictive_entropy",
+    "psis",
     "psis_khat",
     "reliability",
     "rmse",

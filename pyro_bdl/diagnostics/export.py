@@ -48,6 +48,7 @@ from pyro_bdl.nn import site_spec
 __all__ = [
     "GROUPS",
     "load_inference_data",
+    "mean_predictive_data",
     "package",
     "save_inference_data",
     "to_inference_data",
@@ -232,6 +233,26 @@ def package(datasets: dict[str, xr.Dataset], *, major: int | None = None):
     if major >= 1:
         return xr.DataTree.from_dict({f"/{name}": ds for name, ds in datasets.items()})
     return az.InferenceData(**datasets)
+
+
+def mean_predictive_data(probs: torch.Tensor, y: torch.Tensor):
+    """ArviZ data for a predictor with no model/guide to draw from: its mean predictive class
+    probabilities ``probs`` (n, C) as one draw of ``predictions``, and ``y`` as
+    ``observed_data``."""
+    probs_np = probs.detach().double().cpu().numpy()[None, None]
+    dims = ("chain", "draw", "data", "class")
+    predictions = xr.Dataset(
+        {"probs": xr.DataArray(probs_np, dims=dims)},
+        attrs={"note": "the method's predictor exposes no model/guide: mean predictive only"},
+    )
+    observed = xr.Dataset({"y": xr.DataArray(y.detach().cpu().numpy(), dims=("data",))})
+    coords = {"data": np.arange(len(y)), "class": np.arange(probs.shape[1])}
+    return package(
+        {
+            "predictions": predictions.assign_coords(coords),
+            "observed_data": observed.assign_coords({"data": coords["data"]}),
+        }
+    )
 
 
 def to_inference_data(

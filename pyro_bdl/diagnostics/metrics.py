@@ -3,7 +3,7 @@ r"""Metrics on predictive probabilities: plain functions of tensors (or arrays) 
 Classification figures take the mean predictive probabilities ``probs`` of shape (n, C) (already
 averaged over posterior draws, or from a linearized predictive) and integer labels ``y`` of
 shape (n,); regression figures take predictive means (and noise scales) in standardized units and
-report them in the original units of the targets (DESIGN.md 4.9).
+report them in the original units of the targets (docs/design/evaluation.md).
 
 Usage::
 

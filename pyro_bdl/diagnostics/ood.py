@@ -23,7 +23,6 @@ import math
 
 import numpy as np
 import torch
-from scipy.stats import rankdata
 
 from pyro_bdl._validation import check_choice, check_finite
 from pyro_bdl.diagnostics.metrics import as_tensor, check_probs
@@ -75,6 +74,8 @@ def auroc(scores_in, scores_out) -> float:
     score that is higher out of distribution: :math:`P(s_{out} > s_{in}) + \tfrac12 P(s_{out} =
     s_{in})`, computed exactly from mid-ranks (the Mann–Whitney U statistic)."""
     s_in, s_out = _scores("scores_in", scores_in), _scores("scores_out", scores_out)
+    from scipy.stats import rankdata  # local: scipy loads only for the AUROC
+
     ranks = rankdata(np.concatenate([s_in, s_out]))  # ties share their mean rank
     n_in, n_out = len(s_in), len(s_out)
     u = ranks[n_in:].sum() - n_out * (n_out + 1) / 2.0

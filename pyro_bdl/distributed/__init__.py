@@ -1,6 +1,6 @@
 """Data-parallel training on ``torch.distributed``: :class:`DataParallelSVI`, per-epoch data
-shards and the collective helpers (DESIGN.md 4.8). Start with ``torchrun``; backend ``nccl`` on
-GPUs, ``gloo`` on CPUs."""
+shards and the collective helpers (docs/design/distributed.md). Start with ``torchrun``; backend
+``nccl`` on GPUs, ``gloo`` on CPUs."""
 
 from pyro_bdl.distributed.comm import (
     all_gather_scalars,

@@ -1,7 +1,7 @@
 r"""Plain collective helpers on ``torch.distributed``: rank queries, bucketed mean all-reduce and
 broadcast, and the per-epoch data shards.
 
-These are functions of tensors (DESIGN.md contract 4);
+These are functions of tensors (docs/design/distributed.md);
 :class:`~pyro_bdl.distributed.DataParallelSVI` is a thin shell around them. Each collective
 flattens its tensors into one bucket per (device, dtype), so that a step costs one message per
 bucket rather than one per parameter.

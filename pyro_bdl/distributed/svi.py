@@ -10,9 +10,10 @@ With R ranks each holding B_local examples, rank r minimises
 (the model's ``pyro.plate("data", N, subsample_size=B_local)`` applies the N/B_local scale and
 the KL is counted once per rank). Averaging the gradients over ranks gives
 ∇KL + (N / (R·B_local)) Σ over all R·B_local examples, which is exactly the single-process
-estimator on the concatenated batch of B = R·B_local examples (DESIGN.md 4.8). When every rank
-draws the same weights (``shared_noise=True``) the two agree to rounding; by default each rank draws
-its own weights w_r, which averages R Monte Carlo samples of the likelihood term for free.
+estimator on the concatenated batch of B = R·B_local examples (docs/design/distributed.md).
+When every rank draws the same weights (``shared_noise=True``) the two agree to rounding; by
+default each rank draws its own weights w_r, which averages R Monte Carlo samples of the
+likelihood term for free.
 
 Usage::
 
@@ -51,6 +52,7 @@ from pyro_bdl.distributed.comm import (
     get_rank,
     get_world_size,
 )
+from pyro_bdl.models import NetworkModel
 
 __all__ = ["BatchNormWarning", "DataParallelSVI", "GuideNotInitializedError"]
 
@@ -90,9 +92,10 @@ def _crc(names: list[str]) -> int:
 
 
 def _modules(model: Callable, guide: Callable) -> Iterator[nn.Module]:
-    """The modules we can see: the guide, the model if it is a module, and ``model.net`` (which
-    :func:`pyro_bdl.models.classifier` and ``regressor`` attach)."""
-    for candidate in (guide, model, getattr(model, "net", None)):
+    """The modules we can see: the guide, the model if it is a module, and the network of a
+    :class:`~pyro_bdl.models.NetworkModel` (what ``models.classifier`` and ``regressor`` return)."""
+    net = model.net if isinstance(model, NetworkModel) else None
+    for candidate in (guide, model, net):
         if isinstance(candidate, nn.Module):
             yield candidate
 
@@ -117,7 +120,7 @@ class DataParallelSVI(SVI):
     then holds identical parameters. Without an initialised process group it behaves like
     ``SVI`` on one process, so the same script runs on a laptop.
 
-    Rules (DESIGN.md 4.8):
+    Rules (docs/design/distributed.md):
 
     - **Build it after the guide has created its parameters** (call ``guide(*example_batch)``);
       otherwise :class:`GuideNotInitializedError` says so. Building it broadcasts rank 0's

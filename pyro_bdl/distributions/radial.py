@@ -6,7 +6,7 @@ A weight tensor with D numbers is drawn as :math:`w = \mu + \sigma \odot \xi` wi
           \varepsilon \sim \mathcal N(0, I_D),\quad r \sim \mathcal N(0, 1),
 
 normalised over the whole tensor (one direction per tensor per sample). The noise density, the
-entropy and the KL against a Normal prior are all exact (DESIGN.md 4.3); the helpers
+entropy and the KL against a Normal prior are all exact (docs/design/variational.md); the helpers
 :func:`radial_noise`, :func:`radial_log_density` and :func:`radial_entropy_constant` are the
 numerical core, shared with the KL estimators of :mod:`pyro_bdl.infer`.
 
@@ -192,7 +192,7 @@ def radial_marginal_icdf(q: torch.Tensor, dim: int, *, num_nodes: int = 4096) ->
 
 class Radial(TorchDistribution):
     r"""Radial distribution over a whole weight tensor: :math:`w = \mu + \sigma\odot\xi` with
-    :func:`radial_noise` :math:`\xi` (DESIGN.md 4.3).
+    :func:`radial_noise` :math:`\xi` (docs/design/variational.md).
 
     By default every dim of ``loc`` is an event dim (one site); pass ``event_dim`` to keep leading
     dims as batch dims. Under ``pyro.plate`` the distribution is expanded on the left as usual.
@@ -298,7 +298,7 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 def _kl_radial_normal_elementwise(p: Radial, q_loc, q_scale) -> torch.Tensor:
     r"""KL(Radial ‖ ∏ N(m, s²)) = −Σ log σᵢ − H_D + Σᵢ [½ log(2π sᵢ²) + ((μᵢ−mᵢ)² + σᵢ²/D)/(2sᵢ²)]
-    (DESIGN.md 4.3: E[(w−μ)²] = σ²/D, so E_q log N is exact)."""
+    (docs/design/variational.md: E[(w−μ)²] = σ²/D, so E_q log N is exact)."""
     q_loc, q_scale = _compact(q_loc), _compact(q_scale)
     event_dim, numel = len(p.event_shape), math.prod(p.event_shape)
     inv_two_var = 0.5 * q_scale.pow(-2)

@@ -209,8 +209,9 @@ def test_two_gloo_ranks(tmp_path):
     assert [r["main"] for r in shared] == [True, False]
 
     # 2. With shared noise, two ranks equal one process on the concatenated batch. The
-    #    estimators are equal in exact arithmetic (DESIGN.md 4.8); only the order of float64
-    #    sums differs (relative 1e-16 per operation), far below 1e-12 after 20 Adam steps.
+    #    estimators are equal in exact arithmetic (docs/design/distributed.md); only the order
+    #    of float64 sums differs (relative 1e-16 per operation), far below 1e-12 after 20 Adam
+    #    steps.
     losses, params = _single_process_trajectory()
     torch.testing.assert_close(shared[0]["params"], params, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(

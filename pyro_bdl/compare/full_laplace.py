@@ -1,0 +1,72 @@
+"""The registry's full-network Laplace: the GGN Laplace over every lifted weight at the MAP, with
+the closed-form linearized predictive (probit for classification, Gaussian for regression).
+
+The MAP is ``problem.init`` when the problem starts from one (the UCI benchmark trains it once
+and reuses it), else trained here as the ``map`` method does. The prior precision λ is
+``prior_precision`` when it is a number (e.g. tuned on held-out rows with
+``predictor.guide.tune_prior_precision``), the marginal-likelihood optimum on the training rows
+for ``"marglik"``, else the prior declared in ``bayesianize``. The
+posterior is dense in the number of weights D (D² memory), so this is for small networks; the
+subnetwork variant (``subnet_laplace``) scales to larger ones (docs/design/laplace.md).
+
+References:
+    Daxberger, Kristiadi, Immer, Eschenhagen, Bauer & Hennig, "Laplace Redux — Effortless
+    Bayesian Deep Learning", NeurIPS 2021.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+
+from pyro_bdl.compare.map import train_map
+from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior
+from pyro_bdl.guides.laplace import AutoSubnetLaplace
+
+__all__ = ["fit_laplace"]
+
+
+def fit_laplace(problem: Problem, *, prior_precision: float | str | None = None) -> Predictor:
+    """Fit the full GGN Laplace at the MAP; the predictor carries the fitted guide
+    (``predictor.guide``, an :class:`~pyro_bdl.guides.laplace.AutoSubnetLaplace`).
+
+    :param prior_precision: λ > 0, ``"marglik"``, or ``None`` (the declared prior).
+    """
+    if isinstance(prior_precision, str) and prior_precision != "marglik":
+        raise ValueError(
+            f"prior_precision must be a number > 0, 'marglik' or None; got {prior_precision!r}."
+        )
+    if problem.init is None:
+        _, _, delta = train_map(problem, "laplace")
+        problem = dataclasses.replace(
+            problem, init={k: v.detach() for k, v in delta.median().items()}
+        )
+    _, model = problem.bayesian_model()
+    make = partial(
+        AutoSubnetLaplace,
+        model,
+        subnetwork="all",
+        accumulate_dtype=torch.float64,
+        batch_size=256,
+        init_loc_fn=problem.init_loc_fn(),
+    )
+    if prior_precision is None or isinstance(prior_precision, str):
+        laplace = make()  # the prior declared in bayesianize
+    else:
+        laplace = make(prior_precision=prior_precision)
+    x = problem.dataset.x_train.to(problem.device)
+    y = problem.dataset.y_train.to(problem.device)
+    laplace(x[:2], y[:2])  # set up the packed MAP point
+    laplace.fit((x, y))
+    if prior_precision == "marglik":
+        laplace.tune_prior_precision(method="marglik")
+
+    def predict(x_test: torch.Tensor):
+        if problem.is_regression:
+            mean, var = laplace.predict(x_test)
+            return torch.distributions.Normal(mean.to(x_test), var.to(x_test).sqrt())
+        return laplace.predict(x_test, link="probit").to(x_test)
+
+    return attach_posterior(predict, model, laplace)

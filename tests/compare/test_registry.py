@@ -1,0 +1,114 @@
+"""The one method registry and training loop: classification (``pyro-bdl compare``) and
+regression (``benchmarks/uci.py``) problems go through the same fit functions."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks import uci
+from pyro_bdl.compare import COMPARE_METHODS, METHODS, Problem, run
+from pyro_bdl.compare.problem import train_loop
+from pyro_bdl.data import Dataset
+
+
+def _regression(n: int = 48, seed: int = 0) -> Dataset:
+    """y = sin(2x) + 0.1 ε on x in [-1.5, 1.5], standardised enough for a unit prior."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n + 16, 1, generator=g) * 3 - 1.5
+    y = torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(n + 16, generator=g)
+    return Dataset("toy", x[:n], y[:n], x[n:], y[n:], num_classes=None)
+
+
+def _net(input_shape, outputs):
+    return nn.Sequential(nn.Linear(input_shape[0], 16), nn.Tanh(), nn.Linear(16, outputs))
+
+
+def _problem(**fields) -> Problem:
+    base = Problem(_regression(), network=_net, epochs=3, batch_size=16, progress=False, noise=0.1)
+    return dataclasses.replace(base, **fields)
+
+
+def test_train_loop_calls_the_hooks_once_per_epoch_and_step():
+    problem = _problem(epochs=4, batch_size=10)  # 48 rows: 5 steps an epoch
+    epochs, steps = [], []
+    losses = train_loop(
+        problem, lambda x, y: float(len(y)), "test", on_epoch=epochs.append, on_step=steps.append
+    )
+    assert epochs == [0, 1, 2, 3]
+    assert steps == list(range(1, 4 * 5 + 1)) and problem.num_steps == 20
+    assert losses == [1.0] * 4  # Σ len(batch) / N
+
+
+def test_compare_default_is_every_method_but_the_full_laplace():
+    assert set(COMPARE_METHODS) == set(METHODS) - {"laplace"}
+
+
+def test_lr_decay_decays_the_rate_by_its_factor_over_the_run():
+    problem = _problem(lr_decay=0.1, epochs=7)
+    lrd = problem.optimizer().pt_optim_args["lrd"]
+    assert lrd**problem.num_steps == pytest.approx(0.1)
+    assert "lrd" not in _problem().optimizer().pt_optim_args  # plain Adam by default
+
+
+def test_regression_problem_needs_its_noise():
+    with pytest.raises(ValueError, match="noise"):
+        _problem(noise=None).bayesian_model()
+
+
+def test_compare_run_refuses_a_regression_problem():
+    with pytest.raises(ValueError, match="regression"):
+        run(_problem(), ["map"])
+
+
+@pytest.mark.parametrize("name", ["map", "meanfield", "swag", "vogn", "laplace"])
+def test_regression_predictors_are_distributions_over_the_targets(name):
+    # Full batch, 40 steps; σ = 0.5 keeps the per-example curvature (≈ 1/σ²) small enough for
+    # compare's SGD phase of SWAG (rate 0.05 per example).
+    problem = _problem(epochs=40, batch_size=48, lr=1e-2, noise=0.5)
+    keywords = {"settings": {"betas": (0.9, 0.05), "damping": 1e-3}} if name == "vogn" else {}
+    if name == "swag":
+        keywords = {"optimizer": "adam", "swa_lr": 1e-2, "snapshots": 40}
+    predict = METHODS[name](problem, **keywords)
+    x_test, y_test = problem.dataset.x_test, problem.dataset.y_test
+    dist = predict(x_test)
+    assert isinstance(dist, torch.distributions.Distribution)
+    assert dist.batch_shape == (len(y_test),)
+    assert torch.isfinite(dist.log_prob(y_test)).all()
+    assert predict.guide is not None  # the fitted guide travels with the predictor
+
+
+def test_swag_from_a_point_estimate_collects_once_per_epoch():
+    values = METHODS["map"](_problem(epochs=30)).guide.median()
+    problem = _problem(epochs=6, batch_size=16, init={k: v.detach() for k, v in values.items()})
+    predict = METHODS["swag"](problem, optimizer="adam", swa_lr=1e-3, snapshots=problem.epochs)
+    # every = epochs · ⌈48/16⌉ // epochs = 3 steps: one snapshot at the end of each epoch.
+    assert predict.guide.num_collected == 6
+
+
+def test_laplace_rejects_an_unknown_prior_precision_rule():
+    with pytest.raises(ValueError, match="prior_precision"):
+        METHODS["laplace"](_problem(), prior_precision="evidence")
+
+
+def test_uci_runs_every_method_through_the_registry():
+    data = _regression(n=60)
+    cfg = dataclasses.replace(
+        uci.DEFAULTS,
+        hidden=8,
+        map_steps=40,
+        mf_steps=20,
+        swag_epochs=3,
+        vogn_steps=20,
+        num_samples=4,
+    )
+    out = uci.run_methods(
+        data.x_train, data.y_train, data.x_test, data.y_test, 1.0, cfg, uci.UCI_METHODS, 0
+    )
+    assert set(out) == {*uci.UCI_METHODS, "_noise"}
+    for name in uci.UCI_METHODS:
+        ll, rmse, seconds = out[name]
+        assert torch.isfinite(torch.tensor([ll, rmse, seconds])).all(), name
+    # The warm-started MAP fits sin(2x) far better than the target's spread (std ≈ 0.7).
+    assert out["map"][1] < 0.5
