@@ -1,1 +1,4 @@
-"""Fault injection: bad inputs, interrupted writes, mismatched state; each refusal leaves nothing changed."""
+"""Fault injection: bad inputs, interrupted writes and mismatched state.
+
+Each refusal must leave nothing changed.
+"""
