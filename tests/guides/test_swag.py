@@ -117,6 +117,9 @@ def test_collect_matches_brute_force_statistics():
         assert_close(deviations[i % rank], iterates[i] - seen.mean(0), rtol=1e-12, atol=1e-14)
     # In place: the buffers were never reallocated.
     assert pointers == (mean.data_ptr(), m2.data_ptr(), deviations.data_ptr())
+    # num_collected = 0 restarts the statistics whatever the buffers held.
+    swag_collect_(iterates[3], mean, m2, deviations, 0)
+    assert torch.equal(mean, iterates[3]) and not m2.any()
 
 
 def test_mean_equals_running_average_exactly():
