@@ -21,7 +21,10 @@ of SWAG's covariance.
 θ̄₂ − θ̄² (the mean of the squares minus the squared mean): that difference cancels
 catastrophically in float32 once the weights are ~10⁴ times larger than their movement, while
 Welford's update loses accuracy only linearly in that ratio (Chan, Golub and LeVeque's bound:
-relative error ≲ T·κ·u with κ = |θ̄|/σ, against T·κ²·u for the difference of moments).
+relative error ≲ T·κ·u with κ = |θ̄|/σ, against T·κ²·u for the difference of moments). No
+float32 statistic helps once κ nears 1/u ≈ 10⁷ (weights near 10³ that move by 10⁻⁴, below
+float32's spacing of 6·10⁻⁵ there, which the float32 mean cannot follow): train such weights in
+float64.
 
 References:
 
