@@ -51,6 +51,7 @@ from pyro_bdl.guides.laplace_model import (
 )
 from pyro_bdl.guides.laplace_posterior import (
     SubnetNormal,
+    accumulation_dtype,
     posterior_factor,
     predictive,
     tune_precision,
@@ -106,8 +107,8 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
         rows (≤ ``batch_size``) as fit. Default: ``max(2·S², batch_size·C·S)`` numbers (at least
         4 MiB), the size of the S-dependent part, so that the peak memory of :meth:`fit` hardly
         grows with the network. Raise it for speed on a network with large activations.
-    :param accumulate_dtype: dtype of H_S and the covariance (default: the weights' dtype;
-        ``torch.float64`` is more robust for large S).
+    :param accumulate_dtype: dtype of H_S and the covariance (default float64, which a small
+        prior precision needs: :func:`~pyro_bdl.guides.laplace_posterior.accumulation_dtype`).
     :param int max_memory: bytes :meth:`fit` may use for the S × S matrices and one Jacobian
         chunk (default: the memory available on the device).
     :param callable init_loc_fn: initial MAP values (default: the network's own weights).
@@ -279,9 +280,8 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
         if self.prototype_trace is None:
             self._setup_prototype(*first)
         obs = self._observe(first)
-        total = self.layout.size
         # Checks first (nothing below changes state until the buffers are assigned).
-        dtype = self.accumulate_dtype or self.loc.dtype
+        dtype = accumulation_dtype(self.accumulate_dtype, self.loc.dtype)
         count = self.rule.size_of(self.layout)
         item = torch.finfo(dtype).bits // 8
         check_memory(count, obs.outputs, self.batch_size, dtype, self.loc.device, self.max_memory)
@@ -313,7 +313,7 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
                 factor = output_hessian_factor(out, obs.likelihood, obs.noise)
                 subnet_ggn(jac, factor, out=ggn)
                 del jac, out, factor, forward, slots
-        scale_tril = posterior_factor(ggn, self._prior_s(lam_s, index.numel(), total))
+        scale_tril = posterior_factor(ggn, self._prior_s(lam_s, index.numel(), self.layout.size))
         self.map_loc = self.loc.detach().clone()
         self.subnet_index = index
         self.ggn = ggn

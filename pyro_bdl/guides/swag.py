@@ -29,6 +29,7 @@ from pyro_bdl.guides.swag_gaussian import (
     swag_std,
     swag_variance,
 )
+from pyro_bdl.guides.swag_state import convert_second_moment, sync_counter
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn import init_to_network
 
@@ -49,9 +50,6 @@ class NotCollectedError(RuntimeError):
     """SWAG was asked for its posterior before two snapshots were collected."""
 
 
-# --------------------------------------------------------------------------- guide
-
-
 class AutoSWAG(SiteAccess, AutoContinuous):
     r"""SWAG (SWA-Gaussian) as a Pyro guide over every continuous latent site, packed.
 
@@ -64,11 +62,13 @@ class AutoSWAG(SiteAccess, AutoContinuous):
     :meth:`sample_weights`, :meth:`marginal_variances` and ``"swag"`` mode raise
     :class:`NotCollectedError` before two collections.
 
-    :meth:`collect` adds the current ``loc`` to the running mean, the running second moment and a
-    ring buffer of the last ``rank`` deviations: O(D) work into preallocated buffers. The
-    statistics are registered buffers, so ``state_dict``/``load_state_dict`` round-trip them (call
-    the guide once first, as for every Pyro autoguide). Memory: (rank + 2)·D numbers beyond
-    ``loc`` (2·D for SWAG-diag) plus one integer counter, and D more with ``cache_std=True``.
+    :meth:`collect` adds the current ``loc`` to the running mean, the running sum of squared
+    deviations (Welford's M2, stable in float32) and a ring buffer of the last ``rank``
+    deviations: O(D) work into preallocated buffers. The statistics are registered buffers, so
+    ``state_dict``/``load_state_dict`` round-trip them (call the guide once first, as for every
+    Pyro autoguide; checkpoints of the older second moment are converted,
+    :mod:`~pyro_bdl.guides.swag_state`). Memory: (rank + 2)·D numbers beyond ``loc`` (2·D for
+    SWAG-diag) plus one integer counter, and D more with ``cache_std=True``.
 
     A sample costs one normal draw of D + K numbers, one read of the K × D deviations and two
     passes over D-vectors (three more to form Σ_diag^{1/2}, which ``cache_std=True`` keeps between
@@ -99,7 +99,7 @@ class AutoSWAG(SiteAccess, AutoContinuous):
         is exactly the paper's sample θ̄ + (1/√2) Σ_diag^{1/2} z₁ + (1/√(2(K−1))) D̂ z₂.
     :param callable init_loc_fn: initial point estimate per site (default: the network's
         weights, :func:`~pyro_bdl.nn.init_to_network`).
-    :param float var_clamp: ε of Σ_diag = max(θ̄₂ − θ̄², ε).
+    :param float var_clamp: ε of Σ_diag = max(M2 / T, ε) after T collections.
     :param bool cache_std: keep Σ_diag^{1/2} (D numbers, not part of the state) from one sample
         to the next until the statistics change: about 20% cheaper samples for D more memory.
 
@@ -115,7 +115,7 @@ class AutoSWAG(SiteAccess, AutoContinuous):
 
     loc: nn.Parameter
     swag_mean: torch.Tensor
-    swag_sq_mean: torch.Tensor
+    swag_m2: torch.Tensor
     swag_deviations: torch.Tensor
     swag_num_collected: torch.Tensor
 
@@ -152,7 +152,8 @@ class AutoSWAG(SiteAccess, AutoContinuous):
         # device tensor (that would be a host–device synchronisation per sample).
         self._num_collected = 0
         super().__init__(model, init_loc_fn=init_loc_fn)
-        self.register_load_state_dict_post_hook(_sync_counter)
+        self.register_load_state_dict_pre_hook(convert_second_moment)
+        self.register_load_state_dict_post_hook(sync_counter)
 
     # ------------------------------------------------------------------ set-up and state
 
@@ -164,7 +165,7 @@ class AutoSWAG(SiteAccess, AutoContinuous):
         like = self.loc.detach()
         rows = 0 if self.diag_only else self.rank
         self.register_buffer("swag_mean", torch.zeros_like(like))
-        self.register_buffer("swag_sq_mean", torch.zeros_like(like))
+        self.register_buffer("swag_m2", torch.zeros_like(like))
         self.register_buffer("swag_deviations", like.new_zeros(rows, like.shape[0]))
         self.register_buffer(
             "swag_num_collected", torch.zeros((), dtype=torch.long, device=like.device)
@@ -250,7 +251,7 @@ class AutoSWAG(SiteAccess, AutoContinuous):
                 "rate or check the data."
             )
         swag_collect_(
-            theta, self.swag_mean, self.swag_sq_mean, self.swag_deviations, self._num_collected
+            theta, self.swag_mean, self.swag_m2, self.swag_deviations, self._num_collected
         )
         self._num_collected += 1
         self.swag_num_collected.fill_(self._num_collected)
@@ -283,31 +284,33 @@ class AutoSWAG(SiteAccess, AutoContinuous):
     def get_posterior(self, *args, **kwargs) -> SWAGNormal:
         """The SWAG Gaussian over the packed latent vector (SWAG-diag if ``diag_only``)."""
         self._require_collected("build its posterior")
-        mean, sq_mean = self._buffers["swag_mean"], self._buffers["swag_sq_mean"]
-        assert mean is not None and sq_mean is not None
+        mean, m2 = self._buffers["swag_mean"], self._buffers["swag_m2"]
+        assert mean is not None and m2 is not None
         if not self.cache_std:
             self._std = None  # cache_std switched off: give the memory back
         return SWAGNormal.from_moments(
             mean,
-            sq_mean,
+            m2,
             self._stored_deviations(),
+            num_collected=self._num_collected,
             scale=self.scale,
             clamp=self.var_clamp,
-            std=self._cached_std(mean, sq_mean) if self.cache_std else None,
+            std=self._cached_std(m2) if self.cache_std else None,
         )
 
-    def _cached_std(self, mean: torch.Tensor, sq_mean: torch.Tensor) -> torch.Tensor:
+    def _cached_std(self, m2: torch.Tensor) -> torch.Tensor:
         """Σ_diag^{1/2}, recomputed only when the statistics changed: in-place writes (collect,
         load_state_dict) bump the tensors' version counters, and moving the guide replaces them,
         so the key needs no read of their values."""
+        count = self._num_collected
         try:
-            versions = (mean._version, sq_mean._version)
+            version = m2._version
         except RuntimeError:  # buffers created under torch.inference_mode keep no version
-            return swag_std(mean, sq_mean, clamp=self.var_clamp)
-        key = (*versions, mean.data_ptr(), sq_mean.data_ptr(), self.var_clamp)
+            return swag_std(m2, count, clamp=self.var_clamp)
+        key = (version, m2.data_ptr(), count, self.var_clamp)
         if self._std is None or self._std[0] != key:
             self._std = None  # free the stale copy before allocating the new one
-            self._std = (key, swag_std(mean, sq_mean, clamp=self.var_clamp))
+            self._std = (key, swag_std(m2, count, clamp=self.var_clamp))
         return self._std[1]
 
     def sample_latent(self, *args, **kwargs) -> torch.Tensor:
@@ -375,7 +378,7 @@ class AutoSWAG(SiteAccess, AutoContinuous):
         for SWAG guides too (the diagonal statistics are always kept), where it is the diagonal
         part of the SWAG covariance, without the low-rank term."""
         self._require_collected("give marginal variances")
-        variance = swag_variance(self.swag_mean, self.swag_sq_mean, clamp=self.var_clamp)
+        variance = swag_variance(self.swag_m2, self._num_collected, clamp=self.var_clamp)
         variance.mul_(self.scale)
         return self.layout.unpack(variance)
 
@@ -392,9 +395,3 @@ class _PointMass(dist.Delta):
         if x is self.v:
             return self.log_density
         return super().log_prob(x)
-
-
-def _sync_counter(module: nn.Module, incompatible_keys) -> None:
-    counter = getattr(module, "swag_num_collected", None)
-    if isinstance(counter, torch.Tensor):
-        module._num_collected = int(counter)  # type: ignore[assignment]

@@ -4,9 +4,9 @@ Plain functions of tensors (:func:`swag_collect_`, :func:`swag_variance`, :func:
 :func:`swag_sample`) and :class:`SWAGNormal`, the distribution over a packed vector that
 :class:`~pyro_bdl.guides.AutoSWAG` samples from.
 
-With T snapshots θ_1..θ_T collected, the running mean θ̄, the running second moment θ̄₂, the
-diagonal Σ_diag = max(θ̄₂ − θ̄², ε) and the last K ≤ rank deviations D̂ (rows θ_t − θ̄_t), a sample
-is
+With T snapshots θ_1..θ_T collected, the running mean θ̄, the running sum of squared deviations
+M2 = Σ_t (θ_t − θ̄)² (Welford's update), the diagonal Σ_diag = max(M2 / T, ε) and the last
+K ≤ rank deviations D̂ (rows θ_t − θ̄_t), a sample is
 
     θ = θ̄ + √scale · [ Σ_diag^{1/2} ⊙ z₁ + (1/√(K−1)) D̂ᵀ z₂ ],
     z₁ ~ N(0, I_D), z₂ ~ N(0, I_K),
@@ -17,10 +17,23 @@ so the covariance is scale · (Σ_diag + D̂ᵀD̂/(K−1)); SWAG-diag draws θ�
 SWAG and SWAG-diag share one convention: the same ``scale`` gives SWAG-diag the diagonal part
 of SWAG's covariance.
 
+Σ_diag is the population variance of the snapshots, as in the paper, but never formed as
+θ̄₂ − θ̄² (the mean of the squares minus the squared mean): that difference cancels
+catastrophically in float32 once the weights are ~10⁴ times larger than their movement, while
+Welford's update loses accuracy only linearly in that ratio (Chan, Golub and LeVeque's bound:
+relative error ≲ T·κ·u with κ = |θ̄|/σ, against T·κ²·u for the difference of moments). No
+float32 statistic helps once κ nears 1/u ≈ 10⁷ (weights near 10³ that move by 10⁻⁴, below
+float32's spacing of 6·10⁻⁵ there, which the float32 mean cannot follow): train such weights in
+float64.
+
 References:
 
 [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Wesley Maddox, Timur Garipov,
     Pavel Izmailov, Dmitry Vetrov, Andrew Gordon Wilson (NeurIPS 2019)
+[2] `Note on a Method for Calculating Corrected Sums of Squares and Products`, B. P. Welford
+    (Technometrics, 1962)
+[3] `Algorithms for Computing the Sample Variance: Analysis and Recommendations`, Tony F. Chan,
+    Gene H. Golub, Randall J. LeVeque (The American Statistician, 1983)
 """
 
 from __future__ import annotations
@@ -41,36 +54,44 @@ __all__ = ["SWAGNormal", "swag_collect_", "swag_sample", "swag_std", "swag_varia
 def swag_collect_(
     theta: torch.Tensor,
     mean: torch.Tensor,
-    sq_mean: torch.Tensor,
+    m2: torch.Tensor,
     deviations: torch.Tensor,
     num_collected: int,
 ) -> None:
     """Add snapshot ``theta`` (shape (D,)) to the SWAG statistics **in place**.
 
-    ``num_collected`` is the number of snapshots already in ``mean``/``sq_mean``. The deviation
-    from the *updated* mean goes to row ``num_collected % K`` of ``deviations`` (K, D), a ring
-    buffer holding the last K deviations (K = 0 keeps none: SWAG-diag). Every update writes into
-    the existing storage (``lerp_``/``addcmul_``/``out=``): O(D) work and no allocation that
-    grows with K, so collecting costs the same in the first and the thousandth call.
+    ``num_collected`` is the number of snapshots already in ``mean``/``m2`` (0 restarts them).
+    Welford's update: with n = ``num_collected`` + 1 and the deviation δ' = θ − θ̄_n from the
+    *updated* mean, M2 += δ'² · n / (n − 1), which is the textbook (θ − θ̄_{n−1})(θ − θ̄_n) since
+    δ' = (θ − θ̄_{n−1})(n − 1)/n. δ' also goes to row ``num_collected % K`` of ``deviations``
+    (K, D), a ring buffer holding the last K deviations (K = 0 keeps none: SWAG-diag). Every
+    update writes into the existing storage (``lerp_``/``addcmul_``/``out=``): O(D) work and no
+    allocation that grows with K; SWAG-diag, with no ring row to write δ' into, allocates one
+    transient D-vector.
     """
-    weight = 1.0 / (num_collected + 1)
+    n = num_collected + 1
     # lerp_ computes mean + w (θ − mean): the running average, exact for the first snapshot.
-    mean.lerp_(theta, weight)
-    sq_mean.mul_(1.0 - weight).addcmul_(theta, theta, value=weight)
+    mean.lerp_(theta, 1.0 / n)
     rank = deviations.shape[0]
     if rank:
-        torch.sub(theta, mean, out=deviations[num_collected % rank])
+        delta = torch.sub(theta, mean, out=deviations[num_collected % rank])
+    else:
+        delta = theta - mean
+    if n == 1:
+        m2.zero_()
+    else:
+        m2.addcmul_(delta, delta, value=n / (n - 1))
 
 
-def swag_variance(mean: torch.Tensor, sq_mean: torch.Tensor, *, clamp: float) -> torch.Tensor:
-    """Σ_diag = max(θ̄₂ − θ̄², ``clamp``): round-off can make θ̄₂ − θ̄² slightly negative when the
-    weights barely move (float32 cancellation), which is clamped rather than raised."""
-    return torch.addcmul(sq_mean, mean, mean, value=-1.0).clamp_min_(clamp)
+def swag_variance(m2: torch.Tensor, num_collected: int, *, clamp: float) -> torch.Tensor:
+    """Σ_diag = max(M2 / T, ``clamp``) from T = ``num_collected`` snapshots: weights that never
+    moved have M2 = 0 and get the floor ``clamp`` (M2 itself is never negative)."""
+    return torch.div(m2, max(num_collected, 1)).clamp_min_(clamp)
 
 
-def swag_std(mean: torch.Tensor, sq_mean: torch.Tensor, *, clamp: float) -> torch.Tensor:
+def swag_std(m2: torch.Tensor, num_collected: int, *, clamp: float) -> torch.Tensor:
     """Σ_diag^{1/2}: :func:`swag_variance` followed by an in-place square root (one allocation)."""
-    return swag_variance(mean, sq_mean, clamp=clamp).sqrt_()
+    return swag_variance(m2, num_collected, clamp=clamp).sqrt_()
 
 
 def swag_sample(
@@ -119,7 +140,7 @@ class SWAGNormal(TorchDistribution):
 
     Sampling costs O((K + 1) D); :meth:`log_prob` uses the Woodbury identity with a K × K
     capacitance matrix, built only when a density is asked for. :meth:`from_moments` builds it
-    from the running moments without computing Σ_diag until it is needed.
+    from the running statistics without computing Σ_diag until it is needed.
 
     :param torch.Tensor mean: θ̄, shape (D,).
     :param torch.Tensor variance: Σ_diag, shape (D,), positive (``None`` only from
@@ -149,7 +170,7 @@ class SWAGNormal(TorchDistribution):
             raise ValueError("deviations must have 0 rows (SWAG-diag) or at least 2; got 1.")
         self.loc = mean
         self._variance = variance
-        self._moments: tuple[torch.Tensor, float] | None = None
+        self._moments: tuple[torch.Tensor, int, float] | None = None
         self._std: torch.Tensor | None = None
         self.deviations = deviations
         self.scale = float(scale)
@@ -159,18 +180,19 @@ class SWAGNormal(TorchDistribution):
     def from_moments(
         cls,
         mean: torch.Tensor,
-        sq_mean: torch.Tensor,
+        m2: torch.Tensor,
         deviations: torch.Tensor,
         *,
+        num_collected: int,
         scale: float,
         clamp: float,
         std: torch.Tensor | None = None,
     ) -> SWAGNormal:
-        """The SWAG Gaussian of the running moments θ̄, θ̄₂: Σ_diag = max(θ̄₂ − θ̄², ``clamp``) is
-        derived only when used (a sample needs only its square root); ``std``, if given, is that
-        square root already computed."""
+        """The SWAG Gaussian of the running statistics θ̄ and M2 over ``num_collected``
+        snapshots: Σ_diag = max(M2 / T, ``clamp``) is derived only when used (a sample needs
+        only its square root); ``std``, if given, is that square root already computed."""
         self = cls(mean, None, deviations, scale=scale)
-        self._moments, self._std = (sq_mean, clamp), std
+        self._moments, self._std = (m2, num_collected, clamp), std
         return self
 
     @property
@@ -178,16 +200,16 @@ class SWAGNormal(TorchDistribution):
         """Σ_diag, shape (D,)."""
         if self._variance is None:
             assert self._moments is not None
-            sq_mean, clamp = self._moments
-            self._variance = swag_variance(self.loc, sq_mean, clamp=clamp)
+            m2, count, clamp = self._moments
+            self._variance = swag_variance(m2, count, clamp=clamp)
         return self._variance
 
     def _diag_std(self) -> torch.Tensor:
         if self._std is not None:
             return self._std
         if self._variance is None and self._moments is not None:
-            sq_mean, clamp = self._moments
-            return swag_std(self.loc, sq_mean, clamp=clamp)
+            m2, count, clamp = self._moments
+            return swag_std(m2, count, clamp=clamp)
         return self.diag_variance.sqrt()
 
     @property

@@ -13,6 +13,7 @@ from pyro_bdl.curvature.ggn import diagonal_ggn, output_hessian_factor, subnet_g
 from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian
 from pyro_bdl.curvature.memory import TensorMemoryTracker, jacobian_row_bytes
 from pyro_bdl.guides.laplace_posterior import (
+    RoundOffWarning,
     cholesky_jitter,
     linearized_predictive,
     log_marginal,
@@ -140,7 +141,8 @@ def test_subnet_ggn_accumulates_in_float64():
 
 def test_cholesky_jitter_retries_then_names_smallest_eigenvalue():
     singular = torch.ones(3, 3, dtype=torch.float64)  # PSD, rank 1: plain Cholesky fails
-    factor = cholesky_jitter(singular)
+    with pytest.warns(RoundOffWarning, match=r"needed a jitter of 1\.0e-10.*≤ 0"):
+        factor = cholesky_jitter(singular)
     assert_close(factor @ factor.T, singular, atol=1e-4)
     indefinite = torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
     with pytest.raises(ValueError, match=r"smallest eigenvalue -2\.000e\+00"):

@@ -104,19 +104,22 @@ def trained_guide(*, rank: int = 4, diag_only: bool = False, collections: int = 
 def test_collect_matches_brute_force_statistics():
     d, rank, t = 7, 3, 10
     iterates = torch.randn(t, d, dtype=F64)
-    mean, sq_mean = torch.zeros(d, dtype=F64), torch.zeros(d, dtype=F64)
+    mean, m2 = torch.zeros(d, dtype=F64), torch.zeros(d, dtype=F64)
     deviations = torch.zeros(rank, d, dtype=F64)
-    pointers = (mean.data_ptr(), sq_mean.data_ptr(), deviations.data_ptr())
+    pointers = (mean.data_ptr(), m2.data_ptr(), deviations.data_ptr())
     for i in range(t):
-        swag_collect_(iterates[i], mean, sq_mean, deviations, i)
+        swag_collect_(iterates[i], mean, m2, deviations, i)
         seen = iterates[: i + 1]
         # Welford-style running updates vs the batch formulas: round-off only (float64).
         assert_close(mean, seen.mean(0), rtol=1e-12, atol=1e-14)
-        assert_close(sq_mean, (seen**2).mean(0), rtol=1e-12, atol=1e-14)
+        assert_close(m2, (seen - seen.mean(0)).square().sum(0), rtol=1e-12, atol=1e-14)
         # Ring buffer: the deviation of snapshot i lives in row i % rank.
         assert_close(deviations[i % rank], iterates[i] - seen.mean(0), rtol=1e-12, atol=1e-14)
     # In place: the buffers were never reallocated.
-    assert pointers == (mean.data_ptr(), sq_mean.data_ptr(), deviations.data_ptr())
+    assert pointers == (mean.data_ptr(), m2.data_ptr(), deviations.data_ptr())
+    # num_collected = 0 restarts the statistics whatever the buffers held.
+    swag_collect_(iterates[3], mean, m2, deviations, 0)
+    assert torch.equal(mean, iterates[3]) and not m2.any()
 
 
 def test_mean_equals_running_average_exactly():
@@ -248,10 +251,11 @@ def test_log_prob_and_variance_match_the_dense_gaussian():
 def test_marginal_variances_are_swag_diag_per_site():
     _, _, guide, _, _ = trained_guide(rank=4, collections=6)
     variances = guide.marginal_variances()
-    diag = guide.scale * (guide.swag_sq_mean - guide.swag_mean**2).clamp_min(guide.var_clamp)
+    t = guide.num_collected
+    diag = guide.scale * (guide.swag_m2 / t).clamp_min(guide.var_clamp)
     pos = 0
-    # float32 cancellation in θ̄₂ − θ̄²: a few ulps of θ̄₂, whichever way it is computed.
-    atol = 4 * torch.finfo(torch.float32).eps * float(guide.swag_sq_mean.max()) * guide.scale
+    # The same float32 division M2 / T and product by the scale: a few ulps of the result.
+    atol = 4 * torch.finfo(torch.float32).eps * float(diag.max())
     for value in variances.values():
         n = value.numel()
         assert_close(value.reshape(-1), diag[pos : pos + n], rtol=1e-5, atol=atol)
@@ -261,18 +265,21 @@ def test_marginal_variances_are_swag_diag_per_site():
     assert variances["0.weight"].shape == (8, 5)
 
 
-def test_negative_variances_from_round_off_are_clamped():
+def test_variances_of_weights_that_never_move_are_clamped():
     d = 64
     guide = AutoSWAG(vector_model(d, torch.float32), rank=3)
     guide()
-    # Weights near 1000 that move by ~1e-4: θ̄₂ − θ̄² cancels catastrophically in float32.
+    # Weights near 1000 that move by ~1e-4 (below float32's resolution of the mean there), and
+    # half of them never move at all: M2 is exactly 0 there, never negative anywhere.
     g = torch.Generator().manual_seed(0)
     base = 1000.0 + torch.randn(d, generator=g)
-    feed(guide, base + 1e-4 * torch.randn(20, d, generator=g))
-    raw = guide.swag_sq_mean - guide.swag_mean**2
-    assert (raw < 0).any(), "the scenario must produce negative raw variances"
+    moves = 1e-4 * torch.randn(20, d, generator=g)
+    moves[:, ::2] = 0.0
+    feed(guide, base + moves)
+    assert (guide.swag_m2 >= 0).all() and (guide.swag_m2[::2] == 0).all()
     variances = guide.marginal_variances()["theta"]
     assert (variances > 0).all()
+    assert (variances[::2] == guide.scale * guide.var_clamp).all()
     samples = guide.get_posterior().sample((10,))
     assert torch.isfinite(samples).all()
 
@@ -406,7 +413,7 @@ def test_state_dict_and_torch_save_round_trip_give_identical_samples():
     _, _, fresh, _, _ = trained_guide(collections=0)
     fresh.load_state_dict(loaded_state)
     assert fresh.num_collected == 6
-    for name in ("loc", "swag_mean", "swag_sq_mean", "swag_deviations"):
+    for name in ("loc", "swag_mean", "swag_m2", "swag_deviations"):
         assert torch.equal(getattr(fresh, name), getattr(guide, name)), name
     pyro.set_rng_seed(3)
     a = guide.sample_weights()
