@@ -37,9 +37,10 @@ def _checked(p, y) -> tuple[torch.Tensor, torch.Tensor]:
     return p.double().reshape(-1), y.double().reshape(-1)
 
 
-def binary_nll(p, y, *, eps: float = 1e-15) -> float:
+def binary_nll(p, y, *, eps: float = torch.finfo(torch.float64).eps) -> float:
     """Mean negative log-likelihood :math:`-[y\\log p + (1-y)\\log(1-p)]`, with ``p`` clipped to
-    ``[eps, 1 - eps]`` (scikit-learn's ``log_loss``)."""
+    ``[eps, 1 - eps]`` (scikit-learn's ``log_loss``, whose default ``eps`` is float64's machine
+    epsilon)."""
     p, y = _checked(p, y)
     p = p.clamp(eps, 1 - eps)
     return float(-(y * p.log() + (1 - y) * (-p).log1p()).mean())

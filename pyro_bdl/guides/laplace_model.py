@@ -132,6 +132,8 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
     ``without_targets``, the one sample site that is not a weight site of ``layout``), the
     likelihood (declared by a :class:`~pyro_bdl.models.NetworkModel`, else read from the site)
     and the outputs' shape."""
+    if isinstance(model, NetworkModel):
+        check_supported(model)
     with torch.no_grad(), poutine.block():
         trace = poutine.trace(model).get_trace(*args)
     observed = [
@@ -148,7 +150,6 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
         )
     fn = trace.nodes[observed[0]]["fn"]
     if isinstance(model, NetworkModel):
-        check_supported(model)
         likelihood, noise = model.likelihood, model.noise_scale
     else:
         likelihood, noise = read_likelihood(fn)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import pyro
 import torch
 from torch import nn
 from torch.nn.modules import activation
@@ -193,6 +194,12 @@ class NetworkShape:
             return None
         return next((m for m in net.modules() if _float_tensor(m) is not None), None)
 
+    def _entry_name(self) -> str:
+        # Not repr(entry): a lifted layer's repr reads its weights, which samples them.
+        base = next(c for c in type(self.entry).__mro__ if c.__module__.startswith("torch.nn"))
+        unit = "channels" if self.kind == "conv" else "features"
+        return f"{base.__name__} with {self.width} input {unit}"
+
     def check_inputs(self, x: torch.Tensor) -> None:
         """Refuse inputs of the wrong dtype or feature width for the network, naming both."""
         if self.dtype_source is not None:
@@ -220,15 +227,15 @@ class NetworkShape:
             if x.dim() != batched:
                 raise ValueError(
                     f"x must have {batched} dims (batch, channels, {self.spatial} spatial) for the "
-                    f"network's first layer {type(self.entry).__name__}; got shape "
+                    f"network's first layer ({self._entry_name()}); got shape "
                     f"{tuple(x.shape)}. Add the missing batch or channel dimension."
                 )
             got, where = x.shape[1], "x.shape[1] (channels)"
         if got != self.width:
             raise ValueError(
                 f"x has {got} features ({where}, shape {tuple(x.shape)}) but the network's first "
-                f"layer {self.entry} expects {self.width}. Pass inputs with {self.width} "
-                "features (check the feature columns and any reshaping)."
+                f"layer ({self._entry_name()}) expects {self.width}. Pass inputs with "
+                f"{self.width} features (check the feature columns and any reshaping)."
             )
 
 
@@ -241,8 +248,11 @@ def _autocast(x: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
-    """Restore the random number generators and the network's buffers (running statistics) if
-    the block raises: a model's first call checks the outputs only after the forward pass."""
+    """Restore the random number generators, the network's buffers (running statistics) and the
+    param store (a lifted network's hidden parameters register there on the first forward pass)
+    if the block raises: a model's first call checks the outputs only after the forward pass."""
+    store = pyro.get_param_store()
+    names = set(store.keys())
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     # The lifted layers' initial-value buffers never change in a forward pass: skip them.
@@ -260,4 +270,6 @@ def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
         with torch.no_grad():
             for b, old in saved:
                 b.copy_(old)
+        for name in set(store.keys()) - names:
+            del store[name]
         raise
