@@ -5,15 +5,11 @@ Users are free to write their own model with ``pyro.sample``; these helpers are 
 through the data plate (:func:`data_plate`), checks each batch before the network sees it
 (:mod:`pyro_bdl.models.checks`) and returns the network's output.
 
-=============================  ==================================  ==========================
-factory                        likelihood                          targets
-=============================  ==================================  ==========================
-:func:`classifier`             Categorical over C logits           class labels ``(B,)``
-:func:`binary_classifier`      Bernoulli over one logit            0/1 labels ``(B,)``
-:func:`multilabel_classifier`  K independent Bernoulli logits      0/1 labels ``(B, K)``
-:func:`regressor`              Normal(f(x), σ), σ fixed or learnt  floats ``(B,)``
-:func:`heteroscedastic_regressor`  Normal(μ(x), σ(x))              floats ``(B,)``
-=============================  ==================================  ==========================
+- :func:`classifier`: Categorical over C logits; class labels ``(B,)``.
+- :func:`binary_classifier`: Bernoulli over one logit; 0/1 labels ``(B,)``.
+- :func:`multilabel_classifier`: K independent Bernoulli logits; 0/1 labels ``(B, K)``.
+- :func:`regressor`: ``Normal(f(x), σ)`` with σ fixed, learned or a point estimate; ``(B,)``.
+- :func:`heteroscedastic_regressor`: ``Normal(μ(x), σ(x))``, both from the network; ``(B,)``.
 
 Usage::
 
