@@ -1,3 +1,4 @@
+import pyro
 import pytest
 import torch
 from pyro import poutine
@@ -132,3 +133,71 @@ def test_network_model_refuses_a_bad_contract():
         models.NetworkModel(nn.Linear(2, 2), likelihood="poisson", dataset_size=3)
     with pytest.raises(ValueError, match="needs noise_scale"):
         models.NetworkModel(nn.Linear(2, 1), likelihood="gaussian", dataset_size=3)
+
+
+def test_every_factory_declares_its_likelihood():
+    lin = lambda k: bayesianize(nn.Linear(3, k))  # noqa: E731
+    binary = models.binary_classifier(lin(1), 10)
+    multi = models.multilabel_classifier(lin(4), 10)
+    learned = models.regressor(lin(1), 10, noise="learned")
+    point = models.regressor(lin(1), 10, noise="point", noise_scale=0.3)
+    het = models.heteroscedastic_regressor(lin(2), 10)
+    assert (binary.likelihood, binary.multilabel, binary.noise) == ("bernoulli", False, None)
+    assert (multi.likelihood, multi.multilabel) == ("bernoulli", True)
+    assert (learned.likelihood, learned.noise, learned.noise_scale) == ("gaussian", "learned", None)
+    assert (point.noise, point.noise_scale, point.noise_prior) == ("point", 0.3, None)
+    assert (het.noise, het.noise_scale, het.split) == ("heteroscedastic", None, None)
+    assert _regressor().noise == "fixed"
+    assert "multilabel=True" in repr(multi) and "noise='learned'" in repr(learned)
+    # A point σ reads its current estimate from the param store.
+    point(torch.randn(4, 3), torch.randn(4))
+    with torch.no_grad():
+        pyro.param("sigma").unconstrained().fill_(0.0)
+    assert point.noise_scale == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "net, kind, width, outputs",
+    [
+        (nn.Linear(3, 2), "linear", 3, 2),
+        (
+            nn.Sequential(nn.Dropout(0.1), nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 1)),
+            "linear",
+            5,
+            1,
+        ),
+        (nn.Sequential(nn.Sequential(nn.Linear(2, 3)), nn.Tanh(), nn.Softmax(-1)), "linear", 2, 3),
+        (nn.Sequential(nn.Flatten(), nn.Linear(6, 2), nn.Dropout()), "flatten", 6, 2),
+        (nn.Sequential(nn.Conv1d(3, 2, 1), nn.Flatten()), "conv", 3, None),
+        (nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2)), None, None, 2),
+    ],
+)
+def test_network_shape_reads_first_and_last_layers(net, kind, width, outputs):
+    for candidate in (net, bayesianize(net)):
+        shape = models.NetworkShape(candidate)
+        assert (shape.kind, shape.width, shape.outputs) == (kind, width, outputs)
+
+
+def test_network_shape_of_an_opaque_network_checks_dtype_only():
+    class Opaque(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    shape = models.NetworkShape(bayesianize(Opaque()))
+    assert (shape.kind, shape.width, shape.outputs) == (None, None, None)
+    shape.check_inputs(torch.randn(4, 7))  # width unknown: left to the network
+    shape.check_inputs(torch.randint(0, 3, (4, 3)))  # integer inputs may be indices
+    with pytest.raises(TypeError, match=r"x has dtype torch\.float64"):
+        shape.check_inputs(torch.randn(4, 3, dtype=torch.float64))
+
+
+def test_check_batch_binary_and_multilabel():
+    x = torch.randn(3, 2)
+    models.check_batch(x, torch.tensor([0, 1, 1]), task="binary")
+    models.check_batch(x, torch.tensor([[0.0, 1.0]] * 3), task="multilabel", num_classes=2)
+    with pytest.raises(ValueError, match=r"3 label column\(s\) but the network has 2"):
+        models.check_batch(x, torch.zeros(3, 3), task="multilabel", num_classes=2)

@@ -41,7 +41,8 @@ def output_hessian_factor(
     log-likelihood with respect to the outputs.
 
     Categorical: :math:`\Lambda = \mathrm{diag}(p) - pp^\top`, :math:`L = \mathrm{diag}(\sqrt p)
-    - p\sqrt p^\top`; Bernoulli (C = 1): :math:`\sqrt{p(1-p)}`; Gaussian: :math:`I/\sigma`.
+    - p\sqrt p^\top`; Bernoulli (C independent logits, C = 1 for a binary classifier):
+    :math:`L = \mathrm{diag}(\sqrt{p(1-p)})`; Gaussian: :math:`I/\sigma`.
     """
     out = as_matrix(outputs).detach()
     b, c = out.shape
@@ -51,7 +52,7 @@ def output_hessian_factor(
         return torch.diag_embed(sq) - p.unsqueeze(-1) * sq.unsqueeze(-2)
     if likelihood == "bernoulli":
         p = out.sigmoid()
-        return (p * (1 - p)).sqrt().unsqueeze(-1)
+        return torch.diag_embed((p * (1 - p)).sqrt())
     if likelihood == "gaussian":
         if noise_scale is None:
             raise ValueError("a Gaussian likelihood needs noise_scale (the observation noise σ).")

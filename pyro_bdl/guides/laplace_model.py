@@ -7,9 +7,10 @@ is run with its weight sites conditioned on the given values, and the outputs ar
 observed site's distribution (``logits`` of a ``Categorical`` or ``Bernoulli``, ``loc`` of a
 ``Normal``), so any model that computes its likelihood from the network works.
 
-The contract is explicit for a :class:`~pyro_bdl.models.NetworkModel` (what
-:func:`~pyro_bdl.models.classifier` and :func:`~pyro_bdl.models.regressor` return): the
-likelihood and the noise σ are the ones it declares, and its network is switched to eval mode
+The contract is explicit for a :class:`~pyro_bdl.models.NetworkModel` (what the factories of
+:mod:`pyro_bdl.models` return): the likelihood and the noise σ are the ones it declares (a point
+estimate of σ is read at its current value; a learned or heteroscedastic σ is refused by
+:func:`check_supported`), and its network is switched to eval mode
 while ``fit`` and ``predict`` evaluate it, because the examples must be independent given the
 weights (BatchNorm then uses its running statistics). A hand-written model declares neither:
 the likelihood and σ are read from its one observed site's distribution, and its layers are
@@ -37,6 +38,7 @@ from pyro_bdl.priors import NonGaussianPriorError, gaussian_prior
 
 __all__ = [
     "Observation",
+    "check_supported",
     "declared_precision",
     "eval_mode",
     "forward_fn",
@@ -130,6 +132,8 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
     ``without_targets``, the one sample site that is not a weight site of ``layout``), the
     likelihood (declared by a :class:`~pyro_bdl.models.NetworkModel`, else read from the site)
     and the outputs' shape."""
+    if isinstance(model, NetworkModel):
+        check_supported(model)
     with torch.no_grad(), poutine.block():
         trace = poutine.trace(model).get_trace(*args)
     observed = [
@@ -152,6 +156,24 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
     out = read_outputs(fn)
     outputs = out.shape[-1] if out.dim() == 2 else 1
     return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1)
+
+
+def check_supported(model: NetworkModel) -> None:
+    """Refuse a :class:`~pyro_bdl.models.NetworkModel` whose likelihood the linearized Laplace
+    cannot take: a Gaussian whose σ is a latent site or comes from the network. The GGN and the
+    predictive treat the observation noise as one known σ."""
+    if model.likelihood == "gaussian" and model.noise in ("learned", "heteroscedastic"):
+        what = (
+            "σ is a latent site (noise='learned')"
+            if model.noise == "learned"
+            else "σ(x) comes from the network (heteroscedastic_regressor)"
+        )
+        raise ValueError(
+            f"AutoSubnetLaplace with a Gaussian likelihood needs one known noise σ, but {what}; "
+            "the linearized Laplace treats σ as fixed. Use regressor(..., noise='point') (σ "
+            "fitted with the MAP weights and held at its estimate) or noise='fixed', or a "
+            "variational guide (AutoMeanField, AutoRadial) or AutoSWAG for this model."
+        )
 
 
 def leaf_slots(layout: SiteLayout, flat: torch.Tensor) -> tuple[dict, list[ParamSlot]]:

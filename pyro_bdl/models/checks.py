@@ -1,0 +1,275 @@
+"""The checks :class:`~pyro_bdl.models.NetworkModel` runs on every batch before the network sees
+it: the batch itself (:func:`check_batch`), and the inputs against what the network expects
+(:class:`NetworkShape`: the dtype and width of its first layer, the width of its last).
+
+Every check is O(1) in the network's size and raises before any state (weights sampled, running
+statistics, random number generators, the param store) changes; the first call of a model, whose
+output shape is not yet known, runs under :func:`rollback`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pyro
+import torch
+from torch import nn
+from torch.nn.modules import activation
+
+from pyro_bdl._validation import check_finite
+
+__all__ = ["NetworkShape", "check_batch", "check_binary_labels", "label_range", "rollback"]
+
+TASKS = ("classification", "binary", "multilabel", "regression")
+
+# Layers that keep the shape of their input, so the width seen past them is the one before.
+_SHAPE_KEEPING: tuple[type, ...] = (nn.Identity, nn.modules.dropout._DropoutNd)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _keeps_shape(module: nn.Module) -> bool:
+    # Lifted networks' layers are PyroModule subclasses of the torch classes: look at the MRO.
+    if isinstance(module, (*_SHAPE_KEEPING, nn.MultiheadAttention)):
+        return not isinstance(module, nn.MultiheadAttention)
+    return any(c.__module__ == activation.__name__ for c in type(module).__mro__)
+
+
+def label_range(y: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of the (non-empty) labels in one pass over them."""
+    lo, hi = torch.aminmax(y)
+    return int(lo), int(hi)
+
+
+def check_binary_labels(y: torch.Tensor) -> None:
+    """Refuse labels other than 0 and 1 (of any dtype), naming the first offending one."""
+    bad = (y != 0) & (y != 1)
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"y must hold binary labels 0 or 1 for a Bernoulli likelihood; got {y[first].item()!r} "
+            f"at index {first} ({int(bad.sum())} such value(s)). Encode the positive class as 1 "
+            "(e.g. (y == positive).float()), or use models.classifier for more than two classes."
+        )
+
+
+def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
+    """Refuse a malformed batch (type, empty, non-finite, shape, label dtype and range) with an
+    error that says what to do.
+
+    :param str task: ``"classification"`` (integer labels ``(B,)``), ``"binary"`` (labels 0/1
+        ``(B,)``), ``"multilabel"`` (labels 0/1 ``(B, K)``) or ``"regression"`` (floats).
+    :param int num_classes: C, the number of classes (``"classification"``) or of label columns
+        (``"multilabel"``), when known.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(f"x must have at least one row; got shape {tuple(x.shape)}.")
+    check_finite("x", x)
+    if y is None:
+        return
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor or None; got {type(y).__name__}.")
+    if y.dim() == 0 or y.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x and y must have the same number of rows; got x {tuple(x.shape)} and y "
+            f"{tuple(y.shape)}. Pass matching slices of the data."
+        )
+    if task == "classification":
+        if y.dim() != 1:
+            raise ValueError(
+                f"y must have shape ({x.shape[0]},) of class labels; got {tuple(y.shape)}. "
+                "Use y.reshape(-1) (or y.argmax(-1) for one-hot labels)."
+            )
+        if y.is_floating_point() or y.dtype == torch.bool:
+            raise ValueError(
+                f"y must hold integer class labels for a categorical likelihood; got dtype "
+                f"{y.dtype}. Use y.long()."
+            )
+        if num_classes is not None and y.numel():
+            lo, hi = label_range(y)
+            if lo < 0 or hi >= num_classes:
+                raise ValueError(
+                    f"class labels must lie in [0, {num_classes}); got min {lo}, max {hi}. "
+                    "Check the label encoding or the network's number of outputs."
+                )
+    elif task in ("binary", "multilabel"):
+        want = 1 if task == "binary" else 2
+        if y.dim() != want:
+            shape = f"({x.shape[0]},)" if task == "binary" else f"({x.shape[0]}, K)"
+            fix = (
+                "Use y.reshape(-1), or models.multilabel_classifier for several labels per row."
+                if task == "binary"
+                else "Use y.reshape(-1, 1) for one label, or models.binary_classifier."
+            )
+            raise ValueError(
+                f"y must have shape {shape} of 0/1 labels for a {task} classifier; got "
+                f"{tuple(y.shape)}. {fix}"
+            )
+        if task == "multilabel" and num_classes is not None and y.shape[1] != num_classes:
+            raise ValueError(
+                f"y has {y.shape[1]} label column(s) but the network has {num_classes} output(s), "
+                "one logit per label; pass y with one column per output (or change the network's "
+                "last layer)."
+            )
+        check_finite("y", y)
+        check_binary_labels(y)
+    else:
+        if not y.is_floating_point():
+            raise ValueError(
+                f"y must be floating point for a Gaussian likelihood; got dtype {y.dtype}. "
+                "Use y.float() (or a classifier for class labels)."
+            )
+        check_finite("y", y)
+
+
+def _leaves(net: nn.Module) -> list[nn.Module]:
+    """The modules of ``net`` in call order, as far as it is known: through nested
+    ``nn.Sequential`` containers; any other module is one opaque step."""
+    if isinstance(net, nn.Sequential):
+        return [leaf for child in net for leaf in _leaves(child)]
+    return [net]
+
+
+def _float_tensor(module: nn.Module) -> torch.Tensor | None:
+    """The first floating-point parameter or buffer that ``module`` holds directly (a lifted
+    layer keeps its weights' dtype in its initial-value buffers)."""
+    for t in (*module._parameters.values(), *module._buffers.values()):
+        if t is not None and t.is_floating_point():
+            return t
+    return None
+
+
+class NetworkShape:
+    """What a network expects of its inputs and gives as outputs, read once from its layers.
+
+    :ivar entry: the layer that receives the inputs, when the call order makes it certain (the
+        network is, or starts, an ``nn.Sequential`` of layers), else ``None``.
+    :ivar str kind: ``"linear"`` (last dim), ``"flatten"`` (an ``nn.Flatten`` before a linear
+        layer: the product of the non-batch dims), ``"conv"`` (dim 1) or ``None``.
+    :ivar int width: the input width that ``entry`` expects (``None`` when unknown).
+    :ivar int outputs: the output width of the last layer (``None`` when unknown).
+    :ivar dtype_source: the module whose floating tensors give the expected input dtype, read on
+        every call so that ``net.double()`` after construction is followed.
+    """
+
+    def __init__(self, net: nn.Module):
+        leaves = _leaves(net)
+        start = 0
+        while start < len(leaves) - 1 and isinstance(leaves[start], _SHAPE_KEEPING):
+            start += 1
+        first = leaves[start]
+        self.entry: nn.Module | None = None
+        self.kind: str | None = None
+        self.width: int | None = None
+        if isinstance(first, nn.Linear) and first.in_features > 0:
+            self.entry, self.kind, self.width = first, "linear", first.in_features
+        elif isinstance(first, _CONV) and first.in_channels > 0:
+            self.entry, self.kind, self.width = first, "conv", first.in_channels
+            self.spatial = len(first.kernel_size)
+        elif (
+            isinstance(first, nn.Flatten)
+            and first.start_dim == 1
+            and first.end_dim == -1
+            and start + 1 < len(leaves)
+            and isinstance(leaves[start + 1], nn.Linear)
+        ):
+            linear = leaves[start + 1]
+            assert isinstance(linear, nn.Linear)
+            self.entry, self.kind, self.width = linear, "flatten", linear.in_features
+        end = len(leaves) - 1
+        while end > 0 and _keeps_shape(leaves[end]):
+            end -= 1
+        last = leaves[end]
+        self.outputs: int | None = last.out_features if isinstance(last, nn.Linear) else None
+        self.dtype_source = self.entry if self.entry is not None else self._uniform_dtype(net)
+
+    @staticmethod
+    def _uniform_dtype(net: nn.Module) -> nn.Module | None:
+        """The first module holding a floating tensor, if every floating tensor of ``net``
+        shares one dtype (otherwise the expected input dtype is unknown)."""
+        dtypes = {t.dtype for t in (*net.parameters(), *net.buffers()) if t.is_floating_point()}
+        if len(dtypes) != 1:
+            return None
+        return next((m for m in net.modules() if _float_tensor(m) is not None), None)
+
+    def _entry_name(self) -> str:
+        # Not repr(entry): a lifted layer's repr reads its weights, which samples them.
+        base = next(c for c in type(self.entry).__mro__ if c.__module__.startswith("torch.nn"))
+        unit = "channels" if self.kind == "conv" else "features"
+        return f"{base.__name__} with {self.width} input {unit}"
+
+    def check_inputs(self, x: torch.Tensor) -> None:
+        """Refuse inputs of the wrong dtype or feature width for the network, naming both."""
+        if self.dtype_source is not None:
+            ref = _float_tensor(self.dtype_source)
+            strict = self.entry is not None  # a known first layer takes only its own dtype
+            if (
+                ref is not None
+                and x.dtype != ref.dtype
+                and (strict or x.is_floating_point())
+                and not _autocast(x)
+            ):
+                raise TypeError(
+                    f"x has dtype {x.dtype} but the network's weights are {ref.dtype}; the "
+                    f"network expects {ref.dtype} inputs. Use x.to({ref.dtype}) (or convert the "
+                    f"network with net.to({x.dtype}) before creating the model)."
+                )
+        if self.kind is None:
+            return
+        if self.kind == "linear":
+            got, where = (x.shape[-1] if x.dim() else None), "x.shape[-1]"
+        elif self.kind == "flatten":
+            got, where = x[0].numel(), "the product of x's non-batch dims"
+        else:
+            batched = self.spatial + 2
+            if x.dim() != batched:
+                raise ValueError(
+                    f"x must have {batched} dims (batch, channels, {self.spatial} spatial) for the "
+                    f"network's first layer ({self._entry_name()}); got shape "
+                    f"{tuple(x.shape)}. Add the missing batch or channel dimension."
+                )
+            got, where = x.shape[1], "x.shape[1] (channels)"
+        if got != self.width:
+            raise ValueError(
+                f"x has {got} features ({where}, shape {tuple(x.shape)}) but the network's first "
+                f"layer ({self._entry_name()}) expects {self.width}. Pass inputs with "
+                f"{self.width} features (check the feature columns and any reshaping)."
+            )
+
+
+def _autocast(x: torch.Tensor) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(x.device.type))
+    except (TypeError, RuntimeError):  # a device type without autocast
+        return False
+
+
+@contextlib.contextmanager
+def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
+    """Restore the random number generators, the network's buffers (running statistics) and the
+    param store (a lifted network's hidden parameters register there on the first forward pass)
+    if the block raises: a model's first call checks the outputs only after the forward pass."""
+    store = pyro.get_param_store()
+    names = set(store.keys())
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    # The lifted layers' initial-value buffers never change in a forward pass: skip them.
+    saved = [
+        (b, b.clone())
+        for name, b in net.named_buffers()
+        if "_bdl_init_" not in name.rsplit(".")[-1]
+    ]
+    try:
+        yield
+    except BaseException:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        with torch.no_grad():
+            for b, old in saved:
+                b.copy_(old)
+        for name in set(store.keys()) - names:
+            del store[name]
+        raise

@@ -1,0 +1,105 @@
+r"""The factories users call: one :class:`~pyro_bdl.models.NetworkModel` per likelihood.
+
+Which inference method takes which likelihood (the others refuse with an error naming the pair):
+
+- mean-field, Radial and SWAG guides: every likelihood and noise model (a learned σ is one more
+  latent site of the guide; a point σ is a param trained by SVI).
+- VOGN: every likelihood whose parameters all come from the lifted network (categorical,
+  Bernoulli, fixed and heteroscedastic Gaussian); a learned or point σ is refused, since VOGN
+  updates only lifted weights.
+- subnetwork Laplace: categorical, Bernoulli and a Gaussian with one known σ (fixed, or a point
+  estimate read when fitting); a learned or heteroscedastic σ is refused, since the linearized
+  Laplace treats the observation noise as known (docs/design/laplace.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributions import Distribution
+
+from pyro_bdl.models.network import NetworkModel
+
+__all__ = [
+    "binary_classifier",
+    "classifier",
+    "heteroscedastic_regressor",
+    "multilabel_classifier",
+    "regressor",
+]
+
+
+def classifier(net: nn.Module, dataset_size: int) -> NetworkModel:
+    """A categorical-likelihood model ``model(x, y=None) -> logits`` over ``net``'s outputs
+    ``(B, C)``; labels are integer classes ``(B,)``."""
+    return NetworkModel(net, likelihood="categorical", dataset_size=dataset_size)
+
+
+def binary_classifier(net: nn.Module, dataset_size: int) -> NetworkModel:
+    """A Bernoulli-likelihood model ``model(x, y=None) -> logits`` over one logit per example
+    (``net`` outputs ``(B,)`` or ``(B, 1)``); labels ``(B,)`` are 0 or 1, of any dtype."""
+    return NetworkModel(net, likelihood="bernoulli", dataset_size=dataset_size)
+
+
+def multilabel_classifier(net: nn.Module, dataset_size: int) -> NetworkModel:
+    """K independent Bernoulli labels per example: ``model(x, y=None) -> logits`` with ``net``
+    outputting ``(B, K)`` and labels ``(B, K)`` of 0 or 1."""
+    return NetworkModel(net, likelihood="bernoulli", dataset_size=dataset_size, multilabel=True)
+
+
+def regressor(
+    net: nn.Module,
+    dataset_size: int,
+    noise_scale: float | None = None,
+    *,
+    noise: str = "fixed",
+    noise_prior: Distribution | None = None,
+) -> NetworkModel:
+    r"""A Gaussian-likelihood model ``model(x, y=None) -> mean``, :math:`y \sim N(f(x), σ^2)`.
+
+    ``net`` must output shape ``(B,)`` or ``(B, 1)``; targets have shape ``(B,)``.
+
+    Usage::
+
+        model = bdl.models.regressor(bnn, N, noise_scale=0.1)          # σ known
+        model = bdl.models.regressor(bnn, N, noise="learned")          # σ ~ LogNormal(0, 1)
+        model = bdl.models.regressor(bnn, N, noise="point", noise_scale=0.5)  # σ fitted from 0.5
+
+    :param float noise_scale: σ for ``noise="fixed"``; the initial value of the estimate for
+        ``noise="point"`` (default 1).
+    :param str noise: ``"fixed"``, ``"learned"`` (σ a latent site ``"sigma"`` inferred with the
+        weights) or ``"point"`` (σ a positive ``pyro.param("sigma")``, a maximum-likelihood
+        estimate); see :mod:`pyro_bdl.models.noise`.
+    :param noise_prior: the prior over σ for ``noise="learned"`` (default ``LogNormal(0, 1)``),
+        a univariate distribution over positive numbers.
+    """
+    return NetworkModel(
+        net,
+        likelihood="gaussian",
+        dataset_size=dataset_size,
+        noise_scale=noise_scale,
+        noise=noise,
+        noise_prior=noise_prior,
+    )
+
+
+def heteroscedastic_regressor(
+    net: nn.Module,
+    dataset_size: int,
+    *,
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> NetworkModel:
+    r"""A Gaussian likelihood whose noise depends on the input: :math:`y \sim N(\mu(x),
+    \exp s(x))` with the mean :math:`\mu` and the log-variance :math:`s` both from ``net``.
+
+    ``model(x, y=None)`` returns the network's output; ``(model.split or
+    models.mean_log_variance)(out)`` gives ``(mean, log_var)``.
+
+    :param split: ``out -> (mean, log_var)``, each ``(B,)`` (default: ``net`` outputs ``(B, 2)``,
+        the mean in column 0 and the log-variance in column 1).
+    """
+    return NetworkModel(
+        net, likelihood="gaussian", dataset_size=dataset_size, noise="heteroscedastic", split=split
+    )

@@ -1,0 +1,337 @@
+"""The model object behind every factory of :mod:`pyro_bdl.models`: :class:`NetworkModel`, its
+data plate and its likelihoods."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyro
+import pyro.distributions as dist
+import torch
+from torch import nn
+from torch.distributions import Distribution as TorchDistribution
+
+from pyro_bdl._validation import check_choice, check_positive, check_positive_int
+from pyro_bdl.models.checks import NetworkShape, check_batch, label_range, rollback
+from pyro_bdl.models.noise import NOISES, NoiseSite, check_noise_prior, default_noise_prior
+
+__all__ = ["DATA_PLATE", "NetworkModel", "data_plate", "mean_log_variance"]
+
+#: The name of the plate over examples; VOGN and the diagnostics look for it.
+DATA_PLATE = "data"
+
+
+class _LogSoftmaxCategorical(dist.Categorical):
+    """``Categorical(logits=logits)``, normalised by one fused ``log_softmax`` (instead of
+    ``logits - logsumexp(logits)``) and scoring labels of the batch shape with one ``gather``.
+
+    The classifiers' likelihood pays this on every step; in every other respect (``logits``,
+    ``probs``, ``sample``, ``expand``, validation) it is the ordinary ``Categorical``.
+    """
+
+    def __init__(self, logits: torch.Tensor, validate_args=None):
+        if logits.dim() < 1:
+            raise ValueError("`logits` parameter must be at least one-dimensional.")
+        self.logits = torch.log_softmax(logits, dim=-1)
+        self._param = self.logits
+        self._num_events = logits.shape[-1]
+        TorchDistribution.__init__(self, logits.shape[:-1], validate_args=validate_args)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        if value.shape != self.batch_shape:  # broadcasting (e.g. enumerated values)
+            return super().log_prob(value)
+        return self.logits.gather(-1, value.long().unsqueeze(-1)).squeeze(-1)
+
+    def expand(self, batch_shape, _instance=None):
+        batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:  # what the data plate asks for on every call
+            return self
+        return dist.Categorical(logits=self.logits).expand(batch_shape)
+
+
+def data_plate(dataset_size: int, batch_size: int, device=None) -> pyro.plate:
+    """The plate over examples: scales the likelihood by N/B (``batch_size`` may exceed N when
+    predicting on a larger test set, in which case no scaling applies)."""
+    if batch_size > dataset_size:
+        return pyro.plate(DATA_PLATE, batch_size)
+    # The batch is already sliced, so the plate only needs the size for its N/B scale: explicit
+    # indices avoid the randperm(N) that subsample_size would draw on every call.
+    # Passing the device also spares the plate a probe tensor for the default device.
+    return pyro.plate(
+        DATA_PLATE,
+        dataset_size,
+        subsample=torch.arange(batch_size, device=device),
+        device=device,
+    )
+
+
+class NetworkModel:
+    """A Pyro model around one network, with the facts methods read from it declared.
+
+    Calling it runs ``model(x, y=None) -> network output``: the checks of
+    :mod:`~pyro_bdl.models.checks`, the network's forward pass and one observation site ``"y"``
+    inside :func:`data_plate` (plus the site ``"sigma"`` of a learned noise). Laplace (its GGN
+    and predictive), VOGN, data-parallel training and checkpoints read :attr:`net`,
+    :attr:`likelihood`, :attr:`dataset_size`, :attr:`noise` and :attr:`noise_scale` from here;
+    a hand-written model has none of them, and those methods then ask for what they need.
+
+    :ivar net: the (lifted) network.
+    :ivar str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
+    :ivar int dataset_size: N, for the data plate's N/B scaling.
+    :ivar str noise: the Gaussian noise model (``None`` otherwise): ``"fixed"``, ``"learned"``
+        (a latent site ``"sigma"``), ``"point"`` (a ``pyro.param("sigma")``) or
+        ``"heteroscedastic"`` (σ(x) from the network); see :mod:`~pyro_bdl.models.noise`.
+    :ivar noise_prior: the prior over σ of a ``"learned"`` noise (``None`` otherwise).
+    :ivar bool multilabel: Bernoulli over K independent logits per example (labels ``(B, K)``)
+        rather than one (labels ``(B,)``).
+    :ivar split: ``out -> (mean, log-variance)`` of a heteroscedastic regressor.
+    :ivar NetworkShape shape: the input dtype/width and output width read from the layers.
+    :ivar bool check_inputs: check x's dtype and width against the first layer (default); set it
+        to ``False`` for a network that converts its inputs itself.
+    """
+
+    LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
+
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        likelihood: str,
+        dataset_size: int,
+        noise_scale: float | None = None,
+        noise: str | None = None,
+        noise_prior: TorchDistribution | None = None,
+        multilabel: bool = False,
+        split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"net must be a torch.nn.Module; got {type(net).__name__}.")
+        if likelihood not in self.LIKELIHOODS:
+            raise ValueError(f"likelihood must be one of {self.LIKELIHOODS}; got {likelihood!r}.")
+        check_positive_int("dataset_size", dataset_size)
+        gaussian = likelihood == "gaussian"
+        noise = check_choice("noise", noise or "fixed", NOISES) if gaussian else noise
+        if not gaussian and (noise, noise_scale, noise_prior, split) != (None,) * 4:
+            raise ValueError(
+                f"noise, noise_scale, noise_prior and split belong to a Gaussian likelihood; "
+                f"got them for likelihood {likelihood!r}. Drop them."
+            )
+        if multilabel and likelihood != "bernoulli":
+            raise ValueError("multilabel=True needs likelihood='bernoulli'.")
+        if noise == "fixed" and noise_scale is None:
+            raise ValueError(
+                "a Gaussian likelihood needs noise_scale, the observation noise σ (or "
+                "noise='learned' to infer it)."
+            )
+        if noise in ("fixed", "point") and noise_scale is not None:
+            check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")
+        if noise in ("learned", "heteroscedastic") and noise_scale is not None:
+            raise ValueError(
+                f"noise_scale fixes σ, but noise={noise!r} "
+                + (
+                    "infers σ as a latent site; drop noise_scale and set the prior with "
+                    "noise_prior= (e.g. dist.LogNormal(math.log(s), 1.) around s)."
+                    if noise == "learned"
+                    else "reads σ(x) from the network; drop noise_scale."
+                )
+            )
+        if noise_prior is not None and noise != "learned":
+            raise ValueError(
+                f"noise_prior is the prior of a learned σ; got it with noise={noise!r}. Pass "
+                "noise='learned', or drop noise_prior."
+            )
+        if split is not None and noise != "heteroscedastic":
+            raise ValueError("split belongs to a heteroscedastic regressor; drop it.")
+        if split is not None and not callable(split):
+            raise TypeError(f"split must be callable out -> (mean, log_var); got {split!r}.")
+        if noise == "learned":
+            noise_prior = check_noise_prior(
+                default_noise_prior() if noise_prior is None else noise_prior
+            )
+        self.shape = NetworkShape(net)
+        self._check_static_outputs(likelihood, noise, multilabel, split)
+        self.net = net
+        self.likelihood = likelihood
+        self.dataset_size = int(dataset_size)
+        self.noise = noise
+        self.noise_prior = noise_prior
+        self.multilabel = bool(multilabel)
+        self.split = split
+        self.check_inputs = True
+        self._fixed = float(noise_scale) if noise == "fixed" else None  # type: ignore[arg-type]
+        self._sigma = (
+            NoiseSite(noise, noise_prior, 1.0 if noise_scale is None else noise_scale)
+            if noise in ("learned", "point")
+            else None
+        )
+        self._task = {
+            "categorical": "classification",
+            "bernoulli": "multilabel" if multilabel else "binary",
+            "gaussian": "regression",
+        }[likelihood]
+        # The output width: read from the last layer, else learnt on the first call (which runs
+        # under rollback, since its outputs are checked only after the forward pass).
+        self._width = self.shape.outputs
+        self._first = True
+
+    def _check_static_outputs(self, likelihood, noise, multilabel, split) -> None:
+        k = self.shape.outputs
+        if k is None:
+            return
+        if likelihood == "gaussian" and noise != "heteroscedastic" and k != 1:
+            raise ValueError(_multi_output(f"its last layer gives {k} outputs"))
+        if noise == "heteroscedastic" and split is None and k != 2:
+            raise ValueError(
+                f"a heteroscedastic regressor needs 2 outputs per example (mean, log-variance); "
+                f"the network's last layer gives {k}. Give the last layer 2 outputs, or pass "
+                "split=lambda out: (mean, log_var)."
+            )
+        if likelihood == "bernoulli" and not multilabel and k != 1:
+            raise ValueError(
+                f"a binary classifier needs one logit per example; the network's last layer "
+                f"gives {k}. Use models.multilabel_classifier for {k} independent labels or "
+                f"models.classifier for {k} exclusive classes."
+            )
+
+    @property
+    def noise_scale(self) -> float | None:
+        """σ: the fixed value, the current point estimate, or ``None`` (σ learned as a latent
+        site or given by the network, or no Gaussian likelihood)."""
+        if self._fixed is not None:
+            return self._fixed
+        if self.noise == "point":
+            assert self._sigma is not None
+            return self._sigma.current()
+        return None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        width = self._width if self._task in ("classification", "multilabel") else None
+        check_batch(x, y, task=self._task, num_classes=width)
+        if y is not None and x.shape[0] > self.dataset_size:
+            raise ValueError(
+                f"the batch has {x.shape[0]} rows but dataset_size is {self.dataset_size}: the "
+                "likelihood is scaled by N/B, which needs B <= N. Pass dataset_size = the number "
+                "of training examples, or smaller batches (y=None predicts on any number of rows)."
+            )
+        if self.check_inputs:
+            self.shape.check_inputs(x)
+        if not self._first:
+            return self._run(x, y)
+        with rollback(self.net, x.device):
+            out = self._run(x, y)
+        self._first = False
+        return out
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        out = self.net(x)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"the network must return a tensor; got {type(out).__name__}.")
+        rows = x.shape[0]
+        if self.likelihood == "categorical":
+            fn, value = self._categorical(out, y, rows)
+        elif self.likelihood == "bernoulli":
+            fn, value, out = self._bernoulli(out, y, rows)
+        else:
+            fn, value, out = self._gaussian(out, y, rows)
+        with data_plate(self.dataset_size, rows, x.device):
+            pyro.sample("y", fn, obs=value)
+        return out
+
+    def _categorical(self, logits, y, rows):
+        if logits.dim() != 2 or logits.shape[0] != rows:
+            raise ValueError(
+                f"a classifier needs network outputs of shape ({rows}, C), one logit per class; "
+                f"got {tuple(logits.shape)}. Use models.binary_classifier for one logit per row."
+            )
+        if y is not None and self._width is None:
+            # The label range depends on the network's output width, known only now.
+            lo, hi = label_range(y)
+            if lo < 0 or hi >= logits.shape[-1]:
+                raise ValueError(
+                    f"class labels must lie in [0, {logits.shape[-1]}); got min {lo}, max {hi}. "
+                    "Check the label encoding or the network's number of outputs."
+                )
+        self._width = logits.shape[-1]
+        return _LogSoftmaxCategorical(logits), y
+
+    def _bernoulli(self, logits, y, rows):
+        if not self.multilabel and logits.dim() == 2 and logits.shape[-1] == 1:
+            logits = logits.squeeze(-1)
+        want = (rows, self._width or logits.shape[-1]) if self.multilabel else (rows,)
+        if tuple(logits.shape) != want or (self.multilabel and logits.dim() != 2):
+            raise ValueError(
+                f"a {self._task} classifier needs network outputs of shape "
+                f"{'(B, K)' if self.multilabel else '(B,) or (B, 1)'}, one logit per label; got "
+                f"{tuple(logits.shape)}."
+            )
+        if y is not None and y.shape != logits.shape:
+            raise ValueError(
+                f"y has shape {tuple(y.shape)} but the network gives logits of shape "
+                f"{tuple(logits.shape)}, one per label; pass one label column per output (or "
+                "change the network's last layer)."
+            )
+        if self.multilabel:
+            self._width = logits.shape[-1]
+        fn = dist.Bernoulli(logits=logits)
+        value = None if y is None else y.to(logits.dtype)
+        return (fn.to_event(1) if self.multilabel else fn), value, logits
+
+    def _gaussian(self, out, y, rows):
+        if self.noise == "heteroscedastic":
+            mean, log_var = (self.split or mean_log_variance)(out)
+            if mean.shape != (rows,) or log_var.shape != (rows,):
+                raise ValueError(
+                    f"a heteroscedastic regressor needs a mean and a log-variance of shape "
+                    f"({rows},) each; the network gave {tuple(out.shape)} and split gave "
+                    f"{tuple(mean.shape)} and {tuple(log_var.shape)}. Give the network 2 outputs "
+                    "(mean, log-variance) or pass split=lambda out: (mean, log_var)."
+                )
+            scale = (0.5 * log_var).exp()
+            ret = out
+        else:
+            mean = out.squeeze(-1) if out.dim() == 2 and out.shape[-1] == 1 else out
+            if mean.shape != (rows,):
+                raise ValueError(_multi_output(f"it gave outputs of shape {tuple(out.shape)}"))
+            scale = self._fixed if self._sigma is None else self._sigma(mean)
+            ret = mean
+        if y is not None and y.shape != mean.shape:
+            raise ValueError(
+                f"y must have the network output's shape {tuple(mean.shape)}; got "
+                f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
+            )
+        return dist.Normal(mean, scale), y, ret
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.likelihood == "gaussian":
+            extra = f", noise={self.noise!r}"
+            if self._fixed is not None:
+                extra += f", noise_scale={self._fixed}"
+        if self.multilabel:
+            extra += ", multilabel=True"
+        return (
+            f"NetworkModel({type(self.net).__name__}, likelihood={self.likelihood!r}, "
+            f"dataset_size={self.dataset_size}{extra})"
+        )
+
+
+def mean_log_variance(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default split of a heteroscedastic regressor's outputs ``(B, 2)``: column 0 is the
+    mean, column 1 the log-variance."""
+    if out.dim() != 2 or out.shape[-1] != 2:
+        raise ValueError(
+            f"a heteroscedastic regressor's network must output shape (B, 2), (mean, "
+            f"log-variance); got {tuple(out.shape)}. Pass split=lambda out: (mean, log_var) "
+            "for another layout."
+        )
+    return out[:, 0], out[:, 1]
+
+
+def _multi_output(what: str) -> str:
+    return (
+        f"a regressor needs one output per example, shape (B,) or (B, 1); {what}. For a mean "
+        "and a log-variance use models.heteroscedastic_regressor; for several targets write a "
+        "model with dist.Normal(mean, σ).to_event(1) inside models.data_plate."
+    )

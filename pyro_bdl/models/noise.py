@@ -1,0 +1,111 @@
+r"""The observation noise σ of a Gaussian likelihood: fixed, learned as a latent site, or a point
+estimate.
+
+- ``"fixed"``: σ is a number given by the user.
+- ``"learned"``: σ is a latent site ``"sigma"`` with a prior over σ > 0 (default
+  ``LogNormal(0, 1)``: median 1, 95% of its mass in [0.14, 7.1], for standardised targets). The
+  guide infers it with the weights; the custom ELBO gives the KL of a LogNormal, HalfNormal, …
+  prior in closed form or by its transform (docs/design/variational.md).
+- ``"point"``: σ is a ``pyro.param("sigma")`` constrained positive, a maximum-likelihood estimate
+  trained with the guide's parameters by SVI (no prior); methods that need a known σ (the
+  linearized Laplace) read its current value.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from torch.distributions import Distribution
+
+__all__ = ["NOISES", "SIGMA", "NoiseSite", "check_noise_prior", "default_noise_prior"]
+
+#: The noise models of a Gaussian likelihood (``"heteroscedastic"``: the network gives σ(x)).
+NOISES = ("fixed", "learned", "point", "heteroscedastic")
+#: The name of the latent site or param holding σ.
+SIGMA = "sigma"
+
+
+def default_noise_prior() -> Distribution:
+    """``LogNormal(0, 1)`` over σ."""
+    return dist.LogNormal(0.0, 1.0)
+
+
+def check_noise_prior(prior: object) -> Distribution:
+    """Require a univariate distribution over σ > 0 with valid, finite parameters (checked here
+    whether or not distribution validation is on)."""
+    if not isinstance(prior, Distribution):
+        raise TypeError(
+            f"noise_prior must be a distribution over σ > 0 such as dist.LogNormal(0., 1.) or "
+            f"dist.HalfNormal(1.); got {type(prior).__name__}."
+        )
+    if prior.batch_shape or prior.event_shape:
+        raise ValueError(
+            f"noise_prior must be a distribution over one scalar σ; got batch shape "
+            f"{tuple(prior.batch_shape)} and event shape {tuple(prior.event_shape)}."
+        )
+    for name, constraint in prior.arg_constraints.items():
+        value = torch.as_tensor(getattr(prior, name))
+        if not value.is_floating_point():
+            continue
+        if not (torch.isfinite(value).all() and constraint.check(value).all()):
+            raise ValueError(
+                f"noise_prior {type(prior).__name__} has {name}={value.tolist()!r}, which must "
+                f"be finite and satisfy {constraint}; pass valid parameters, e.g. "
+                "dist.LogNormal(0., 1.)."
+            )
+    support = prior.support
+    assert support is not None
+    tiny = torch.tensor(-1e-6)
+    if support.is_discrete or support.event_dim or bool(support.check(tiny)):
+        raise ValueError(
+            f"noise_prior must put its mass on σ > 0; {type(prior).__name__} has support "
+            f"{support}. Use a prior over positive numbers such as dist.LogNormal(0., 1.), "
+            "dist.HalfNormal(1.) or dist.Gamma(2., 2.)."
+        )
+    return prior
+
+
+class NoiseSite:
+    """σ of a ``"learned"`` or ``"point"`` Gaussian noise, as the model asks for it on each
+    call: a sample from the prior, built once per dtype and device of the network's outputs,
+    or the positive param.
+
+    :param str noise: ``"learned"`` or ``"point"``.
+    :param prior: the prior over σ (``"learned"``).
+    :param float init: the initial value of the param (``"point"``).
+    """
+
+    def __init__(self, noise: str, prior: Distribution | None, init: float):
+        self.noise, self.prior, self.init = noise, prior, float(init)
+        self._priors: dict = {}
+
+    def _prior_like(self, like: torch.Tensor) -> Distribution:
+        assert self.prior is not None
+        key = (like.dtype, like.device)
+        prior = self._priors.get(key)
+        if prior is None:
+            params = {
+                k: torch.as_tensor(getattr(self.prior, k)).to(like)
+                for k in self.prior.arg_constraints
+            }
+            try:
+                prior = type(self.prior)(**params)  # type: ignore[arg-type]
+            except TypeError:  # a distribution not built from its parameters alone
+                prior = self.prior
+            self._priors[key] = prior
+        return prior
+
+    def __call__(self, like: torch.Tensor) -> torch.Tensor:
+        if self.noise == "learned":
+            return pyro.sample(SIGMA, self._prior_like(like))
+        init = torch.tensor(self.init, dtype=like.dtype, device=like.device)
+        return pyro.param(SIGMA, init, constraint=constraints.positive)
+
+    def current(self) -> float:
+        """The point estimate now (its initial value before the first call)."""
+        store = pyro.get_param_store()
+        if SIGMA in store:
+            return float(store[SIGMA].detach())
+        return self.init

@@ -1,0 +1,243 @@
+"""The likelihoods of pyro_bdl.models: recovery of known noise, Bernoulli metrics against
+scikit-learn, the Bernoulli GGN, and which inference method takes which likelihood."""
+
+import math
+
+import numpy as np
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from sklearn.calibration import calibration_curve
+from sklearn.metrics import brier_score_loss, log_loss
+from torch import nn
+
+from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.curvature.ggn import output_hessian_factor
+from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
+from pyro_bdl.infer import VOGN, TraceSuffStat_ELBO
+from pyro_bdl.metrics_binary import binary_brier, binary_ece, binary_nll
+
+
+def _train(model, guide, x, y, steps, lr):
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": lr}), TraceSuffStat_ELBO())
+    for _ in range(steps):
+        svi.step(x, y)
+
+
+# --- a learned noise σ ----------------------------------------------------------------------
+
+
+def _linear_data(n, sigma):
+    torch.manual_seed(1)
+    x = torch.randn(n, 1)
+    return x, 2.0 * x.squeeze(-1) - 0.5 + sigma * torch.randn(n)
+
+
+def test_learned_sigma_recovers_the_true_noise():
+    n, true = 400, 0.3
+    x, y = _linear_data(n, true)
+    model = models.regressor(bayesianize(nn.Linear(1, 1)), n, noise="learned")
+    assert model.noise_scale is None and model.noise == "learned"
+    guide = AutoMeanField(model, init_scale=0.05)
+    _train(model, guide, x, y, steps=1500, lr=0.02)
+    loc, scale = guide.locs_and_scales()["sigma"]  # of log σ
+    # The posterior sd of log σ is about 1/sqrt(2N) = 0.035 here; the posterior mean lies within
+    # 4 posterior sd of the truth (|z| < 4 has probability > 0.9999 for the data's draw) and the
+    # mean-field sd of log σ, nearly independent of the weights, matches 1/sqrt(2N) within 2×.
+    assert 0.5 < float(scale) * math.sqrt(2 * n) < 2.0
+    assert abs(float(loc) - math.log(true)) < 4 * float(scale)
+
+
+def test_point_sigma_is_the_maximum_likelihood_noise():
+    n, true = 400, 0.3
+    x, y = _linear_data(n, true)
+    model = models.regressor(bayesianize(nn.Linear(1, 1)), n, noise="point", noise_scale=1.0)
+    assert model.noise_scale == 1.0  # the initial value before training
+    guide = AutoMeanField(model, init_scale=0.01)
+    _train(model, guide, x, y, steps=1500, lr=0.02)
+    # The ML σ has relative standard error 1/sqrt(2N) = 0.035: 4 of them around the truth.
+    assert abs(model.noise_scale / true - 1) < 4 / math.sqrt(2 * n)
+    assert model.noise_scale == pytest.approx(float(pyro.param("sigma").detach()))
+
+
+def test_learned_sigma_prior_is_the_one_given():
+    prior = pyro.distributions.HalfNormal(2.0)
+    model = models.regressor(bayesianize(nn.Linear(1, 1)), 10, noise="learned", noise_prior=prior)
+    tr = pyro.poutine.trace(model).get_trace(torch.randn(4, 1), torch.randn(4))
+    fn = tr.nodes["sigma"]["fn"]
+    assert isinstance(fn, pyro.distributions.HalfNormal) and float(fn.scale) == 2.0
+    default = models.regressor(bayesianize(nn.Linear(1, 1)), 10, noise="learned")
+    assert isinstance(default.noise_prior, pyro.distributions.LogNormal)
+    # The prior follows the network's dtype.
+    net64 = bayesianize(nn.Linear(1, 1).double())
+    m64 = models.regressor(net64, 10, noise="learned")
+    tr = pyro.poutine.trace(m64).get_trace(torch.randn(4, 1, dtype=torch.float64))
+    assert tr.nodes["sigma"]["value"].dtype == torch.float64
+
+
+# --- heteroscedastic regression -------------------------------------------------------------
+
+
+def test_heteroscedastic_regressor_recovers_input_dependent_noise():
+    # y = 2x + ε with log Var ε = -2 + 1.5x: a linear network (mean, log-variance) can match it.
+    n = 2000
+    torch.manual_seed(2)
+    x = torch.rand(n, 1) * 2 - 1
+    log_var = -2.0 + 1.5 * x.squeeze(-1)
+    y = 2.0 * x.squeeze(-1) + (0.5 * log_var).exp() * torch.randn(n)
+    net = bayesianize(nn.Linear(1, 2), priors.Normal(scale=10.0))
+    model = models.heteroscedastic_regressor(net, n)
+    guide = AutoMeanField(model, init_scale=0.01)
+    _train(model, guide, x, y, steps=1500, lr=0.03)
+    w, sw = guide.locs_and_scales()["weight"]
+    b, sb = guide.locs_and_scales()["bias"]
+    # The log-variance coefficients' ML standard errors are sqrt(2/N) = 0.032 (intercept) and
+    # sqrt(2/(N Var x)) = sqrt(6/N) = 0.055 (slope; Var x = 1/3); 5 of them, or 5 posterior sd
+    # where the mean-field sd is larger, bound the error of the posterior mean.
+    assert abs(float(b[1]) + 2.0) < 5 * max(float(sb[1]), math.sqrt(2 / n))
+    assert abs(float(w[1, 0]) - 1.5) < 5 * max(float(sw[1, 0]), math.sqrt(6 / n))
+    # The mean's slope: its SE is below σ_max / sqrt(N Var x) = 0.07.
+    assert abs(float(w[0, 0]) - 2.0) < 0.2
+    out = model(x[:3])
+    mean, lv = models.mean_log_variance(out)
+    assert mean.shape == lv.shape == (3,)
+
+
+def test_heteroscedastic_split_is_the_users():
+    net = bayesianize(nn.Linear(2, 4))
+    split = lambda out: (out[:, 0], out[:, 1:].sum(-1))  # noqa: E731
+    model = models.heteroscedastic_regressor(net, 10, split=split)
+    tr = pyro.poutine.trace(model).get_trace(torch.randn(5, 2), torch.randn(5))
+    out = tr.nodes["_RETURN"]["value"]
+    torch.testing.assert_close(tr.nodes["y"]["fn"].scale, (0.5 * out[:, 1:].sum(-1)).exp())
+
+
+# --- Bernoulli likelihoods and their metrics ------------------------------------------------
+
+
+def test_binary_and_multilabel_sites():
+    net = bayesianize(nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)))
+    model = models.binary_classifier(net, 20)
+    x = torch.randn(5, 2)
+    for y in (torch.tensor([0, 1, 1, 0, 1]), torch.tensor([0.0, 1, 1, 0, 1]), torch.rand(5) > 0.5):
+        tr = pyro.poutine.trace(model).get_trace(x, y)
+        fn = tr.nodes["y"]["fn"]
+        assert isinstance(fn, torch.distributions.Bernoulli) and fn.batch_shape == (5,)
+        assert tr.nodes["y"]["scale"] == pytest.approx(4.0)
+        torch.testing.assert_close(tr.nodes["y"]["value"], y.float())
+    multi = models.multilabel_classifier(bayesianize(nn.Linear(2, 3)), 20)
+    tr = pyro.poutine.trace(multi).get_trace(x, torch.randint(0, 2, (5, 3)))
+    assert tr.nodes["y"]["fn"].batch_shape == (5,) and tr.nodes["y"]["fn"].event_shape == (3,)
+    assert tr.nodes["_RETURN"]["value"].shape == (5, 3)
+
+
+@pytest.mark.parametrize("shape", [(500,), (200, 3)])
+def test_binary_metrics_match_scikit_learn(shape):
+    g = torch.Generator().manual_seed(3)
+    p = torch.rand(shape, generator=g, dtype=torch.float64)
+    y = (torch.rand(shape, generator=g, dtype=torch.float64) < p**1.5).long()
+    p[0] = 1.0  # an edge value falls into the last bin, as calibration_curve puts it
+    pn, yn = p.reshape(-1).numpy(), y.reshape(-1).numpy()
+    assert binary_nll(p, y) == pytest.approx(log_loss(yn, pn, labels=[0, 1]), rel=1e-10)
+    assert binary_brier(p, y) == pytest.approx(brier_score_loss(yn, pn), rel=1e-10)
+    true, pred = calibration_curve(yn, pn, n_bins=10, strategy="uniform")
+    counts = np.bincount(np.searchsorted(np.linspace(0, 1, 11)[1:-1], pn), minlength=10)
+    ref = float(np.sum(counts[counts > 0] / pn.size * np.abs(true - pred)))
+    assert binary_ece(p, y, num_bins=10) == pytest.approx(ref, rel=1e-10)
+
+
+def test_binary_metrics_refuse_bad_inputs():
+    with pytest.raises(ValueError, match=r"binary labels 0 or 1 .*; got 2 at index \(1,\)"):
+        binary_nll(torch.tensor([0.2, 0.4]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="same non-empty shape"):
+        binary_brier(torch.tensor([0.2, 0.4]), torch.tensor([0, 1, 1]))
+    with pytest.raises(ValueError, match="probabilities in"):
+        binary_ece(torch.tensor([0.2, 1.4]), torch.tensor([0, 1]))
+
+
+def test_bernoulli_ggn_factor_is_the_hessian_of_the_nll():
+    # L Lᵀ must equal the Hessian of -log p(y | f) in the K logits (independent of y).
+    f = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (4, 3)).double()
+    factor = output_hessian_factor(f, "bernoulli")
+    for n in range(4):
+        nll = lambda z: -torch.distributions.Bernoulli(logits=z).log_prob(y[n]).sum()  # noqa: E731,B023
+        hess = torch.autograd.functional.hessian(nll, f[n])
+        torch.testing.assert_close(factor[n] @ factor[n].T, hess)
+
+
+# --- which method takes which likelihood ----------------------------------------------------
+
+N = 16
+KINDS = ["categorical", "binary", "multilabel", "fixed", "learned", "point", "heteroscedastic"]
+
+
+def _problem(kind):
+    outputs = {"categorical": 3, "multilabel": 3, "heteroscedastic": 2}.get(kind, 1)
+    net = bayesianize(nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, outputs)))
+    x = torch.randn(N, 2)
+    if kind == "categorical":
+        return models.classifier(net, N), x, torch.randint(0, 3, (N,))
+    if kind == "binary":
+        return models.binary_classifier(net, N), x, torch.randint(0, 2, (N,))
+    if kind == "multilabel":
+        return models.multilabel_classifier(net, N), x, torch.randint(0, 2, (N, 3))
+    if kind == "heteroscedastic":
+        return models.heteroscedastic_regressor(net, N), x, torch.randn(N)
+    if kind == "fixed":
+        return models.regressor(net, N, 0.5), x, torch.randn(N)
+    return models.regressor(net, N, noise=kind), x, torch.randn(N)
+
+
+GUIDES = {
+    "meanfield": lambda m: AutoMeanField(m),
+    "radial": lambda m: AutoRadial(m),
+    "swag": lambda m: AutoSWAG(m),
+    "laplace": lambda m: AutoSubnetLaplace(m, subnetwork="all"),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("method", list(GUIDES))
+def test_every_guide_with_every_likelihood(method, kind):
+    model, x, y = _problem(kind)
+    guide = GUIDES[method](model)
+    elbo = TraceSuffStat_ELBO() if method in ("meanfield", "radial") else Trace_ELBO()
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), elbo)
+    losses = [svi.step(x, y) for _ in range(3)]
+    assert all(math.isfinite(v) for v in losses)
+    if method == "laplace":
+        if kind in ("learned", "heteroscedastic"):
+            what = "latent site" if kind == "learned" else "comes from the network"
+            with pytest.raises(ValueError, match=f"needs one known noise σ, but σ.*{what}"):
+                guide.fit((x, y))
+            assert guide.map_loc.numel() == 0  # nothing fitted
+            return
+        guide.fit((x, y))
+        out = guide.predict(x)
+        if kind in ("fixed", "point"):
+            mean, var = out
+            assert mean.shape == var.shape == (N,) and (var > model.noise_scale**2).all()
+        else:
+            want = {"categorical": (N, 3), "binary": (N,), "multilabel": (N, 3)}[kind]
+            assert out.shape == want and ((out >= 0) & (out <= 1)).all()
+        return
+    if method == "swag":
+        guide.collect()
+        svi.step(x, y)
+        guide.collect()
+    pred = Predictive(model, guide=guide, num_samples=3, return_sites=["y", "_RETURN"])(x)
+    assert pred["y"].shape[0] == 3 and torch.isfinite(pred["_RETURN"]).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vogn_with_every_likelihood(kind):
+    model, x, y = _problem(kind)
+    vogn = VOGN(model, dataset_size=N, lr=1e-3)
+    if kind in ("learned", "point"):
+        match = "latent site 'sigma' is not one" if kind == "learned" else r"\['sigma'\]"
+        with pytest.raises(ValueError, match=match):
+            vogn.step(x, y)
+        return
+    assert all(math.isfinite(vogn.step(x, y)) for _ in range(2))
