@@ -40,6 +40,7 @@ from pyro_bdl.curvature.memory import check_memory, chunk_budget, chunk_rows
 from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.guides.laplace_model import (
     Observation,
+    check_supported,
     declared_precision,
     eval_mode,
     forward_fn,
@@ -97,8 +98,7 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
         :class:`~pyro_bdl.priors.NonGaussianPriorError` when it is not Gaussian). The buffer
         ``prior_precision`` holds λ: 0-dim when one value holds for every weight (given or
         tuned), else, after :meth:`fit`, the declared precision of each subnetwork weight.
-    :param bool prior_rescaling: use λ_S = λ·S/D over the subnetwork (the paper's rule) instead
-        of λ.
+    :param bool prior_rescaling: use λ_S = λ·S/D (the paper's rule) instead of λ.
     :param int seed: seed of the ``"random"`` rule.
     :param int batch_size: rows per Jacobian chunk in :meth:`predict`, and at most that many in
         :meth:`fit`.
@@ -108,7 +108,7 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
         4 MiB), the size of the S-dependent part, so that the peak memory of :meth:`fit` hardly
         grows with the network. Raise it for speed on a network with large activations.
     :param accumulate_dtype: dtype of H_S and the covariance (default float64, which a small
-        prior precision needs: :func:`~pyro_bdl.guides.laplace_posterior.accumulation_dtype`).
+        prior precision needs; see ``laplace_posterior.accumulation_dtype``).
     :param int max_memory: bytes :meth:`fit` may use for the S × S matrices and one Jacobian
         chunk (default: the memory available on the device).
     :param callable init_loc_fn: initial MAP values (default: the network's own weights).
@@ -145,9 +145,9 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
             isinstance(accumulate_dtype, torch.dtype) and accumulate_dtype.is_floating_point
         ):
             raise TypeError(f"accumulate_dtype must be a float dtype; got {accumulate_dtype!r}.")
+        check_supported(model)  # a NetworkModel's likelihood, before the MAP phase trains it
         super().__init__(model, init_loc_fn=init_loc_fn)
-        # A tuple, as AutoGuide keeps its model: not a submodule, and dropped when pickled.
-        self._user_model: tuple | None = (model,)
+        self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
         self.prior_rescaling = bool(prior_rescaling)
         self.batch_size = batch_size
         self.accumulate_dtype = accumulate_dtype

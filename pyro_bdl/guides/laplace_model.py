@@ -158,10 +158,13 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
     return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1)
 
 
-def check_supported(model: NetworkModel) -> None:
+def check_supported(model) -> None:
     """Refuse a :class:`~pyro_bdl.models.NetworkModel` whose likelihood the linearized Laplace
     cannot take: a Gaussian whose σ is a latent site or comes from the network. The GGN and the
-    predictive treat the observation noise as one known σ."""
+    predictive treat the observation noise as one known σ. Other models pass (their likelihood
+    is read from the observed site at :meth:`fit`)."""
+    if not isinstance(model, NetworkModel):
+        return
     if model.likelihood == "gaussian" and model.noise in ("learned", "heteroscedastic"):
         what = (
             "σ is a latent site (noise='learned')"

@@ -314,7 +314,9 @@ def val_ll_score(
             jac = jac - jac.mean(1, keepdim=True)
         scale = 2.0 / max(out.shape[1] - 1, 1) if likelihood == "categorical" else 1.0
         fs.append(out.double())
-        qs.append(scale * (jac.double() @ evecs).square().sum(1))
+        projected = (jac.double() @ evecs).square()
+        # Independent logits (binary, multilabel) keep one variance per output.
+        qs.append(projected if likelihood == "bernoulli" else scale * projected.sum(1))
         ys.append(y)
     f, q, y = torch.cat(fs), torch.cat(qs), torch.cat(ys)
 
@@ -323,10 +325,11 @@ def val_ll_score(
         if likelihood == "gaussian":
             assert noise is not None
             return dist.Normal(f.squeeze(-1), (var + noise**2).sqrt()).log_prob(y).sum()
-        kappa = (1 + math.pi / 8 * var).rsqrt().unsqueeze(-1)
+        kappa = (1 + math.pi / 8 * var).rsqrt()
         if likelihood == "bernoulli":
-            return dist.Bernoulli(logits=(f * kappa).squeeze(-1)).log_prob(y.to(f)).sum()
-        return dist.Categorical(logits=f * kappa).log_prob(y).sum()
+            logits = (f * kappa).reshape(y.shape)
+            return dist.Bernoulli(logits=logits).log_prob(y.to(f)).sum()
+        return dist.Categorical(logits=f * kappa.unsqueeze(-1)).log_prob(y).sum()
 
     return score
 
