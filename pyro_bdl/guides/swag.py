@@ -22,6 +22,7 @@ from torch import nn
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.guides.swag_gaussian import (
     SWAGNormal,
     swag_collect_,
@@ -52,7 +53,7 @@ class NotCollectedError(RuntimeError):
 # --------------------------------------------------------------------------- guide
 
 
-class AutoSWAG(SiteAccess, AutoContinuous):
+class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     r"""SWAG (SWA-Gaussian) as a Pyro guide over every continuous latent site, packed.
 
     **Two roles.** While gradients are recorded (``SVI.step`` with any ELBO, or a plain PyTorch
