@@ -88,10 +88,27 @@ class CheckedLoad(nn.Module):
         """Rules beyond keys and shapes (entries that must agree with each other)."""
         return []
 
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ):
+        self._refuse(state_dict_errors(self, state_dict, strict=strict))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        errors = state_dict_errors(self, state_dict, prefix, strict=strict)
+        # Reached also when the guide sits inside another module. torch passes strict=True here
+        # whatever its caller asked (it sorts missing keys out afterwards), so the keys are
+        # checked by load_state_dict above and only the entries present here.
+        self._refuse(state_dict_errors(self, state_dict, prefix, strict=False))
+        for name in self._resizable_state:
+            if prefix + name in state_dict:
+                self._buffers[name] = torch.empty_like(state_dict[prefix + name])
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _refuse(self, errors: list[str]) -> None:
         if errors:
             raise StateDictMismatchError(
                 f"cannot load this state_dict into {type(self).__name__}; nothing was loaded. "
@@ -99,12 +116,6 @@ class CheckedLoad(nn.Module):
                 "a guide of the same model and options (rank, subnetwork and size), set up on the "
                 "same model (call the guide once first)."
             )
-        for name in self._resizable_state:
-            if prefix + name in state_dict:
-                self._buffers[name] = torch.empty_like(state_dict[prefix + name])
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
 
 
 class SubnetLaplaceState(CheckedLoad):
