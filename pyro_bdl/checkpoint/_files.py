@@ -58,7 +58,7 @@ def remove_stale(path: str) -> list[str]:
     """
     folder, base = os.path.split(os.path.abspath(path))
     pattern = re.compile(rf"\.{re.escape(base)}\.tmp-(\d+)-[0-9a-f]+")
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(folder)
     except OSError:

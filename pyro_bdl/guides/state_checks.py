@@ -77,7 +77,12 @@ def state_dict_errors(
     return errors
 
 
-class CheckedLoad(nn.Module):
+# Typed as Any: the guides' other bases (Pyro's) are untyped, and a typed nn.Module first in
+# their MRO would make every attribute resolve through nn.Module.__getattr__ for mypy.
+_Module: Any = nn.Module
+
+
+class CheckedLoad(_Module):
     """Mixin for guides: ``load_state_dict`` checks the whole state before it copies any entry,
     and raises :class:`StateDictMismatchError` naming every mismatching key."""
 
@@ -137,7 +142,7 @@ class SubnetLaplaceState(CheckedLoad):
             loc
         ):
             errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
-        expected = {"ggn": (count, count), "scale_tril": (count, count)}
+        expected: dict[str, tuple[int, ...]] = {"ggn": (count, count), "scale_tril": (count, count)}
         if isinstance(loc, torch.Tensor):
             expected["map_loc"] = tuple(loc.shape)
         for name, shape in expected.items():
