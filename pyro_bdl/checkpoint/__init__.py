@@ -138,6 +138,11 @@ def save_checkpoint(
             f"cannot write checkpoint {path!r}: the folder {folder!r} does not exist. Create it "
             "first (os.makedirs(folder, exist_ok=True))."
         )
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"cannot write checkpoint {path!r}: it is a folder. Pass a file name inside it, such "
+            f"as {os.path.join(path, 'run.ckpt')!r}."
+        )
     store = pyro.get_param_store().get_state()
     values = {name: v.detach() for name, v in store["params"].items()}
     specs = {name: constraint_spec(c) for name, c in store["constraints"].items()}
@@ -210,7 +215,8 @@ def load_checkpoint(
     :param model: the model, for the likelihood check (default ``guide.model``).
     :param tuple example_args: positional arguments for one set-up call of the guide and of
         every module that has not seen the model yet (``needs_setup``, such as a VOGN that has
-        not stepped; needed then).
+        not stepped; needed then). If the file is then refused, every RNG is put back as it was
+        before that call (the guide stays set up, as after one call of its own).
     :param dict example_kwargs: keyword arguments for that call.
     :param bool rng: restore every RNG (default); warns if the file has none.
     :param map_location: where the file's tensors are loaded (default ``"cpu"``; they are then

@@ -155,6 +155,11 @@ def _optim_errors(optim, state: Any) -> list[str]:
 def part_errors(payload, path: str, *, guide, optim, modules, generators, rng: bool) -> list[str]:
     """Every reason a part of ``payload`` would fail to restore into the given objects."""
     errors = _param_errors(payload, path)
+    step = payload["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        errors.append(f"step: expected an int >= 0; got {step!r:.60}")
+    if not isinstance(payload["extra"], Mapping):
+        errors.append(f"extra: expected a dict; got {type(payload['extra']).__name__}")
     if isinstance(guide, torch.nn.Module) and payload["guide"] is not None:
         errors += [f"guide key {e}" for e in state_dict_errors(guide, payload["guide"])]
     for name, m in modules.items():

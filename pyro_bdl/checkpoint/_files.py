@@ -93,7 +93,12 @@ def atomic_save(payload: dict[str, Any], path: str) -> None:
     remove_stale(path)
     # Same folder as the target, so os.replace is a rename within one file system (atomic).
     tmp = temporary_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    except OSError as err:
+        raise type(err)(
+            err.errno, f"cannot write checkpoint {path!r}: {err.strerror} (folder {folder!r})"
+        ) from err
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
