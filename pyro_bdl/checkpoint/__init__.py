@@ -10,11 +10,18 @@ Guarantees:
 
 * The file holds tensors and plain values only, so it loads with
   ``torch.load(path, weights_only=True)``; anything else is refused when saving, naming its key.
-* It is written atomically: a temporary file in the same folder, ``fsync``, then ``os.replace``.
-  A crash while writing leaves the previous checkpoint untouched and no partial file behind.
+* It is written atomically: a temporary file in the same folder (``.<name>.tmp-<pid>-<random>``),
+  ``fsync``, then ``os.replace``. A crash while writing leaves the previous checkpoint untouched;
+  a process killed mid-write leaves its temporary file, which the next save of the same target
+  removes (it removes only those whose writing process is gone).
 * A small fingerprint (param names, shapes and constraints; guide class; likelihood; module
   keys and shapes) is checked before anything is restored, and a checkpoint of a different
-  model, guide or likelihood is refused with the mismatching keys named.
+  model, guide or likelihood is refused with the mismatching keys named. Then every part is
+  checked the way it will be restored (RNG and generator states on scratch generators, state
+  dicts against the live modules, optimizer states against their parameters): a refused load
+  changes nothing.
+* It is read with ``torch.load(weights_only=True)`` only: a file holding any other pickled
+  object is refused without running it.
 
 **The lazy set-up rule.** Pyro's guides create their parameters the first time they run and draw
 random numbers while doing so (initialisation, the first sample). Restoring the RNG *before* that
@@ -44,6 +51,7 @@ import pyro
 import pyro.poutine as poutine
 import torch
 
+from pyro_bdl.checkpoint._checks import part_errors
 from pyro_bdl.checkpoint._files import FORMAT, VERSION, atomic_save, read
 from pyro_bdl.checkpoint._parts import (
     CheckpointError,
@@ -62,7 +70,7 @@ from pyro_bdl.checkpoint._parts import (
     rng_state,
     set_rng_state,
 )
-from pyro_bdl.checkpoint._restore import mismatches, restore_optim, restore_params, state_errors
+from pyro_bdl.checkpoint._restore import mismatches, restore_optim, restore_params
 
 __all__ = [
     "CheckpointError",
@@ -129,6 +137,11 @@ def save_checkpoint(
         raise FileNotFoundError(
             f"cannot write checkpoint {path!r}: the folder {folder!r} does not exist. Create it "
             "first (os.makedirs(folder, exist_ok=True))."
+        )
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"cannot write checkpoint {path!r}: it is a folder. Pass a file name inside it, such "
+            f"as {os.path.join(path, 'run.ckpt')!r}."
         )
     store = pyro.get_param_store().get_state()
     values = {name: v.detach() for name, v in store["params"].items()}
@@ -202,7 +215,8 @@ def load_checkpoint(
     :param model: the model, for the likelihood check (default ``guide.model``).
     :param tuple example_args: positional arguments for one set-up call of the guide and of
         every module that has not seen the model yet (``needs_setup``, such as a VOGN that has
-        not stepped; needed then).
+        not stepped; needed then). If the file is then refused, every RNG is put back as it was
+        before that call (the guide stays set up, as after one call of its own).
     :param dict example_kwargs: keyword arguments for that call.
     :param bool rng: restore every RNG (default); warns if the file has none.
     :param map_location: where the file's tensors are loaded (default ``"cpu"``; they are then
@@ -246,6 +260,7 @@ def load_checkpoint(
     payload = read(path, map_location)
 
     # (1) Lazy set-up first: it consumes random numbers, which step (4) then overwrites.
+    before = rng_state() if example_args is not None else None
     if example_args is not None:
         kwargs = dict(example_kwargs or {})
         for m in lazy.values():
@@ -254,21 +269,13 @@ def load_checkpoint(
             with poutine.block():
                 guide(*example_args, **kwargs)
 
-    # (2) Refuse a different model before changing anything.
-    bad, unused = mismatches(payload, guide, model, modules, generators)
-    if bad:
-        shown = "\n  - ".join(bad[:20]) + (
-            f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
-        )
-        raise CheckpointMismatchError(
-            f"{path!r} was saved from a different model, guide or likelihood; mismatching "
-            f"keys:\n  - {shown}\nLoad it into the architecture and guide it was saved from."
-        )
-    refused = state_errors(payload, modules)
-    if refused:
-        raise CheckpointMismatchError(
-            f"{path!r} cannot be restored; nothing was changed:\n  - " + "\n  - ".join(refused)
-        )
+    # (2) Refuse a different model or a damaged part before changing anything.
+    try:
+        unused = _check(payload, path, guide, model, optim, modules, generators, rng)
+    except BaseException:
+        if before is not None:
+            set_rng_state(before)  # the set-up drew random numbers: a refusal gives them back
+        raise
     if unused:
         warnings.warn(
             f"{path!r} holds state for {', '.join(unused)}, which were not passed to "
@@ -313,3 +320,41 @@ def load_checkpoint(
         "rng_restored": rng_restored,
         "optim_restored": optim_restored,
     }
+
+
+def _check(payload, path, guide, model, optim, modules, generators, rng) -> list[str]:
+    """Raise if ``payload`` cannot be restored whole; returns the parts nobody asked for."""
+    try:
+        bad, unused = mismatches(payload, guide, model, modules, generators)
+        # Every part checked the way it will be restored, so no restore fails halfway.
+        refused = (
+            []
+            if bad
+            else part_errors(
+                payload,
+                path,
+                guide=guide,
+                optim=optim,
+                modules=modules,
+                generators=generators,
+                rng=rng,
+            )
+        )
+    except (KeyError, TypeError, AttributeError, IndexError) as err:
+        raise CheckpointError(
+            f"{path!r} is damaged: a part of it does not have the form save_checkpoint writes "
+            f"({type(err).__name__}: {err}); nothing was changed. Resume from another checkpoint."
+        ) from err
+    if bad:
+        shown = "\n  - ".join(bad[:20]) + (
+            f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        )
+        raise CheckpointMismatchError(
+            f"{path!r} was saved from a different model, guide or likelihood; mismatching "
+            f"keys:\n  - {shown}\nLoad it into the architecture and guide it was saved from."
+        )
+    if refused:
+        raise CheckpointMismatchError(
+            f"{path!r} cannot be restored; nothing was changed:\n  - " + "\n  - ".join(refused)
+        )
+    return unused

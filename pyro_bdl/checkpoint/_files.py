@@ -1,20 +1,78 @@
-"""A checkpoint file on disk: written atomically, read back with its header checked."""
+"""A checkpoint file on disk: written atomically, read back with its header checked.
+
+A write goes to a temporary file next to the target, named ``.<target>.tmp-<pid>-<random>``, is
+flushed to disk (``fsync``) and renamed over the target (``os.replace``, atomic within one file
+system). A process killed mid-write cannot delete its own temporary file, so every save first
+removes the temporary files of *its own target* whose writer is no longer alive: the pid in the
+name says whose they are. Files of other targets and of live writers are never touched.
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import re
+import secrets
 from typing import Any
 
 import torch
 
 from pyro_bdl.checkpoint._parts import CheckpointError
 
-__all__ = ["FORMAT", "VERSION", "atomic_save", "read"]
+__all__ = ["FORMAT", "VERSION", "atomic_save", "read", "remove_stale", "temporary_name"]
 
 FORMAT = "pyro_bdl.checkpoint"
 VERSION = 1
 _KEYS = ("fingerprint", "param_store", "guide", "modules", "optim", "generators", "step", "rng")
+
+
+def temporary_name(path: str, pid: int | None = None) -> str:
+    """The temporary file a process writes ``path`` through (same folder, hidden)."""
+    folder, base = os.path.split(os.path.abspath(path))
+    pid = os.getpid() if pid is None else pid
+    return os.path.join(folder, f".{base}.tmp-{pid}-{secrets.token_hex(4)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # another thread of this process may be writing it
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there: keep the file
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but another user's
+        return True
+    try:  # a killed child its parent has not reaped yet is a zombie: dead for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale(path: str) -> list[str]:
+    """Remove the temporary files of ``path`` left by writers that died mid-write; returns them.
+
+    Only files named as :func:`temporary_name` names them for this very target, with the pid of
+    a process that no longer runs (a pid reused by a live process keeps its file until then).
+    """
+    folder, base = os.path.split(os.path.abspath(path))
+    pattern = re.compile(rf"\.{re.escape(base)}\.tmp-(\d+)-[0-9a-f]+")
+    removed: list[str] = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed.append(name)
+        except FileNotFoundError:  # another saver removed it first
+            pass
+    return removed
 
 
 def _fsync_dir(folder: str) -> None:
@@ -32,14 +90,20 @@ def _fsync_dir(folder: str) -> None:
 
 def atomic_save(payload: dict[str, Any], path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
+    remove_stale(path)
     # Same folder as the target, so os.replace is a rename within one file system (atomic).
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    tmp = temporary_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    except OSError as err:
+        raise type(err)(
+            err.errno, f"cannot write checkpoint {path!r}: {err.strerror} (folder {folder!r})"
+        ) from err
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -56,7 +120,10 @@ def read(path: str, map_location) -> dict[str, Any]:
             f"no checkpoint at {path!r}: the file does not exist. Check the path (or start the "
             "run from step 0)."
         )
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"cannot read checkpoint {path!r}: it is a folder, not a file.")
     try:
+        # weights_only: tensors and plain values only; a pickled object is refused, never run.
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -1,5 +1,5 @@
-"""Restoring a checkpoint: the checks that refuse it before anything changes, then the param
-store and the optimizer."""
+"""Restoring a checkpoint: the fingerprint check that refuses another model before anything
+changes, then the param store and the optimizer (their parts checked by :mod:`._checks`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pyro_bdl.checkpoint._parts import (
     qualname,
 )
 
-__all__ = ["mismatches", "restore_optim", "restore_params", "state_errors"]
+__all__ = ["mismatches", "restore_optim", "restore_params"]
 
 
 def mismatches(payload, guide, model, modules, generators) -> tuple[list[str], list[str]]:
@@ -55,7 +55,13 @@ def mismatches(payload, guide, model, modules, generators) -> tuple[list[str], l
 def restore_params(payload, path: str) -> None:
     live = pyro.get_param_store().get_state()["params"]
     saved = payload["param_store"]
-    new, new_constraints = {}, {}
+    # The new parameters' constraints first: a refusal there must come before any copy.
+    new_constraints = {
+        name: constraint_from_spec(saved["constraints"][name], param=name, path=path)
+        for name in saved["values"]
+        if name not in live
+    }
+    new = {}
     with torch.no_grad():
         for name, value in saved["values"].items():
             if name in live:
@@ -63,9 +69,6 @@ def restore_params(payload, path: str) -> None:
                 live[name].copy_(value)
             else:
                 new[name] = value.detach().clone().requires_grad_()
-                new_constraints[name] = constraint_from_spec(
-                    saved["constraints"][name], param=name, path=path
-                )
     if new:
         pyro.get_param_store().set_state({"params": new, "constraints": new_constraints})
 
@@ -87,16 +90,3 @@ def restore_optim(optim, state) -> None:
         else:
             obj.load_state_dict(s)
     optim.set_state(waiting)
-
-
-def state_errors(payload, modules) -> list[str]:
-    """Why the saved state of a module that checks its own (``check_state_dict``, as VOGN does)
-    would be refused: another format or another model's layout."""
-    out = []
-    for name, m in modules.items():
-        if has(m, "check_state_dict"):
-            try:
-                m.check_state_dict(payload["modules"][name])
-            except ValueError as err:
-                out.append(f"module {name!r}: {err}")
-    return out

@@ -31,6 +31,7 @@ from torch.nn.functional import softplus
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
@@ -47,7 +48,7 @@ def _inside_plate() -> bool:
     return any(isinstance(m, PlateMessenger) for m in _PYRO_STACK)
 
 
-class AutoLocScaleGuide(SiteAccess, AutoGuide):
+class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
     r"""Base class: one location-scale posterior per latent site, sampled on the site itself.
 
     Locations start from ``init_loc_fn`` (by default :func:`~pyro_bdl.init_to_network`, the

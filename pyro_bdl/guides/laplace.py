@@ -57,21 +57,19 @@ from pyro_bdl.guides.laplace_posterior import (
     predictive,
     tune_precision,
 )
+from pyro_bdl.guides.state_checks import SubnetLaplaceState
 from pyro_bdl.guides.subnetwork import parse_subnetwork
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
 __all__ = ["AutoSubnetLaplace", "NotFittedError", "SubnetNormal"]
 
-#: The buffers ``fit`` sizes; a checkpoint gives them their stored shapes.
-_FITTED = ("map_loc", "subnet_index", "ggn", "scale_tril", "prior_precision")
-
 
 class NotFittedError(RuntimeError):
     """Raised when a post-hoc posterior is used before it was fitted."""
 
 
-class AutoSubnetLaplace(SiteAccess, AutoContinuous):
+class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
     r"""Subnetwork linearized Laplace: a MAP guide while training, then a full-covariance GGN
     Laplace posterior over a subnetwork S after :meth:`fit`.
 
@@ -205,14 +203,6 @@ class AutoSubnetLaplace(SiteAccess, AutoContinuous):
     def __getstate__(self):
         self._user_model = None  # a model is often a closure, which cannot be pickled
         return super().__getstate__()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # The fitted buffers are sized by fit(); give them the stored shapes before copying.
-        for name in _FITTED:
-            key = prefix + name
-            if key in state_dict:
-                self._buffers[name] = torch.empty_like(state_dict[key])
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ---- evaluating the network ----------------------------------------------------------
 

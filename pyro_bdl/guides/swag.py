@@ -22,6 +22,7 @@ from torch import nn
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.guides.swag_gaussian import (
     SWAGNormal,
     swag_collect_,
@@ -50,7 +51,7 @@ class NotCollectedError(RuntimeError):
     """SWAG was asked for its posterior before two snapshots were collected."""
 
 
-class AutoSWAG(SiteAccess, AutoContinuous):
+class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     r"""SWAG (SWA-Gaussian) as a Pyro guide over every continuous latent site, packed.
 
     **Two roles.** While gradients are recorded (``SVI.step`` with any ELBO, or a plain PyTorch
@@ -152,7 +153,6 @@ class AutoSWAG(SiteAccess, AutoContinuous):
         # device tensor (that would be a host–device synchronisation per sample).
         self._num_collected = 0
         super().__init__(model, init_loc_fn=init_loc_fn)
-        self.register_load_state_dict_pre_hook(convert_second_moment)
         self.register_load_state_dict_post_hook(sync_counter)
 
     # ------------------------------------------------------------------ set-up and state
@@ -201,6 +201,9 @@ class AutoSWAG(SiteAccess, AutoContinuous):
             site.name: site.constrain(value)
             for site, value in zip(self.layout, self._split(latent))
         }
+
+    def _upgrade_state(self, state_dict, prefix):
+        convert_second_moment(self, state_dict, prefix)  # the older second moment → M2
 
     @property
     def mode(self) -> str:

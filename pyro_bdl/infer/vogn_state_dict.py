@@ -3,6 +3,7 @@ format before anything is restored."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,10 +86,31 @@ def check_state_dict(
             f"this VOGN state_dict has format version {state['version']!r}; this version of "
             f"pyro_bdl reads version {VERSION}."
         )
-    sites = [(str(n), tuple(s)) for n, s in state["sites"]]
+    try:
+        sites = [(str(n), tuple(int(d) for d in s)) for n, s in state["sites"]]
+    except (TypeError, ValueError):
+        raise ValueError(
+            "the VOGN state_dict is damaged: 'sites' must be a list of (name, shape) pairs; got "
+            f"{state['sites']!r:.80}."
+        ) from None
+    step, temperature = state["step"], state["temperature"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(
+            f"the VOGN state_dict is damaged: 'step' must be an int >= 0; got {step!r}."
+        )
+    if not isinstance(temperature, (int, float)) or not 0 < float(temperature) < float("inf"):
+        raise ValueError(
+            f"the VOGN state_dict is damaged: 'temperature' must be a number > 0; got "
+            f"{temperature!r}."
+        )
     size = sum(int(torch.Size(s).numel()) for _, s in sites)
     for key in ("mean", "momentum", "curvature"):
-        if not isinstance(state[key], torch.Tensor) or state[key].shape != (size,):
+        value = state[key]
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.shape != (size,)
+            or not value.is_floating_point()
+        ):
             raise ValueError(
                 f"the VOGN state_dict is damaged: {key!r} must have shape ({size},), the total "
                 f"size of its sites; got {getattr(state[key], 'shape', type(state[key]))}."
@@ -96,17 +118,36 @@ def check_state_dict(
     groups = (
         state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
     )
-    if not isinstance(groups, list) or len(groups) != 1 or not {"lr", "betas"} <= set(groups[0]):
+    if (
+        not isinstance(groups, list)
+        or len(groups) != 1
+        or not isinstance(groups[0], Mapping)
+        or not {"lr", "betas", "params"} <= set(groups[0])
+        or len(groups[0]["params"]) != 1
+        or not isinstance(state["optimizer"].get("state"), Mapping)
+    ):
         raise ValueError(
             "the VOGN state_dict is damaged: 'optimizer' must be the state_dict of VOGN's "
-            "optimizer (one parameter group with 'lr' and 'betas')."
+            "optimizer (a 'state' dict and one parameter group with 'lr', 'betas' and its one "
+            "placeholder parameter)."
         )
-    names = sorted(state["hidden"])
+    if not _hyperparameters_ok(groups[0]["lr"], groups[0]["betas"]):
+        raise ValueError(
+            "the VOGN state_dict is damaged: its optimizer needs lr > 0 and betas, two numbers in "
+            f"[0, 1); got lr={groups[0]['lr']!r}, betas={groups[0]['betas']!r}."
+        )
+    shapes = {}
+    for key in ("hidden", "hidden_momentum", "hidden_curvature"):
+        if not isinstance(state[key], Mapping) or not all(
+            isinstance(t, torch.Tensor) for t in state[key].values()
+        ):
+            raise ValueError(f"the VOGN state_dict is damaged: {key!r} must map names to tensors.")
+        shapes[key] = {str(n): tuple(t.shape) for n, t in state[key].items()}
     for key in ("hidden_momentum", "hidden_curvature"):
-        if sorted(state[key]) != names:
+        if shapes[key] != shapes["hidden"]:
             raise ValueError(
-                f"the VOGN state_dict is damaged: {key!r} has entries {sorted(state[key])}, "
-                f"its hidden parameters are {names}."
+                f"the VOGN state_dict is damaged: {key!r} has entries {sorted(shapes[key].items())}"
+                f", its hidden parameters are {sorted(shapes['hidden'].items())} (name, shape)."
             )
     if layout is None or hidden is None:
         return
@@ -114,12 +155,34 @@ def check_state_dict(
     hidden_ours = {h.name: tuple(h.param.shape) for h in hidden}
     hidden_theirs = {n: tuple(t.shape) for n, t in state["hidden"].items()}
     if ours != sites or hidden_ours != hidden_theirs:
-        mismatch = sorted(set(ours) ^ set(sites), key=str)
-        mismatch += sorted(set(hidden_ours.items()) ^ set(hidden_theirs.items()), key=str)
+        mismatch = [f"site {n!r} {s}: only in the state" for n, s in sorted(set(sites) - set(ours))]
+        mismatch += [
+            f"site {n!r} {s}: only in this model" for n, s in sorted(set(ours) - set(sites))
+        ]
+        for name in sorted(set(hidden_ours) | set(hidden_theirs)):
+            theirs, own = hidden_theirs.get(name), hidden_ours.get(name)
+            if theirs != own:
+                mismatch.append(f"hidden {name!r}: the state has {theirs}, this model {own}")
+        if not mismatch:
+            mismatch = ["the same sites in another order"]
         raise ValueError(
-            f"the state_dict is from a different model: mismatching sites {mismatch} (name, "
-            "shape); load it into the architecture it was saved from."
+            "the state_dict is from a different model: mismatching sites (name, shape): "
+            + "; ".join(mismatch)
+            + ". Load it into the architecture it was saved from."
         )
+
+
+def _hyperparameters_ok(lr: Any, betas: Any) -> bool:
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    return (
+        number(lr)
+        and lr > 0
+        and isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(number(b) and 0 <= b < 1 for b in betas)
+    )
 
 
 @torch.no_grad()
