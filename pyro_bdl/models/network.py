@@ -14,6 +14,7 @@ from torch.distributions import Distribution as TorchDistribution
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.models.checks import NetworkShape, check_batch, label_range, rollback
 from pyro_bdl.models.noise import NOISES, NoiseSite, check_noise_prior, default_noise_prior
+from pyro_bdl.nn.vectorize import under_plate
 
 __all__ = ["DATA_PLATE", "NetworkModel", "data_plate", "mean_log_variance"]
 
@@ -240,7 +241,7 @@ class NetworkModel:
         return out
 
     def _categorical(self, logits, y, rows):
-        if logits.dim() != 2 or logits.shape[0] != rows:
+        if not _rows_at(logits, rows, core=2):
             raise ValueError(
                 f"a classifier needs network outputs of shape ({rows}, C), one logit per class; "
                 f"got {tuple(logits.shape)}. Use models.binary_classifier for one logit per row."
@@ -257,16 +258,17 @@ class NetworkModel:
         return _LogSoftmaxCategorical(logits), y
 
     def _bernoulli(self, logits, y, rows):
-        if not self.multilabel and logits.dim() == 2 and logits.shape[-1] == 1:
+        if not self.multilabel and _rows_at(logits, rows, core=2) and logits.shape[-1] == 1:
             logits = logits.squeeze(-1)
         want = (rows, self._width or logits.shape[-1]) if self.multilabel else (rows,)
-        if tuple(logits.shape) != want or (self.multilabel and logits.dim() != 2):
+        core = len(want)
+        if not _rows_at(logits, rows, core) or tuple(logits.shape[-core:]) != want:
             raise ValueError(
                 f"a {self._task} classifier needs network outputs of shape "
                 f"{'(B, K)' if self.multilabel else '(B,) or (B, 1)'}, one logit per label; got "
                 f"{tuple(logits.shape)}."
             )
-        if y is not None and y.shape != logits.shape:
+        if y is not None and y.shape != logits.shape[logits.dim() - y.dim() :]:
             raise ValueError(
                 f"y has shape {tuple(y.shape)} but the network gives logits of shape "
                 f"{tuple(logits.shape)}, one per label; pass one label column per output (or "
@@ -281,7 +283,7 @@ class NetworkModel:
     def _gaussian(self, out, y, rows):
         if self.noise == "heteroscedastic":
             mean, log_var = (self.split or mean_log_variance)(out)
-            if mean.shape != (rows,) or log_var.shape != (rows,):
+            if not (_rows_at(mean, rows, 1) and _rows_at(log_var, rows, 1)):
                 raise ValueError(
                     f"a heteroscedastic regressor needs a mean and a log-variance of shape "
                     f"({rows},) each; the network gave {tuple(out.shape)} and split gave "
@@ -291,12 +293,12 @@ class NetworkModel:
             scale = (0.5 * log_var).exp()
             ret = out
         else:
-            mean = out.squeeze(-1) if out.dim() == 2 and out.shape[-1] == 1 else out
-            if mean.shape != (rows,):
+            mean = out.squeeze(-1) if _rows_at(out, rows, 2) and out.shape[-1] == 1 else out
+            if not _rows_at(mean, rows, 1):
                 raise ValueError(_multi_output(f"it gave outputs of shape {tuple(out.shape)}"))
             scale = self._fixed if self._sigma is None else self._sigma(mean)
             ret = mean
-        if y is not None and y.shape != mean.shape:
+        if y is not None and y.shape != mean.shape[mean.dim() - y.dim() :]:
             raise ValueError(
                 f"y must have the network output's shape {tuple(mean.shape)}; got "
                 f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
@@ -320,13 +322,13 @@ class NetworkModel:
 def mean_log_variance(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The default split of a heteroscedastic regressor's outputs ``(B, 2)``: column 0 is the
     mean, column 1 the log-variance."""
-    if out.dim() != 2 or out.shape[-1] != 2:
+    if out.dim() < 2 or out.shape[-1] != 2:
         raise ValueError(
             f"a heteroscedastic regressor's network must output shape (B, 2), (mean, "
             f"log-variance); got {tuple(out.shape)}. Pass split=lambda out: (mean, log_var) "
             "for another layout."
         )
-    return out[:, 0], out[:, 1]
+    return out[..., 0], out[..., 1]
 
 
 def _multi_output(what: str) -> str:
@@ -335,3 +337,11 @@ def _multi_output(what: str) -> str:
         "and a log-variance use models.heteroscedastic_regressor; for several targets write a "
         "model with dist.Normal(mean, σ).to_event(1) inside models.data_plate."
     )
+
+
+def _rows_at(out: torch.Tensor, rows: int, core: int) -> bool:
+    """Whether ``out`` has ``core`` dims with ``rows`` first, after leading sample dims, which
+    only a plate (vectorized particles, parallel prediction) can add to the weights."""
+    if out.dim() < core or out.shape[out.dim() - core] != rows:
+        return False
+    return out.dim() == core or under_plate()
