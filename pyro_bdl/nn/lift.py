@@ -77,6 +77,13 @@ class SiteSpec:
         return getattr(self.module, _INIT_PREFIX + self.param_name)
 
     @property
+    def alias_layers(self) -> tuple[tuple[nn.Module, str], ...]:
+        """``(layer, attribute)`` of every layer other than :attr:`module` that reads this site
+        (tied weights; empty when one layer instance holds it, even one reachable under several
+        paths). A method that writes a weight value or hooks layers must serve these too."""
+        return tuple((sub, attr) for _, sub, attr in self._alias_uses)
+
+    @property
     def shape(self) -> torch.Size:
         return self.init_value.shape
 
