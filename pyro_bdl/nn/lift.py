@@ -17,6 +17,7 @@ from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pyro_bdl.nn import tied
 from pyro_bdl.nn.lift_rules import (
@@ -43,6 +44,10 @@ __all__ = [
 _SITES_ATTR = "_bdl_sites"
 _FROZEN_ATTR = "_bdl_frozen"
 _INIT_PREFIX = "_bdl_init_"
+
+#: The parameter tensor each live site was lifted from: a layer still holding one is tied to that
+#: site by a call that lifted only part of the network.
+_SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 PriorFn = Callable[[nn.Module, str, torch.Tensor], dist.Distribution]
 Use = tuple[str, nn.Module, str]  # (dotted name, layer, attribute name)
@@ -146,9 +151,18 @@ def _distinct(uses: Iterable[Use]) -> list[Use]:
 
 def _decide(rules, groups):
     """(groups to lift, frozen groups to hide) under ``rules``; raises on a tied parameter whose
-    names get different verdicts and on an exposed parameter that is not floating point."""
+    names get different verdicts, on one an earlier call lifted in another layer and on an
+    exposed parameter that is not floating point."""
     lift, freeze = [], []
     for param, uses in groups:
+        earlier = _SOURCES.get(param)
+        if earlier is not None:
+            raise ValueError(
+                f"parameter {uses[0][0]!r} is the tensor that an earlier bayesianize call lifted "
+                f"as site {earlier.name!r} of {type(earlier.module).__name__}; this call would "
+                "untie them (the layers would read different weights). Lift the whole network "
+                "in one bayesianize call, on a fresh copy."
+            )
         trainable = bool(param.requires_grad)
         verdicts = {full: exposed(rules, sub, full, param, trainable) for full, sub, _ in uses}
         if len(set(verdicts.values())) > 1:
@@ -214,6 +228,8 @@ def _lift(module, prior, param, uses, inits, registry) -> None:
         setattr(sub, attr, PyroSample(spec))
     module.__dict__.get(_FROZEN_ATTR, {}).pop(name, None)
     registry[name] = spec
+    if isinstance(param, nn.Parameter):
+        _SOURCES[param] = spec
 
 
 def _freeze(module, param, uses) -> None:

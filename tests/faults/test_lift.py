@@ -25,7 +25,10 @@ def snapshot(*objects):
         layers = {
             name: (
                 type(sub),
-                {k: (id(p), p.detach().clone()) for k, p in sub._parameters.items()},
+                {
+                    k: (id(p), p if p is None else p.detach().clone())
+                    for k, p in sub._parameters.items()
+                },
                 tuple(sub.__dict__.get("_pyro_samples", {})),
                 tuple(sub._buffers),
             )
@@ -53,7 +56,8 @@ def assert_unchanged(before, after):
             assert (tb, samples_b, buffers_b) == (ta, samples_a, buffers_a), name
             assert list(pb) == list(pa), name
             for k in pb:
-                assert pb[k][0] == pa[k][0] and torch.equal(pb[k][1], pa[k][1]), (name, k)
+                assert pb[k][0] == pa[k][0], (name, k)
+                assert (pb[k][1] is None and pa[k][1] is None) or torch.equal(pb[k][1], pa[k][1])
     rng_b, rng_a = before[-1], after[-1]
     assert torch.equal(rng_b[0], rng_a[0]) and rng_b[1] == rng_a[1]
     assert all(np.array_equal(a, b) for a, b in zip(rng_b[2][1:2], rng_a[2][1:2]))
@@ -94,6 +98,24 @@ def test_tied_weight_with_conflicting_rules_is_refused():
         r"parameter 'a\.weight' is tied .*'b\.weight'.*expose \['b\.weight'\] and hide "
         r"\['a\.weight'\].*make the rules agree",
         hide=["a.*"],
+    )
+
+
+def test_lifting_the_rest_of_a_network_tied_to_an_earlier_partial_lift_is_refused():
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    net = LM()
+    bdl.bayesianize(net.head)
+    _refused(
+        net,
+        ValueError,
+        r"'emb\.weight' is the tensor that an earlier bayesianize call lifted as site 'weight' "
+        r"of PyroLinear; this call would untie them.*in one bayesianize call",
     )
 
 
