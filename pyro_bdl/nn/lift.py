@@ -337,10 +337,6 @@ def bayesianize(
     names += [n for name, spec, _ in existing for n in (name, *spec.aliases)]
     warn_unmatched_globs(rules, names)
     lift, freeze = _decide(rules, groups)
-    inits = {}
-    for param, (name, sub, pname) in ((p, uses[0]) for p, uses in lift):
-        check_prior_value(name, prior(sub, pname, param.detach()), param)
-        inits[name] = _init_location(prior, name, sub, pname, param)
     reprior = [n for n, spec, _ in existing if not same_prior(spec.prior, prior)]
     dropped = [
         (n, spec, registry)
@@ -354,9 +350,14 @@ def bayesianize(
     kept = [(n, s) for n, s, _ in existing if all(s is not d[1] for d in dropped)]
     for name, spec in kept:
         if name in reprior:
-            check_prior_value(
-                name, prior(spec.module, spec.param_name, spec.init_value), spec.init_value
-            )
+            like = spec.init_value
+            check_prior_value(name, prior(spec.module, spec.param_name, like), like)
+    for param, (name, sub, pname) in ((p, uses[0]) for p, uses in lift):
+        check_prior_value(name, prior(sub, pname, param.detach()), param)
+    # Last: an initial location drawn from the prior moves the RNG.
+    inits = {}
+    for param, (name, sub, pname) in ((p, uses[0]) for p, uses in lift):
+        inits[name] = _init_location(prior, name, sub, pname, param)
 
     to_pyro_module_(module)
     tied.install_first_path_naming(module)

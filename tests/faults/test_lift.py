@@ -220,11 +220,20 @@ def test_second_call_that_would_change_the_sites_is_refused(kwargs, match):
     _refused(_lifted(), ValueError, match, **kwargs)
 
 
-def test_second_call_exposing_a_frozen_parameter_is_refused():
+@pytest.mark.parametrize("init", ["module", "sample"])
+def test_second_call_exposing_a_frozen_parameter_is_refused(init):
     net = _mlp()
     net[0].bias.requires_grad_(False)
-    bdl.bayesianize(net)
-    _refused(net, ValueError, r"lift the parameters \['0\.bias'\].*relift=True", expose=["0.bias"])
+    bdl.bayesianize(net, bdl.priors.Normal(init=init))
+    # init="sample" would draw the new site's initial location: the refusal comes first, so the
+    # RNG (compared by _refused) has not moved.
+    _refused(
+        net,
+        ValueError,
+        r"lift the parameters \['0\.bias'\].*relift=True",
+        prior=bdl.priors.Normal(init=init),
+        expose=["0.bias"],
+    )
 
 
 def test_lifting_the_whole_after_a_part_with_another_prior_is_refused():
