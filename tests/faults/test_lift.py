@@ -275,3 +275,24 @@ def test_identical_second_call_is_harmless_and_does_not_warn(recwarn):
     assert not [w for w in recwarn if "glob" in str(w.message)]
     assert isinstance(net, PyroModule)
     pyro.clear_param_store()
+
+
+# -- frozen parameters -----------------------------------------------------------------------
+
+
+def test_frozen_parameter_is_neither_random_nor_trained():
+    torch.manual_seed(0)
+    pyro.clear_param_store()
+    net = _mlp()
+    net[2].weight.requires_grad_(False)
+    frozen = net[2].weight.detach().clone()
+    bdl.bayesianize(net)
+    assert "2.weight" not in bdl.sites(net)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model = bdl.models.classifier(net, 16)
+    guide = bdl.guides.AutoMeanField(model)
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), pyro.infer.Trace_ELBO())
+    for _ in range(3):
+        svi.step(x, y)
+    assert torch.equal(net.state_dict()["2.weight"], frozen)
+    assert not any(name.endswith("2.weight") for name in pyro.get_param_store())
