@@ -1,8 +1,12 @@
-"""Lift any ``torch.nn.Module`` into a Bayesian :class:`~pyro.nn.PyroModule`, declaratively."""
+"""Lift any ``torch.nn.Module`` into a Bayesian :class:`~pyro.nn.PyroModule`, declaratively.
+
+See docs/design/lifting.md for the contract: one site per parameter tensor (tied weights stay
+tied, :mod:`pyro_bdl.nn.tied`), frozen parameters stay hidden, and a second call that would
+change anything is refused unless ``relift=True``.
+"""
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +17,18 @@ from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
+from pyro_bdl.nn import tied
+from pyro_bdl.nn.lift_rules import (
+    DEFAULT_HIDE,
+    Rule,
+    check_prior_value,
+    check_rules,
+    exposed,
+    same_prior,
+    warn_unmatched_globs,
+)
 from pyro_bdl.nn.vectorize import install_batched_forward
 from pyro_bdl.priors import Normal, Prior
 
@@ -26,31 +41,39 @@ __all__ = [
     "sites",
 ]
 
-Predicate = Callable[[nn.Module, str, torch.Tensor], bool]
-Rule = type | str | Predicate
-
-#: Normalisation layers stay deterministic unless exposed: their parameters are few and the
-#: posterior over them is poorly identified. ``_NormBase`` covers BatchNorm and InstanceNorm.
-DEFAULT_HIDE: tuple[Rule, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
-
 _SITES_ATTR = "_bdl_sites"
+_FROZEN_ATTR = "_bdl_frozen"
 _INIT_PREFIX = "_bdl_init_"
+
+#: The parameter tensor each live site was lifted from: a layer still holding one is tied to that
+#: site by a call that lifted only part of the network.
+_SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+PriorFn = Callable[[nn.Module, str, torch.Tensor], dist.Distribution]
+Use = tuple[str, nn.Module, str]  # (dotted name, layer, attribute name)
 
 
 @dataclass(eq=False)
 class SiteSpec:
     """What :func:`bayesianize` knows about one weight site.
 
-    :ivar str name: the Pyro site name (the dotted parameter name).
+    :ivar str name: the Pyro site name (the first dotted name of the parameter).
     :ivar module: the layer that owns the parameter.
     :ivar str param_name: the parameter's name within ``module`` (``"weight"``, ``"bias"``).
     :ivar prior: the :class:`~pyro_bdl.priors.Prior` (or callable) that builds the distribution.
+    :ivar tuple aliases: the parameter's other dotted names (tied weights, or a layer instance
+        reachable under several paths); every one of them reads this one site.
+    :ivar bool trainable: the parameter's ``requires_grad`` before lifting (``False``: a frozen
+        parameter exposed explicitly).
     """
 
     name: str
     module: nn.Module
     param_name: str
-    prior: Callable[[nn.Module, str, torch.Tensor], dist.Distribution]
+    prior: PriorFn
+    aliases: tuple[str, ...] = ()
+    trainable: bool = True
+    _alias_uses: list[Use] = field(default_factory=list, repr=False)
     _cache: dict[Any, dist.Distribution] = field(default_factory=dict, repr=False)
 
     @property
@@ -59,11 +82,20 @@ class SiteSpec:
         return getattr(self.module, _INIT_PREFIX + self.param_name)
 
     @property
+    def alias_layers(self) -> tuple[tuple[nn.Module, str], ...]:
+        """``(layer, attribute)`` of every layer other than :attr:`module` that reads this site
+        (tied weights; empty when one layer instance holds it, even one reachable under several
+        paths). A method that writes a weight value or hooks layers must serve these too."""
+        return tuple((sub, attr) for _, sub, attr in self._alias_uses)
+
+    @property
     def shape(self) -> torch.Size:
         return self.init_value.shape
 
     def __call__(self, module: nn.Module) -> dist.Distribution:
-        """The prior distribution, built once per device and dtype (``PyroSample`` calls this)."""
+        """The prior distribution, built once per device and dtype (``PyroSample`` calls this,
+        with the layer that reads the site: the owner or an alias layer)."""
+        tied.check_alias_read(self, module)
         like = self.init_value
         key = (like.device, like.dtype)
         d = self._cache.get(key)
@@ -75,60 +107,200 @@ class SiteSpec:
         return d
 
 
-def _rule_matches(rule: Rule, module: nn.Module, name: str, param: torch.Tensor) -> bool:
-    if isinstance(rule, type):
-        return isinstance(module, rule)
-    if isinstance(rule, str):
-        return fnmatch.fnmatchcase(name, rule)
-    return bool(rule(module, name, param))
+def _make_name(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
-def _check_rules(argument: str, rules: Iterable[Rule]) -> tuple[Rule, ...]:
-    if isinstance(rules, (str, type)) or (callable(rules) and not isinstance(rules, Iterable)):
-        rules = (rules,)  # type: ignore[assignment]
-    rules = tuple(rules)
-    for rule in rules:
-        if isinstance(rule, type):
-            if not issubclass(rule, nn.Module):
-                raise TypeError(
-                    f"{argument} rule {rule.__name__} is a type but not a torch.nn.Module "
-                    "subclass; use a module type (torch.nn.BatchNorm2d), a name glob ('fc.*') "
-                    "or a predicate (module, name, param) -> bool."
-                )
-        elif not isinstance(rule, str) and not callable(rule):
-            raise TypeError(
-                f"{argument} rules must be module types, parameter-name globs or predicates "
-                f"(module, name, param) -> bool; got {type(rule).__name__} {rule!r}."
+def _parameter_groups(module: nn.Module) -> list[tuple[torch.Tensor, list[Use]]]:
+    """Every parameter tensor once (by identity), with all its dotted names, first name first;
+    frozen parameters hidden by an earlier call (now buffers) are included."""
+    groups: dict[int, tuple[torch.Tensor, list[Use]]] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in sub._parameters.items():
+            if param is None or pname.endswith("_unconstrained"):
+                continue
+            use = (_make_name(mod_name, pname), sub, pname)
+            groups.setdefault(id(param), (param, []))[1].append(use)
+    for tensor, uses in module.__dict__.get(_FROZEN_ATTR, {}).values():
+        groups.setdefault(id(tensor), (tensor, list(uses)))
+    return list(groups.values())
+
+
+def _existing_sites(module: nn.Module) -> list[tuple[str, SiteSpec, dict]]:
+    """Sites lifted by earlier calls anywhere in ``module``: (name from ``module``, spec, the
+    registry that holds it)."""
+    out, seen = [], set()
+    for rel, sub in module.named_modules():
+        registry = sub.__dict__.get(_SITES_ATTR, {})
+        for spec in registry.values():
+            if id(spec) not in seen:
+                seen.add(id(spec))
+                out.append((_make_name(rel, spec.name), spec, registry))
+    return out
+
+
+def _distinct(uses: Iterable[Use]) -> list[Use]:
+    """One use per (layer, attribute): a layer reachable under several paths holds it once."""
+    out, seen = [], set()
+    for use in uses:
+        if (id(use[1]), use[2]) not in seen:
+            seen.add((id(use[1]), use[2]))
+            out.append(use)
+    return out
+
+
+def _decide(rules, groups):
+    """(groups to lift, frozen groups to hide) under ``rules``; raises on a tied parameter whose
+    names get different verdicts, on one an earlier call lifted in another layer and on an
+    exposed parameter that is not floating point."""
+    lift, freeze = [], []
+    for param, uses in groups:
+        earlier = _SOURCES.get(param)
+        if earlier is not None:
+            raise ValueError(
+                f"parameter {uses[0][0]!r} is the tensor that an earlier bayesianize call lifted "
+                f"as site {earlier.name!r} of {type(earlier.module).__name__}; this call would "
+                "untie them (the layers would read different weights). Lift the whole network "
+                "in one bayesianize call, on a fresh copy."
             )
-    return rules
+        trainable = bool(param.requires_grad)
+        verdicts = {full: exposed(rules, sub, full, param, trainable) for full, sub, _ in uses}
+        if len(set(verdicts.values())) > 1:
+            raise ValueError(
+                f"parameter {uses[0][0]!r} is tied (one tensor under the names "
+                f"{list(verdicts)}), but the hide/expose rules expose "
+                f"{[n for n, v in verdicts.items() if v]} and hide "
+                f"{[n for n, v in verdicts.items() if not v]}. A tied weight is one site: make "
+                "the rules agree on all its names."
+            )
+        if verdicts[uses[0][0]]:
+            if not param.is_floating_point():
+                raise TypeError(
+                    f"parameter {uses[0][0]!r} has dtype {param.dtype}; only floating-point "
+                    "parameters can become random. Remove it from expose= (it stays hidden)."
+                )
+            lift.append((param, uses))
+        elif not trainable and isinstance(param, nn.Parameter):
+            freeze.append((param, uses))
+    return lift, freeze
+
+
+def _init_location(prior: Any, name: str, sub: nn.Module, pname: str, param: torch.Tensor):
+    init_loc = getattr(prior, "init_loc", None)
+    init = init_loc(sub, pname, param) if init_loc else param.detach().clone()
+    if not isinstance(init, torch.Tensor) or init.shape != param.shape:
+        raise ValueError(
+            f"prior.init_loc for site {name!r} must return a tensor of shape "
+            f"{tuple(param.shape)}; got {getattr(init, 'shape', type(init).__name__)}."
+        )
+    return init.detach().to(dtype=param.dtype, device=param.device)
+
+
+def _change_error(new: list[str], reprior: list[str], dropped: list[str]) -> ValueError:
+    parts = []
+    if reprior:
+        parts.append(f"give the lifted sites {reprior} a different prior")
+    if new:
+        parts.append(f"lift the parameters {new}")
+    if dropped:
+        parts.append(f"make the lifted sites {dropped} deterministic")
+    return ValueError(
+        "bayesianize was already called on this network, and this call would "
+        + "; ".join(parts)
+        + ". Pass relift=True to lift again with this prior and these rules (each site keeps "
+        "its current initial location), or lift a fresh copy of the network."
+    )
+
+
+def _lift(module, prior, param, uses, inits, registry) -> None:
+    name, owner, pname = uses[0]
+    spec = SiteSpec(name, owner, pname, prior, tuple(u[0] for u in uses[1:]))
+    spec.trainable = bool(param.requires_grad)
+    for full, sub, attr in _distinct(uses):
+        # A frozen parameter hidden by an earlier call is a buffer now.
+        sub._parameters.pop(attr, None)
+        sub._buffers.pop(attr, None)
+        if sub is owner and attr == pname:
+            sub.register_buffer(_INIT_PREFIX + attr, inits[name], persistent=False)
+        else:
+            tied.install_alias(sub, attr, spec, full)
+            spec._alias_uses.append((full, sub, attr))
+        setattr(sub, attr, PyroSample(spec))
+    module.__dict__.get(_FROZEN_ATTR, {}).pop(name, None)
+    registry[name] = spec
+    if isinstance(param, nn.Parameter):
+        _SOURCES[param] = spec
+
+
+def _freeze(module, param, uses) -> None:
+    tensor = param.detach()  # one tensor for every name: a tied frozen weight stays tied
+    for _, sub, attr in _distinct(uses):
+        del sub._parameters[attr]
+        sub.register_buffer(attr, tensor)
+    frozen = module.__dict__.setdefault(_FROZEN_ATTR, {})
+    frozen[uses[0][0]] = (tensor, tuple(uses))
+
+
+def _unlift(module, spec: SiteSpec, registry: dict) -> None:
+    """Make a lifted site an ordinary parameter again, at its current initial location."""
+    value = spec.init_value.detach().clone()
+    param = nn.Parameter(value, requires_grad=spec.trainable)
+    uses: list[Use] = [(spec.name, spec.module, spec.param_name), *spec._alias_uses]
+    for _, sub, attr in uses:
+        delattr(sub, attr)
+        tied.remove_alias(sub, attr)
+    delattr(spec.module, _INIT_PREFIX + spec.param_name)
+    for _, sub, attr in uses:
+        setattr(sub, attr, param)
+    registry.pop(spec.name, None)
+    if not spec.trainable:
+        _freeze(module, param, uses)
 
 
 def bayesianize(
     module: nn.Module,
-    prior: Prior | Callable[[nn.Module, str, torch.Tensor], dist.Distribution] | None = None,
+    prior: Prior | PriorFn | None = None,
     *,
     hide: Iterable[Rule] = DEFAULT_HIDE,
     expose: Iterable[Rule] = (),
+    relift: bool = False,
 ) -> PyroModule:
     """Convert ``module`` **in place** into a Bayesian :class:`~pyro.nn.PyroModule`.
 
     Every exposed parameter becomes a :class:`~pyro.nn.PyroSample` site named by its dotted
     parameter name (``"layer1.0.conv1.weight"``) whose distribution is ``prior(module, name,
-    param)`` with all dims as event dims. Hidden parameters stay ordinary parameters (Pyro
-    registers them as ``pyro.param`` sites, so SVI trains them as point estimates).
+    param)`` with all dims as event dims. Hidden trainable parameters stay ordinary parameters
+    (Pyro registers them as ``pyro.param`` sites, so SVI trains them as point estimates).
 
     Rules are module types, parameter-name globs (``fnmatch``, on the dotted name) or predicates
     ``(module, name, param) -> bool``. They are applied in order, ``hide`` then ``expose``, and
-    the last matching rule wins; a parameter no rule matches is exposed. Passing ``hide``
-    replaces the default (normalisation layers); ``expose`` lists exceptions.
+    the last matching rule wins. A parameter no rule matches is exposed, unless it is frozen
+    (``requires_grad=False``). Passing ``hide`` replaces the default (normalisation layers);
+    ``expose`` lists exceptions. A glob that matches no parameter name draws a ``UserWarning``.
+
+    **Frozen parameters** stay hidden and fixed: they become buffers under the same
+    ``state_dict`` keys, so neither Pyro's parameter store nor SVI sees or trains them. An
+    ``expose`` rule that matches one makes it random like any other weight (its
+    :attr:`SiteSpec.trainable` is then ``False``). Non-floating parameters cannot be exposed.
+
+    **Tied weights** (one tensor under several names: two layers holding the same
+    ``nn.Parameter``, or one layer instance used twice) are one site, named by the first dotted
+    name; every layer reads the same sampled value in a forward pass, and the other names are
+    listed in :attr:`SiteSpec.aliases` (see :mod:`pyro_bdl.nn.tied`). The rules must give all
+    names of a tied weight the same verdict.
+
+    **Calling it again** on a lifted network with the same prior and rules changes nothing. A
+    call that would change anything (another prior, or rules that lift or hide other
+    parameters) raises a ``ValueError`` naming the sites, unless ``relift=True``: then the
+    sites get the new prior, newly exposed parameters are lifted and newly hidden sites become
+    ordinary parameters again, every site keeping its current initial location.
+    :class:`~pyro.nn.PyroSample`/:class:`~pyro.nn.PyroParam` attributes the user declared are
+    left as they are.
 
     When the weights carry leading sample dims (``Trace_ELBO(vectorize_particles=True)``,
     ``Predictive(parallel=True)``), the network runs once on the batched weights under
     ``torch.func.vmap`` and its output gets the sample dims in front
     (:mod:`pyro_bdl.nn.vectorize`); outside a plate its forward is unchanged.
-
-    Already-lifted sites, and :class:`~pyro.nn.PyroSample`/:class:`~pyro.nn.PyroParam`
-    attributes the user declared, are left as they are, so calling it twice is harmless.
 
     Usage::
 
@@ -138,9 +310,10 @@ def bayesianize(
     :param torch.nn.Module module: any network, including one that is already partly a
         ``PyroModule``.
     :param prior: a :class:`~pyro_bdl.priors.Prior`, or any callable ``(module, name, param) ->
-        Distribution`` (default ``priors.Normal(0, 1)``).
+        Distribution`` on ``param``'s dtype and device (default ``priors.Normal(0, 1)``).
     :param hide: rules selecting parameters that stay deterministic.
-    :param expose: rules selecting parameters that become random even if hidden.
+    :param expose: rules selecting parameters that become random even if hidden or frozen.
+    :param bool relift: on an already-lifted network, apply this prior and these rules.
     :returns: the same object, now a ``PyroModule``.
     """
     if not isinstance(module, nn.Module):
@@ -154,43 +327,51 @@ def bayesianize(
             f"prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "
             f"Distribution; got {type(prior).__name__}."
         )
-    rules = [(False, r) for r in _check_rules("hide", hide)]
-    rules += [(True, r) for r in _check_rules("expose", expose)]
+    rules = [(False, r) for r in check_rules("hide", hide)]
+    rules += [(True, r) for r in check_rules("expose", expose)]
 
     # Decide and validate everything before changing the module (fail at the boundary).
-    chosen: list[tuple[str, nn.Module, str, torch.Tensor]] = []
-    for mod_name, sub in module.named_modules():
-        for pname, param in list(sub._parameters.items()):
-            if param is None or pname.endswith("_unconstrained"):
-                continue
-            full = f"{mod_name}.{pname}" if mod_name else pname
-            exposed = True
-            for verdict, rule in rules:
-                if _rule_matches(rule, sub, full, param):
-                    exposed = verdict
-            if exposed:
-                chosen.append((full, sub, pname, param))
+    groups = _parameter_groups(module)
+    existing = _existing_sites(module)
+    names = [u[0] for _, uses in groups for u in uses]
+    names += [n for name, spec, _ in existing for n in (name, *spec.aliases)]
+    warn_unmatched_globs(rules, names)
+    lift, freeze = _decide(rules, groups)
+    reprior = [n for n, spec, _ in existing if not same_prior(spec.prior, prior)]
+    dropped = [
+        (n, spec, registry)
+        for n, spec, registry in existing
+        if not exposed(rules, spec.module, n, spec.init_value, spec.trainable)
+    ]
+    lifted_before = _SITES_ATTR in module.__dict__ or bool(existing)
+    new = [uses[0][0] for _, uses in lift] if lifted_before else []
+    if (new or reprior or dropped) and not relift:
+        raise _change_error(new, reprior, [n for n, _, _ in dropped])
+    kept = [(n, s) for n, s, _ in existing if all(s is not d[1] for d in dropped)]
+    for name, spec in kept:
+        if name in reprior:
+            like = spec.init_value
+            check_prior_value(name, prior(spec.module, spec.param_name, like), like)
+    for param, (name, sub, pname) in ((p, uses[0]) for p, uses in lift):
+        check_prior_value(name, prior(sub, pname, param.detach()), param)
+    # Last: an initial location drawn from the prior moves the RNG.
     inits = {}
-    for full, sub, pname, param in chosen:
-        d = prior(sub, pname, param.detach())
-        if not isinstance(d, dist.Distribution) or d.event_shape != param.shape or d.batch_shape:
-            raise ValueError(
-                f"prior for site {full!r} must return a distribution with batch_shape () and "
-                f"event_shape {tuple(param.shape)}; got {d!r}. Use pyro_bdl.priors or expand the "
-                "distribution and call .to_event(param.dim())."
-            )
-        init_loc = getattr(prior, "init_loc", None)
-        init = init_loc(sub, pname, param) if init_loc else param.detach().clone()
-        inits[full] = init.detach().to(dtype=param.dtype, device=param.device)
+    for param, (name, sub, pname) in ((p, uses[0]) for p, uses in lift):
+        inits[name] = _init_location(prior, name, sub, pname, param)
 
     to_pyro_module_(module)
-    registry: dict[str, SiteSpec] = dict(getattr(module, _SITES_ATTR, {}))
-    for full, sub, pname, _param in chosen:
-        spec = SiteSpec(full, sub, pname, prior)
-        del sub._parameters[pname]
-        sub.register_buffer(_INIT_PREFIX + pname, inits[full], persistent=False)
-        setattr(sub, pname, PyroSample(spec))
-        registry[full] = spec
+    tied.install_first_path_naming(module)
+    registry: dict[str, SiteSpec] = dict(module.__dict__.get(_SITES_ATTR, {}))
+    for _, spec, holder in dropped:
+        _unlift(module, spec, registry if holder is module.__dict__.get(_SITES_ATTR) else holder)
+    for name, spec in kept:
+        if name in reprior:
+            spec.prior = prior
+            spec._cache.clear()
+    for param, uses in freeze:
+        _freeze(module, param, uses)
+    for param, uses in lift:
+        _lift(module, prior, param, uses, inits, registry)
     object.__setattr__(module, _SITES_ATTR, registry)
     install_batched_forward(module)
     return module  # type: ignore[return-value]
