@@ -188,7 +188,10 @@ def leaf_slots(layout: SiteLayout, flat: torch.Tensor) -> tuple[dict, list[Param
         value = site.constrain(u)
         # The hook path needs the layer to use u itself; a constrained site (value ≠ u) takes
         # the generic path, which differentiates through the transform.
-        if site.module is not None and value is u:
+        # A weight tied into several layers is read by all of them: only the generic path
+        # (autograd through the whole forward) sees every use.
+        tied = site.spec is not None and bool(site.spec.alias_layers)
+        if site.module is not None and value is u and not tied:
             slots.append(ParamSlot(u, site.module, site.param_name or ""))
         else:
             slots.append(ParamSlot(u, None, ""))

@@ -299,12 +299,6 @@ def test_laplace_on_a_tied_embedding_head_matches_the_brute_force_ggn():
     assert_close(guide.ggn, ggn, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AutoSubnetLaplace's hook fast path reads only SiteSpec.module's calls; a weight tied "
-    "between two Linear layers needs the generic path (guides/laplace_model.leaf_slots when "
-    "spec.alias_layers is non-empty)",
-)
 def test_laplace_on_weights_tied_between_two_linear_layers_matches_the_brute_force_ggn():
     torch.manual_seed(0)
     pyro.clear_param_store()
