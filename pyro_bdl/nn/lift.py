@@ -7,13 +7,10 @@ change anything is refused unless ``relift=True``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-import pyro.distributions as dist
 import torch
-from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn import PyroModule, PyroSample
 from pyro.nn.module import to_pyro_module_
 from torch import nn
@@ -29,6 +26,7 @@ from pyro_bdl.nn.lift_rules import (
     same_prior,
     warn_unmatched_globs,
 )
+from pyro_bdl.nn.spec import _INIT_PREFIX, PriorFn, SiteSpec, Use, init_to_network, site_spec
 from pyro_bdl.nn.vectorize import install_batched_forward
 from pyro_bdl.priors import Normal, Prior
 
@@ -43,68 +41,10 @@ __all__ = [
 
 _SITES_ATTR = "_bdl_sites"
 _FROZEN_ATTR = "_bdl_frozen"
-_INIT_PREFIX = "_bdl_init_"
 
 #: The parameter tensor each live site was lifted from: a layer still holding one is tied to that
 #: site by a call that lifted only part of the network.
 _SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-PriorFn = Callable[[nn.Module, str, torch.Tensor], dist.Distribution]
-Use = tuple[str, nn.Module, str]  # (dotted name, layer, attribute name)
-
-
-@dataclass(eq=False)
-class SiteSpec:
-    """What :func:`bayesianize` knows about one weight site.
-
-    :ivar str name: the Pyro site name (the first dotted name of the parameter).
-    :ivar module: the layer that owns the parameter.
-    :ivar str param_name: the parameter's name within ``module`` (``"weight"``, ``"bias"``).
-    :ivar prior: the :class:`~pyro_bdl.priors.Prior` (or callable) that builds the distribution.
-    :ivar tuple aliases: the parameter's other dotted names (tied weights, or a layer instance
-        reachable under several paths); every one of them reads this one site.
-    :ivar bool trainable: the parameter's ``requires_grad`` before lifting (``False``: a frozen
-        parameter exposed explicitly).
-    """
-
-    name: str
-    module: nn.Module
-    param_name: str
-    prior: PriorFn
-    aliases: tuple[str, ...] = ()
-    trainable: bool = True
-    _alias_uses: list[Use] = field(default_factory=list, repr=False)
-    _cache: dict[Any, dist.Distribution] = field(default_factory=dict, repr=False)
-
-    @property
-    def init_value(self) -> torch.Tensor:
-        """The initial posterior location (a buffer that follows ``module.to(...)``)."""
-        return getattr(self.module, _INIT_PREFIX + self.param_name)
-
-    @property
-    def alias_layers(self) -> tuple[tuple[nn.Module, str], ...]:
-        """``(layer, attribute)`` of every layer other than :attr:`module` that reads this site
-        (tied weights; empty when one layer instance holds it, even one reachable under several
-        paths). A method that writes a weight value or hooks layers must serve these too."""
-        return tuple((sub, attr) for _, sub, attr in self._alias_uses)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.init_value.shape
-
-    def __call__(self, module: nn.Module) -> dist.Distribution:
-        """The prior distribution, built once per device and dtype (``PyroSample`` calls this,
-        with the layer that reads the site: the owner or an alias layer)."""
-        tied.check_alias_read(self, module)
-        like = self.init_value
-        key = (like.device, like.dtype)
-        d = self._cache.get(key)
-        if d is None:
-            d = self.prior(self.module, self.param_name, like)
-            d._bdl_site = self  # lets init_to_network and the ELBOs find the spec from a trace
-            self._cache.clear()
-            self._cache[key] = d
-        return d
 
 
 def _make_name(prefix: str, name: str) -> str:
@@ -386,23 +326,3 @@ def sites(module: nn.Module) -> Mapping[str, SiteSpec]:
             "pyro_bdl.bayesianize(module) first."
         )
     return registry
-
-
-def site_spec(site: Mapping[str, Any]) -> SiteSpec | None:
-    """The :class:`SiteSpec` behind a trace site, or ``None`` if it is not a lifted weight."""
-    fn = site.get("fn")
-    while fn is not None:
-        spec = getattr(fn, "_bdl_site", None)
-        if spec is not None:
-            return spec
-        fn = getattr(fn, "base_dist", None)
-    return None
-
-
-def init_to_network(site: Mapping[str, Any]) -> torch.Tensor:
-    """Initialisation strategy: a lifted weight starts at the prior's initial location (by default
-    the network's own weights); any other site falls back to ``init_to_median``."""
-    spec = site_spec(site)
-    if spec is not None:
-        return spec.init_value.detach().clone()
-    return init_to_median(site)

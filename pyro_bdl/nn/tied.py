@@ -31,7 +31,7 @@ from pyro.nn import PyroModule
 from torch import nn
 
 if TYPE_CHECKING:
-    from pyro_bdl.nn.lift import SiteSpec
+    from pyro_bdl.nn.spec import SiteSpec
 
 __all__ = ["TiedWeightsError", "check_alias_read", "install_alias", "name_by_first_path"]
 
