@@ -262,8 +262,11 @@ def _problem(args: argparse.Namespace) -> Problem:
     try:
         dataset, ood_x, ood_name = _ood_data(dataset, args.ood, args.ood_classes)
     except (ValueError, OSError) as err:
-        option = "--ood-classes" if args.ood == "held-out" else "--ood"
-        raise UsageError(f"argument {option}: {err}") from None
+        if args.ood == "held-out":
+            fix = "pass classes of the dataset, e.g. --ood-classes 8,9, or --ood none"
+            raise UsageError(f"argument --ood-classes: {err} To fix: {fix}.") from None
+        fix = "pass a file of inputs shaped like the training data, or --ood held-out"
+        raise UsageError(f"argument --ood: {err} To fix: {fix}.") from None
     return Problem(
         dataset,
         network=args.network,
