@@ -280,3 +280,80 @@ def test_loo_without_log_likelihood_names_the_fix():
     data = az.from_dict(posterior={"w": np.zeros((1, 5))})
     with pytest.raises(ValueError, match=r"to_inference_data\(model, guide, x, y\)"):
         psis.loo(data)
+
+
+# ----- the ArviZ export and the plots -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "probs, y, texts",
+    [
+        (NAN_PROBS, Y, ["probs", "non-finite", "predictor"]),
+        (_probs(), torch.tensor([0, 1, 1]), ["shape (2,)", "got (3,)"]),
+        (_probs(), torch.tensor([0, 4]), ["labels y must lie in [0, 2)"]),
+        (SHORT_ROWS, Y, ["sums to 0.4"]),
+    ],
+)
+def test_mean_predictive_data_refuses_bad_inputs(probs, y, texts):
+    from pyro_bdl.diagnostics import export
+
+    with pytest.raises(ValueError) as info:
+        export.mean_predictive_data(probs, y)
+    for text in texts:
+        assert text in str(info.value), str(info.value)
+
+
+def _files(folder):
+    return sorted((p.name, p.read_bytes()) for p in folder.iterdir())
+
+
+def test_save_inference_data_refuses_a_folder_or_missing_parent(tmp_path):
+    from pyro_bdl.diagnostics import export
+
+    data = export.mean_predictive_data(_probs(), Y)
+    with pytest.raises(IsADirectoryError, match="is a folder; expected a file name"):
+        export.save_inference_data(data, tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"does not exist; create it first"):
+        export.save_inference_data(data, tmp_path / "missing" / "x.nc")
+    with pytest.raises(TypeError, match="to_inference_data"):
+        export.save_inference_data({"probs": 1}, tmp_path / "x.nc")
+    assert _files(tmp_path) == []
+
+
+def test_interrupted_save_keeps_the_previous_file(tmp_path, monkeypatch):
+    """A save interrupted between writing and renaming (a kill, Ctrl-C) leaves the previous
+    export whole and no temporary file."""
+    from pyro_bdl.diagnostics import export
+
+    path = tmp_path / "m.nc"
+    export.save_inference_data(export.mean_predictive_data(_probs(), Y), path)
+    before = _files(tmp_path)
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.os, "replace", interrupted)
+    flipped = _probs(((0.1, 0.9), (0.9, 0.1)))
+    with pytest.raises(KeyboardInterrupt):
+        export.save_inference_data(export.mean_predictive_data(flipped, Y), path)
+    monkeypatch.undo()
+    assert _files(tmp_path) == before
+    loaded = export.load_inference_data(path)
+    np.testing.assert_allclose(loaded.predictions["probs"].values[0, 0], _probs().numpy())
+
+
+def test_load_of_a_truncated_file_names_the_fix(tmp_path):
+    from pyro_bdl.diagnostics import export
+
+    path = tmp_path / "m.nc"
+    export.save_inference_data(export.mean_predictive_data(_probs(), Y), path)
+    path.write_bytes(path.read_bytes()[:100])  # what a non-atomic killed save would leave
+    with pytest.raises(ValueError, match=r"not a readable netCDF file.*save_inference_data"):
+        export.load_inference_data(path)
+
+
+def test_plot_entropy_refuses_non_finite():
+    from pyro_bdl.diagnostics import plots
+
+    with pytest.raises(ValueError, match=r"entropy \(out-of-distribution\) contains 1 non-finite"):
+        plots.plot_entropy(torch.tensor([0.1, 0.2]), torch.tensor([NAN]))
