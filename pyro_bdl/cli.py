@@ -267,6 +267,13 @@ def _problem(args: argparse.Namespace) -> Problem:
             raise UsageError(f"argument --ood-classes: {err} To fix: {fix}.") from None
         fix = "pass a file of inputs shaped like the training data, or --ood held-out"
         raise UsageError(f"argument --ood: {err} To fix: {fix}.") from None
+    try:
+        return _build_problem(args, dataset, ood_x, ood_name)
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
+
+
+def _build_problem(args: argparse.Namespace, dataset, ood_x, ood_name: str) -> Problem:
     return Problem(
         dataset,
         network=args.network,
@@ -331,7 +338,7 @@ def compare(args: argparse.Namespace) -> int:
         print(
             f"pyro-bdl: error: {len(failed)} of {len(rows)} method(s) failed ("
             + "; ".join(f"{row['method']}: {row['error']}" for row in failed)
-            + f"); the others' results are kept in {path}, with each failure's traceback.",
+            + f"). Every finished result is in {path}, each failure with its traceback.",
             file=sys.stderr,
         )
         return 1

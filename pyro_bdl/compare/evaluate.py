@@ -165,7 +165,8 @@ def run(
             if not keep_going:
                 raise
             first = (str(err).strip().splitlines() or [""])[0]
-            row["error"] = f"{type(err).__name__}: {first}".rstrip(": ")
+            notes = "".join(f" ({note})" for note in getattr(err, "__notes__", ()))
+            row["error"] = f"{type(err).__name__}: {first}".rstrip(": ") + notes
             row["traceback"] = traceback.format_exc()
         rows.append(row)
         if on_row is not None:

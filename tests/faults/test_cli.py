@@ -270,7 +270,9 @@ def test_failing_method_keeps_the_others_and_exits_1(tmp_path, capsys, monkeypat
     payload = _strict_json(tmp_path / "results.json")
     assert payload["status"] == "failed: boom" and payload["pending"] == []
     first, failed, last = payload["results"]
-    assert failed["error"] == "RuntimeError: injected failure at step 2"
+    assert failed["error"] == (
+        "RuntimeError: injected failure at step 2 (while training boom: epoch 1 of 1, step 2)"
+    )
     assert "train_loop" in failed["traceback"] and failed.get("accuracy") is None
     for row in (first, last):
         assert "error" not in row and row["ood_auroc"] == 0.5  # uniform: chance level
@@ -302,7 +304,60 @@ def test_diverging_real_method_is_reported(tmp_path, capsys):
     assert rc == 1
     payload = _strict_json(tmp_path / "results.json")
     (row,) = payload["results"]
-    assert row["method"] == "map" and "error" in row and payload["status"] == "failed: map"
+    assert row["method"] == "map" and payload["status"] == "failed: map"
+    # Pyro's own message (NaN logits) gains where it happened and why: the weights blew up.
+    assert "while training map: epoch 1 of 1" in row["error"]
+    assert "training diverged: lower the learning rate (lr=1e+30" in row["error"]
+
+
+def test_non_finite_loss_stops_training_with_the_fix():
+    from pyro_bdl.compare import Problem
+    from pyro_bdl.data import load_digits
+
+    problem = Problem(load_digits(), epochs=2, batch_size=512, progress=False)
+    losses = iter([1.0, float("nan")])
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 2 .*lower the learning"):
+        train_loop(problem, lambda x, y: next(losses), "m")
+
+
+def _problem_kwargs():
+    from pyro_bdl.data import load_digits
+
+    return {"dataset": load_digits(), "progress": False}
+
+
+@pytest.mark.parametrize(
+    "field, value, text",
+    [
+        ("epochs", 0, "Problem.epochs must be an int >= 1; got 0"),
+        ("batch_size", 2.5, "Problem.batch_size must be an int >= 1; got 2.5"),
+        ("num_samples", True, "Problem.num_samples must be an int >= 1; got True"),
+        ("num_kl_samples", -1, "Problem.num_kl_samples"),
+        ("seed", -1, "Problem.seed must be an int in [0, 4294967295]"),
+        ("lr", float("inf"), "Problem.lr must be finite and > 0"),
+        ("lr", 0.0, "Problem.lr must be finite and > 0"),
+        ("lr_decay", float("nan"), "Problem.lr_decay"),
+        ("noise", -0.1, "Problem.noise"),
+        ("network", "resnet", "Problem.network must be one of 'mlp', 'cnn'"),
+        ("device", "tpu", "Problem.device must name a torch device"),
+        ("ood_x", torch.zeros(3, 5), "Problem.ood_x must be a tensor of shape (n, 1, 8, 8)"),
+        ("ood_x", torch.full((3, 1, 8, 8), float("nan")), "Problem.ood_x contains NaN"),
+    ],
+)
+def test_problem_refuses_bad_settings(field, value, text):
+    from pyro_bdl.compare import Problem
+
+    with pytest.raises(ValueError) as info:
+        Problem(**_problem_kwargs(), **{field: value})
+    assert text in str(info.value), str(info.value)
+
+
+def test_problem_cuda_without_cuda(monkeypatch):
+    from pyro_bdl.compare import Problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"CUDA is not available.*device='cpu'"):
+        Problem(**_problem_kwargs(), device="cuda")
 
 
 def test_run_raises_by_default_and_keeps_going_on_request(monkeypatch):
