@@ -292,7 +292,8 @@ def _build_problem(args: argparse.Namespace, dataset, ood_x, ood_name: str) -> P
 
 def compare(args: argparse.Namespace) -> int:
     """Run ``pyro-bdl compare``: 0 when every method finished, 1 when any failed (its row says
-    why; the others are saved), :class:`UsageError` before anything is written."""
+    why; the others are saved), 130 when interrupted (Ctrl-C; the finished ones are saved),
+    :class:`UsageError` before anything is written."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window (the command may run headless)
@@ -312,17 +313,29 @@ def compare(args: argparse.Namespace) -> int:
     path = output / "results.json"
     table = output / "results.txt"
 
-    def save(rows: list[dict]) -> None:
+    done: list[dict] = []
+
+    def save(rows: list[dict], interrupted: bool = False) -> None:
+        done[:] = rows
         pending = methods[len(rows) :]
-        write_json(rows, problem, path, pending=pending)
-        note = f"\n(still to run: {', '.join(pending)})" if pending else ""
+        write_json(rows, problem, path, pending=pending, interrupted=interrupted)
+        verb = "never ran (interrupted)" if interrupted else "still to run"
+        note = f"\n({verb}: {', '.join(pending)})" if pending else ""
         write_text_atomic(table, format_table(rows) + note + "\n")
 
     try:
         save([])  # creates the folder and records the settings before any training
     except OSError as err:
         raise UsageError(f"argument --output: cannot write {str(path)!r}: {err}") from None
-    rows = run(problem, methods, output=output, keep_going=True, on_row=save)
+    try:
+        rows = run(problem, methods, output=output, keep_going=True, on_row=save)
+    except KeyboardInterrupt:
+        save(done, interrupted=True)
+        print(
+            f"pyro-bdl: interrupted; the {len(done)} finished method(s) are saved in {path}.",
+            file=sys.stderr,
+        )
+        return 130  # the shell's status for a run stopped by SIGINT
     print(format_table(rows))
     print(f"wrote {path} and {table}")
     for row in rows:

@@ -228,13 +228,19 @@ def format_table(rows: list[dict]) -> str:
 
 
 def write_json(
-    rows: list[dict], problem: Problem, path: Path, *, pending: list[str] | tuple[str, ...] = ()
+    rows: list[dict],
+    problem: Problem,
+    path: Path,
+    *,
+    pending: list[str] | tuple[str, ...] = (),
+    interrupted: bool = False,
 ) -> None:
     """Write the config, the machine and ``rows`` to ``path`` as JSON, atomically (a reader, or
     a run killed mid-write, sees the previous file or the new one, never half of one).
 
     ``pending`` lists the methods still to run (a file written while the run goes on); the
-    ``"status"`` key reads ``"running"``, ``"complete"``, or ``"failed: <methods>"``.
+    ``"status"`` key reads ``"running"``, ``"interrupted"`` (with ``interrupted=True``: the run
+    was stopped, ``pending`` never ran), ``"complete"``, or ``"failed: <methods>"``.
     """
     config = {
         "dataset": problem.dataset.name,
@@ -261,7 +267,15 @@ def write_json(
         "processor": platform.processor() or platform.machine(),
     }
     failed = [row["method"] for row in rows if "error" in row]
-    status = "running" if pending else f"failed: {', '.join(failed)}" if failed else "complete"
+    status = (
+        "interrupted"
+        if interrupted
+        else "running"
+        if pending
+        else f"failed: {', '.join(failed)}"
+        if failed
+        else "complete"
+    )
     payload = {
         "config": config,
         "machine": machine,

@@ -360,6 +360,23 @@ def test_problem_cuda_without_cuda(monkeypatch):
         Problem(**_problem_kwargs(), device="cuda")
 
 
+def test_interrupted_run_keeps_the_finished_methods(tmp_path, capsys, monkeypatch):
+    def ctrl_c(problem):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(METHODS, "first", _uniform)
+    monkeypatch.setitem(METHODS, "stopped", ctrl_c)
+    monkeypatch.setitem(METHODS, "never", _uniform)
+    argv = ["compare", *FAST, "--output", str(tmp_path), "--methods", "first,stopped,never"]
+    assert main(argv) == 130
+    assert "1 finished method(s) are saved" in capsys.readouterr().err
+    payload = _strict_json(tmp_path / "results.json")
+    assert payload["status"] == "interrupted" and payload["pending"] == ["stopped", "never"]
+    assert [r["method"] for r in payload["results"]] == ["first"]
+    assert (tmp_path / "first.nc").exists() and not (tmp_path / "never.nc").exists()
+    assert "never ran (interrupted): stopped, never" in (tmp_path / "results.txt").read_text()
+
+
 def test_run_raises_by_default_and_keeps_going_on_request(monkeypatch):
     from pyro_bdl.compare import Problem
     from pyro_bdl.data import hold_out_classes, load_digits
