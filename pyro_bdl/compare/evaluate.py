@@ -9,8 +9,12 @@ entropy histograms, ArviZ's PPC / LOO-k̂ / forest plots).
 from __future__ import annotations
 
 import json
+import math
+import os
 import platform
+import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +26,15 @@ from pyro_bdl.compare.problem import Problem, record_posteriors, seed_everything
 from pyro_bdl.compare.registry import METHODS
 from pyro_bdl.diagnostics import metrics, ood
 
-__all__ = ["COLUMNS", "evaluate", "export_method", "format_table", "run", "write_json"]
+__all__ = [
+    "COLUMNS",
+    "evaluate",
+    "export_method",
+    "format_table",
+    "run",
+    "write_json",
+    "write_text_atomic",
+]
 
 #: (key, header, format) of the printed table, in order.
 COLUMNS = [
@@ -109,11 +121,25 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def run(problem: Problem, methods: list[str], *, output: str | Path | None = None) -> list[dict]:
+def run(
+    problem: Problem,
+    methods: list[str],
+    *,
+    output: str | Path | None = None,
+    keep_going: bool = False,
+    on_row: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
     """Train every method in ``methods`` on ``problem``; one row of figures per method.
 
     With ``output``, also write each method's ArviZ data and plots there (the paths are listed
     in the row's ``"files"``).
+
+    :param bool keep_going: when a method raises, record it in its row (``"error"``: the
+        exception's type and first line, ``"traceback"``: the whole of it) and go on with the
+        next method, instead of raising; the rows of the other methods are kept either way
+        when ``on_row`` saves them.
+    :param on_row: called with the rows so far after each method, failed ones included (how
+        ``pyro-bdl compare`` saves every finished result as soon as it exists).
     """
     if problem.is_regression:
         raise ValueError(
@@ -127,26 +153,42 @@ def run(problem: Problem, methods: list[str], *, output: str | Path | None = Non
             f"unknown method(s) {', '.join(map(repr, unknown))}; expected some of "
             f"{', '.join(map(repr, METHODS))}."
         )
-    rows = []
+    rows: list[dict] = []
     x_test = problem.dataset.x_test.to(problem.device)
     y_test = problem.dataset.y_test.to(problem.device)
     x_ood = problem.ood_x.to(problem.device) if problem.ood_x is not None else None
     for name in methods:
-        seed_everything(problem.seed)
-        start = time.perf_counter()
-        predict = METHODS[name](problem)
-        fit_seconds = time.perf_counter() - start
-        with record_posteriors() as seen:
-            probs = _probs(predict, x_test)
-        probs_ood = _probs(predict, x_ood) if x_ood is not None else None
-        row: dict[str, Any] = {"method": name, **evaluate(probs, y_test, probs_ood)}
-        row["fit_seconds"] = fit_seconds
-        row["reliability"] = metrics.reliability(probs, y_test).to_dict()
-        if output is not None:
-            files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output))
-            row["files"] = [str(f) for f in files]
+        row: dict[str, Any] = {"method": name}
+        try:
+            _run_one(name, problem, row, x_test, y_test, x_ood, output)
+        except Exception as err:
+            if not keep_going:
+                raise
+            first = (str(err).strip().splitlines() or [""])[0]
+            notes = "".join(f" ({note})" for note in getattr(err, "__notes__", ()))
+            row["error"] = f"{type(err).__name__}: {first}".rstrip(": ") + notes
+            row["traceback"] = traceback.format_exc()
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
     return rows
+
+
+def _run_one(name, problem, row, x_test, y_test, x_ood, output) -> None:
+    """Fit, score and (with ``output``) export one method, filling ``row`` as figures arrive."""
+    seed_everything(problem.seed)
+    start = time.perf_counter()
+    predict = METHODS[name](problem)
+    fit_seconds = time.perf_counter() - start
+    with record_posteriors() as seen:
+        probs = _probs(predict, x_test)
+    probs_ood = _probs(predict, x_ood) if x_ood is not None else None
+    row.update(evaluate(probs, y_test, probs_ood))
+    row["fit_seconds"] = fit_seconds
+    row["reliability"] = metrics.reliability(probs, y_test).to_dict()
+    if output is not None:
+        files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output))
+        row["files"] = [str(f) for f in files]
 
 
 def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -159,20 +201,47 @@ def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
 
 
 def format_table(rows: list[dict]) -> str:
+    """The printed table: one line per row; a failed row (one with ``"error"``) reads
+    ``failed`` in its figures and its error is listed under the table."""
     headers = [h for _, h, _ in COLUMNS]
     cells = [
-        [("n/a" if row.get(k) is None else fmt.format(row[k])) for k, _, fmt in COLUMNS]
+        [
+            (
+                row[k]
+                if k == "method"
+                else "failed"
+                if "error" in row and row.get(k) is None
+                else "n/a"
+                if row.get(k) is None
+                else fmt.format(row[k])
+            )
+            for k, _, fmt in COLUMNS
+        ]
         for row in rows
     ]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
     out = [line, "-" * len(line)]
     out += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)) for cell in cells]
+    out += [f"{row['method']} failed: {row['error']}" for row in rows if "error" in row]
     return "\n".join(out)
 
 
-def write_json(rows: list[dict], problem: Problem, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_json(
+    rows: list[dict],
+    problem: Problem,
+    path: Path,
+    *,
+    pending: list[str] | tuple[str, ...] = (),
+    interrupted: bool = False,
+) -> None:
+    """Write the config, the machine and ``rows`` to ``path`` as JSON, atomically (a reader, or
+    a run killed mid-write, sees the previous file or the new one, never half of one).
+
+    ``pending`` lists the methods still to run (a file written while the run goes on); the
+    ``"status"`` key reads ``"running"``, ``"interrupted"`` (with ``interrupted=True``: the run
+    was stopped, ``pending`` never ran), ``"complete"``, or ``"failed: <methods>"``.
+    """
     config = {
         "dataset": problem.dataset.name,
         "network": problem.network,
@@ -197,5 +266,51 @@ def write_json(rows: list[dict], problem: Problem, path: Path) -> None:
         "torch": torch.__version__,
         "processor": platform.processor() or platform.machine(),
     }
-    payload = {"config": config, "machine": machine, "results": rows}
-    path.write_text(json.dumps(payload, indent=2))
+    failed = [row["method"] for row in rows if "error" in row]
+    status = (
+        "interrupted"
+        if interrupted
+        else "running"
+        if pending
+        else f"failed: {', '.join(failed)}"
+        if failed
+        else "complete"
+    )
+    payload = {
+        "config": config,
+        "machine": machine,
+        "status": status,
+        "pending": list(pending),
+        "results": rows,
+    }
+    # Non-finite figures become null: JSON has no NaN, and strict readers refuse the token.
+    write_text_atomic(path, json.dumps(_finite_or_null(payload), indent=2, allow_nan=False))
+
+
+def _finite_or_null(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically: a temporary file in the same folder (so the
+    rename stays on one file system), flushed to disk, then ``os.replace``; the temporary file
+    is removed if anything fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are ordinary files
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

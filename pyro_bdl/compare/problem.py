@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from pyro_bdl import models
 from pyro_bdl._validation import check_probability
+from pyro_bdl.compare.checks import check_problem
 from pyro_bdl.data import Dataset
 from pyro_bdl.nn import bayesianize, init_to_network
 from pyro_bdl.priors import Normal, Prior
@@ -133,6 +134,9 @@ class Problem:
     #: None: Adam at ``lr``. A factor f: Pyro's ``ClippedAdam`` with the rate decayed by f over
     #: the run (for full-batch runs of many steps).
     lr_decay: float | None = None
+
+    def __post_init__(self) -> None:
+        check_problem(self)
 
     @property
     def num_train(self) -> int:
@@ -236,13 +240,49 @@ def train_loop(
             on_epoch(epoch)
         total = 0.0
         for x, y in problem.batches(epoch):
-            total += step(x, y)
+            try:
+                loss = float(step(x, y))
+            except Exception as err:
+                err.add_note(_where_training_failed(problem, desc, epoch, count + 1))
+                raise
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"{desc.strip()}: the loss is {loss} at step {count + 1} (epoch {epoch + 1} "
+                    f"of {problem.epochs}), so training diverged; lower the learning rate "
+                    f"(lr={problem.lr:g}; pyro-bdl compare --lr) or check the data."
+                )
+            total += loss
             count += 1
             if on_step is not None:
                 on_step(count)
         losses.append(total / problem.num_train)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", **(status() if status is not None else {}))
     return losses
+
+
+#: Parameters past this magnitude mean training diverged: network weights stay O(1) to O(100),
+#: and float32 products of two weights past 1e19 overflow to inf, giving NaN logits.
+_DIVERGED = 1e8
+
+
+def _where_training_failed(problem: Problem, desc: str, epoch: int, step: int) -> str:
+    """Where a step raised, and whether the parameters had diverged by then (a huge or NaN
+    parameter makes Pyro's distribution checks fail with an error that does not say why)."""
+    where = f"while training {desc.strip()}: epoch {epoch + 1} of {problem.epochs}, step {step}"
+    largest = max(
+        (
+            float(value.detach().abs().max())
+            for value in pyro.get_param_store().values()
+            if value.is_floating_point() and value.numel() > 0
+        ),
+        default=0.0,
+    )
+    if not largest <= _DIVERGED:  # NaN fails the comparison too
+        where += (
+            f"; the parameters reach {largest:.3g} in magnitude, so training diverged: lower "
+            f"the learning rate (lr={problem.lr:g}; pyro-bdl compare --lr)"
+        )
+    return where
 
 
 def train_svi(problem: Problem, svi: SVI, desc: str) -> list[float]:

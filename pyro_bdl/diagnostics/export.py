@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,6 +44,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_bdl._validation import check_positive_int
+from pyro_bdl.diagnostics.metrics import as_tensor, check_probs
 from pyro_bdl.nn import site_spec
 
 __all__ = [
@@ -239,6 +241,8 @@ def mean_predictive_data(probs: torch.Tensor, y: torch.Tensor):
     """ArviZ data for a predictor with no model/guide to draw from: its mean predictive class
     probabilities ``probs`` (n, C) as one draw of ``predictions``, and ``y`` as
     ``observed_data``."""
+    check_probs(probs, y)
+    probs, y = as_tensor("probs", probs), as_tensor("y", y)
     probs_np = probs.detach().double().cpu().numpy()[None, None]
     dims = ("chain", "draw", "data", "class")
     predictions = xr.Dataset(
@@ -337,17 +341,39 @@ def to_inference_data(
 
 def save_inference_data(data, path: str | os.PathLike) -> str:
     """Write ``data`` (``InferenceData`` or ``DataTree``) to a netCDF file with ``h5netcdf``;
-    returns the path."""
+    returns the path.
+
+    The file is written next to ``path`` under a temporary name and renamed into place, so an
+    interrupted save leaves the previous file (or none), never a truncated one, and no
+    temporary file.
+    """
     path = os.fspath(path)
-    if isinstance(data, az.InferenceData):
-        data.to_netcdf(path, engine="h5netcdf")
-    elif isinstance(data, xr.DataTree):
-        data.to_netcdf(path, engine="h5netcdf")
-    else:
+    if not isinstance(data, (az.InferenceData, xr.DataTree)):
         raise TypeError(
             f"data must be arviz.InferenceData or xarray.DataTree; got {type(data).__name__}. "
             "Create it with to_inference_data."
         )
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"path {path!r} is a folder; expected a file name such as "
+            f"{os.path.join(path, 'posterior.nc')!r}."
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"the folder of path {path!r} does not exist; create it first "
+            f"(os.makedirs({folder!r})) or pass a path in an existing folder."
+        )
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        data.to_netcdf(tmp, engine="h5netcdf")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; an export is an ordinary file
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     return path
 
 
@@ -358,7 +384,13 @@ def load_inference_data(path: str | os.PathLike, *, major: int | None = None):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no netCDF file at {path!r}.")
     major = arviz_major() if major is None else major
-    if major >= 1:
-        with xr.open_datatree(path, engine="h5netcdf") as tree:
-            return tree.load()
-    return az.from_netcdf(path, engine="h5netcdf")
+    try:
+        if major >= 1:
+            with xr.open_datatree(path, engine="h5netcdf") as tree:
+                return tree.load()
+        return az.from_netcdf(path, engine="h5netcdf")
+    except OSError as err:
+        raise ValueError(
+            f"{path!r} is not a readable netCDF file ({err}); it is truncated or of another "
+            "format. Write it again with save_inference_data."
+        ) from err

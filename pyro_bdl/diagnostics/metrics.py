@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pyro_bdl._validation import check_finite, check_positive, check_positive_int
+from pyro_bdl._validation import check_positive, check_positive_int
 
 __all__ = [
     "Reliability",
     "accuracy",
     "as_tensor",
     "brier",
+    "check_finite_values",
     "check_probs",
     "ece",
     "gaussian_log_likelihood",
@@ -49,20 +50,44 @@ def as_tensor(name: str, value) -> torch.Tensor:
     raise TypeError(f"{name} must be a torch.Tensor or numpy array; got {type(value).__name__}.")
 
 
-def check_probs(probs, y=None, *, atol: float = 1e-4) -> None:
+#: The fix for non-finite predictions: they come from the predictor, not from the data.
+PREDICTION_FIX = (
+    "The predictor produced them (training diverged, or a guide scale overflowed); check its "
+    "training (e.g. a smaller learning rate) before scoring it."
+)
+
+
+def check_finite_values(name: str, tensor: torch.Tensor, fix: str) -> None:
+    """Refuse NaN/inf in ``tensor``, naming it, the count, the first offending index and
+    ``fix`` (what to do about it, which depends on where the values came from)."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return
+    bad = ~torch.isfinite(tensor.detach())
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name} contains {int(bad.sum())} non-finite value(s) (NaN or inf); the first is "
+            f"at index {first}. {fix}"
+        )
+
+
+def check_probs(probs, y=None, *, atol: float = 1e-4, name: str = "probs") -> None:
     """Require ``probs`` of shape (n, C), n ≥ 1, with rows that are probability vectors, and (if
-    given) integer labels ``y`` of shape (n,) in [0, C)."""
-    probs = as_tensor("probs", probs)
+    given) integer labels ``y`` of shape (n,) in [0, C); errors call the probabilities
+    ``name``."""
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not 0 <= atol < 1:
+        raise ValueError(f"atol must be a number in [0, 1); got {atol!r}. Use the default 1e-4.")
+    probs = as_tensor(name, probs)
     if probs.dim() != 2:
         raise ValueError(
-            f"probs must have shape (n, C); got {tuple(probs.shape)}. For one example use "
+            f"{name} must have shape (n, C); got {tuple(probs.shape)}. For one example use "
             "probs.unsqueeze(0); for posterior draws (S, n, C) average first: probs.mean(0)."
         )
     if probs.shape[0] == 0:
-        raise ValueError("probs has zero rows; evaluate on at least one example.")
+        raise ValueError(f"{name} has zero rows; evaluate on at least one example.")
     if not probs.is_floating_point():
-        raise TypeError(f"probs must be floating point; got dtype {probs.dtype}.")
-    check_finite("probs", probs)
+        raise TypeError(f"{name} must be floating point; got dtype {probs.dtype}.")
+    check_finite_values(name, probs, PREDICTION_FIX)
     sums = probs.sum(-1)
     if not torch.allclose(sums, torch.ones_like(sums), atol=atol) or (probs < 0).any():
         worst = (
@@ -71,7 +96,7 @@ def check_probs(probs, y=None, *, atol: float = 1e-4) -> None:
             else int((probs < 0).any(-1).nonzero()[0, 0])
         )
         raise ValueError(
-            f"each row of probs must be a probability vector (non-negative, summing to 1 within "
+            f"each row of {name} must be a probability vector (non-negative, summing to 1 within "
             f"{atol}); row {worst} sums to {float(sums[worst]):.6g} with minimum "
             f"{float(probs[worst].min()):.6g}. Pass softmax(logits), not logits."
         )
@@ -107,8 +132,13 @@ def accuracy(probs, y) -> float:
 
 def nll(probs, y, *, eps: float = 1e-12) -> float:
     r"""Mean negative log predictive probability of the labels, :math:`-\frac1n\sum_i\log p_{y_i}`
-    (probabilities are floored at ``eps`` so that a confident mistake costs at most
+    (probabilities are floored at ``eps``, in (0, 1), so that a confident mistake costs at most
     :math:`-\log \epsilon` instead of infinity)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(
+            f"eps must be a number in (0, 1) (the floor of a probability); got {eps!r}. Use the "
+            "default 1e-12."
+        )
     probs, y = _checked(probs, y)
     p = probs.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     return float(-(p.clamp_min(eps)).log().mean())
@@ -211,8 +241,8 @@ def _regression_inputs(mean, y) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("mean has zero draws; pass at least one predictive draw.")
     if not (mean.is_floating_point() and y.is_floating_point()):
         raise TypeError(f"mean and y must be floating point; got {mean.dtype} and {y.dtype}.")
-    check_finite("mean", mean)
-    check_finite("y", y)
+    check_finite_values("mean", mean, PREDICTION_FIX)
+    check_finite_values("y", y, "Clean or impute the targets before scoring.")
     mean = mean.double()
     return (mean if mean.dim() == 2 else mean.unsqueeze(0)), y.double().to(mean.device)
 

@@ -24,8 +24,8 @@ import math
 import numpy as np
 import torch
 
-from pyro_bdl._validation import check_choice, check_finite
-from pyro_bdl.diagnostics.metrics import as_tensor, check_probs
+from pyro_bdl._validation import check_choice
+from pyro_bdl.diagnostics.metrics import as_tensor, check_finite_values, check_probs
 
 __all__ = [
     "SCORES",
@@ -65,7 +65,11 @@ def _scores(name: str, value) -> np.ndarray:
         raise ValueError(f"{name} must have shape (n,) with n ≥ 1; got {tuple(t.shape)}.")
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} must be real numbers; got dtype {t.dtype}.")
-    check_finite(name, t.double())
+    check_finite_values(
+        name,
+        t.double(),
+        "Compute the scores from finite predictions (e.g. ood_scores of probabilities).",
+    )
     return t.detach().double().cpu().numpy()
 
 
@@ -97,6 +101,8 @@ def fpr_at_tpr(scores_in, scores_out, *, tpr: float = 0.95) -> float:
 
 
 def _two_sets(probs_in, probs_out, score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    check_probs(probs_in, name="probs_in")
+    check_probs(probs_out, name="probs_out")
     s_in, s_out = ood_scores(probs_in, score=score), ood_scores(probs_out, score=score)
     c_in, c_out = (
         as_tensor("probs_in", probs_in).shape[1],

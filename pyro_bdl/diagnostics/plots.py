@@ -26,7 +26,7 @@ import numpy as np
 from matplotlib import MatplotlibDeprecationWarning
 from matplotlib.figure import Figure
 
-from pyro_bdl.diagnostics.metrics import Reliability, as_tensor
+from pyro_bdl.diagnostics.metrics import Reliability, as_tensor, check_finite_values
 
 __all__ = ["plot_entropy", "plot_reliability", "save_arviz_plots"]
 
@@ -86,6 +86,11 @@ def plot_entropy(
             raise ValueError(
                 f"entropy ({label}) must have shape (n,) with n ≥ 1; got {tuple(t.shape)}."
             )
+        check_finite_values(
+            f"entropy ({label})",
+            t.double(),
+            "Compute it with ood.predictive_entropy of finite probabilities.",
+        )
         arrays.append((label, t.detach().double().cpu().numpy()))
     top = max(float(a.max()) for _, a in arrays)
     if num_classes is not None:

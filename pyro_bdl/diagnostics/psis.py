@@ -36,6 +36,7 @@ from pyro import poutine
 from pyro.infer.importance import vectorized_importance_weights
 
 from pyro_bdl._validation import check_positive_int
+from pyro_bdl.diagnostics.metrics import as_tensor
 
 __all__ = ["BANDS", "PsisResult", "khat_band", "loo", "pareto_khat", "psis_khat"]
 
@@ -93,8 +94,18 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
     1000 machine epsilons of their dtype) mean the guide *is* the posterior: the generalized
     Pareto fit is undefined there (ArviZ returns +inf for exactly equal ratios), so k̂ = −inf
     (a bounded tail) and the ESS is S.
+
+    A ratio of −inf is a draw of zero weight (the model gives it zero density) and is allowed;
+    when *every* ratio is −inf there is no importance weight to fit, and :class:`ValueError` says
+    so (no k̂ value would be honest: the guide has no mass where the posterior has any).
     """
-    t = log_ratios if isinstance(log_ratios, torch.Tensor) else torch.as_tensor(log_ratios)
+    if rtol is not None and (
+        isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < math.inf
+    ):
+        raise ValueError(
+            f"rtol must be a finite number >= 0 (or None for 1000 machine epsilons); got {rtol!r}."
+        )
+    t = as_tensor("log_ratios", log_ratios)
     if t.dim() != 1 or t.numel() == 0:
         raise ValueError(
             f"log_ratios must have shape (num_samples,) with at least one draw; got "
@@ -106,6 +117,13 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
         raise ValueError(
             "log_ratios contain NaN or +inf: the model or guide density is not finite at some "
             "draw. Check the guide's support against the model's."
+        )
+    if torch.isneginf(t).all():
+        raise ValueError(
+            f"every one of the {t.numel()} log_ratios is -inf: every draw has zero weight (the "
+            "model's density is 0 wherever the guide draws), so k̂ is undefined. Check that the "
+            "guide's support lies inside the model's (e.g. a constrained site) and that the "
+            "likelihood of the data is finite at the guide's draws."
         )
     if rtol is None:
         rtol = 1000 * torch.finfo(t.dtype).eps

@@ -43,8 +43,8 @@ import math
 
 import torch
 
-from pyro_bdl._validation import check_finite, check_positive, check_positive_int
-from pyro_bdl.diagnostics.metrics import as_tensor
+from pyro_bdl._validation import check_positive, check_positive_int
+from pyro_bdl.diagnostics.metrics import as_tensor, check_finite_values
 
 __all__ = ["fit_temperature", "temperature_scale"]
 
@@ -69,7 +69,12 @@ def _check_logits(logits, *, rows: bool) -> torch.Tensor:
             f"logits must be non-empty with classes on the last dimension; got shape "
             f"{tuple(logits.shape)}. Pass the network's outputs for at least one example."
         )
-    check_finite("logits", logits)
+    check_finite_values(
+        "logits",
+        logits,
+        "The network produced them (its training diverged); check it (e.g. a smaller "
+        "learning rate) before fitting a temperature.",
+    )
     return logits
 
 
