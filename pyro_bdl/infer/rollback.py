@@ -1,0 +1,112 @@
+"""Undo what a refused training step changed outside the optimiser's own state: the buffers of the
+network's layers (BatchNorm's running statistics and ``num_batches_tracked``) and torch's random
+streams (docs/design/README.md: a refused step changes nothing).
+
+A forward pass in training mode writes the batch's statistics into BatchNorm before any loss is
+seen, so a check of the loss comes too late to keep a NaN batch out of them. Copying the buffers
+(a few KB) and the generator state before the pass, and back on a refusal, costs a fraction of a
+percent of a step; the common path never copies back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BufferRecorder", "Rollback"]
+
+
+class Rollback:
+    """Saves and restores the buffers of ``modules`` and the random streams.
+
+    :param modules: the layers whose buffers a pass may change (those without buffers are
+        skipped). Buffers are looked up by name at every :meth:`save`, so a buffer replaced by a
+        new tensor (``module.running_mean = ...``) is still the one restored.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self._entries: list[tuple[weakref.ref, str]] = []
+        for module in modules:
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None:
+                    self._entries.append((weakref.ref(module), name))
+        self._saved: list[torch.Tensor] = []
+        self._cpu_rng: torch.Tensor | None = None
+        self._cuda_rng: list[torch.Tensor] | None = None
+
+    def _live(self) -> list[torch.Tensor]:
+        live = []
+        for ref, name in self._entries:
+            module = ref()
+            if module is not None:
+                live.append(getattr(module, name))
+        return live
+
+    @torch.no_grad()
+    def save(self) -> None:
+        """Copy the buffers (into storage kept between steps) and the generator states."""
+        live = self._live()
+        same = len(live) == len(self._saved) and all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            for a, b in zip(live, self._saved)
+        )
+        if same and live:
+            torch._foreach_copy_(self._saved, live)
+        else:
+            self._saved = [b.detach().clone() for b in live]
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put back what :meth:`save` copied."""
+        live = self._live()
+        if live and len(live) == len(self._saved):
+            torch._foreach_copy_(live, self._saved)
+        if self._cpu_rng is not None:
+            torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+class BufferRecorder:
+    """While active, copies the buffers of every module before its first forward call (a global
+    forward pre-hook), so that a pass over modules not known in advance can be undone.
+
+    :ivar snapshots: ``{module: {buffer name: copy}}`` of the modules called so far.
+    """
+
+    def __init__(self) -> None:
+        self.snapshots: dict[nn.Module, dict[str, torch.Tensor]] = {}
+        self._handle: Any = None
+
+    def _hook(self, module: nn.Module, inputs) -> None:
+        if module not in self.snapshots:
+            self.snapshots[module] = {
+                k: b.detach().clone() for k, b in module.named_buffers(recurse=False)
+            }
+
+    def __enter__(self) -> BufferRecorder:
+        self._handle = nn.modules.module.register_module_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The modules called, in the order of their first call."""
+        return list(self.snapshots)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put every recorded buffer back as it was before its module's first call."""
+        for module, buffers in self.snapshots.items():
+            for k, b in buffers.items():
+                getattr(module, k).copy_(b)
