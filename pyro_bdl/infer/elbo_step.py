@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pyro_bdl.infer.rollback import BufferRecorder, Rollback
+from pyro_bdl.infer.rollback import BufferRecorder, Rollback, refused
 
 __all__ = ["StepGuard", "guarded_loss_and_grads"]
 
@@ -69,7 +69,8 @@ def guarded_loss_and_grads(elbo, guard: StepGuard, model, guide, args, kwargs) -
                 if grads is None and elbo.num_particles > 1:
                     grads = [(p, None if p.grad is None else p.grad.clone()) for p in params]
                 (surrogate / elbo.num_particles).backward(retain_graph=elbo.retain_graph)
-    except BaseException:
+    except BaseException as err:
+        refused(err, f"TraceSuffStat_ELBO step {guard.current}")
         if recorder is not None:
             recorder.__exit__()
             recorder.restore()

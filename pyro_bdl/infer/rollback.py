@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BufferRecorder", "Rollback"]
+__all__ = ["BufferRecorder", "Rollback", "refused"]
 
 
 class Rollback:
@@ -110,3 +110,10 @@ class BufferRecorder:
         for module, buffers in self.snapshots.items():
             for k, b in buffers.items():
                 getattr(module, k).copy_(b)
+
+
+def refused(err: BaseException, where: str) -> None:
+    """Note on an error raised from inside a step (by the model, the data, a collective) where it
+    happened and that the step was undone; our own refusals say so in their message already."""
+    if isinstance(err, Exception) and "nothing was updated" not in str(err):
+        err.add_note(f"{where} was refused and undone: nothing was updated.")

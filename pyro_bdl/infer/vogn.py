@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from pyro_bdl._validation import check_positive
-from pyro_bdl.infer.rollback import Rollback
+from pyro_bdl.infer.rollback import Rollback, refused
 from pyro_bdl.infer.vogn_checks import (
     check_arguments,
     check_hyperparameters,
@@ -320,7 +320,8 @@ class VOGN:
         rollback.save()
         try:
             loss = self._estimate(args, kwargs, step, tau)
-        except BaseException:
+        except BaseException as err:
+            refused(err, f"VOGN step {step}")
             rollback.restore()
             if scale_tau is not None and self._scale_temperature != scale_tau:
                 self._refresh_scale(scale_tau)  # σ back to what it was, bit for bit
@@ -352,8 +353,7 @@ class VOGN:
     @torch.no_grad()
     def evaluate_loss(self, *args, **kwargs) -> float:
         """The loss :meth:`step` would report, at the current q, without updating anything (like
-        ``SVI.evaluate_loss``; put BatchNorm in eval mode first to keep its statistics). If it
-        raises, BatchNorm's statistics and the random state are left as they were."""
+        ``SVI.evaluate_loss``; put BatchNorm in eval mode first to keep its statistics)."""
         if self.state is None:
             raise RuntimeError("VOGN has not seen the model yet; call vogn.step(x, y) first.")
         step, particles = self.step_count + 1, self.num_particles
