@@ -241,10 +241,10 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         return loss, -elbo
 
     def _raise_non_finite(self, terms, loss: float) -> None:
-        step = self._guard.current
-        where = "" if step is None else f" at step {step}"
+        where = "" if self._guard.current is None else f" at step {self._guard.current}"
         for term, name, value in terms:
-            if not torch.isfinite(torch.as_tensor(value)).all():
+            value = torch.as_tensor(value).detach().sum()
+            if not torch.isfinite(value):
                 raise ValueError(
                     f"TraceSuffStat_ELBO{where}: the {term} term of site {name!r} is non-finite "
                     f"({float(value)}); nothing was updated. Lower the learning rate, check the "

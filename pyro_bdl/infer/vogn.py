@@ -238,7 +238,7 @@ class VOGN:
         )
 
         def undo() -> None:
-            ready.restore_statistics()
+            ready.undo()
             self._uninstall(pending)
 
         try:

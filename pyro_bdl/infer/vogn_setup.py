@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide.initialization import InitMessenger
@@ -32,6 +33,7 @@ class Prepared:
     :ivar tape: the tape that recorded the pass (its layers are the ones to hook from then on).
     :ivar observed: the observed sites of the pass, weights at their initial values.
     :ivar statistics: the buffers of every layer as they were before the pass.
+    :ivar params_added: the param store entries the pass created.
     """
 
     layout: SiteLayout
@@ -40,6 +42,7 @@ class Prepared:
     tape: PerExampleGradients
     observed: list[dict]
     statistics: BufferRecorder
+    params_added: frozenset[str] = frozenset()
 
     def initial_state(self) -> VOGNState:
         """μ at the lifted weights' initial values, everything else zero."""
@@ -59,6 +62,19 @@ class Prepared:
         """Put back the buffers (BatchNorm's running statistics) that the pass changed; only
         once the pass's backward is done, which reads them."""
         self.statistics.restore()
+
+    def undo(self) -> None:
+        """Undo the pass (VOGN's first step was refused): the buffers, and the param store entries
+        that PyroModule registered for the layers' parameters."""
+        self.statistics.restore()
+        _forget(self.params_added)
+
+
+def _forget(names) -> None:
+    store = pyro.get_param_store()
+    for name in names:
+        if name in store:
+            del store[name]
 
 
 def prepare(
@@ -83,6 +99,8 @@ def prepare(
         :class:`~pyro_bdl.priors.NonGaussianPriorError`).
     """
     recorder = BufferRecorder()
+    store = pyro.get_param_store()
+    known = set(store.keys())
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     tape = PerExampleGradients(None, chunk_size=chunk_size)
@@ -97,10 +115,12 @@ def prepare(
     except BaseException:
         # Whatever refused the pass (bad data, a model error, a check), nothing stays changed.
         recorder.restore()
+        _forget(set(store.keys()) - known)
         raise
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     observed = observed_sites(trace, set(layout.names))
-    return Prepared(layout, hidden, prior, tape, observed, recorder)
+    added = frozenset(set(store.keys()) - known)
+    return Prepared(layout, hidden, prior, tape, observed, recorder, added)
