@@ -88,6 +88,6 @@ def guarded_loss_and_grads(elbo, guard: StepGuard, model, guide, args, kwargs) -
         guard.current = None
     if recorder is not None:
         recorder.__exit__()
-        guard.rollback = Rollback(recorder.modules)
+        guard.rollback = Rollback(recorder.written())
     guard.steps += 1
     return loss

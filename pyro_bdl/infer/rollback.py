@@ -16,24 +16,21 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 __all__ = ["BufferRecorder", "Rollback", "refused"]
 
 
 class Rollback:
-    """Saves and restores the buffers of ``modules`` and the random streams.
+    """Saves and restores some buffers of some layers, and the random streams.
 
-    :param modules: the layers whose buffers a pass may change (those without buffers are
-        skipped). Buffers are looked up by name at every :meth:`save`, so a buffer replaced by a
-        new tensor (``module.running_mean = ...``) is still the one restored.
+    :param buffers: ``(module, buffer name)`` pairs (see :meth:`BufferRecorder.written`). Buffers
+        are looked up by name at every :meth:`save`, so a buffer replaced by a new tensor
+        (``module.running_mean = ...``) is still the one restored.
     """
 
-    def __init__(self, modules: Iterable[nn.Module]):
-        self._entries: list[tuple[weakref.ref, str]] = []
-        for module in modules:
-            for name, buf in module.named_buffers(recurse=False):
-                if buf is not None:
-                    self._entries.append((weakref.ref(module), name))
+    def __init__(self, buffers: Iterable[tuple[nn.Module, str]]):
+        self._entries = [(weakref.ref(module), name) for module, name in buffers]
         self._saved: list[torch.Tensor] = []
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
@@ -82,13 +79,16 @@ class BufferRecorder:
 
     def __init__(self) -> None:
         self.snapshots: dict[nn.Module, dict[str, torch.Tensor]] = {}
+        # The tensor and its in-place version counter before the pass, to see what it wrote.
+        self._seen: dict[tuple[nn.Module, str], tuple[torch.Tensor, int]] = {}
         self._handle: Any = None
 
     def _hook(self, module: nn.Module, inputs) -> None:
         if module not in self.snapshots:
-            self.snapshots[module] = {
-                k: b.detach().clone() for k, b in module.named_buffers(recurse=False)
-            }
+            buffers = dict(module.named_buffers(recurse=False))
+            self.snapshots[module] = {k: b.detach().clone() for k, b in buffers.items()}
+            for k, b in buffers.items():
+                self._seen[(module, k)] = (b, b._version)
 
     def __enter__(self) -> BufferRecorder:
         self._handle = nn.modules.module.register_module_forward_pre_hook(self._hook)
@@ -99,10 +99,18 @@ class BufferRecorder:
             self._handle.remove()
             self._handle = None
 
-    @property
-    def modules(self) -> list[nn.Module]:
-        """The modules called, in the order of their first call."""
-        return list(self.snapshots)
+    def written(self) -> list[tuple[nn.Module, str]]:
+        """The buffers a pass like the recorded one may change: those it wrote (in place or by
+        assignment), and every buffer of a normalisation layer (which writes its running
+        statistics only in training mode). Constant buffers, such as the initial values that
+        :func:`~pyro_bdl.bayesianize` keeps, are left out: copying them would cost a step as
+        much as the weights."""
+        out = []
+        for (module, name), (tensor, version) in self._seen.items():
+            now = getattr(module, name, None)
+            if isinstance(module, _NormBase) or now is not tensor or tensor._version != version:
+                out.append((module, name))
+        return out
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -274,7 +274,7 @@ class VOGN:
             self.model, layout, hidden, mean, self.guide.scale, layers, self.chunk_size
         )
         # The buffers a pass may change (BatchNorm's running statistics), saved before each step.
-        self._passes.rollback = Rollback(ready.statistics.modules)
+        self._passes.rollback = Rollback(ready.statistics.written())
 
     def _uninstall(self, pending: dict | None) -> None:
         """Back to a VOGN that has not seen the model (a refused first step)."""

@@ -64,7 +64,7 @@ class Passes:
         self._values += [(hp.module, hp.param_name, hp.param) for hp in hidden]
         self._tape = PerExampleGradients(layers=layers, chunk_size=chunk_size)
         #: Saves and restores what a pass changes outside VOGN's state (set by VOGN).
-        self.rollback = Rollback(())
+        self.rollback = Rollback([])
 
     def split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(ĝs, ĥs) of μ first, then of each hidden parameter (views of :attr:`estimates`)."""

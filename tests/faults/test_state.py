@@ -486,3 +486,12 @@ def test_svi_a_failure_in_a_later_particle_restores_the_gradients():
         svi.step(*batch(1))
     assert "TraceSuffStat_ELBO step 2 was refused" in "".join(info.value.__notes__)
     assert_same(before, snapshot(net, optim))
+
+
+def test_the_rollback_copies_only_the_buffers_a_pass_writes():
+    # Saving must stay cheap: BatchNorm's running statistics and counter (a few hundred bytes
+    # here), not the initial weights that bayesianize keeps as buffers (as large as the weights).
+    net = lifted_net()
+    vogn = trained_vogn(hand_model(net), 1)
+    saved = {name for _, name in vogn._passes.rollback._entries}
+    assert saved == {"running_mean", "running_var", "num_batches_tracked"}
