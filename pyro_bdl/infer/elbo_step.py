@@ -4,14 +4,17 @@ network's buffers (BatchNorm's running statistics), torch's random state and the
 gradients are put back before the error propagates, so ``SVI.step`` never reaches the optimiser
 and a retry with good data continues the run as if the bad batch had not come.
 
-The first step learns which layers have buffers (a global forward pre-hook, that step only);
-later steps copy just those buffers (a few KB) and the generator state before the passes.
+The first step learns which buffers a pass writes (a global forward pre-hook, that step only);
+later steps copy just those (a few KB) and the generator state before the passes. A refused first
+call of an autoguide also undoes its set-up (its parameters and param store entries), so that the
+retry initialises it as an uninterrupted first step would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pyro
 import torch
 
 from pyro_bdl.infer.rollback import BufferRecorder, Rollback, refused
@@ -52,6 +55,11 @@ def guarded_loss_and_grads(elbo, guard: StepGuard, model, guide, args, kwargs) -
     else:
         assert guard.rollback is not None
         guard.rollback.save()
+    # An autoguide sets itself up (parameters, param store entries) on its first call; a refused
+    # first call undoes that too, so that the retry initialises it as the first call would have.
+    fresh_guide = getattr(guide, "prototype_trace", False) is None
+    store = pyro.get_param_store()
+    known = set(store.keys()) if fresh_guide or recorder is not None else None
     grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     guard.current = guard.steps + 1
     loss = 0.0
@@ -83,6 +91,10 @@ def guarded_loss_and_grads(elbo, guard: StepGuard, model, guide, args, kwargs) -
             guard.rollback.restore()
         for p, g in grads or ():
             p.grad = g
+        for name in set(store.keys()) - known if known is not None else ():
+            del store[name]
+        if fresh_guide:
+            guide.prototype_trace = None
         raise
     finally:
         guard.current = None

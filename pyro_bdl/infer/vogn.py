@@ -90,7 +90,7 @@ class VOGN:
     by default) are point estimates: they are used as they are (no noise) and updated with the
     same preconditioned momentum step but without the prior term (δ̃, from the mean prior
     precision, only damps their step). BatchNorm running statistics are updated by every forward
-    pass, as in training with Adam.
+    pass, as in training with Adam, and put back if the step is refused (see :meth:`step`).
 
     Learning-rate schedulers: pass :attr:`optimizer` (a ``torch.optim.Optimizer`` holding ``lr``
     and ``betas``) to any ``torch.optim.lr_scheduler``. Temperature: a number, or a callable

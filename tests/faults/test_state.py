@@ -443,7 +443,7 @@ def svi_setup(fail: dict | None = None, num_particles: int = 1):
     return net, SVI(model, guide, optim, elbo), optim
 
 
-@pytest.mark.parametrize("at_step", [2, 3])
+@pytest.mark.parametrize("at_step", [1, 3])
 def test_svi_refuses_a_non_finite_loss_naming_term_and_step_and_changes_nothing(at_step):
     net, svi, optim = svi_setup()
     for i in range(at_step - 1):
@@ -461,11 +461,13 @@ def test_svi_refuses_a_non_finite_loss_naming_term_and_step_and_changes_nothing(
     assert_eval_predictions_finite(net)
 
 
-def test_svi_retry_after_a_refused_step_reproduces_the_uninterrupted_run():
+@pytest.mark.parametrize("at_step", [1, 3])
+def test_svi_retry_after_a_refused_step_reproduces_the_uninterrupted_run(at_step):
+    # At step 1 the refusal also undoes the autoguide's set-up, so the retry sets it up again.
     def run(refuse: bool):
         net, svi, optim = svi_setup()
         for i in range(4):
-            if refuse and i == 2:
+            if refuse and i == at_step - 1:
                 with pyro.validation_enabled(False), pytest.raises(ValueError):
                     svi.step(*nan_batch())
             svi.step(*batch(i))
