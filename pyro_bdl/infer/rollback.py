@@ -10,9 +10,9 @@ percent of a step; the common path never copies back.
 
 from __future__ import annotations
 
-import weakref
+import operator
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -30,30 +30,22 @@ class Rollback:
     """
 
     def __init__(self, buffers: Iterable[tuple[nn.Module, str]]):
-        self._entries = [(weakref.ref(module), name) for module, name in buffers]
-        self._saved: list[torch.Tensor] = []
+        self._entries = list(buffers)
+        self._last: list[torch.Tensor] = []  # the buffers of the last save ...
+        self._saved: list[torch.Tensor] = []  # ... and their copies
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
 
-    def _live(self) -> list[torch.Tensor]:
-        live = []
-        for ref, name in self._entries:
-            module = ref()
-            if module is not None:
-                live.append(getattr(module, name))
-        return live
-
-    @torch.no_grad()
     def save(self) -> None:
         """Copy the buffers (into storage kept between steps) and the generator states."""
-        live = self._live()
-        same = len(live) == len(self._saved) and all(
-            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-            for a, b in zip(live, self._saved)
-        )
-        if same and live:
-            torch._foreach_copy_(self._saved, live)
+        # ``_buffers`` directly: a PyroModule's __getattr__ costs microseconds per lookup.
+        buffers = [module._buffers[name] for module, name in self._entries]
+        live = cast(list[torch.Tensor], buffers)  # written() lists no None buffer
+        if len(live) == len(self._last) and all(map(operator.is_, live, self._last)):
+            if live:
+                torch._foreach_copy_(self._saved, live)
         else:
+            self._last = live
             self._saved = [b.detach().clone() for b in live]
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -61,9 +53,11 @@ class Rollback:
     @torch.no_grad()
     def restore(self) -> None:
         """Put back what :meth:`save` copied."""
-        live = self._live()
-        if live and len(live) == len(self._saved):
-            torch._foreach_copy_(live, self._saved)
+        for (module, name), tensor in zip(self._entries, self._last):
+            if module._buffers.get(name) is not tensor:  # the pass assigned a new tensor
+                module._buffers[name] = tensor
+        if self._saved:
+            torch._foreach_copy_(self._last, self._saved)
         if self._cpu_rng is not None:
             torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:

@@ -17,6 +17,8 @@ __all__ = ["check_arguments", "check_hyperparameters", "check_loss", "read_tempe
 
 def _as_float(value: object) -> float | None:
     """``value`` as a float if it is a real number (or a one-element tensor), else ``None``."""
+    if type(value) is float:  # the common case, before the slower checks below
+        return value
     if isinstance(value, bool):
         return None
     if isinstance(value, torch.Tensor):

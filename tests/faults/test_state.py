@@ -497,3 +497,29 @@ def test_the_rollback_copies_only_the_buffers_a_pass_writes():
     vogn = trained_vogn(hand_model(net), 1)
     saved = {name for _, name in vogn._passes.rollback._entries}
     assert saved == {"running_mean", "running_var", "num_batches_tracked"}
+
+
+class CallCounter(nn.Module):
+    """A layer that replaces its buffer (instead of writing it in place) on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return x
+
+
+def test_a_buffer_replaced_by_the_pass_is_put_back():
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(FEATURES, 16), CallCounter(), nn.BatchNorm1d(16), nn.Linear(16, CLASSES)
+    )
+    net = bayesianize(net, priors.Normal(scale=1.0))
+    vogn = trained_vogn(hand_model(net), 2)
+    before = snapshot(vogn, net)
+    with pytest.raises(ValueError, match="Expected parameter logits"):
+        vogn.step(*nan_batch())
+    assert_same(before, snapshot(vogn, net))
+    assert int(net[1].calls) == int(before["1:state_dict"]["1.calls"])
