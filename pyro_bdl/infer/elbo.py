@@ -28,6 +28,7 @@ counted once per step while the likelihood is scaled by N/B.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -43,6 +44,7 @@ from torch.distributions import Distribution, Independent, kl_divergence
 
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.infer import kl as _kl
+from pyro_bdl.infer.elbo_step import StepGuard, guarded_loss_and_grads
 from pyro_bdl.infer.kl_transform import reduce_transformed
 
 __all__ = ["KLFallbackWarning", "TraceSuffStat_ELBO"]
@@ -168,6 +170,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         super().__init__(num_particles=num_particles, **kwargs)
         self.kl_methods: dict[str, str] = {}
         self._warned: set[str] = set()
+        self._guard = StepGuard()
 
     def _get_trace(self, model, guide, args, kwargs):
         # As pyro.infer.enum.get_importance_trace, minus the log-densities of latent sites in the
@@ -190,6 +193,11 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 if site["type"] == "sample" and site["is_observed"]:
                     check_site_shape(site, self.max_plate_nesting)
         return model_trace, guide_trace
+
+    def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
+        """Trace_ELBO's; a refused step (non-finite loss) leaves the network's buffers, the random
+        state and the gradients as they were (:mod:`pyro_bdl.infer.elbo_step`)."""
+        return guarded_loss_and_grads(self, self._guard, model, guide, args, kwargs)
 
     def loss(self, model, guide, *args, **kwargs) -> float:
         """An estimate of the negative ELBO (no gradient), averaged over ``num_particles``."""
@@ -228,19 +236,21 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 terms.append(("KL", name, self._site_elbo(name, site, guide_trace.nodes[name])))
         elbo = sum(t for _, _, t in terms)
         loss = torch_item(-elbo) if isinstance(elbo, torch.Tensor) else -float(elbo)
-        if not torch.isfinite(torch.as_tensor(loss)):
-            self._raise_non_finite(terms)
+        if not math.isfinite(loss):
+            self._raise_non_finite(terms, loss)
         return loss, -elbo
 
-    @staticmethod
-    def _raise_non_finite(terms) -> None:
+    def _raise_non_finite(self, terms, loss: float) -> None:
+        where = "" if self._guard.current is None else f" at step {self._guard.current}"
         for term, name, value in terms:
-            if not torch.isfinite(torch.as_tensor(value)).all():
+            value = torch.as_tensor(value).detach().sum()
+            if not torch.isfinite(value):
                 raise ValueError(
-                    f"TraceSuffStat_ELBO: the {term} term of site {name!r} is non-finite "
-                    f"({float(value)}). Lower the learning rate, check the data for NaN/inf, or "
-                    "check the initial scales of the guide."
+                    f"TraceSuffStat_ELBO{where}: the {term} term of site {name!r} is non-finite "
+                    f"({float(value)}); nothing was updated. Lower the learning rate, check the "
+                    "data for NaN/inf, or check the initial scales of the guide."
                 )
+        raise ValueError(f"TraceSuffStat_ELBO{where}: the loss overflowed ({loss}).")
 
     def _site_elbo(self, name: str, model_site, guide_site) -> torch.Tensor:
         """E_q[log p] (model scale/mask) − E_q[log q] (guide scale/mask) for one latent site."""

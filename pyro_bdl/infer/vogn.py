@@ -35,13 +35,19 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pyro_bdl._validation import check_positive, check_positive_int, check_probability
+from pyro_bdl._validation import check_positive
+from pyro_bdl.infer.rollback import Rollback, refused
+from pyro_bdl.infer.vogn_checks import (
+    check_arguments,
+    check_hyperparameters,
+    check_loss,
+    read_temperature,
+)
 from pyro_bdl.infer.vogn_guide import VOGNGuide
 from pyro_bdl.infer.vogn_model import Hidden, per_example_nll
 from pyro_bdl.infer.vogn_passes import Passes
@@ -84,7 +90,7 @@ class VOGN:
     by default) are point estimates: they are used as they are (no noise) and updated with the
     same preconditioned momentum step but without the prior term (δ̃, from the mean prior
     precision, only damps their step). BatchNorm running statistics are updated by every forward
-    pass, as in training with Adam.
+    pass, as in training with Adam, and put back if the step is refused (see :meth:`step`).
 
     Learning-rate schedulers: pass :attr:`optimizer` (a ``torch.optim.Optimizer`` holding ``lr``
     and ``betas``) to any ``torch.optim.lr_scheduler``. Temperature: a number, or a callable
@@ -134,30 +140,19 @@ class VOGN:
         chunk_size: int | None = None,
         reduce_fn: Callable[[list[torch.Tensor]], None] | None = None,
     ):
-        if not callable(model):
-            raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
-        check_positive_int("dataset_size", dataset_size)
-        check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
-        check_probability("betas[0] (beta1)", betas[0], open_interval=False)
-        check_probability("betas[1] (beta2)", betas[1], open_interval=False)
-        if prior_precision is not None:
-            check_positive(
-                "prior_precision",
-                prior_precision,
-                fix="Pass δ > 0, e.g. 1.0, or leave it out to use the prior of bayesianize.",
-            )
-        if not callable(temperature):
-            check_positive("temperature", temperature, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
-        check_positive_int("num_particles", num_particles)
-        check_positive("augmentation_factor", augmentation_factor, fix="Pass ρ > 0, e.g. 1.0.")
-        if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
-            raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
-        if chunk_size is not None:
-            check_positive_int("chunk_size", chunk_size)
-        if reduce_fn is not None and not callable(reduce_fn):
-            raise TypeError(f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}.")
+        check_arguments(
+            model,
+            dataset_size=dataset_size,
+            lr=lr,
+            betas=betas,
+            prior_precision=prior_precision,
+            temperature=temperature,
+            num_particles=num_particles,
+            augmentation_factor=augmentation_factor,
+            damping=damping,
+            chunk_size=chunk_size,
+            reduce_fn=reduce_fn,
+        )
         self.model = model
         self.dataset_size = dataset_size
         self.num_particles = num_particles
@@ -222,12 +217,15 @@ class VOGN:
         """Read the model on a minibatch and initialise the state, as the first :meth:`step` does
         before its update (s starts at ĥ of this minibatch at w = μ, Algorithm 1 line 1), but
         leaving BatchNorm's running statistics as they were. Does nothing once VOGN has seen the
-        model. A checkpoint loader calls it before checking and restoring a state."""
+        model. A checkpoint loader calls it before checking and restoring a state. A refusal
+        leaves VOGN unset and the network as it was."""
         self._setup(args, kwargs, keep_statistics=False)
 
-    def _setup(self, args, kwargs, *, keep_statistics: bool) -> None:
+    def _setup(self, args, kwargs, *, keep_statistics: bool) -> Callable[[], None] | None:
+        """Set VOGN up on this minibatch unless it is already; returns what undoes the set-up
+        (``None`` if there was nothing to do)."""
         if self.state is not None:
-            return
+            return None
         pending = self._pending
         ready = prepare(
             self.model,
@@ -238,45 +236,57 @@ class VOGN:
             chunk_size=self.chunk_size,
             check=None if pending is None else lambda lay, hid: check_state_dict(pending, lay, hid),
         )
-        self._install(ready)
-        if pending is not None:
-            self._pending = None
-            self.load_state_dict(pending)
-        else:
-            losses, batch, _ = per_example_nll(ready.observed, 1)
-            self._passes.gradients(ready.tape, losses, add=False)
-            _, h = self._passes.split()
-            assert self.state is not None
-            self.state.curvature = h[0] / batch
-            self.state.hidden_curvature = [t / batch for t in h[1:]]
-            self._refresh_scale()
+
+        def undo() -> None:
+            ready.undo()
+            self._uninstall(pending)
+
+        try:
+            self._install(ready)
+            if pending is not None:
+                self._pending = None
+                self.load_state_dict(pending)
+            else:
+                losses, batch, _ = per_example_nll(ready.observed, 1)
+                self._passes.gradients(ready.tape, losses, add=False)
+                self._passes.check_finite(1)
+                _, h = self._passes.split()
+                assert self.state is not None
+                self.state.curvature = h[0] / batch
+                self.state.hidden_curvature = [t / batch for t in h[1:]]
+                self._refresh_scale(self._temperature)
+        except BaseException:
+            undo()
+            raise
         if not keep_statistics:
             ready.restore_statistics()
+        return undo
 
     def _install(self, ready: Prepared) -> None:
         """Own the state of a freshly read model; allocate the buffers every pass reuses."""
         layout, hidden = ready.layout, ready.hidden
-        mean = torch.cat([s.spec.init_value.detach().reshape(-1) for s in layout if s.spec]).clone()
-        params: list[torch.Tensor] = [h.param for h in hidden]
         self.layout, self._hidden, self.prior = layout, hidden, ready.prior
-        self.state = VOGNState(
-            mean=mean,
-            momentum=torch.zeros_like(mean),
-            curvature=torch.zeros_like(mean),
-            hidden=params,
-            hidden_momentum=[torch.zeros_like(p) for p in params],
-            hidden_curvature=[torch.zeros_like(p) for p in params],
-        )
+        self.state = ready.initial_state()
+        mean = self.state.mean
         self.guide.attach(layout, mean, torch.zeros_like(mean))
         layers = list(ready.tape.calls)
         self._passes = Passes(
             self.model, layout, hidden, mean, self.guide.scale, layers, self.chunk_size
         )
+        # The buffers a pass may change (BatchNorm's running statistics), saved before each step.
+        self._passes.rollback = Rollback(ready.statistics.written())
+
+    def _uninstall(self, pending: dict | None) -> None:
+        """Back to a VOGN that has not seen the model (a refused first step)."""
+        self.state, self.layout, self.prior, self._hidden = None, None, None, []
+        self._pending = pending
+        self._scale_temperature, self._var_sums = None, (0.0, 0.0)
+        self.guide.detach()
 
     @torch.no_grad()
-    def _refresh_scale(self) -> None:
+    def _refresh_scale(self, tau: float) -> None:
         assert self.state is not None and self.prior is not None
-        self._scale_temperature = tau = self._temperature
+        self._scale_temperature = tau
         scale = self.guide.scale
         vogn_scale(
             self.state.curvature,
@@ -293,27 +303,52 @@ class VOGN:
 
     def step(self, *args, **kwargs) -> float:
         """One VOGN update on a minibatch; returns the estimated (tempered) negative ELBO,
-        N/B Σᵢ ℓᵢ averaged over the particles plus τ·KL(q ‖ prior), like ``SVI.step``."""
-        self._setup(args, kwargs, keep_statistics=True)
-        assert self.state is not None and self.prior is not None
+        N/B Σᵢ ℓᵢ averaged over the particles plus τ·KL(q ‖ prior), like ``SVI.step``.
+
+        A refused step (bad data or hyperparameters, a non-finite loss or gradient, an error from
+        the model or ``reduce_fn``) changes nothing: VOGN's state, τ, BatchNorm's running
+        statistics and torch's random state stay as they were, so a retry with good data
+        continues the run as if the bad batch had not come."""
+        step = self.step_count + 1
+        check_hyperparameters(self.optimizer, step)
+        tau = self._temperature
         if self._schedule is not None:
-            tau = float(self._schedule(self.step_count + 1))
-            check_positive("temperature (from the schedule)", tau)
-            self._temperature = tau
-        if self._scale_temperature != self._temperature:
-            self._refresh_scale()  # τ changed since σ was last computed
-        passes, step = self._passes, self.step_count + 1
+            tau = read_temperature(self._schedule(step), step)
+        undo_setup = self._setup(args, kwargs, keep_statistics=True)
+        assert self.state is not None and self.prior is not None
+        rollback, scale_tau = self._passes.rollback, self._scale_temperature
+        rollback.save()
+        try:
+            loss = self._estimate(args, kwargs, step, tau)
+        except BaseException as err:
+            refused(err, f"VOGN step {step}")
+            rollback.restore()
+            if scale_tau is not None and self._scale_temperature != scale_tau:
+                self._refresh_scale(scale_tau)  # σ back to what it was, bit for bit
+            if undo_setup is not None:
+                undo_setup()
+            raise
+        self._temperature = tau
+        hyper = self._hyperparameters(self.prior)
+        self.state = vogn_update(self.state, *self._passes.split(), hyper)
+        self.optimizer.step()  # marks the step for the learning-rate schedulers
+        self._refresh_scale(tau)
+        return loss
+
+    def _estimate(self, args, kwargs, step: int, tau: float) -> float:
+        """ĝ, ĥ into the pass buffers and the loss, with every check; changes only what
+        :meth:`step` rolls back on a refusal (σ, the buffers of the layers, the random state)."""
+        if self._scale_temperature != tau:
+            self._refresh_scale(tau)  # τ changed since σ was last computed
+        passes = self._passes
         nlls, batch = passes.estimate(args, kwargs, num_particles=self.num_particles, step=step)
-        nll_total = sum(nll * self.dataset_size / batch for nll in nlls)
+        nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
         if self.reduce_fn is not None:
             self.reduce_fn(passes.estimates)
-        passes.check_finite(step, ["weights", *(f"{h.name} (hidden)" for h in self._hidden)])
-        g_hats, h_hats = passes.split()
-        loss = nll_total / self.num_particles + self._temperature * self._kl()
-        self.state = vogn_update(self.state, g_hats, h_hats, self._hyperparameters(self.prior))
-        self.optimizer.step()  # marks the step for the learning-rate schedulers
-        self._refresh_scale()
-        return loss
+        passes.check_finite(step)
+        kl = self._kl()
+        check_loss(step, nll_total, kl)
+        return nll_total + tau * kl
 
     @torch.no_grad()
     def evaluate_loss(self, *args, **kwargs) -> float:
@@ -321,12 +356,9 @@ class VOGN:
         ``SVI.evaluate_loss``; put BatchNorm in eval mode first to keep its statistics)."""
         if self.state is None:
             raise RuntimeError("VOGN has not seen the model yet; call vogn.step(x, y) first.")
-        nll = 0.0
-        for _ in range(self.num_particles):
-            self._passes.sample()
-            _, batch, total = self._passes.run(args, kwargs, self.step_count + 1)
-            nll += total * self.dataset_size / batch
-        return nll / self.num_particles + self._temperature * self._kl()
+        step, particles = self.step_count + 1, self.num_particles
+        nll = self._passes.mean_nll(args, kwargs, num_particles=particles, step=step)
+        return nll * self.dataset_size + self._temperature * self._kl()
 
     def _kl(self) -> float:
         """KL(q ‖ prior) in closed form."""
@@ -365,5 +397,4 @@ class VOGN:
         unpack_state_dict(state, self.state, self._hidden)
         self.optimizer.load_state_dict(state["optimizer"])
         self._temperature = float(state["temperature"])
-        self._scale_temperature = None  # σ is recomputed from the loaded s before the next draw
-        self._refresh_scale()
+        self._refresh_scale(self._temperature)

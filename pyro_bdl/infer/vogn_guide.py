@@ -67,6 +67,13 @@ class VOGNGuide(SiteAccess, AutoGuide):
         self.register_buffer("loc", loc)
         self.register_buffer("scale", scale)
 
+    def detach(self) -> None:
+        """Undo :meth:`attach` (VOGN's first step was refused): the guide is unset again."""
+        self.prototype_trace = None
+        self._buffers.pop("loc", None)
+        self._buffers.pop("scale", None)
+        self.__dict__.pop("layout", None)
+
     def _setup_prototype(self, *args, **kwargs) -> None:
         self._ensure_setup()
 

@@ -140,6 +140,12 @@ def per_example_nll(sites: Iterable[dict], step: int) -> tuple[torch.Tensor, int
         if not isinstance(scale, (int, float)) or scale != 1.0:
             lp = lp * scale
         dim = frame.dim
+        if lp.shape != site["fn"].batch_shape:
+            raise ValueError(
+                f"VOGN step {step}: the observation of site {name!r} has shape "
+                f"{tuple(site['value'].shape)}, which broadcasts the distribution's batch shape "
+                f"{tuple(site['fn'].batch_shape)} to {tuple(lp.shape)}; give it the batch shape."
+            )
         if lp.dim() < -dim or lp.shape[dim] != frame.size:
             raise ValueError(
                 f"site {name!r} has log-probability shape {tuple(lp.shape)}, which does not "

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.infer.rollback import Rollback
 from pyro_bdl.infer.vogn_model import Hidden, per_example_nll, run_substituted
 from pyro_bdl.layout import SiteLayout
 
@@ -38,6 +39,8 @@ class Passes:
     ):
         self.model, self.loc, self.scale = model, loc, scale
         self.num_hidden = len(hidden)
+        #: What :meth:`check_finite` calls μ's estimates, then each hidden parameter's.
+        self.names = ["weights", *(f"{h.name} (hidden)" for h in hidden)]
         #: ε of the last draw; free once w is drawn (VOGN computes log σ into it).
         self.noise = torch.empty_like(loc)
         self._w = torch.empty_like(loc)
@@ -60,6 +63,8 @@ class Passes:
         ]
         self._values += [(hp.module, hp.param_name, hp.param) for hp in hidden]
         self._tape = PerExampleGradients(layers=layers, chunk_size=chunk_size)
+        #: Saves and restores what a pass changes outside VOGN's state (set by VOGN).
+        self.rollback = Rollback([])
 
     def split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(ĝs, ĥs) of μ first, then of each hidden parameter (views of :attr:`estimates`)."""
@@ -99,14 +104,30 @@ class Passes:
         torch._foreach_div_(self.estimates, float(num_particles * batch))
         return nlls, batch
 
-    def check_finite(self, step: int, names: list[str]) -> None:
-        """Refuse non-finite estimates, naming the first tensor (``names``: μ's, then hidden)."""
+    @torch.no_grad()
+    def mean_nll(self, args, kwargs, *, num_particles: int, step: int) -> float:
+        """(1/B) Σᵢ ℓᵢ averaged over ``num_particles`` draws, with nothing recorded for gradients;
+        if a pass raises, the layers' buffers and the random state are put back."""
+        self.rollback.save()
+        try:
+            nll = 0.0
+            for _ in range(num_particles):
+                self.sample()
+                _, batch, total = self.run(args, kwargs, step)
+                nll += total / batch
+        except BaseException:
+            self.rollback.restore()
+            raise
+        return nll / num_particles
+
+    def check_finite(self, step: int) -> None:
+        """Refuse non-finite estimates, naming the first tensor."""
         # One reduction per tensor: a sum is finite only if every element is.
         if bool(torch.isfinite(torch.stack([t.sum() for t in self.estimates])).all()):
             return
         g_hats, h_hats = self.split()
-        labelled = [(f"{n} (ĝ)", t) for n, t in zip(names, g_hats)]
-        labelled += [(f"{n} (ĥ)", t) for n, t in zip(names, h_hats)]
+        labelled = [(f"{n} (ĝ)", t) for n, t in zip(self.names, g_hats)]
+        labelled += [(f"{n} (ĥ)", t) for n, t in zip(self.names, h_hats)]
         name = next(n for n, t in labelled if not bool(torch.isfinite(t).all()))
         raise ValueError(
             f"VOGN step {step}: the gradient of the likelihood for {name} is not finite (NaN or "

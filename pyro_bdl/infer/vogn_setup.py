@@ -7,14 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pyro
 import pyro.poutine as poutine
 import torch
 from pyro.infer.autoguide.initialization import InitMessenger
-from torch import nn
 
 from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.infer.rollback import BufferRecorder
 from pyro_bdl.infer.vogn_model import Hidden, inspect_model, observed_sites
 from pyro_bdl.infer.vogn_prior import VOGNPrior
+from pyro_bdl.infer.vogn_update import VOGNState
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
@@ -31,6 +33,7 @@ class Prepared:
     :ivar tape: the tape that recorded the pass (its layers are the ones to hook from then on).
     :ivar observed: the observed sites of the pass, weights at their initial values.
     :ivar statistics: the buffers of every layer as they were before the pass.
+    :ivar params_added: the param store entries the pass created.
     """
 
     layout: SiteLayout
@@ -38,19 +41,40 @@ class Prepared:
     prior: VOGNPrior
     tape: PerExampleGradients
     observed: list[dict]
-    statistics: dict[nn.Module, dict[str, torch.Tensor]]
+    statistics: BufferRecorder
+    params_added: frozenset[str] = frozenset()
+
+    def initial_state(self) -> VOGNState:
+        """μ at the lifted weights' initial values, everything else zero."""
+        specs = [s.spec for s in self.layout if s.spec is not None]
+        mean = torch.cat([spec.init_value.detach().reshape(-1) for spec in specs]).clone()
+        params: list[torch.Tensor] = [h.param for h in self.hidden]
+        return VOGNState(
+            mean=mean,
+            momentum=torch.zeros_like(mean),
+            curvature=torch.zeros_like(mean),
+            hidden=params,
+            hidden_momentum=[torch.zeros_like(p) for p in params],
+            hidden_curvature=[torch.zeros_like(p) for p in params],
+        )
 
     def restore_statistics(self) -> None:
         """Put back the buffers (BatchNorm's running statistics) that the pass changed; only
         once the pass's backward is done, which reads them."""
-        _restore(self.statistics)
+        self.statistics.restore()
+
+    def undo(self) -> None:
+        """Undo the pass (VOGN's first step was refused): the buffers, and the param store entries
+        that PyroModule registered for the layers' parameters."""
+        self.statistics.restore()
+        _forget(self.params_added)
 
 
-@torch.no_grad()
-def _restore(snapshots: dict[nn.Module, dict[str, torch.Tensor]]) -> None:
-    for module, buffers in snapshots.items():
-        for k, b in buffers.items():
-            getattr(module, k).copy_(b)
+def _forget(names) -> None:
+    store = pyro.get_param_store()
+    for name in names:
+        if name in store:
+            del store[name]
 
 
 def prepare(
@@ -67,39 +91,36 @@ def prepare(
     model (and, with ``check``, anything else about its layout) and read its prior.
 
     The pass is a training pass: it updates BatchNorm's running statistics, which are put back on
-    a refusal (and by :meth:`Prepared.restore_statistics`). The random streams are left as they
-    were found (a subsampling plate draws indices), so that a run resumed from a state_dict
-    continues bit for bit.
+    any refusal, whatever raised (and by :meth:`Prepared.restore_statistics`). The random streams
+    are left as they were found (a subsampling plate draws indices), so that a run resumed from a
+    state_dict continues bit for bit.
 
     :raises ValueError: for a model VOGN cannot fit (including
         :class:`~pyro_bdl.priors.NonGaussianPriorError`).
     """
-    snapshots: dict[nn.Module, dict[str, torch.Tensor]] = {}
-
-    def snapshot(module, inputs):
-        if module not in snapshots:
-            snapshots[module] = {k: b.clone() for k, b in module.named_buffers(recurse=False)}
-
-    handle = nn.modules.module.register_module_forward_pre_hook(snapshot)
+    recorder = BufferRecorder()
+    store = pyro.get_param_store()
+    known = set(store.keys())
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     tape = PerExampleGradients(None, chunk_size=chunk_size)
     try:
-        with tape:
+        with recorder, tape:
             trace = poutine.trace(InitMessenger(init_to_network)(model)).get_trace(*args, **kwargs)
-    finally:
-        handle.remove()
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-    try:
         layout, hidden = inspect_model(trace, list(tape.calls), dataset_size)
         like = layout[0].spec.init_value  # type: ignore[union-attr]
         prior = VOGNPrior.read(layout, prior_precision, like)
         if check is not None:
             check(layout, hidden)
-    except (ValueError, TypeError):
-        _restore(snapshots)
+    except BaseException:
+        # Whatever refused the pass (bad data, a model error, a check), nothing stays changed.
+        recorder.restore()
+        _forget(set(store.keys()) - known)
         raise
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
     observed = observed_sites(trace, set(layout.names))
-    return Prepared(layout, hidden, prior, tape, observed, snapshots)
+    added = frozenset(set(store.keys()) - known)
+    return Prepared(layout, hidden, prior, tape, observed, recorder, added)

@@ -1,0 +1,121 @@
+"""Undo what a refused training step changed outside the optimiser's own state: the buffers of the
+network's layers (BatchNorm's running statistics and ``num_batches_tracked``) and torch's random
+streams (docs/design/README.md: a refused step changes nothing).
+
+A forward pass in training mode writes the batch's statistics into BatchNorm before any loss is
+seen, so a check of the loss comes too late to keep a NaN batch out of them. Copying the buffers
+(a few KB) and the generator state before the pass, and back on a refusal, costs a fraction of a
+percent of a step; the common path never copies back.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+__all__ = ["BufferRecorder", "Rollback", "refused"]
+
+
+class Rollback:
+    """Saves and restores some buffers of some layers, and the random streams.
+
+    :param buffers: ``(module, buffer name)`` pairs (see :meth:`BufferRecorder.written`). Buffers
+        are looked up by name at every :meth:`save`, so a buffer replaced by a new tensor
+        (``module.running_mean = ...``) is still the one restored.
+    """
+
+    def __init__(self, buffers: Iterable[tuple[nn.Module, str]]):
+        self._entries = list(buffers)
+        self._last: list[torch.Tensor] = []  # the buffers of the last save ...
+        self._saved: list[torch.Tensor] = []  # ... and their copies
+        self._cpu_rng: torch.Tensor | None = None
+        self._cuda_rng: list[torch.Tensor] | None = None
+
+    def save(self) -> None:
+        """Copy the buffers (into storage kept between steps) and the generator states."""
+        # ``_buffers`` directly: a PyroModule's __getattr__ costs microseconds per lookup.
+        buffers = [module._buffers[name] for module, name in self._entries]
+        live = cast(list[torch.Tensor], buffers)  # written() lists no None buffer
+        if len(live) == len(self._last) and all(map(operator.is_, live, self._last)):
+            if live:
+                torch._foreach_copy_(self._saved, live)
+        else:
+            self._last = live
+            self._saved = [b.detach().clone() for b in live]
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put back what :meth:`save` copied."""
+        for (module, name), tensor in zip(self._entries, self._last):
+            if module._buffers.get(name) is not tensor:  # the pass assigned a new tensor
+                module._buffers[name] = tensor
+        if self._saved:
+            torch._foreach_copy_(self._last, self._saved)
+        if self._cpu_rng is not None:
+            torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+class BufferRecorder:
+    """While active, copies the buffers of every module before its first forward call (a global
+    forward pre-hook), so that a pass over modules not known in advance can be undone.
+
+    :ivar snapshots: ``{module: {buffer name: copy}}`` of the modules called so far.
+    """
+
+    def __init__(self) -> None:
+        self.snapshots: dict[nn.Module, dict[str, torch.Tensor]] = {}
+        # The tensor and its in-place version counter before the pass, to see what it wrote.
+        self._seen: dict[tuple[nn.Module, str], tuple[torch.Tensor, int]] = {}
+        self._handle: Any = None
+
+    def _hook(self, module: nn.Module, inputs) -> None:
+        if module not in self.snapshots:
+            buffers = dict(module.named_buffers(recurse=False))
+            self.snapshots[module] = {k: b.detach().clone() for k, b in buffers.items()}
+            for k, b in buffers.items():
+                self._seen[(module, k)] = (b, b._version)
+
+    def __enter__(self) -> BufferRecorder:
+        self._handle = nn.modules.module.register_module_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def written(self) -> list[tuple[nn.Module, str]]:
+        """The buffers a pass like the recorded one may change: those it wrote (in place or by
+        assignment), and every buffer of a normalisation layer (which writes its running
+        statistics only in training mode). Constant buffers, such as the initial values that
+        :func:`~pyro_bdl.bayesianize` keeps, are left out: copying them would cost a step as
+        much as the weights."""
+        out = []
+        for (module, name), (tensor, version) in self._seen.items():
+            now = getattr(module, name, None)
+            if isinstance(module, _NormBase) or now is not tensor or tensor._version != version:
+                out.append((module, name))
+        return out
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put every recorded buffer back as it was before its module's first call."""
+        for module, buffers in self.snapshots.items():
+            for k, b in buffers.items():
+                getattr(module, k).copy_(b)
+
+
+def refused(err: BaseException, where: str) -> None:
+    """Note on an error raised from inside a step (by the model, the data, a collective) where it
+    happened and that the step was undone; our own refusals say so in their message already."""
+    if isinstance(err, Exception) and "nothing was updated" not in str(err):
+        err.add_note(f"{where} was refused and undone: nothing was updated.")
