@@ -123,7 +123,7 @@ def test_uci_problem_keeps_the_benchmark_row_order():
     y = torch.arange(10.0)
     data = Dataset("uci", x, y, x[:0], y[:0], num_classes=None)
     full = UCIProblem(data, batch_size=10, seed=3, progress=False, noise=1.0)
-    (xb, yb), *rest = list(full.batches(epoch=4))
+    (_, yb), *rest = list(full.batches(epoch=4))
     assert not rest and torch.equal(yb, y)
     mini = UCIProblem(data, batch_size=4, seed=3, progress=False, noise=1.0)
     g = torch.Generator().manual_seed(3)
