@@ -25,6 +25,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 
@@ -33,10 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pyro_bdl.distributed.comm import all_gather_scalars, comm_device, get_world_size
+from pyro_bdl.distributed.comm import _buckets, all_gather_scalars, comm_device, get_world_size
 from pyro_bdl.distributed.errors import GuideNotInitializedError, StepRefusedError
 
-__all__ = ["StepAgreement", "agree_on_refusal"]
+__all__ = [
+    "StateSnapshot",
+    "StepAgreement",
+    "agree_on_refusal",
+    "nonfinite_refusal",
+    "norm_buffers",
+]
 
 # The kinds the ranks name to each other by index (0 means "no refusal"): the most specific
 # first, since a rank's error is matched with isinstance.
@@ -144,6 +151,25 @@ def agree_on_refusal(
     if error is not None:
         raise agreed from error
     raise agreed
+
+
+def nonfinite_refusal(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exception | None:
+    """This rank's refusal of a non-finite loss or gradient (``None`` when all are finite), naming
+    the first parameter with a non-finite gradient: ``named`` holds (name, parameter) pairs."""
+    fix = "; nothing was updated. Lower the learning rate or check that rank's data for NaN/inf."
+    if not math.isfinite(loss):
+        return FloatingPointError(f"its loss is {loss}{fix}")
+    grads = [(n, p.grad) for n, p in named if p.grad is not None]
+    # One reduction per (device, dtype): a sum is finite when every element is (it can also
+    # overflow, which the element-wise search below tells apart).
+    finite = all(
+        bool(torch.isfinite(torch.stack([g.sum() for g in bucket])).all())
+        for bucket in _buckets(g for _, g in grads)
+    )
+    bad = None if finite else next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
+    return (
+        None if bad is None else FloatingPointError(f"the gradient of {bad!r} is not finite{fix}")
+    )
 
 
 class StateSnapshot:

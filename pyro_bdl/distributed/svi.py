@@ -31,7 +31,6 @@ References:
 
 from __future__ import annotations
 
-import math
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -46,7 +45,6 @@ from pyro.optim import PyroOptim
 from torch import nn
 
 from pyro_bdl.distributed.comm import (
-    _buckets,
     all_gather_scalars,
     allreduce_mean_,
     broadcast_,
@@ -55,7 +53,7 @@ from pyro_bdl.distributed.comm import (
     get_world_size,
 )
 from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError
-from pyro_bdl.distributed.refusal import StateSnapshot, agree_on_refusal
+from pyro_bdl.distributed.refusal import StateSnapshot, agree_on_refusal, nonfinite_refusal
 from pyro_bdl.models import NetworkModel
 
 __all__ = ["BatchNormWarning", "DataParallelSVI", "GuideNotInitializedError"]
@@ -81,24 +79,6 @@ def _check_seed(seed: object) -> None:
         raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
     if seed is not None and not 0 <= seed < _SEED_RANGE:
         raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
-
-
-def _local_nonfinite(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exception | None:
-    """This rank's refusal of a non-finite loss or gradient, naming the first bad parameter."""
-    fix = "; nothing was updated. Lower the learning rate or check that rank's data for NaN/inf."
-    if not math.isfinite(loss):
-        return FloatingPointError(f"its loss is {loss}{fix}")
-    grads = [(n, p.grad) for n, p in named if p.grad is not None]
-    # One reduction per (device, dtype): a sum is finite when every element is (it can also
-    # overflow, which the element-wise search below tells apart).
-    finite = all(
-        bool(torch.isfinite(torch.stack([g.sum() for g in bucket])).all())
-        for bucket in _buckets(g for _, g in grads)
-    )
-    bad = None if finite else next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
-    return (
-        None if bad is None else FloatingPointError(f"the gradient of {bad!r} is not finite{fix}")
-    )
 
 
 def _crc(names: list[str]) -> int:
@@ -365,7 +345,7 @@ class DataParallelSVI(SVI):
         nonfinite = None
         if get_world_size(self.process_group) > 1:
             # One process keeps SVI's errors; across ranks, name the rank whose values broke.
-            nonfinite = _local_nonfinite(loss, [(traced[id(p)], p) for p in traced_params])
+            nonfinite = nonfinite_refusal(loss, [(traced[id(p)], p) for p in traced_params])
         return nonfinite, loss, traced, traced_params
 
     def _raise_nonfinite(self, mean_loss: float, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -381,7 +361,20 @@ class DataParallelSVI(SVI):
         )
 
     def evaluate_loss(self, *args, **kwargs) -> float:
-        """The loss on this rank's batch, without gradients, averaged over the ranks."""
-        with torch.no_grad():
-            loss = _item(self.loss(self.model, self.guide, *args, **kwargs))
-        return float(all_gather_scalars([loss], self.process_group)[:, 0].mean())
+        """The loss on this rank's batch, without gradients, averaged over the ranks. A batch
+        refused on any rank raises on every rank, as in :meth:`step`."""
+        snapshot = StateSnapshot(self._norm_modules)
+        error, loss = None, float("nan")
+        try:
+            with torch.no_grad():
+                loss = _item(self.loss(self.model, self.guide, *args, **kwargs))
+        except Exception as refusal:
+            error = refusal
+        try:
+            stats = agree_on_refusal(
+                error, [loss], step=self.num_steps_taken, process_group=self.process_group
+            )
+        except BaseException:
+            snapshot.restore()
+            raise
+        return float(stats[:, 0].mean())

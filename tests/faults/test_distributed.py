@@ -54,7 +54,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 # loaded two-core machine; the cases themselves take well under a second each.
 JOIN_TIMEOUT_S = 150
 
-SVI_CASES = ["nan", "labels", "shape", "nonfinite_loss", "both"]
+SVI_CASES = ["nan", "labels", "shape", "nonfinite_loss", "nonfinite_grad", "both", "evaluate"]
 VOGN_CASES = ["vogn_nan", "vogn_labels"]
 CASES = SVI_CASES + VOGN_CASES
 
@@ -82,7 +82,7 @@ def _batch(case: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     x, y = x[lo : lo + B].clone(), y[lo : lo + B].clone()
     if step != BAD_STEP:
         return x, y
-    kind = case.removeprefix("vogn_")
+    kind = "nan" if case == "evaluate" else case.removeprefix("vogn_")
     if kind == "both":  # rank 0's labels and rank 1's values are both bad
         kind = "labels" if rank == 0 else "nan"
     elif rank != 1:
@@ -145,13 +145,18 @@ def _changed(before: dict, after: dict) -> list[str]:
 # -- the ranks -------------------------------------------------------------------------------
 
 
-def _poisoned_loss(poison: dict):
-    """Trace_ELBO's loss, turned NaN on the step where ``poison["on"]`` is set (a divergence)."""
+def _poisoned_loss(poison: dict, where: str):
+    """Trace_ELBO's loss, broken on the step where ``poison["on"]`` is set: NaN (a divergence),
+    or finite with a NaN gradient for one parameter (d√(0·w)/dw = ∞·0)."""
     elbo = Trace_ELBO()
 
     def loss(model, guide, *args, **kwargs):
         value = elbo.differentiable_loss(model, guide, *args, **kwargs)
-        return value * float("nan") if poison["on"] else value
+        if poison["on"] and where == "loss":
+            return value * float("nan")
+        if poison["on"]:
+            return value + torch.sqrt(0.0 * pyro.param("AutoNormal.locs.0.weight")).sum()
+        return value
 
     return loss
 
@@ -161,7 +166,8 @@ def _svi_case(case: str, rank: int) -> dict:
     guide = AutoNormal(model, init_loc_fn=init_to_network, init_scale=0.05)
     guide(*_batch(case, 0, rank))
     poison = {"on": False}
-    loss = _poisoned_loss(poison) if case == "nonfinite_loss" else Trace_ELBO()
+    nonfinite = case.startswith("nonfinite_")
+    loss = _poisoned_loss(poison, case.removeprefix("nonfinite_")) if nonfinite else Trace_ELBO()
     optim = pyro.optim.Adam({"lr": 0.05})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the BatchNormWarning, checked in tests/distributed
@@ -169,7 +175,8 @@ def _svi_case(case: str, rank: int) -> dict:
     svi.step(*_batch(case, 0, rank))
     before = snapshot(model.net, optim)
     poison["on"] = rank == 1
-    verdict = _refusal(lambda: svi.step(*_batch(case, BAD_STEP, rank)))
+    refused = svi.evaluate_loss if case == "evaluate" else svi.step
+    verdict = _refusal(lambda: refused(*_batch(case, BAD_STEP, rank)))
     verdict["changed"] = _changed(before, snapshot(model.net, optim))
     poison["on"] = False
     svi.step(*_batch(case, 0, rank))  # the ranks are still in step: a good batch trains
@@ -337,7 +344,7 @@ def _assert_agreed(ranks: list[dict], expected_type: type, prefix: str, refused:
     assert ranks[0]["message"] == ranks[1]["message"]
 
 
-@pytest.mark.parametrize("case", ["nan", "labels", "shape", "vogn_nan", "vogn_labels"])
+@pytest.mark.parametrize("case", ["nan", "labels", "shape", "evaluate", "vogn_nan", "vogn_labels"])
 def test_one_rank_refuses_its_batch(verdicts, case):
     """Rank 1's batch has a NaN, a label out of range or a wrong feature width: both ranks raise
     the error rank 1 would raise alone, quoting it, at step 1, and change nothing."""
@@ -355,9 +362,17 @@ def test_one_rank_refuses_its_batch(verdicts, case):
         assert ranks[0]["steps"] == ranks[1]["steps"] == 2
 
 
-def test_one_rank_has_a_non_finite_loss(verdicts):
-    ranks = _ranks(verdicts, "nonfinite_loss")
-    prefix = f"rank 1 refused its batch at step {BAD_STEP}: its loss is nan; nothing was updated"
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("nonfinite_loss", "its loss is nan"),
+        ("nonfinite_grad", "the gradient of 'AutoNormal.locs.0.weight' is not finite"),
+    ],
+)
+def test_one_rank_has_a_non_finite_loss_or_gradient(verdicts, case, reason):
+    """Found on rank 1 before the gradients are averaged, so the message names the rank."""
+    ranks = _ranks(verdicts, case)
+    prefix = f"rank 1 refused its batch at step {BAD_STEP}: {reason}; nothing was updated"
     _assert_agreed(ranks, FloatingPointError, prefix, [1])
     assert torch.equal(ranks[0]["after"], ranks[1]["after"])
 
