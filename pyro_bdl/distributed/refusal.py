@@ -26,10 +26,8 @@ Usage::
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -173,25 +171,23 @@ def nonfinite_refusal(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exc
 
 
 class StateSnapshot:
-    """The state a forward pass changes outside the parameters: the random generators (torch's
-    CPU and current CUDA device, Python's, NumPy's) and the buffers of the given modules'
-    normalisation layers (BatchNorm's running statistics and batch counter). Taken when built;
-    :meth:`restore` puts it back."""
+    """The state a forward pass changes outside the parameters: torch's random generators (the
+    CPU one and the current CUDA device's, which Pyro's sampling draws from) and the buffers of
+    the given modules' normalisation layers (BatchNorm's running statistics and batch counter).
+    Taken when built; :meth:`restore` puts it back.
+
+    Python's and NumPy's global generators are left out: Pyro's sampling does not draw from them,
+    and copying their state costs about 0.1 ms, more than the rest of a small step's overhead."""
 
     def __init__(self, modules: Iterable[nn.Module] = ()):
         self.torch = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-        self.random = random.getstate()
-        # The legacy global generator is state that user code (and Pyro's seeding) may read.
-        self.numpy = np.random.get_state()  # noqa: NPY002
         self.buffers = [(b, b.clone()) for b in norm_buffers(modules)]
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda)
-        random.setstate(self.random)
-        np.random.set_state(self.numpy)  # noqa: NPY002
         with torch.no_grad():
             for live, saved in self.buffers:
                 live.copy_(saved)
@@ -219,7 +215,7 @@ class StepAgreement:
     reaches ``reduce_fn`` does so just before the reduction (:meth:`wrap`), a rank that raised
     does so when the exception leaves ``with agreement.step():``. If any rank refused, every rank
     raises the same error (see :func:`agree_on_refusal`) at the same step, and the step's changes
-    to the random generators and to the normalisation statistics of ``modules`` are rolled back.
+    to torch's random generators and to the normalisation statistics of ``modules`` are rolled back.
     The refusal happens before ``reduce_fn`` runs, hence before VOGN's update: its state is
     untouched.
 

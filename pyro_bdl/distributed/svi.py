@@ -133,7 +133,7 @@ class DataParallelSVI(SVI):
     - **Refusals are agreed.** If any rank's step fails (the model refuses its batch, or its
       loss or a gradient is not finite), every rank raises the same error at the same step, in
       the all-gather that precedes the gradients' all-reduce, naming the refusing rank and its
-      reason; no rank changes parameters, optimizer state, random generators or BatchNorm
+      reason; no rank changes parameters, optimizer state, torch random generators or BatchNorm
       statistics, and the ranks stay in step for the next batch. A non-finite averaged loss or
       gradient raises ``FloatingPointError`` on every rank, also before anything changes.
     - Checkpoints: write them on one rank, ``if is_main_process(): ...``.
@@ -271,7 +271,7 @@ class DataParallelSVI(SVI):
 
         If any rank refuses its batch (the model's checks raise, or its loss or gradient is not
         finite), every rank raises the same error at this step, before any gradient is exchanged,
-        and no rank changes its parameters, optimizer state, random generators or BatchNorm
+        and no rank changes its parameters, optimizer state, torch random generators or BatchNorm
         statistics (see :func:`~pyro_bdl.distributed.agree_on_refusal`).
 
         :returns: the loss averaged over the ranks.
