@@ -11,8 +11,8 @@ carry the reasons' text (as bytes, never pickles).
 
 :func:`agree_on_refusal` is the primitive (``DataParallelSVI.step`` puts its loss and checksums in
 the same all-gather, so a normal step costs no extra collective); :class:`StepAgreement` wraps
-another step function, such as ``VOGN.step`` with ``reduce_fn=``, and rolls back the RNG and the
-normalisation statistics that the refused step's forward passes changed.
+another step function, such as ``VOGN.step`` with ``reduce_fn=``, and rolls back torch's random
+generators and the normalisation statistics that the refused step's forward passes changed.
 
 Usage::
 
@@ -56,7 +56,6 @@ _KINDS: tuple[type[Exception], ...] = (
     StepRefusedError,
 )
 _MAX_REASON_BYTES = 4000
-_AGREED = "_pyro_bdl_agreed"
 
 
 def _kind(error: BaseException) -> int:
@@ -93,7 +92,6 @@ def _agreed_error(refused: list[int], kinds: list[int], reasons: list[str], step
     agreed = _KINDS[kinds[refused[0]] - 1](
         f"{what} (every rank raised this error; no rank changed any state in this step)"
     )
-    setattr(agreed, _AGREED, True)
     agreed.refused_ranks = refused  # type: ignore[attr-defined]
     agreed.step = step  # type: ignore[attr-defined]
     return agreed
