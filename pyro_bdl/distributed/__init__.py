@@ -11,12 +11,17 @@ from pyro_bdl.distributed.comm import (
     is_main_process,
     shard_indices,
 )
-from pyro_bdl.distributed.svi import BatchNormWarning, DataParallelSVI, GuideNotInitializedError
+from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError, StepRefusedError
+from pyro_bdl.distributed.refusal import StepAgreement, agree_on_refusal
+from pyro_bdl.distributed.svi import DataParallelSVI
 
 __all__ = [
     "BatchNormWarning",
     "DataParallelSVI",
     "GuideNotInitializedError",
+    "StepAgreement",
+    "StepRefusedError",
+    "agree_on_refusal",
     "all_gather_scalars",
     "allreduce_mean_",
     "broadcast_",

@@ -52,19 +52,13 @@ from pyro_bdl.distributed.comm import (
     get_rank,
     get_world_size,
 )
+from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError
+from pyro_bdl.distributed.refusal import StateSnapshot, agree_on_refusal, nonfinite_refusal
 from pyro_bdl.models import NetworkModel
 
 __all__ = ["BatchNormWarning", "DataParallelSVI", "GuideNotInitializedError"]
 
 _SEED_RANGE = 2**31 - 1
-
-
-class GuideNotInitializedError(RuntimeError):
-    """Data-parallel training was set up before the guide created its parameters."""
-
-
-class BatchNormWarning(UserWarning):
-    """A data-parallel model contains BatchNorm layers whose statistics are not synchronised."""
 
 
 _HOW_TO_INIT = (
@@ -136,8 +130,12 @@ class DataParallelSVI(SVI):
       ``model.net`` trigger a :class:`BatchNormWarning`: each rank normalises with its own local
       batch, and the running statistics are taken from rank 0 (broadcast after every step).
       ``torch.nn.SyncBatchNorm`` (CUDA) layers are synchronised and do not warn.
-    - A non-finite averaged loss or gradient raises ``FloatingPointError`` on every rank before
-      the optimizer changes anything.
+    - **Refusals are agreed.** If any rank's step fails (the model refuses its batch, or its
+      loss or a gradient is not finite), every rank raises the same error at the same step, in
+      the all-gather that precedes the gradients' all-reduce, naming the refusing rank and its
+      reason; no rank changes parameters, optimizer state, torch random generators or BatchNorm
+      statistics, and the ranks stay in step for the next batch. A non-finite averaged loss or
+      gradient raises ``FloatingPointError`` on every rank, also before anything changes.
     - Checkpoints: write them on one rank, ``if is_main_process(): ...``.
 
     Usage::
@@ -204,6 +202,7 @@ class DataParallelSVI(SVI):
                 stacklevel=2,
             )
         self._buffers = [b for m in batchnorms.values() for b in m.buffers()]
+        self._norm_modules = list(_modules(model, guide))
         self._params: dict[str, torch.Tensor] = {}
         self._known: set[int] = set()
         self.broadcast_parameters()
@@ -270,22 +269,31 @@ class DataParallelSVI(SVI):
     def step(self, *args, **kwargs) -> float:
         """One data-parallel gradient step on this rank's batch.
 
+        If any rank refuses its batch (the model's checks raise, or its loss or gradient is not
+        finite), every rank raises the same error at this step, before any gradient is exchanged,
+        and no rank changes its parameters, optimizer state, torch random generators or BatchNorm
+        statistics (see :func:`~pyro_bdl.distributed.agree_on_refusal`).
+
         :returns: the loss averaged over the ranks.
         """
-        with poutine.trace(param_only=True) as capture:
-            loss = self.loss_and_grads(self.model, self.guide, *args, **kwargs)
-        traced_params = [site["value"].unconstrained() for site in capture.trace.nodes.values()]
-        traced = {id(p): name for p, name in zip(traced_params, capture.trace.nodes)}
-        unknown = [name for key, name in traced.items() if key not in self._known]
-        # The buckets follow the list fixed (and checked equal on every rank) by
-        # broadcast_parameters, so they line up even when ranks trace different parameters.
-        # Like SVI, only parameters this step traced and differentiated are trained.
-        has_grad = [id(p) in traced and p.grad is not None for p in self._params.values()]
-        stats = all_gather_scalars(
-            [_item(loss), len(unknown), _crc([str(int(g)) for g in has_grad])], self.process_group
-        )
+        snapshot = StateSnapshot(self._norm_modules)
         trained: list[tuple[str, torch.Tensor]] = []
+        traced_params: list[torch.Tensor] = []
         try:
+            error, loss, traced, traced_params = self._local_step(args, kwargs)
+            unknown = [name for key, name in traced.items() if key not in self._known]
+            # The buckets follow the list fixed (and checked equal on every rank) by
+            # broadcast_parameters, so they line up even when ranks trace different parameters.
+            # Like SVI, only parameters this step traced and differentiated are trained.
+            has_grad = [id(p) in traced and p.grad is not None for p in self._params.values()]
+            # The one collective that precedes the gradients': every rank's refusal status, loss
+            # and checksums. A refusal on any rank raises here, on every rank.
+            stats = agree_on_refusal(
+                error,
+                [loss, len(unknown), _crc([str(int(g)) for g in has_grad])],
+                step=self.num_steps_taken,
+                process_group=self.process_group,
+            )
             if bool((stats[:, 1] > 0).any()):
                 where = f"here: {', '.join(unknown[:5])}" if unknown else "on another rank"
                 raise GuideNotInitializedError(
@@ -312,6 +320,9 @@ class DataParallelSVI(SVI):
             if not finite or not torch.isfinite(torch.tensor(mean_loss)):
                 self._raise_nonfinite(mean_loss, trained)
             self.optim([p for _, p in trained])
+        except BaseException:
+            snapshot.restore()
+            raise
         finally:
             # Gradients never outlive the step, also when it raised.
             zero_grads(traced_params + [p for _, p in trained])
@@ -319,6 +330,23 @@ class DataParallelSVI(SVI):
             broadcast_(self._buffers, self.process_group)
         self.num_steps_taken += 1
         return mean_loss
+
+    def _local_step(self, args, kwargs):
+        """This rank's loss and gradients, and its refusal (an exception, or ``None``)."""
+        traced: dict[int, str] = {}
+        traced_params: list[torch.Tensor] = []
+        try:
+            with poutine.trace(param_only=True) as capture:
+                loss = _item(self.loss_and_grads(self.model, self.guide, *args, **kwargs))
+            traced_params = [site["value"].unconstrained() for site in capture.trace.nodes.values()]
+            traced = {id(p): name for p, name in zip(traced_params, capture.trace.nodes)}
+        except Exception as refusal:
+            return refusal, float("nan"), traced, traced_params
+        nonfinite = None
+        if get_world_size(self.process_group) > 1:
+            # One process keeps SVI's errors; across ranks, name the rank whose values broke.
+            nonfinite = nonfinite_refusal(loss, [(traced[id(p)], p) for p in traced_params])
+        return nonfinite, loss, traced, traced_params
 
     def _raise_nonfinite(self, mean_loss: float, named: list[tuple[str, torch.Tensor]]) -> None:
         bad = next(
@@ -333,7 +361,20 @@ class DataParallelSVI(SVI):
         )
 
     def evaluate_loss(self, *args, **kwargs) -> float:
-        """The loss on this rank's batch, without gradients, averaged over the ranks."""
-        with torch.no_grad():
-            loss = _item(self.loss(self.model, self.guide, *args, **kwargs))
-        return float(all_gather_scalars([loss], self.process_group)[:, 0].mean())
+        """The loss on this rank's batch, without gradients, averaged over the ranks. A batch
+        refused on any rank raises on every rank, as in :meth:`step`."""
+        snapshot = StateSnapshot(self._norm_modules)
+        error, loss = None, float("nan")
+        try:
+            with torch.no_grad():
+                loss = _item(self.loss(self.model, self.guide, *args, **kwargs))
+        except Exception as refusal:
+            error = refusal
+        try:
+            stats = agree_on_refusal(
+                error, [loss], step=self.num_steps_taken, process_group=self.process_group
+            )
+        except BaseException:
+            snapshot.restore()
+            raise
+        return float(stats[:, 0].mean())

@@ -1,0 +1,301 @@
+r"""Ranks agree on refusals: one small collective per step decides whether every rank goes on.
+
+A data-parallel step pairs collectives across ranks. If one rank refuses its batch (a check of the
+model raises, its loss is NaN) and simply raises, the others wait in the next collective: they hang
+until the timeout, fail with an unrelated connection error, or, worse, pair this step's collective
+with the refusing rank's next step. So before any gradient is exchanged, every rank contributes a
+status (0: ready, else the kind of its error) to one all-gather, and if any rank refused, every
+rank raises the same exception type with the same message, naming the refusing ranks and their
+reasons, at the same step (docs/design/distributed.md). Only on that path does a second collective
+carry the reasons' text (as bytes, never pickles).
+
+:func:`agree_on_refusal` is the primitive (``DataParallelSVI.step`` puts its loss and checksums in
+the same all-gather, so a normal step costs no extra collective); :class:`StepAgreement` wraps
+another step function, such as ``VOGN.step`` with ``reduce_fn=``, and rolls back torch's random
+generators and the normalisation statistics that the refused step's forward passes changed.
+
+Usage::
+
+    agreement = StepAgreement(modules=[net])
+    vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=agreement.wrap(allreduce_mean_))
+    for x, y in batches:
+        with agreement.step():
+            vogn.step(x, y)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pyro_bdl.distributed.comm import _buckets, all_gather_scalars, comm_device, get_world_size
+from pyro_bdl.distributed.errors import GuideNotInitializedError, StepRefusedError
+
+__all__ = [
+    "StateSnapshot",
+    "StepAgreement",
+    "agree_on_refusal",
+    "nonfinite_refusal",
+    "norm_buffers",
+]
+
+# The kinds the ranks name to each other by index (0 means "no refusal"): the most specific
+# first, since a rank's error is matched with isinstance.
+_KINDS: tuple[type[Exception], ...] = (
+    GuideNotInitializedError,
+    FloatingPointError,
+    TypeError,
+    ValueError,
+    IndexError,
+    KeyError,
+    RuntimeError,
+    StepRefusedError,
+)
+_MAX_REASON_BYTES = 4000
+
+
+def _kind(error: BaseException) -> int:
+    return next((i for i, k in enumerate(_KINDS, 1) if isinstance(error, k)), len(_KINDS))
+
+
+def _reason(error: BaseException) -> bytes:
+    kind = _KINDS[_kind(error) - 1]
+    text = str(error) if type(error) is kind else f"{type(error).__name__}: {error}"
+    return text.encode("utf-8")[:_MAX_REASON_BYTES]
+
+
+def _gather_text(text: bytes, lengths: list[int], process_group) -> list[str]:
+    """Every rank's ``text`` (``lengths[r]`` bytes on rank r), as uint8 tensors: no pickles."""
+    width = max(lengths)
+    local = torch.zeros(width, dtype=torch.uint8)
+    if text:
+        local[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    device = comm_device(process_group)
+    rows = [torch.empty(width, dtype=torch.uint8, device=device) for _ in lengths]
+    dist.all_gather(rows, local.to(device), group=process_group)
+    return [
+        bytes(row[:n].cpu().tolist()).decode("utf-8", "replace") for row, n in zip(rows, lengths)
+    ]
+
+
+def _agreed_error(refused: list[int], kinds: list[int], reasons: list[str], step: int) -> Exception:
+    if len(refused) == 1:
+        what = f"rank {refused[0]} refused its batch at step {step}: {reasons[refused[0]]}"
+    else:
+        listed = "; ".join(f"rank {r}: {reasons[r]}" for r in refused)
+        names = ", ".join(map(str, refused))
+        what = f"ranks {names} refused their batches at step {step}: {listed}"
+    agreed = _KINDS[kinds[refused[0]] - 1](
+        f"{what} (every rank raised this error; no rank changed any state in this step)"
+    )
+    agreed.refused_ranks = refused  # type: ignore[attr-defined]
+    agreed.step = step  # type: ignore[attr-defined]
+    return agreed
+
+
+def agree_on_refusal(
+    error: BaseException | None,
+    values: Sequence[float] = (),
+    *,
+    step: int,
+    process_group=None,
+) -> torch.Tensor:
+    r"""Tell every rank whether any rank refused this step, in one all-gather.
+
+    Every rank of ``process_group`` must call it once per step, with the exception that made it
+    refuse (``None`` when it is ready). If no rank refused it returns every rank's ``values``
+    (float64, shape ``(world_size, len(values))``, gathered by the same collective). Otherwise
+    every rank raises the same exception: the kind (``ValueError``, ``TypeError``,
+    ``FloatingPointError``, ...; :class:`StepRefusedError` for other kinds) of the lowest refusing
+    rank's error, with the message ``"rank 1 refused its batch at step 7: <its reason>"``, the
+    attributes ``refused_ranks`` and ``step``, and on a refusing rank its own error as the cause.
+    In one process the error itself is raised unchanged.
+
+    Usage::
+
+        try:
+            loss = compute_loss_and_grads(batch)
+            error = None
+        except Exception as e:
+            error = e
+        agree_on_refusal(error, step=t)   # raises on every rank, or on none
+        allreduce_mean_(grads)
+
+    :param error: this rank's refusal, or ``None``.
+    :param values: numbers to gather along with the status (the same count on every rank).
+    :param int step: the step number named in the message.
+    :param process_group: the ``torch.distributed`` group (default: the default group).
+    :returns: the gathered ``values``, row r from rank r.
+    """
+    if get_world_size(process_group) == 1:
+        if error is not None:
+            raise error
+        return torch.tensor([[float(v) for v in values]], dtype=torch.float64)
+    reason = b"" if error is None else _reason(error)
+    code = 0 if error is None else _kind(error)
+    stats = all_gather_scalars([code, len(reason), *values], process_group)
+    kinds = [int(k) for k in stats[:, 0].tolist()]
+    if not any(kinds):
+        return stats[:, 2:]
+    reasons = _gather_text(reason, [int(n) for n in stats[:, 1].tolist()], process_group)
+    refused = [r for r, k in enumerate(kinds) if k]
+    agreed = _agreed_error(refused, kinds, reasons, step)
+    if error is not None:
+        raise agreed from error
+    raise agreed
+
+
+def nonfinite_refusal(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exception | None:
+    """This rank's refusal of a non-finite loss or gradient (``None`` when all are finite), naming
+    the first parameter with a non-finite gradient: ``named`` holds (name, parameter) pairs."""
+    fix = "; nothing was updated. Lower the learning rate or check that rank's data for NaN/inf."
+    if not math.isfinite(loss):
+        return FloatingPointError(f"its loss is {loss}{fix}")
+    grads = [(n, p.grad) for n, p in named if p.grad is not None]
+    # One reduction per (device, dtype): a sum is finite when every element is (it can also
+    # overflow, which the element-wise search below tells apart).
+    finite = all(
+        bool(torch.isfinite(torch.stack([g.sum() for g in bucket])).all())
+        for bucket in _buckets(g for _, g in grads)
+    )
+    bad = None if finite else next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
+    return (
+        None if bad is None else FloatingPointError(f"the gradient of {bad!r} is not finite{fix}")
+    )
+
+
+class StateSnapshot:
+    """The state a forward pass changes outside the parameters: torch's random generators (the
+    CPU one and the current CUDA device's, which Pyro's sampling draws from) and the buffers of
+    the given modules' normalisation layers (BatchNorm's running statistics and batch counter).
+    Taken when built; :meth:`restore` puts it back.
+
+    Python's and NumPy's global generators are left out: Pyro's sampling does not draw from them,
+    and copying their state costs about 0.1 ms, more than the rest of a small step's overhead."""
+
+    def __init__(self, modules: Iterable[nn.Module] = ()):
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        self.buffers = [(b, b.clone()) for b in norm_buffers(modules)]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+        with torch.no_grad():
+            for live, saved in self.buffers:
+                live.copy_(saved)
+
+
+def norm_buffers(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    """The buffers of the normalisation layers with running statistics inside ``modules``, once
+    each (the state a training-mode forward pass changes)."""
+    seen: dict[int, torch.Tensor] = {}
+    for top in modules:
+        for m in top.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+                for b in m.buffers(recurse=False):
+                    seen.setdefault(id(b), b)
+    return list(seen.values())
+
+
+class StepAgreement:
+    r"""Make the ranks agree on refusals around a step function that is not
+    :class:`~pyro_bdl.distributed.DataParallelSVI`, such as ``VOGN.step`` with ``reduce_fn=``.
+
+    A VOGN step refused on one rank (its batch fails the model's checks) raises before it reaches
+    ``reduce_fn``, while the other ranks wait inside ``reduce_fn``'s all-reduce. With a
+    :class:`StepAgreement`, every rank exchanges its status exactly once per step: a rank that
+    reaches ``reduce_fn`` does so just before the reduction (:meth:`wrap`), a rank that raised
+    does so when the exception leaves ``with agreement.step():``. If any rank refused, every rank
+    raises the same error (see :func:`agree_on_refusal`) at the same step, and the step's changes
+    to torch's random generators and to the normalisation statistics of ``modules`` are rolled back.
+    The refusal happens before ``reduce_fn`` runs, hence before VOGN's update: its state is
+    untouched.
+
+    Usage::
+
+        agreement = StepAgreement(modules=[net])
+        vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=agreement.wrap(allreduce_mean_))
+        for x, y in batches:
+            with agreement.step():
+                loss = vogn.step(x, y)
+
+    Take the first step with good batches (or call ``vogn.setup(x, y)`` on every rank) before
+    relying on the roll-back: VOGN reads the model and creates its state at its first step.
+
+    :param process_group: the ``torch.distributed`` group (default: the default group).
+    :param modules: modules whose BatchNorm statistics a refused step must leave unchanged (the
+        network).
+    :ivar int num_steps_taken: the steps completed inside :meth:`step`; the step number in the
+        messages.
+    """
+
+    def __init__(self, process_group=None, *, modules: Iterable[nn.Module] = ()):
+        self.process_group = process_group
+        self.modules = list(modules)
+        if not all(isinstance(m, nn.Module) for m in self.modules):
+            raise TypeError("modules must be torch.nn.Module instances (the network).")
+        self.num_steps_taken = 0
+        self._active = False
+        self._agreed = False
+        self._snapshot: StateSnapshot | None = None
+
+    def wrap(self, reduce_fn: Callable[[list[torch.Tensor]], object]) -> Callable:
+        """``reduce_fn`` preceded by the exchange of statuses: pass the result as VOGN's
+        ``reduce_fn``. Called outside :meth:`step` it raises ``RuntimeError``."""
+        if not callable(reduce_fn):
+            raise TypeError(f"reduce_fn must be callable; got {type(reduce_fn).__name__}.")
+
+        def agreed_reduce(tensors: list[torch.Tensor]) -> object:
+            self.agree()
+            return reduce_fn(tensors)
+
+        return agreed_reduce
+
+    def agree(self, error: BaseException | None = None) -> None:
+        """Exchange this rank's status now (at most once per step; later calls do nothing)."""
+        if not self._active:
+            raise RuntimeError(
+                "the ranks agree on a step only inside `with agreement.step():`; wrap the call "
+                "that runs the step (for example vogn.step(x, y)) in it."
+            )
+        if self._agreed:
+            return
+        self._agreed = True
+        agree_on_refusal(error, step=self.num_steps_taken, process_group=self.process_group)
+
+    def step(self) -> StepAgreement:
+        """The context of one step (``with agreement.step(): ...``)."""
+        if self._active:
+            raise RuntimeError("agreement.step() contexts cannot be nested.")
+        return self
+
+    def __enter__(self) -> StepAgreement:
+        if self._active:
+            raise RuntimeError("agreement.step() contexts cannot be nested.")
+        self._snapshot = StateSnapshot(self.modules)
+        self._active, self._agreed = True, False
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        snapshot, self._snapshot = self._snapshot, None
+        assert snapshot is not None
+        try:
+            if error is None:
+                try:
+                    self.agree()  # a step that never reached reduce_fn still pairs with the others
+                except BaseException:
+                    snapshot.restore()
+                    raise
+                self.num_steps_taken += 1
+                return
+            snapshot.restore()
+            if isinstance(error, Exception) and not self._agreed:
+                self.agree(error)  # raises the agreed error on every rank
+        finally:
+            self._active = False
