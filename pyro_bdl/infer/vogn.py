@@ -111,18 +111,15 @@ class VOGN:
     :param float prior_precision: δ (> 0) of an N(0, δ⁻¹ I) prior instead of the lifted one.
     :param temperature: τ (> 0; τ = 1 is standard Bayes), or a callable ``step -> τ``.
     :param int num_particles: K, weight samples per step.
-    :param float augmentation_factor: ρ (> 0); the effective dataset size is Ñ = ρN.
-    :param float damping: γ ≥ 0 added to the denominator of the mean's step (not to the
-        posterior precision).
+    :param float augmentation_factor: ρ (> 0); effective dataset size Ñ = ρN.
+    :param float damping: γ ≥ 0 added to the mean step's denominator (not to the precision).
     :param int chunk_size: examples per chunk of the per-example gradients (default automatic).
     :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on the list
-        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]`` before the update, to average them in
-        place across data-parallel ranks (for example ``dist.all_reduce`` then division by the
-        world size); every rank then applies the same update (docs/design/distributed.md).
+        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]`` (and on the first step's initial s too),
+        to average them in place across data-parallel ranks (``dist.all_reduce`` then division
+        by the world size), so every rank applies the same update (docs/design/distributed.md).
 
-    References:
-
-    - Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019.
+    References: Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019.
     """
 
     def __init__(
@@ -221,7 +218,7 @@ class VOGN:
         leaves VOGN unset and the network as it was."""
         self._setup(args, kwargs, keep_statistics=False)
 
-    def _setup(self, args, kwargs, *, keep_statistics: bool) -> Callable[[], None] | None:
+    def _setup(self, args, kwargs, *, keep_statistics: bool, where: str = "VOGN.setup"):
         """Set VOGN up on this minibatch unless it is already; returns what undoes the set-up
         (``None`` if there was nothing to do)."""
         if self.state is not None:
@@ -249,13 +246,17 @@ class VOGN:
             else:
                 losses, batch, _ = per_example_nll(ready.observed, 1)
                 self._passes.gradients(ready.tape, losses, add=False)
+                torch._foreach_div_(self._passes.estimates, float(batch))
+                if self.reduce_fn is not None:  # every rank starts from the same s
+                    self.reduce_fn(self._passes.estimates)
                 self._passes.check_finite(1)
                 _, h = self._passes.split()
                 assert self.state is not None
-                self.state.curvature = h[0] / batch
-                self.state.hidden_curvature = [t / batch for t in h[1:]]
+                self.state.curvature = h[0].clone()
+                self.state.hidden_curvature = [t.clone() for t in h[1:]]
                 self._refresh_scale(self._temperature)
-        except BaseException:
+        except BaseException as err:
+            refused(err, where)
             undo()
             raise
         if not keep_statistics:
@@ -269,10 +270,8 @@ class VOGN:
         self.state = ready.initial_state()
         mean = self.state.mean
         self.guide.attach(layout, mean, torch.zeros_like(mean))
-        layers = list(ready.tape.calls)
-        self._passes = Passes(
-            self.model, layout, hidden, mean, self.guide.scale, layers, self.chunk_size
-        )
+        layers, scale = list(ready.tape.calls), self.guide.scale
+        self._passes = Passes(self.model, layout, hidden, mean, scale, layers, self.chunk_size)
         # The buffers a pass may change (BatchNorm's running statistics), saved before each step.
         self._passes.rollback = Rollback(ready.statistics.written())
 
@@ -314,7 +313,7 @@ class VOGN:
         tau = self._temperature
         if self._schedule is not None:
             tau = read_temperature(self._schedule(step), step)
-        undo_setup = self._setup(args, kwargs, keep_statistics=True)
+        undo_setup = self._setup(args, kwargs, keep_statistics=True, where=f"VOGN step {step}")
         assert self.state is not None and self.prior is not None
         rollback, scale_tau = self._passes.rollback, self._scale_temperature
         rollback.save()
