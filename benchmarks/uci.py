@@ -3,10 +3,11 @@
 The protocol of Hernández-Lobato & Adams (2015) and Gal & Ghahramani (2016), as described in the
 data README: by default wine-quality-red, concrete, energy and yacht with their 20 published
 train/test splits; inputs and target standardised with the training split's statistics
-(``load_uci`` does this); one hidden layer of 50 ReLU units; test RMSE and test log-likelihood
-per point in the ORIGINAL target units (the log-likelihood of the standardised target minus
-log std_y); mean ± standard error over the splits, printed next to the published figures
-(``PUBLISHED``: one table, each figure with its source).
+(``load_uci`` does this); one hidden layer of 50 ReLU units (or ``n_hidden.txt``'s width,
+below); test RMSE and test log-likelihood per point in the ORIGINAL target units (the
+log-likelihood of the standardised target minus log std_y); mean ± standard error over the
+splits, printed next to the published figures (``PUBLISHED``: one table, each figure with its
+source).
 
 Any folder in the standard UCI split format runs the same way (``--dataset NAME``): ``data.txt``,
 ``index_features.txt``, ``index_target.txt``, ``index_train_K.txt``/``index_test_K.txt`` per

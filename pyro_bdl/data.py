@@ -175,6 +175,7 @@ def _read_int(path: Path) -> int:
 def uci_folder(name: str, data_dir=None) -> UCIFolder:
     """Check that ``name`` is a folder in the standard UCI split format and read what it declares.
 
+    The files sit in ``name`` itself or in its ``data`` subfolder (the MC-dropout code's layout).
     Raises ``FileNotFoundError`` listing the dataset folders found when ``name`` is not one of
     them, and naming the missing file when the folder lacks one of :data:`UCI_FILES` or the split
     files of split 0.
