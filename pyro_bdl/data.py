@@ -20,6 +20,7 @@ from pyro_bdl._validation import check_choice, check_finite
 __all__ = [
     "DATASETS",
     "Dataset",
+    "UCIFolder",
     "hold_out_classes",
     "load_dataset",
     "load_digits",
@@ -27,6 +28,9 @@ __all__ = [
     "load_ood",
     "load_uci",
     "resolve_data_dir",
+    "uci_datasets",
+    "uci_folder",
+    "uci_root",
 ]
 
 DATA_ENV = "PYRO_BDL_DATA"
@@ -107,18 +111,144 @@ def load_mnist(
     return Dataset("mnist", x[train], y[train], x[test], y[test], 10, info)
 
 
+#: The files every folder in the standard UCI split format holds (besides the split files).
+UCI_FILES = ("data.txt", "index_features.txt", "index_target.txt")
+#: The hidden width of the protocol when a folder has no ``n_hidden.txt``.
+UCI_DEFAULT_HIDDEN = 50
+
+
+@dataclass(frozen=True)
+class UCIFolder:
+    """What a folder in the standard UCI split format declares, before any split is read.
+
+    ``n_splits`` comes from ``n_splits.txt`` (else the number of consecutive
+    ``index_train_K.txt``/``index_test_K.txt`` pairs from K = 0) and ``n_hidden`` from
+    ``n_hidden.txt`` (else 50). ``n_epochs.txt``, ``dropout_rates.txt`` and ``tau_values.txt``
+    (MC dropout's own training settings, shipped with the same folders) are not read.
+    """
+
+    name: str
+    path: Path
+    n_splits: int
+    n_hidden: int
+
+    def split_files(self, split: int) -> tuple[Path, Path]:
+        return self.path / f"index_train_{split}.txt", self.path / f"index_test_{split}.txt"
+
+
+def uci_root(data_dir=None) -> Path:
+    """The folder that holds the UCI dataset folders: ``data_dir`` (or ``$PYRO_BDL_DATA``), or
+    its ``uci`` subfolder when it has one."""
+    return resolve_data_dir(data_dir, "uci")
+
+
+def _files_of(folder: Path) -> Path:
+    """``folder``, or its ``data`` subfolder where the files sit there (the layout of the
+    MC-dropout code's ``UCI_Datasets/NAME/data/``)."""
+    inner = folder / "data"
+    return (
+        inner if not (folder / "data.txt").is_file() and (inner / "data.txt").is_file() else folder
+    )
+
+
+def uci_datasets(data_dir=None) -> list[str]:
+    """The names of the folders under :func:`uci_root` that hold a ``data.txt`` (in them or in
+    their ``data`` subfolder), sorted."""
+    root = uci_root(data_dir)
+    return sorted(p.name for p in root.iterdir() if (_files_of(p) / "data.txt").is_file())
+
+
+def _read_int(path: Path) -> int:
+    text = path.read_text().split()
+    try:
+        (value,) = text
+        number = int(float(value))
+        if number != float(value) or number < 1:
+            raise ValueError
+    except (ValueError, OverflowError):
+        raise ValueError(
+            f"{str(path)!r} must hold one positive integer; it holds {' '.join(text)[:40]!r}."
+        ) from None
+    return number
+
+
+def uci_folder(name: str, data_dir=None) -> UCIFolder:
+    """Check that ``name`` is a folder in the standard UCI split format and read what it declares.
+
+    The files sit in ``name`` itself or in its ``data`` subfolder (the MC-dropout code's layout).
+    Raises ``FileNotFoundError`` listing the dataset folders found when ``name`` is not one of
+    them, and naming the missing file when the folder lacks one of :data:`UCI_FILES` or the split
+    files of split 0.
+    """
+    root = uci_root(data_dir)
+    path = root / name
+    if not path.is_dir():
+        found = uci_datasets(data_dir)
+        raise FileNotFoundError(
+            f"no UCI dataset folder {name!r} under {str(root)!r}; the folders there are "
+            f"{found if found else 'none'} (a dataset folder holds data.txt, index_features.txt, "
+            "index_target.txt and index_train_K.txt/index_test_K.txt per split K)."
+        )
+    path = _files_of(path)
+    for file in (*UCI_FILES, "index_train_0.txt", "index_test_0.txt"):
+        if not (path / file).is_file():
+            raise FileNotFoundError(
+                f"UCI dataset folder {str(path)!r} has no {file}; the standard split format needs "
+                f"{', '.join(UCI_FILES)} and index_train_K.txt/index_test_K.txt for each split K."
+            )
+    if (path / "n_splits.txt").is_file():
+        n_splits = _read_int(path / "n_splits.txt")
+    else:
+        n_splits = 0
+        while all(f.is_file() for f in UCIFolder(name, path, 0, 0).split_files(n_splits)):
+            n_splits += 1
+    hidden_file = path / "n_hidden.txt"
+    n_hidden = _read_int(hidden_file) if hidden_file.is_file() else UCI_DEFAULT_HIDDEN
+    return UCIFolder(name, path, n_splits, n_hidden)
+
+
+def _check_indices(path: Path, indices: np.ndarray, size: int, what: str) -> None:
+    if indices.size == 0 or indices.min() < 0 or indices.max() >= size:
+        raise ValueError(
+            f"{str(path)!r} must list 0-based {what} indices in [0, {size}); got "
+            f"{indices.size} indices in [{indices.min(initial=0)}, {indices.max(initial=0)}]."
+        )
+
+
 def load_uci(name: str, data_dir=None, *, split: int = 0, dtype=torch.float32) -> Dataset:
-    """One of the standard UCI regression splits, standardised with the training split's
-    statistics; ``info`` holds ``y_mean``/``y_std`` to map predictions back to original units."""
-    folder = resolve_data_dir(data_dir, "uci") / name
-    if not folder.is_dir():
-        raise FileNotFoundError(f"UCI dataset folder {str(folder)!r} does not exist.")
-    data = np.loadtxt(folder / "data.txt")
-    features = np.loadtxt(folder / "index_features.txt", dtype=int).reshape(-1)
-    target = int(np.loadtxt(folder / "index_target.txt", dtype=int))
-    train = np.loadtxt(folder / f"index_train_{split}.txt", dtype=int)
-    test = np.loadtxt(folder / f"index_test_{split}.txt", dtype=int)
-    x, y = data[:, features], data[:, target]
+    """Split ``split`` of the dataset folder ``name`` in the standard UCI split format,
+    standardised with the training split's statistics; ``info`` holds ``y_mean``/``y_std`` to map
+    predictions back to original units, and ``n_hidden`` and ``n_splits`` (see :class:`UCIFolder`).
+    """
+    spec = uci_folder(name, data_dir)
+    folder = spec.path
+    if not 0 <= split < spec.n_splits:
+        raise ValueError(
+            f"split must lie in [0, {spec.n_splits}) for UCI dataset {name!r}; got {split}."
+        )
+    train_file, test_file = spec.split_files(split)
+    for file in (train_file, test_file):
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"UCI dataset folder {str(folder)!r} has no {file.name} (split {split} of "
+                f"{spec.n_splits})."
+            )
+    data = np.loadtxt(folder / "data.txt", ndmin=2)
+    features = np.loadtxt(folder / "index_features.txt", dtype=int, ndmin=1)
+    target = np.loadtxt(folder / "index_target.txt", dtype=int, ndmin=1)
+    train = np.loadtxt(train_file, dtype=int, ndmin=1)
+    test = np.loadtxt(test_file, dtype=int, ndmin=1)
+    rows, columns = data.shape
+    _check_indices(folder / "index_features.txt", features, columns, "column")
+    _check_indices(folder / "index_target.txt", target, columns, "column")
+    if target.size != 1:
+        raise ValueError(
+            f"{str(folder / 'index_target.txt')!r} must name one target column; got "
+            f"{target.tolist()}."
+        )
+    _check_indices(train_file, train, rows, "row")
+    _check_indices(test_file, test, rows, "row")
+    x, y = data[:, features], data[:, int(target[0])]
     x_mean, x_std = x[train].mean(0), x[train].std(0)
     x_std[x_std == 0] = 1.0
     y_mean, y_std = y[train].mean(), y[train].std()
@@ -127,7 +257,13 @@ def load_uci(name: str, data_dir=None, *, split: int = 0, dtype=torch.float32) -
         return torch.as_tensor(a, dtype=dtype)
 
     xs, ys = (x - x_mean) / x_std, (y - y_mean) / y_std
-    info = {"split": split, "y_mean": float(y_mean), "y_std": float(y_std)}
+    info = {
+        "split": split,
+        "y_mean": float(y_mean),
+        "y_std": float(y_std),
+        "n_hidden": spec.n_hidden,
+        "n_splits": spec.n_splits,
+    }
     return Dataset(name, t(xs[train]), t(ys[train]), t(xs[test]), t(ys[test]), None, info)
 
 

@@ -1,0 +1,194 @@
+"""``benchmarks/uci.py`` on any folder in the standard UCI split format: the command line, the
+loader, the errors for a missing or malformed folder, the split selection and the anchor table.
+Everything runs on a tiny generated folder; the real benchmark is not run here."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import uci
+from pyro_bdl import data
+
+
+def make_folder(root, name="toy", *, rows=24, splits=3, n_hidden=8, n_splits_file=True):
+    """A dataset folder in the standard format: 3 inputs and a target in column 3, ``splits``
+    splits of 18 train / 6 test rows, n_hidden.txt and MC dropout's n_epochs.txt."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 3))
+    y = x @ np.array([1.0, -2.0, 0.5]) + 0.1 * rng.normal(size=rows) + 10.0
+    np.savetxt(folder / "data.txt", np.column_stack([x, y]))
+    (folder / "index_features.txt").write_text("0\n1\n2\n")
+    (folder / "index_target.txt").write_text("3\n")
+    for k in range(splits):
+        order = np.random.default_rng(k).permutation(rows)
+        np.savetxt(folder / f"index_train_{k}.txt", order[6:], fmt="%d")
+        np.savetxt(folder / f"index_test_{k}.txt", order[:6], fmt="%d")
+    if n_splits_file:
+        (folder / "n_splits.txt").write_text(f"{splits}\n")
+    if n_hidden is not None:
+        (folder / "n_hidden.txt").write_text(f"{n_hidden}\n")
+    (folder / "n_epochs.txt").write_text("40\n")  # MC dropout's setting: ignored
+    return folder
+
+
+# ----------------------------------------------------------------------------- the loader
+
+
+def test_loader_reads_a_standard_folder_with_its_hidden_width(tmp_path):
+    make_folder(tmp_path / "uci")
+    spec = data.uci_folder("toy", tmp_path)
+    assert (spec.n_splits, spec.n_hidden) == (3, 8)
+    d = data.load_uci("toy", tmp_path, split=2)
+    assert d.x_train.shape == (18, 3) and d.y_test.shape == (6,)
+    assert d.info["n_hidden"] == 8 and d.info["n_splits"] == 3 and d.info["split"] == 2
+    # Standardised with the training rows' statistics.
+    assert torch.allclose(d.x_train.mean(0), torch.zeros(3), atol=1e-5)
+    assert float(d.y_train.mean()) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_loader_defaults_and_layouts(tmp_path):
+    # No n_hidden.txt: the protocol's 50; no n_splits.txt: the consecutive split files counted.
+    make_folder(tmp_path, "plain", splits=2, n_hidden=None, n_splits_file=False)
+    spec = data.uci_folder("plain", tmp_path)
+    assert (spec.n_splits, spec.n_hidden) == (2, data.UCI_DEFAULT_HIDDEN)
+    # The MC-dropout repository's layout: the files in NAME/data/.
+    make_folder(tmp_path / "nested", "data")
+    assert data.uci_datasets(tmp_path) == ["nested", "plain"]
+    assert data.load_uci("nested", tmp_path, split=1).info["n_hidden"] == 8
+
+
+def test_a_missing_dataset_lists_the_folders_found(tmp_path):
+    make_folder(tmp_path / "uci", "alpha")
+    make_folder(tmp_path / "uci", "beta")
+    with pytest.raises(FileNotFoundError, match=r"'gamma'.*\['alpha', 'beta'\]"):
+        data.uci_folder("gamma", tmp_path)
+
+
+@pytest.mark.parametrize("missing", ["data.txt", "index_target.txt", "index_test_0.txt"])
+def test_a_malformed_folder_names_the_missing_file(tmp_path, missing):
+    folder = make_folder(tmp_path)
+    (folder / missing).unlink()
+    with pytest.raises(FileNotFoundError, match=missing.replace(".", r"\.")):
+        data.load_uci("toy", tmp_path)
+
+
+def test_bad_contents_are_named(tmp_path):
+    folder = make_folder(tmp_path)
+    (folder / "n_hidden.txt").write_text("fifty\n")
+    with pytest.raises(ValueError, match=r"n_hidden\.txt.*one positive integer"):
+        data.uci_folder("toy", tmp_path)
+    (folder / "n_hidden.txt").write_text("8\n")
+    (folder / "index_test_1.txt").write_text("0\n99\n")  # row 99 of 24
+    with pytest.raises(ValueError, match=r"index_test_1\.txt.*\[0, 24\)"):
+        data.load_uci("toy", tmp_path, split=1)
+    with pytest.raises(ValueError, match=r"split must lie in \[0, 3\)"):
+        data.load_uci("toy", tmp_path, split=3)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_splits_accepts_a_count_a_list_and_a_range():
+    assert uci.parse_splits("3") == 3
+    assert uci.parse_splits("0,3,5") == [0, 3, 5]
+    assert uci.parse_splits("0-4") == [0, 1, 2, 3, 4]
+    assert uci.parse_splits("5-5,0-1,1") == [0, 1, 5]
+    for bad, message in (("0", "at least 1"), ("4-2", "ends before"), ("a", "'a'"), ("1,", "''")):
+        with pytest.raises(ValueError, match=message):
+            uci.parse_splits(bad)
+    assert uci.select_splits(None, 4, "toy") == [0, 1, 2, 3]
+    assert uci.select_splits(2, 4, "toy") == [0, 1]
+    assert uci.select_splits([1, 3], 4, "toy") == [1, 3]
+    with pytest.raises(ValueError, match="'toy' has 4"):
+        uci.select_splits(5, 4, "toy")
+    with pytest.raises(ValueError, match=r"\[4\].*0-3"):
+        uci.select_splits([1, 4], 4, "toy")
+
+
+def test_the_cli_parses_datasets_repeated_or_listed():
+    args = uci.build_parser().parse_args(
+        ["--dataset", "a", "b,c", "--datasets", "a", "--splits", "0-1", "--quick"]
+    )
+    assert uci._names(args.datasets) == ["a", "b", "c"]
+    assert args.splits == [0, 1] and args.quick
+    assert uci._names(uci.build_parser().parse_args([]).datasets) == list(uci.DATASETS)
+    with pytest.raises(SystemExit):
+        uci.build_parser().parse_args(["--splits", "x"])
+
+
+def test_main_reports_a_missing_dataset_and_a_missing_split_file(tmp_path, capsys):
+    folder = make_folder(tmp_path / "uci")
+    with pytest.raises(SystemExit):
+        uci.main(["--dataset", "nope", "--data-dir", str(tmp_path)])
+    assert "['toy']" in capsys.readouterr().err
+    (folder / "index_train_2.txt").unlink()  # n_splits.txt still says 3
+    with pytest.raises(SystemExit):
+        uci.main(["--dataset", "toy", "--splits", "1-2", "--data-dir", str(tmp_path)])
+    assert "index_train_2.txt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        uci.main(["--dataset", "toy", "--splits", "4", "--data-dir", str(tmp_path)])
+    assert "has 3" in capsys.readouterr().err
+
+
+TINY = dataclasses.replace(
+    uci.DEFAULTS, noise_rounds=1, map_steps=20, mf_steps=10, swag_epochs=2, num_samples=4
+)
+
+
+def test_main_runs_the_selected_splits_with_the_folders_width(tmp_path, monkeypatch, capsys):
+    make_folder(tmp_path / "uci")
+    widths, written = [], {}
+    build = uci.network
+
+    def network(hidden):
+        widths.append(hidden)
+        return build(hidden)
+
+    monkeypatch.setattr(uci, "network", network)
+    monkeypatch.setattr(uci, "DEFAULTS", TINY)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: config}))
+    argv = ["--dataset", "toy", "--splits", "0,2", "--methods", "map", "meanfield"]
+    uci.main([*argv, "--data-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "toy split 0" in out and "toy split 2" in out and "toy split 1" not in out
+    assert set(widths) == {8}
+    assert "published" not in out  # toy has no anchors: no lines, no brackets, no table rows
+    # Not the default selection: the measured results file is left alone.
+    assert list(written) == ["uci-toy"]
+    config = written["uci-toy"]
+    assert config["splits_done"] == {"toy": [0, 2]} and config["hidden_per_dataset"] == {"toy": 8}
+    json.dumps(config, default=float)  # the JSON writer's contract
+
+
+# ----------------------------------------------------------------------------- the anchors
+
+
+def test_published_anchors_are_one_sourced_table():
+    assert set(uci.PUBLISHED) == set(uci.DATASETS)
+    for name, methods in uci.PUBLISHED.items():
+        assert set(methods) <= set(uci.ANCHOR_LABELS), name
+        for method, fig in methods.items():
+            assert fig["source"], (name, method)
+            for key in ("ll_se", "rmse", "rmse_se"):
+                assert fig[key] is None or fig[key] > 0, (name, method, key)
+    # The 2016 paper's Table 1 is not the grid-search re-run.
+    paper = {n: m["mc_dropout_2016"]["ll"] for n, m in uci.PUBLISHED.items()}
+    assert paper == {"wine-quality-red": -0.93, "concrete": -3.04, "energy": -1.99, "yacht": -1.55}
+    grid = {n: m["mc_dropout"]["ll"] for n, m in uci.PUBLISHED.items()}
+    assert grid == {"wine-quality-red": -0.93, "concrete": -2.93, "energy": -1.21, "yacht": -1.25}
+    assert uci.anchor_lines("toy") == []
+
+
+def test_make_bench_without_uci_data_skips(tmp_path, monkeypatch, capsys):
+    # ``benchmarks.run_all`` calls main() bare: a data folder without the default datasets
+    # skips with a message instead of failing the whole run.
+    make_folder(tmp_path / "uci", "other")
+    monkeypatch.setenv("PYRO_BDL_DATA", str(tmp_path))
+    uci.main()
+    out = capsys.readouterr().out
+    assert "skipped" in out and "'wine-quality-red'" in out and "['other']" in out
