@@ -102,10 +102,11 @@ def laplace_bridge(f: torch.Tensor, jl: torch.Tensor) -> torch.Tensor:
     total = ones.square().sum(-1, keepdim=True).clamp_min(tiny)  # 1ᵀ Σ 1
     mu = f - cov_sum * f.sum(-1, keepdim=True) / total
     var = (jl.square().sum(-1) - cov_sum.square() / total).clamp_min(tiny)
-    # e^{μ_k} Σ_l e^{-μ_l} without overflow of either factor.
-    cross = (mu + torch.logsumexp(-mu, -1, keepdim=True)).exp()
-    alpha = (1 - 2 / c + cross / c**2) / var
-    return alpha / alpha.sum(-1, keepdim=True)
+    # log α_k, so that neither e^{μ_k} Σ_l e^{−μ_l} nor 1/Σ_kk overflows (a class of zero
+    # variance has an unbounded α and takes all the mass, as the formula says).
+    log_cross = mu + torch.logsumexp(-mu, -1, keepdim=True) - 2 * math.log(c)
+    log_num = torch.logaddexp(torch.full_like(mu, math.log(max(1 - 2 / c, tiny))), log_cross)
+    return (log_num - var.log()).softmax(-1)
 
 
 def predictive(
