@@ -51,6 +51,7 @@ from pyro_bdl.guides.laplace_model import (
     observe,
 )
 from pyro_bdl.guides.laplace_posterior import (
+    LINKS,
     SubnetNormal,
     accumulation_dtype,
     posterior_factor,
@@ -332,13 +333,12 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
 
         Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
         closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
-        ``link="probit"`` (the argmax of the MAP network is kept) or ``"mc"`` (``num_samples``
-        draws of the Gaussian GLM): see
-        :func:`~pyro_bdl.guides.laplace_posterior.linearized_predictive`.
+        ``link``: ``"probit"`` (per logit), ``"bridge"`` (Laplace bridge) or ``"mc"``
+        (``num_samples`` draws): :func:`~pyro_bdl.guides.laplace_posterior.linearized_predictive`.
 
         :param torch.Tensor x: inputs, the model's first argument.
         """
-        check_choice("link", link, ("probit", "mc"))
+        check_choice("link", link, LINKS)
         check_positive_int("num_samples", num_samples)
         self._check_fitted("predict")
         if not isinstance(x, torch.Tensor):

@@ -37,18 +37,27 @@ from pyro.distributions.torch_distribution import TorchDistribution
 from torch.distributions import constraints
 
 from pyro_bdl._validation import check_positive
-from pyro_bdl.curvature.jacobian import as_matrix
+from pyro_bdl.guides.laplace_predictive import (
+    LINKS,
+    laplace_bridge,
+    linearized_predictive,
+    predictive,
+    probit_logits,
+)
 
 __all__ = [
+    "LINKS",
     "RoundOffWarning",
     "SubnetNormal",
     "accumulation_dtype",
     "cholesky_jitter",
+    "laplace_bridge",
     "linearized_predictive",
     "log_marginal",
     "marglik_score",
     "posterior_factor",
     "predictive",
+    "probit_logits",
     "tune_grid",
     "tune_precision",
     "val_ll_score",
@@ -174,44 +183,6 @@ def _warn_if_material(matrix: torch.Tensor, jitter: float, what: str) -> None:
     )
 
 
-def linearized_predictive(
-    outputs: torch.Tensor,
-    jl: torch.Tensor,
-    likelihood: str,
-    *,
-    link: str = "probit",
-    num_samples: int = 1000,
-    noise: float | None = None,
-):
-    r"""Predictive of the linearized network with :math:`f_{lin} \sim N(f, (JL)(JL)^\top)`.
-
-    :param outputs: the MAP outputs f, (B, C) or (B,).
-    :param jl: :math:`J_S L` (B, C, S), with :math:`LL^\top = \Sigma_S`.
-    :returns: class probabilities (B, C) (categorical), P(y = 1) (B,) (Bernoulli), or
-        ``(mean, variance)`` including σ² (Gaussian; ``link`` unused).
-    """
-    f = as_matrix(outputs)
-    if likelihood == "gaussian":
-        assert noise is not None
-        var = jl.square().sum(-1) + noise**2
-        if outputs.dim() == 1:
-            return f.squeeze(-1), var.squeeze(-1)
-        return f, var
-    if link == "mc":
-        z = torch.randn(num_samples, jl.shape[-1], dtype=jl.dtype, device=jl.device)
-        samples = f + torch.einsum("bcs,ks->kbc", jl, z)
-        if likelihood == "bernoulli":
-            return samples.sigmoid().mean(0).squeeze(-1)
-        return samples.softmax(-1).mean(0)
-    if likelihood == "bernoulli":
-        var = jl.square().sum(-1)
-        return (f / (1 + math.pi / 8 * var).sqrt()).sigmoid().squeeze(-1)
-    # Mean variance of the pairwise differences f_i − f_j: 2 tr(P Σ_f P) / (C − 1), P centring.
-    centred = jl - jl.mean(1, keepdim=True)
-    var = 2.0 / max(f.shape[1] - 1, 1) * centred.square().sum((1, 2))
-    return (f / (1 + math.pi / 8 * var).sqrt().unsqueeze(-1)).softmax(-1)
-
-
 def log_marginal(evals: torch.Tensor, theta: torch.Tensor, prior_s: torch.Tensor) -> torch.Tensor:
     r"""The λ-dependent part of the Laplace log marginal likelihood over the subnetwork,
     :math:`-\tfrac12\lambda_S\lVert\theta_S^*\rVert^2 + \tfrac S2\log\lambda_S
@@ -304,19 +275,15 @@ def val_ll_score(
     evecs: torch.Tensor,
     ratio: float,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """λ ↦ the validation log-likelihood of the linearized predictive (probit for
-    classification, closed form with the noise σ for regression), from chunks
+    """λ ↦ the validation log-likelihood of the linearized predictive (:func:`probit_logits`
+    for classification, closed form with the noise σ for regression), from chunks
     ``(outputs (b, C), J_S (b, C, S), targets (b,))`` at the MAP values."""
     fs, qs, ys = [], [], []
     for out, jac, y in parts:
-        if likelihood == "categorical":
-            # Mean variance of the pairwise logit differences, as in linearized_predictive.
-            jac = jac - jac.mean(1, keepdim=True)
-        scale = 2.0 / max(out.shape[1] - 1, 1) if likelihood == "categorical" else 1.0
         fs.append(out.double())
+        # One variance per logit (class or label), as in linearized_predictive.
         projected = (jac.double() @ evecs).square()
-        # Independent logits (binary, multilabel) keep one variance per output.
-        qs.append(projected if likelihood == "bernoulli" else scale * projected.sum(1))
+        qs.append(projected.sum(1, keepdim=True) if likelihood == "gaussian" else projected)
         ys.append(y)
     f, q, y = torch.cat(fs), torch.cat(qs), torch.cat(ys)
 
@@ -324,37 +291,13 @@ def val_ll_score(
         var = q @ (1.0 / (evals + lam * ratio))
         if likelihood == "gaussian":
             assert noise is not None
-            return dist.Normal(f.squeeze(-1), (var + noise**2).sqrt()).log_prob(y).sum()
-        kappa = (1 + math.pi / 8 * var).rsqrt()
+            return dist.Normal(f.squeeze(-1), (var.squeeze(-1) + noise**2).sqrt()).log_prob(y).sum()
+        logits = probit_logits(f, var)
         if likelihood == "bernoulli":
-            logits = (f * kappa).reshape(y.shape)
-            return dist.Bernoulli(logits=logits).log_prob(y.to(f)).sum()
-        return dist.Categorical(logits=f * kappa.unsqueeze(-1)).log_prob(y).sum()
+            return dist.Bernoulli(logits=logits.reshape(y.shape)).log_prob(y.to(f)).sum()
+        return dist.Categorical(logits=logits).log_prob(y).sum()
 
     return score
-
-
-def predictive(
-    chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    likelihood: str,
-    noise: float | None,
-    vector: bool,
-    link: str,
-    num_samples: int,
-):
-    """The linearized predictive of chunks ``(MAP outputs, J_S L)``, joined: probabilities, or
-    ``(mean, variance)`` for a Gaussian likelihood (each ``(n,)`` when ``vector``, the model's
-    outputs having shape ``(B,)``); see :func:`linearized_predictive`."""
-    parts = [
-        linearized_predictive(
-            out.to(jl.dtype), jl, likelihood, link=link, num_samples=num_samples, noise=noise
-        )
-        for out, jl in chunks
-    ]
-    if likelihood != "gaussian":
-        return torch.cat(parts)
-    mean, var = torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
-    return (mean.squeeze(-1), var.squeeze(-1)) if vector else (mean, var)
 
 
 def tune_precision(
