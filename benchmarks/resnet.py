@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import random
 import statistics
 import time
@@ -386,12 +387,16 @@ def main(argv: list[str] | None = None) -> dict:
         "timer": "CUDA events" if args.device.startswith("cuda") else "process time, interleaved",
         "references": REFERENCE,
     }
+    # glibc returns every freed block above 32 MB to the kernel and maps it afresh (page faults,
+    # zeroing: system time) on the next step; MALLOC_MMAP_MAX_=0 with a large
+    # MALLOC_TRIM_THRESHOLD_ keeps freed memory in the heap, as a caching allocator would.
+    config["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     if not args.no_write:
-        suffix = (
-            ""
-            if args.device == "cpu" and not args.quick
-            else ("_quick" if args.quick else f"_{args.device.split(':')[0]}")
-        )
+        suffix = "" if args.device == "cpu" else f"_{args.device.split(':')[0]}"
+        if args.quick:
+            suffix += "_quick"
+        if os.environ.get("MALLOC_MMAP_MAX_") == "0":
+            suffix += "_malloc_keep"
         write(f"resnet{suffix}", config, figures)
     return figures
 
