@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def assert_close(actual, expected, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = "") -> None:
@@ -12,3 +13,17 @@ def assert_close(actual, expected, *, rtol: float = 1e-6, atol: float = 0.0, msg
     torch.testing.assert_close(
         actual, expected, rtol=rtol, atol=atol, msg=(lambda m: f"{msg}\n{m}") if msg else None
     )
+
+
+class TiedLinear(nn.Module):
+    """Two distinct Linear layers holding one weight tensor (a tied weight), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(x)))))

@@ -14,6 +14,7 @@ from torch import nn
 import pyro_bdl as bdl
 from pyro_bdl.curvature import substitute
 from pyro_bdl.nn.tied import TiedWeightsError
+from tests.common import TiedLinear
 
 
 def snapshot(*objects):
@@ -67,20 +68,6 @@ def _mlp():
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
-class _TiedLinear(nn.Module):
-    """Two distinct Linear layers holding one weight tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.b.weight = self.a.weight
-        self.out = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.b(torch.tanh(self.a(x)))))
-
-
 def _refused(net, error, match, **kwargs):
     before = snapshot(net)
     with pytest.raises(error, match=match):
@@ -93,7 +80,7 @@ def _refused(net, error, match, **kwargs):
 
 def test_tied_weight_with_conflicting_rules_is_refused():
     _refused(
-        _TiedLinear(),
+        TiedLinear(),
         ValueError,
         r"parameter 'a\.weight' is tied .*'b\.weight'.*expose \['b\.weight'\] and hide "
         r"\['a\.weight'\].*make the rules agree",
@@ -121,7 +108,7 @@ def test_lifting_the_rest_of_a_network_tied_to_an_earlier_partial_lift_is_refuse
 
 def test_vogn_refuses_tied_weights_and_leaves_the_network_alone():
     torch.manual_seed(0)
-    net = bdl.bayesianize(_TiedLinear())
+    net = bdl.bayesianize(TiedLinear())
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     vogn = bdl.infer.VOGN(bdl.models.classifier(net, 8), dataset_size=8)
     before = snapshot(net)
@@ -132,7 +119,7 @@ def test_vogn_refuses_tied_weights_and_leaves_the_network_alone():
 
 
 def test_substitute_on_the_owner_only_refuses_to_read_the_alias():
-    net, x = bdl.bayesianize(_TiedLinear()), torch.randn(2, 4)
+    net, x = bdl.bayesianize(TiedLinear()), torch.randn(2, 4)
     before = snapshot(net)
     with pytest.raises(TiedWeightsError, match=r"'a\.weight' is tied.*untie them"):
         # a.bias too: layer b's weight is then the first value the forward would draw.

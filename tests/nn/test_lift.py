@@ -18,6 +18,7 @@ from torch.testing import assert_close
 from pyro_bdl import bayesianize, init_to_network, models, priors, sites
 from pyro_bdl.guides import AutoMeanField, AutoSubnetLaplace
 from pyro_bdl.nn import site_spec
+from tests.common import TiedLinear
 
 
 def _trace(net, x):
@@ -193,20 +194,6 @@ class _LanguageModel(nn.Module):
         return self.head(torch.tanh(self.emb(tokens)))
 
 
-class _TiedLinear(nn.Module):
-    """Two distinct Linear layers holding one weight tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.b.weight = self.a.weight
-        self.out = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.b(torch.tanh(self.a(x)))))
-
-
 def test_tied_embedding_and_head_are_one_site_read_by_both_layers():
     net = bayesianize(_LanguageModel())
     assert list(sites(net)) == ["emb.weight"]
@@ -249,7 +236,7 @@ def test_one_layer_used_twice_is_one_site_named_by_its_first_path():
 def test_tied_site_under_mean_field_svi_and_vectorized_particles():
     torch.manual_seed(0)
     pyro.clear_param_store()
-    net = bayesianize(_TiedLinear())
+    net = bayesianize(TiedLinear())
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     model = models.classifier(net, dataset_size=16)
     guide = AutoMeanField(model, init_scale=0.1)
@@ -302,12 +289,12 @@ def test_laplace_on_a_tied_embedding_head_matches_the_brute_force_ggn():
 def test_laplace_on_weights_tied_between_two_linear_layers_matches_the_brute_force_ggn():
     torch.manual_seed(0)
     pyro.clear_param_store()
-    net = bayesianize(_TiedLinear())
+    net = bayesianize(TiedLinear())
     x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
     guide = AutoSubnetLaplace(models.classifier(net, 12), subnetwork="all", prior_precision=1.0)
     guide(x, y)
     guide.fit((x, y))
-    plain = _TiedLinear()
+    plain = TiedLinear()
 
     def f(theta):
         return functional_call(plain, guide.layout.unpack(theta), (x,), tie_weights=True)
