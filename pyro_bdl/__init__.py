@@ -21,8 +21,10 @@ from pyro_bdl import (
     distributions,
     guides,
     infer,
+    layout,
     models,
     nn,
+    predictive,
     priors,
 )
 from pyro_bdl.nn import bayesianize, init_to_network, sites
@@ -52,8 +54,10 @@ __all__ = [
     "guides",
     "infer",
     "init_to_network",
+    "layout",
     "models",
     "nn",
+    "predictive",
     "priors",
     "sites",
 ]
