@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyro
 import pytest
 import torch
@@ -38,6 +37,7 @@ from pyro_bdl.checkpoint import (
 from pyro_bdl.checkpoint._files import FORMAT, VERSION, remove_stale, temporary_name
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.guides.state_checks import StateDictMismatchError
+from tests.faults.common import assert_same, rng_states
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def snapshot(*objects, folder: Path | None = None) -> dict:
     ``state_dict``, a Pyro optimizer's state, a generator's state) and the files in ``folder``."""
     state: dict = {
         "params": {n: v.detach().clone() for n, v in pyro.get_param_store().items()},
-        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),  # noqa: NPY002
+        "rng": rng_states(),
     }
     for i, obj in enumerate(objects):
         if isinstance(obj, torch.Generator):
@@ -67,24 +67,6 @@ def snapshot(*objects, folder: Path | None = None) -> dict:
             for p in sorted(folder.iterdir())
         }
     return state
-
-
-def assert_same(a, b, where: str = "state") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {set(a) ^ set(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # ---------------------------------------------------------------------------------------------

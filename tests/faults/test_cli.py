@@ -15,10 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,6 +25,7 @@ from pyro_bdl.cli import main
 from pyro_bdl.compare import METHODS
 from pyro_bdl.compare.evaluate import run, write_text_atomic
 from pyro_bdl.compare.problem import train_loop
+from tests.faults.common import assert_same, rng_states
 
 FAST = ["--epochs", "1", "--batch-size", "512", "--num-samples", "2", "--no-progress"]
 
@@ -34,11 +33,8 @@ FAST = ["--epochs", "1", "--batch-size", "512", "--num-samples", "2", "--no-prog
 def snapshot(*objects, folder: Path | None = None) -> dict:
     """What a refusal must leave alone: the global RNG states, the state dicts / tensors in
     ``objects``, and every file (path and content hash) under ``folder``."""
-    np_state = np.random.get_state()  # noqa: NPY002 (the global state is what must not move)
     state: dict = {
-        "torch_rng": torch.get_rng_state().clone(),
-        "random": random.getstate(),
-        "numpy": (np_state[0], np_state[1].tobytes(), *np_state[2:]),
+        "rng": rng_states(),
         "objects": [
             {k: v.clone() for k, v in o.state_dict().items()}
             if hasattr(o, "state_dict")
@@ -54,17 +50,6 @@ def snapshot(*objects, folder: Path | None = None) -> dict:
             for p in sorted(folder.rglob("*"))
         }
     return state
-
-
-def assert_same(before: dict, after: dict) -> None:
-    assert torch.equal(before["torch_rng"], after["torch_rng"])
-    assert before["random"] == after["random"] and before["numpy"] == after["numpy"]
-    for a, b in zip(before["objects"], after["objects"]):
-        if isinstance(a, dict):
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        else:
-            assert torch.equal(a, b)
-    assert before.get("files") == after.get("files")
 
 
 def _uniform(problem):

@@ -10,13 +10,13 @@ from the data). A refusal changes neither its inputs nor any global RNG state.
 from __future__ import annotations
 
 import math
-import random
 
 import numpy as np
 import pytest
 import torch
 
 from pyro_bdl.diagnostics import metrics, ood, psis, temperature
+from tests.faults.common import assert_same, rng_states
 
 NAN = float("nan")
 INF = float("inf")
@@ -24,20 +24,10 @@ INF = float("inf")
 
 def snapshot(*objects) -> dict:
     """The global RNG states and a copy of each tensor in ``objects``."""
-    np_state = np.random.get_state()  # noqa: NPY002 (the global state is what must not move)
     return {
-        "torch_rng": torch.get_rng_state().clone(),
-        "random": random.getstate(),
-        "numpy": (np_state[0], np_state[1].tobytes(), *np_state[2:]),
+        "rng": rng_states(),
         "objects": [torch.as_tensor(o).clone() for o in objects],
     }
-
-
-def assert_same(before: dict, after: dict) -> None:
-    assert torch.equal(before["torch_rng"], after["torch_rng"])
-    assert before["random"] == after["random"] and before["numpy"] == after["numpy"]
-    for a, b in zip(before["objects"], after["objects"]):
-        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
 
 
 def _probs(rows=((0.7, 0.3), (0.2, 0.8))):

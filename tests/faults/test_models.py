@@ -7,10 +7,8 @@ Classes of issue 18 covered here: 5 (a batch larger than dataset_size silently u
 the bad likelihood arguments of issue 16 (labels, label columns, σ priors)."""
 
 import math
-import random
 import types
 
-import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -21,6 +19,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models
 from pyro_bdl.guides import AutoMeanField, AutoSubnetLaplace
 from pyro_bdl.infer import VOGN
+from tests.faults.common import assert_same, rng_states
 
 N = 50
 
@@ -29,9 +28,7 @@ def snapshot(*objects) -> dict:
     """Copies of everything a refusal must leave as it was: the RNG states, the param store and
     the state dicts (parameters and buffers) of the given modules."""
     state = {
-        "torch_rng": torch.get_rng_state().clone(),
-        "python_rng": random.getstate(),
-        "numpy_rng": np.random.get_state()[1].copy(),  # noqa: NPY002 (the global state)
+        "rng": rng_states(),
         "params": {k: v.detach().clone() for k, v in pyro.get_param_store().items()},
     }
     for i, obj in enumerate(objects):
@@ -40,19 +37,8 @@ def snapshot(*objects) -> dict:
 
 
 def assert_unchanged(before: dict, after: dict, *, rng: bool = True) -> None:
-    assert before.keys() == after.keys()
-    for key in before:
-        if key.endswith("rng") and not rng:
-            continue
-        a, b = before[key], after[key]
-        if isinstance(a, dict):
-            assert a.keys() == b.keys(), key
-            for k in a:
-                assert torch.equal(a[k], b[k]), f"{key}.{k} changed"
-        elif isinstance(a, torch.Tensor) or isinstance(a, np.ndarray):
-            assert (a == b).all(), f"{key} changed"
-        else:
-            assert a == b, f"{key} changed"
+    keys = [k for k in before if rng or k != "rng"]
+    assert_same({k: before[k] for k in keys}, {k: after[k] for k in keys})
 
 
 def _bn_net(outputs=3, dtype=torch.float32):

@@ -6,10 +6,8 @@ and that nothing changed (:func:`snapshot`)."""
 
 from __future__ import annotations
 
-import random
 import warnings
 
-import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -19,6 +17,7 @@ from torch import nn
 import pyro_bdl as bdl
 from pyro_bdl.guides import AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.guides.laplace_posterior import MATERIAL_JITTER, RoundOffWarning
+from tests.faults.common import assert_same, rng_states
 
 F32, F64 = torch.float32, torch.float64
 #: float32's unit round-off, 2⁻²⁴.
@@ -31,24 +30,11 @@ U32 = torch.finfo(F32).eps / 2
 def snapshot(*objects) -> list:
     """Copies of everything a refusal must leave alone: each module's state dict (parameters
     and buffers) and ``_num_collected`` mirror, and the torch / Python / NumPy RNG states."""
-    # The legacy global NumPy state is what user code seeds with np.random.seed.
-    state: list = [torch.get_rng_state(), random.getstate(), np.random.get_state()]  # noqa: NPY002
+    state: list = [rng_states()]
     for obj in objects:
         state.append({k: v.detach().clone() for k, v in obj.state_dict().items()})
         state.append(getattr(obj, "_num_collected", None))
     return state
-
-
-def assert_unchanged(before: list, after: list) -> None:
-    assert torch.equal(before[0], after[0]), "torch RNG state changed"
-    assert before[1] == after[1], "Python RNG state changed"
-    assert all(np.array_equal(a, b) for a, b in zip(before[2][1:4], after[2][1:4]))
-    for a, b in zip(before[3:], after[3:]):
-        if isinstance(a, dict):
-            assert a.keys() == b.keys()
-            assert all(torch.equal(a[k], b[k]) for k in a), "a parameter or buffer changed"
-        else:
-            assert a == b
 
 
 def vector_model(d: int, dtype=F32):
@@ -165,7 +151,7 @@ def test_swag_ambiguous_old_checkpoint_is_refused_before_anything_loads(corrupt,
     with pytest.raises(ValueError, match=message) as info:
         target.load_state_dict(state)
     assert "Nothing was loaded" in str(info.value)
-    assert_unchanged(before, snapshot(target))
+    assert_same(before, snapshot(target))
     assert all(torch.equal(given[k], state[k]) for k in given) and given.keys() == state.keys()
 
 

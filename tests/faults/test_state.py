@@ -11,9 +11,7 @@ good data reproduces the uninterrupted run bit for bit; that is tested too.
 from __future__ import annotations
 
 import copy
-import random
 
-import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -24,6 +22,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import AutoMeanField
 from pyro_bdl.infer import VOGN, TraceSuffStat_ELBO
+from tests.faults.common import assert_same, rng_states
 
 N, FEATURES, CLASSES, B = 200, 64, 10, 16  # load_digits: 8x8 images, 10 classes
 NAN, INF = float("nan"), float("inf")
@@ -109,9 +108,7 @@ def snapshot(*objects) -> dict:
     """State dicts (parameters and every buffer), gradients, VOGN's state, optimizer state, the
     param store and the torch, python and numpy random states."""
     out: dict = {
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-        "numpy_rng": np.random.get_state(),  # noqa: NPY002 (the global stream is the state)
+        "rng": rng_states(),
         "param_store": {
             k: (v.detach().clone(), None if v.grad is None else v.grad.clone())
             for k, v in pyro.get_param_store().named_parameters()
@@ -130,34 +127,6 @@ def snapshot(*objects) -> dict:
         else:
             raise TypeError(f"snapshot: unsupported {type(obj).__name__}")
     return out
-
-
-def assert_same(before, after, path: str = "snapshot") -> None:
-    """Bit-for-bit equality (NaN equal to NaN), naming the first difference."""
-    if isinstance(before, torch.Tensor):
-        assert isinstance(after, torch.Tensor), path
-        assert before.shape == after.shape and before.dtype == after.dtype, path
-        same = (
-            torch.equal(before.isnan(), after.isnan())
-            and torch.equal(before.nan_to_num(0.0), after.nan_to_num(0.0))
-            if before.is_floating_point()
-            else torch.equal(before, after)
-        )
-        assert same, f"{path} changed"
-    elif isinstance(before, np.ndarray):
-        assert np.array_equal(before, after), f"{path} changed"
-    elif isinstance(before, dict):
-        assert isinstance(after, dict) and before.keys() == after.keys(), f"{path} keys changed"
-        for k in before:
-            assert_same(before[k], after[k], f"{path}[{k!r}]")
-    elif isinstance(before, (list, tuple)):
-        assert isinstance(after, (list, tuple)) and len(before) == len(after), f"{path} length"
-        for k, (a, b) in enumerate(zip(before, after)):
-            assert_same(a, b, f"{path}[{k}]")
-    elif isinstance(before, float) and before != before:
-        assert isinstance(after, float) and after != after, f"{path} changed: nan -> {after!r}"
-    else:
-        assert before == after, f"{path} changed: {before!r} -> {after!r}"
 
 
 def assert_eval_predictions_finite(net: nn.Module) -> None:
