@@ -1,8 +1,7 @@
-"""VOGN for ``pyro-bdl compare``: natural-gradient VI trained like Adam (docs/design/vogn.md).
+"""VOGN's settings for ``pyro-bdl compare`` (docs/design/vogn.md); the registry's entry that
+trains it is :func:`pyro_bdl.compare.vogn_fit.fit_vogn`.
 
-VOGN reads its prior from the problem's lifted network and takes the problem's learning rate;
-BatchNorm parameters stay point estimates, and predictions average ``problem.num_samples`` draws
-of :attr:`VOGN.guide` with BatchNorm in evaluation mode.
+VOGN reads its prior from the problem's lifted network and takes the problem's learning rate.
 
 Settings, chosen on a validation split of the training rows (``split_validation``; the figures
 are in the README):
@@ -23,10 +22,10 @@ from __future__ import annotations
 
 import math
 
-from pyro_bdl.compare.problem import Predictor, Problem, predictive_probs
+from pyro_bdl.compare.problem import Problem
 from pyro_bdl.infer.vogn import VOGN
 
-__all__ = ["damping", "fit_vogn", "make_vogn"]
+__all__ = ["damping", "make_vogn"]
 
 TEMPERATURE = 0.03
 BETAS = (0.9, 0.01)
@@ -53,18 +52,3 @@ def make_vogn(problem: Problem, model) -> VOGN:
         temperature=TEMPERATURE,
         damping=damping(problem.epochs * math.ceil(problem.num_train / problem.batch_size)),
     )
-
-
-def fit_vogn(problem: Problem) -> Predictor:
-    """Train :class:`~pyro_bdl.infer.VOGN` for ``problem.epochs`` epochs, one MC sample a step."""
-    net, model = problem.bayesian_model()
-    vogn = make_vogn(problem, model)
-    bar = problem.epoch_bar("vogn")
-    for epoch in bar:
-        net.train()
-        total = 0.0
-        for x, y in problem.batches(epoch):
-            total += vogn.step(x, y)
-        bar.set_postfix(loss=f"{total / problem.num_train:.3f}")
-    net.eval()
-    return lambda x: predictive_probs(model, vogn.guide, x, num_samples=problem.num_samples)
