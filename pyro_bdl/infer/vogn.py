@@ -115,9 +115,10 @@ class VOGN:
     :param float damping: γ ≥ 0 added to the mean step's denominator (not to the precision).
     :param int chunk_size: examples per chunk of the per-example gradients (default automatic).
     :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on the list
-        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]`` (and on the first step's initial s too),
-        to average them in place across data-parallel ranks (``dist.all_reduce`` then division
-        by the world size), so every rank applies the same update (docs/design/distributed.md).
+        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]`` (the first step appends the initial s of
+        μ and of each hidden parameter), to average them in place across data-parallel ranks
+        (``dist.all_reduce`` then division by the world size), so every rank applies the same
+        update (docs/design/distributed.md).
 
     References: Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019.
     """
@@ -155,6 +156,7 @@ class VOGN:
         self.num_particles = num_particles
         self.chunk_size = chunk_size
         self.reduce_fn = reduce_fn
+        self._unreduced: list[torch.Tensor] = []  # s₀ until a step averages it across ranks
         self.prior_precision = None if prior_precision is None else float(prior_precision)
         self.effective_size = float(augmentation_factor) * dataset_size
         self.damping = float(damping)
@@ -246,14 +248,12 @@ class VOGN:
             else:
                 losses, batch, _ = per_example_nll(ready.observed, 1)
                 self._passes.gradients(ready.tape, losses, add=False)
-                torch._foreach_div_(self._passes.estimates, float(batch))
-                if self.reduce_fn is not None:  # every rank starts from the same s
-                    self.reduce_fn(self._passes.estimates)
                 self._passes.check_finite(1)
                 _, h = self._passes.split()
                 assert self.state is not None
-                self.state.curvature = h[0].clone()
-                self.state.hidden_curvature = [t.clone() for t in h[1:]]
+                self.state.curvature = h[0] / batch
+                self.state.hidden_curvature = [t / batch for t in h[1:]]
+                self._unreduced = [self.state.curvature, *self.state.hidden_curvature]
                 self._refresh_scale(self._temperature)
         except BaseException as err:
             refused(err, where)
@@ -342,8 +342,9 @@ class VOGN:
         passes = self._passes
         nlls, batch = passes.estimate(args, kwargs, num_particles=self.num_particles, step=step)
         nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
-        if self.reduce_fn is not None:
-            self.reduce_fn(passes.estimates)
+        if self.reduce_fn is not None:  # s₀ (this rank's own) too on the first step
+            self.reduce_fn(passes.estimates + self._unreduced)
+            self._unreduced = []
         passes.check_finite(step)
         kl = self._kl()
         check_loss(step, nll_total, kl)

@@ -140,36 +140,46 @@ def test_reduce_fn_sees_the_estimates_before_the_update():
 
     def reduce_fn(tensors):
         seen.append([t.shape for t in tensors])
-        if len(seen) > 1:  # the first call reduces the initial s₀ (left as it is here)
-            for t in tensors:
-                t.zero_()
+        for t in tensors[:2]:  # ĝ and ĥ; the first step's s₀ (the third) is left as it is
+            t.zero_()
 
     vogn = VOGN(model, dataset_size=sc.n, lr=0.1, betas=(0.5, 0.25), reduce_fn=reduce_fn)
     vogn.step(sc.x, sc.y)
     s0 = per_example_grads(sc, mu).square().mean(0)
     d_tilde = 1.0 / sc.n
     s = 0.75 * s0
-    assert seen == [[torch.Size([3]), torch.Size([3])]] * 2
+    assert seen == [[torch.Size([3])] * 3]  # one call: ĝ, ĥ and, on the first step, s₀
     assert_close(vogn.guide.loc, mu - 0.1 * d_tilde * mu / (s + d_tilde), rtol=1e-12)
     with pytest.raises(TypeError, match="reduce_fn"):
         VOGN(model, dataset_size=sc.n, reduce_fn=3)  # type: ignore[arg-type]
 
 
 def test_reduce_fn_also_reduces_the_initial_curvature():
-    # Data-parallel ranks must start from the same s₀ (the mean over ranks of each rank's ĥ), so
-    # the first step's initial curvature goes through reduce_fn too: a reduce_fn that triples
-    # the estimates gives 3·s₀.
+    # Data-parallel ranks must start from the same s₀ (the mean over ranks of each rank's ĥ at
+    # w = μ), so the first step hands s₀ to reduce_fn with its ĝ and ĥ, in the same one call (set-up
+    # alone, e.g. vogn.setup, stays local). A reduce_fn that zeroes ĝ and ĥ and triples s₀ then
+    # leaves s = (1 − β₂)·3s₀ after the step; later steps pass ĝ and ĥ only.
     sc = BayesianLinearRegression(n=20, d=3)
     model = sc.model()
     mu = model.net._bdl_init_weight.reshape(-1).clone()
+    calls = []
 
     def reduce_fn(tensors):
-        torch._foreach_mul_(tensors, 3.0)
+        calls.append(len(tensors))
+        for t in tensors[:2]:
+            t.zero_()
+        for t in tensors[2:]:
+            t.mul_(3.0)
 
-    vogn = VOGN(model, dataset_size=sc.n, lr=0.1, reduce_fn=reduce_fn)
+    vogn = VOGN(model, dataset_size=sc.n, lr=0.1, betas=(0.5, 0.25), reduce_fn=reduce_fn)
     vogn.setup(sc.x, sc.y)
+    assert calls == []
+    vogn.step(sc.x, sc.y)
+    vogn.step(sc.x, sc.y)
+    assert calls == [3, 2]
+    s0 = per_example_grads(sc, mu).square().mean(0)
     assert vogn.state is not None
-    assert_close(vogn.state.curvature, 3 * per_example_grads(sc, mu).square().mean(0), rtol=1e-12)
+    assert_close(vogn.state.curvature, 0.75 * 0.75 * 3 * s0, rtol=1e-12)
 
 
 def fixed_point(sc: BayesianLinearRegression, *, tau: float, rho: float, delta: float):
