@@ -28,7 +28,7 @@ import torch
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.infer.ivon_passes import IVONPasses
-from pyro_bdl.infer.ivon_update import IVONHyperparameters, ivon_scale, ivon_update
+from pyro_bdl.infer.ivon_update import IVONHyperparameters, blocks, ivon_scale, ivon_update
 from pyro_bdl.infer.rollback import Rollback, refused
 from pyro_bdl.infer.vogn_checks import check_arguments, check_hyperparameters, check_loss
 from pyro_bdl.infer.vogn_guide import VOGNGuide
@@ -225,15 +225,13 @@ class IVON:
     def _refresh_scale(self) -> None:
         """σ = 1/√(λ(h + δ)) into the guide, and the KL's sums over σ."""
         assert self.state is not None and self.prior is not None
-        scale = self.guide.scale
-        ess = self.effective_size
-        ivon_scale(
-            self.state.curvature,
-            effective_size=ess,
-            weight_decay=self.prior.tilde(1.0, ess),
-            out=scale,
-        )
-        log_scale = torch.log(scale, out=self._passes.noise)  # ε is spent once θ is drawn
+        scale, h, ess = self.guide.scale, self.state.curvature, self.effective_size
+        decay = self.prior.tilde(1.0, ess)
+        log_scale = self._passes.noise  # ε is spent once θ is drawn
+        for block in blocks(h.numel()):  # in cache: one pass over memory instead of four
+            d = decay[block] if isinstance(decay, torch.Tensor) else decay
+            ivon_scale(h[block], effective_size=ess, weight_decay=d, out=scale[block])
+            torch.log(scale[block], out=log_scale[block])
         self._var_sums = self.prior.variance_sums(scale, log_scale)
 
     # -- the public step -----------------------------------------------------------------------

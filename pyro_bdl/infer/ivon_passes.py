@@ -43,19 +43,24 @@ class IVONPasses(Passes):
         e, k = self.estimates, len(hidden)
         self.estimates = [e[0], e[1], *e[2 : 2 + k]]  # no ĥ for the noiseless hidden parameters
         self._sites = self._values[: len(self._values) - k]
-        self._product = torch.empty_like(loc)
+        self._product = torch.empty_like(loc)  # a later draw's ĝ
+        self._g_views = layout.split(self.estimates[0])
+        self._spare_views = layout.split(self._product)
 
     def split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(ĝs of the mean and each hidden parameter, [ĥ of the mean])."""
         return [self.estimates[0], *self.estimates[2:]], [self.estimates[1]]
 
-    def _track(self) -> torch.Tensor:
-        """The current sample as a leaf that records gradients, its views on the layers."""
-        w = self._w.detach().requires_grad_()
-        views = self.layout.split(w)
-        values = [(module, name, v) for (module, name, _), v in zip(self._sites, views)]
+    def _track(self) -> list[torch.Tensor]:
+        """The current sample's site views as leaves that record gradients, put on the layers.
+
+        Leaves per site (sharing the sample's storage) rather than one flat leaf: autograd then
+        returns one gradient per site, as ``loss.backward()`` would for the plain network, not
+        those and their concatenation as well."""
+        leaves = [v.detach().requires_grad_() for v in self.layout.split(self._w)]
+        values = [(module, name, v) for (module, name, _), v in zip(self._sites, leaves)]
         self._values = values + self._values[len(values) :]
-        return w
+        return leaves
 
     def estimate(self, args, kwargs, *, num_particles: int, step: int) -> tuple[list[float], int]:
         """ĝ and ĥ averaged over ``num_particles`` draws and the B examples, into
@@ -65,27 +70,34 @@ class IVONPasses(Passes):
         for k in range(num_particles):
             with torch.no_grad():
                 self.sample()
-            w = self._track()
+            leaves = self._track()
             losses, batch, nll = self.run(args, kwargs, step)
-            wrt = [w, *self._hidden_params]
+            wrt = [*leaves, *self._hidden_params]
             grads: Sequence[torch.Tensor | None] = (None,) * len(wrt)
             if losses.requires_grad:  # else the likelihood depends on no weight
-                grads = torch.autograd.grad(losses.sum(), wrt, allow_unused=True)
+                grads = torch.autograd.grad(losses.sum() / batch, wrt, allow_unused=True)
             with torch.no_grad():
-                for out, grad in zip([g, *g_hidden], grads):
+                # This draw's ĝ into g (the first draw) or the spare buffer (later draws).
+                draw = g if k == 0 else self._product
+                views = self._g_views if k == 0 else self._spare_views
+                for out, grad in zip(views, grads):
+                    out.zero_() if grad is None else out.copy_(grad)
+                for out, grad in zip(g_hidden, grads[len(views) :]):
                     if grad is None:
-                        grad = torch.zeros_like(out)
-                    if k == 0:
+                        if k == 0:
+                            out.zero_()
+                    elif k == 0:
                         out.copy_(grad)
                     else:
                         out.add_(grad)
-                gw = grads[0] if grads[0] is not None else torch.zeros_like(g)
-                # ĥ of this draw summed over the batch: (Σᵢ gᵢ) ε/σ.
-                product = torch.mul(gw, self.noise, out=self._product)
+                if k > 0:
+                    g.add_(draw)
+                # ĥ of this draw: ĝ ε/σ.
                 if k == 0:
-                    torch.div(product, self.scale, out=h)
+                    torch.mul(draw, self.noise, out=h).div_(self.scale)
                 else:
-                    h.addcdiv_(product, self.scale)
+                    h.addcdiv_(draw.mul_(self.noise), self.scale)
             nlls.append(nll)
-        torch._foreach_div_(self.estimates, float(num_particles * batch))
+        if num_particles > 1:
+            torch._foreach_div_(self.estimates, float(num_particles))
         return nlls, batch

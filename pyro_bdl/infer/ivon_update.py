@@ -74,7 +74,6 @@ def ivon_update(
     written.
     """
     params = [state.mean, *state.hidden]
-    g = [state.momentum, *state.hidden_momentum]
     if len(g_hat) != len(params) or h_hat.shape != state.curvature.shape:
         raise ValueError(
             f"ivon_update needs ĝ for the mean and each of the {len(state.hidden)} hidden "
@@ -82,28 +81,42 @@ def ivon_update(
             f"{len(g_hat)} and {tuple(h_hat.shape)}."
         )
     beta1, beta2 = hyper.betas
-    delta = hyper.weight_decay
     t = state.step + 1
-    torch._foreach_mul_(g, beta1)
-    torch._foreach_add_(g, list(g_hat), alpha=1.0 - beta1)
-
-    h = state.curvature
-    a = torch.add(h, delta)  # h + δ before the update (> 0)
-    diff = torch.sub(h, h_hat)
-    # ½(1−β₂)²(h − ĥ)²/(h + δ), from the old h.
-    correction = diff.mul_(diff).div_(a).mul_(0.5 * (1.0 - beta2) ** 2)
-    h.mul_(beta2).add_(h_hat, alpha=1.0 - beta2).add_(correction)
-
-    # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new h.
-    offset = state.mean if hyper.prior_mean is None else state.mean - hyper.prior_mean
-    numerator = torch.mul(offset, delta).add_(state.momentum, alpha=1.0 / (1.0 - beta1**t))
-    torch.add(h, delta, out=a)
-    state.mean.addcdiv_(numerator, a, value=-hyper.lr)
+    debias, c = 1.0 / (1.0 - beta1**t), 1.0 - beta2
+    delta, mu0 = hyper.weight_decay, hyper.prior_mean
+    # Block by block, so that the dozen element-wise operations of a block run in cache and
+    # their temporaries are small (a D-sized temporary costs more in page faults than the
+    # arithmetic); each block is one slice of every vector.
+    for block in blocks(state.mean.numel()):
+        m, g, h = state.mean[block], state.momentum[block], state.curvature[block]
+        gh, hh = g_hat[0][block], h_hat[block]
+        d = delta[block] if isinstance(delta, torch.Tensor) else delta
+        g.lerp_(gh, 1.0 - beta1)  # β₁g + (1−β₁)ĝ
+        # β₂h + (1−β₂)ĥ + ½(1−β₂)²(h−ĥ)²/(h+δ) = h + r(c + ½c² r/(h+δ)), r = ĥ − h, c = 1 − β₂.
+        a = torch.add(h, d)
+        r = torch.sub(hh, h)
+        factor = torch.div(r, a).mul_(0.5 * c * c).add_(c)
+        h.addcmul_(r, factor)
+        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new h.
+        offset = m if mu0 is None else torch.sub(m, mu0[block], out=r)
+        numerator = torch.mul(offset, d, out=factor).add_(g, alpha=debias)
+        m.addcdiv_(numerator, torch.add(h, d, out=a), value=-hyper.lr)
     if state.hidden:
+        torch._foreach_lerp_(state.hidden_momentum, list(g_hat[1:]), 1.0 - beta1)
         denominator = torch._foreach_add(state.hidden_curvature, hyper.hidden_weight_decay)
-        step_size = -hyper.lr / (1.0 - beta1**t)
+        step_size = -hyper.lr * debias
         torch._foreach_addcdiv_(state.hidden, state.hidden_momentum, denominator, value=step_size)
     return dataclasses.replace(state, step=t)
+
+
+#: Elements per block of :func:`ivon_update`: 512 KiB of float32 per vector, so that a block's
+#: vectors and temporaries stay in cache while the Python overhead per block stays small.
+BLOCK = 1 << 17
+
+
+def blocks(n: int) -> list[slice]:
+    """Slices of ``range(n)`` of :data:`BLOCK` elements (the last one shorter)."""
+    return [slice(i, min(i + BLOCK, n)) for i in range(0, n, BLOCK)]
 
 
 @torch.no_grad()
