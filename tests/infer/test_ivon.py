@@ -62,8 +62,8 @@ def test_the_hessian_estimate_is_unbiased_on_a_quadratic():
     assert bool((5 * (var / 1000).sqrt() < 0.3 * a.diagonal()).all())
 
 
-@pytest.mark.parametrize("prior", ["explicit", "lifted"])
-def test_two_steps_follow_the_design_by_hand(prior):
+@pytest.mark.parametrize(("prior", "draws"), [("explicit", 1), ("lifted", 1), ("lifted", 2)])
+def test_two_steps_follow_the_design_by_hand(prior, draws):
     sc = BayesianLinearRegression(n=20, d=3)
     lr, (b1, b2), h0, ess = 0.2, (0.8, 0.7), 0.3, 30.0
     if prior == "explicit":
@@ -75,7 +75,16 @@ def test_two_steps_follow_the_design_by_hand(prior):
         precision = torch.tensor(PerWeightNormal.precision, dtype=sc.dtype)
         mu0 = torch.tensor(PerWeightNormal.mean, dtype=sc.dtype)
     m = model.net._bdl_init_weight.reshape(-1).clone()
-    ivon = IVON(model, dataset_size=sc.n, lr=lr, betas=(b1, b2), hess_init=h0, ess=ess, **options)
+    ivon = IVON(
+        model,
+        dataset_size=sc.n,
+        lr=lr,
+        betas=(b1, b2),
+        hess_init=h0,
+        ess=ess,
+        num_particles=draws,
+        **options,
+    )
     torch.manual_seed(5)
     losses = [ivon.step(sc.x, sc.y), ivon.step(sc.x, sc.y)]
 
@@ -85,13 +94,15 @@ def test_two_steps_follow_the_design_by_hand(prior):
     torch.manual_seed(5)
     for t in (1, 2):
         sigma = (1 / (ess * (h + delta))).sqrt()
-        eps = torch.randn(m.shape, dtype=m.dtype)
-        theta = m + sigma * eps
-        g_hat = batch_grad(sc, theta)
-        h_hat = g_hat * (theta - m) / sigma**2
-        nll = -dist.Normal(sc.x @ theta, sc.noise).log_prob(sc.y).sum()
+        g_hat, h_hat, nll = torch.zeros_like(m), torch.zeros_like(m), 0.0
+        for _ in range(draws):  # ĝ, ĥ and the NLL averaged over the draws
+            theta = m + sigma * torch.randn(m.shape, dtype=m.dtype)
+            g_k = batch_grad(sc, theta)
+            g_hat += g_k / draws
+            h_hat += g_k * (theta - m) / sigma**2 / draws
+            nll += -float(dist.Normal(sc.x @ theta, sc.noise).log_prob(sc.y).sum()) / draws
         kl = 0.5 * (precision * (sigma**2 + (m - mu0) ** 2) - 1 - torch.log(precision * sigma**2))
-        assert losses[t - 1] == pytest.approx(float(nll + kl.sum()), rel=1e-10)
+        assert losses[t - 1] == pytest.approx(nll + float(kl.sum()), rel=1e-10)
         g = b1 * g + (1 - b1) * g_hat
         h = b2 * h + (1 - b2) * h_hat + 0.5 * (1 - b2) ** 2 * (h - h_hat) ** 2 / (h + delta)
         m = m - lr * (g / (1 - b1**t) + delta * (m - mu0)) / (h + delta)
