@@ -71,18 +71,20 @@ def check_arguments(
         raise TypeError(f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}.")
 
 
-def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int) -> None:
+def check_hyperparameters(
+    optimizer: torch.optim.Optimizer, step: int, method: str = "VOGN"
+) -> None:
     """Refuse a learning rate or betas in ``optimizer.param_groups[0]`` that the update cannot
     use (set there by a scheduler or by hand): lr must be finite and >= 0 (a schedule may end at
     0), each beta in [0, 1)."""
     group = optimizer.param_groups[0]
-    where = f"VOGN step {step}: vogn.optimizer.param_groups[0]"
+    where = f"{method} step {step}: {method.lower()}.optimizer.param_groups[0]"
     lr = _as_float(group.get("lr"))
     if lr is None or not math.isfinite(lr) or lr < 0:
         raise ValueError(
             f"{where}['lr'] must be a finite number >= 0; got {group.get('lr')!r}. A "
             "learning-rate scheduler or an assignment set it; nothing was updated. Set a finite "
-            "lr, for example vogn.optimizer.param_groups[0]['lr'] = 1e-3."
+            f"lr, for example {method.lower()}.optimizer.param_groups[0]['lr'] = 1e-3."
         )
     betas = group.get("betas")
     pair = [_as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
@@ -104,12 +106,12 @@ def read_temperature(value: object, step: int) -> float:
     return tau
 
 
-def check_loss(step: int, likelihood: float, kl: float) -> None:
+def check_loss(step: int, likelihood: float, kl: float, method: str = "VOGN") -> None:
     """Refuse a non-finite loss, naming its term (each site's likelihood is checked earlier, so a
     non-finite total here is an overflow of the sum, or the KL)."""
     for term, value in (("likelihood (the sum over the data sites)", likelihood), ("KL", kl)):
         if not math.isfinite(value):
             raise ValueError(
-                f"VOGN step {step}: the {term} term of the loss is not finite ({value}); nothing "
-                "was updated. Lower the learning rate, check the data, or check the prior."
+                f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
+                "nothing was updated. Lower the learning rate, check the data, or check the prior."
             )

@@ -65,6 +65,8 @@ class Passes:
         self._tape = PerExampleGradients(layers=layers, chunk_size=chunk_size)
         #: Saves and restores what a pass changes outside VOGN's state (set by VOGN).
         self.rollback = Rollback([])
+        #: The method named in the refusals (IVON reuses these passes).
+        self.method = "VOGN"
 
     def split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(ĝs, ĥs) of μ first, then of each hidden parameter (views of :attr:`estimates`)."""
@@ -130,6 +132,6 @@ class Passes:
         labelled += [(f"{n} (ĥ)", t) for n, t in zip(self.names, h_hats)]
         name = next(n for n, t in labelled if not bool(torch.isfinite(t).all()))
         raise ValueError(
-            f"VOGN step {step}: the gradient of the likelihood for {name} is not finite (NaN or "
-            "inf); nothing was updated. Lower the learning rate."
+            f"{self.method} step {step}: the gradient of the likelihood for {name} is not finite "
+            "(NaN or inf); nothing was updated. Lower the learning rate."
         )

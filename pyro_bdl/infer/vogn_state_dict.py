@@ -1,5 +1,6 @@
-"""VOGN's ``state_dict``: what it holds, and the checks that refuse a state of another model or
-format before anything is restored."""
+"""VOGN's ``state_dict`` (and IVON's, which holds the same state without a temperature): what it
+holds, and the checks that refuse a state of another model or format before anything is
+restored."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ _KEYS = {
     "temperature",
     "optimizer",
 }
+#: The format name, version and keys of each method's state_dict (IVON has no temperature).
+FORMATS = {
+    "VOGN": (FORMAT, VERSION, frozenset(_KEYS)),
+    "IVON": ("pyro_bdl.infer.IVON", 1, frozenset(_KEYS - {"temperature"})),
+}
 #: The keys of the state_dict VOGN wrote when its state was spread over a guide and an optimizer.
 _EARLIER_KEYS = {"step", "sites", "hidden", "guide", "optimizer"}
 
@@ -40,17 +46,20 @@ def pack_state_dict(
     layout: SiteLayout,
     hidden: Sequence[Hidden],
     *,
-    temperature: float,
+    temperature: float | None,
     optimizer: dict[str, Any],
+    method: str = "VOGN",
 ) -> dict[str, Any]:
-    """The ``state_dict`` of a VOGN run (detached copies)."""
+    """The ``state_dict`` of a VOGN (or, with ``method="IVON"`` and no temperature, an IVON) run
+    (detached copies)."""
+    fmt, version, keys = FORMATS[method]
 
     def named(tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {h.name: t.detach().clone() for h, t in zip(hidden, tensors)}
 
-    return {
-        "format": FORMAT,
-        "version": VERSION,
+    out = {
+        "format": fmt,
+        "version": version,
         "step": state.step,
         "sites": [(site.name, tuple(site.shape)) for site in layout],
         "hidden": named(state.hidden),
@@ -59,48 +68,61 @@ def pack_state_dict(
         "curvature": state.curvature.detach().clone(),
         "hidden_momentum": named(state.hidden_momentum),
         "hidden_curvature": named(state.hidden_curvature),
-        "temperature": float(temperature),
+        "temperature": None if temperature is None else float(temperature),
         "optimizer": optimizer,
     }
+    return {k: v for k, v in out.items() if k in keys}
 
 
 def check_state_dict(
-    state: Any, layout: SiteLayout | None = None, hidden: Sequence[Hidden] | None = None
+    state: Any,
+    layout: SiteLayout | None = None,
+    hidden: Sequence[Hidden] | None = None,
+    method: str = "VOGN",
 ) -> None:
-    """Refuse anything but a VOGN ``state_dict`` of this format (and, given the model's layout and
-    hidden parameters, of this model), naming what differs.
+    """Refuse anything but a ``state_dict`` of ``method`` in this format (and, given the model's
+    layout and hidden parameters, of this model), naming what differs.
 
     :raises ValueError: with the reason and the way out.
     """
-    if isinstance(state, Mapping) and "format" not in state and set(state) == _EARLIER_KEYS:
+    fmt, version, keys = FORMATS[method]
+    if (
+        method == "VOGN"
+        and isinstance(state, Mapping)
+        and "format" not in state
+        and set(state) == _EARLIER_KEYS
+    ):
         raise ValueError(
             "this VOGN state_dict has the earlier layout (keys 'guide' and 'optimizer' holding "
             "μ, σ, m and s), which this version does not read; restart the run, or resume it "
             "with the pyro_bdl version that wrote it."
         )
-    if not isinstance(state, Mapping) or state.get("format") != FORMAT or set(state) != _KEYS:
+    if not isinstance(state, Mapping) or state.get("format") != fmt or set(state) != keys:
         got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(f"not a VOGN state_dict: expected keys {sorted(_KEYS)}; got {got}.")
-    if state["version"] != VERSION:
         raise ValueError(
-            f"this VOGN state_dict has format version {state['version']!r}; this version of "
-            f"pyro_bdl reads version {VERSION}."
+            f"not a {method} state_dict: expected format {fmt!r} and keys {sorted(keys)}; got "
+            f"{got} (format {state.get('format') if isinstance(state, Mapping) else None!r})."
+        )
+    if state["version"] != version:
+        raise ValueError(
+            f"this {method} state_dict has format version {state['version']!r}; this version of "
+            f"pyro_bdl reads version {version}."
         )
     try:
         sites = [(str(n), tuple(int(d) for d in s)) for n, s in state["sites"]]
     except (TypeError, ValueError):
         raise ValueError(
-            "the VOGN state_dict is damaged: 'sites' must be a list of (name, shape) pairs; got "
-            f"{state['sites']!r:.80}."
+            f"the {method} state_dict is damaged: 'sites' must be a list of (name, shape) pairs; "
+            f"got {state['sites']!r:.80}."
         ) from None
-    step, temperature = state["step"], state["temperature"]
+    step, temperature = state["step"], state.get("temperature", 1.0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(
-            f"the VOGN state_dict is damaged: 'step' must be an int >= 0; got {step!r}."
+            f"the {method} state_dict is damaged: 'step' must be an int >= 0; got {step!r}."
         )
     if not isinstance(temperature, (int, float)) or not 0 < float(temperature) < float("inf"):
         raise ValueError(
-            f"the VOGN state_dict is damaged: 'temperature' must be a number > 0; got "
+            f"the {method} state_dict is damaged: 'temperature' must be a number > 0; got "
             f"{temperature!r}."
         )
     size = sum(int(torch.Size(s).numel()) for _, s in sites)
@@ -112,7 +134,7 @@ def check_state_dict(
             or not value.is_floating_point()
         ):
             raise ValueError(
-                f"the VOGN state_dict is damaged: {key!r} must have shape ({size},), the total "
+                f"the {method} state_dict is damaged: {key!r} must have shape ({size},), the total "
                 f"size of its sites; got {getattr(state[key], 'shape', type(state[key]))}."
             )
     groups = (
@@ -127,27 +149,30 @@ def check_state_dict(
         or not isinstance(state["optimizer"].get("state"), Mapping)
     ):
         raise ValueError(
-            "the VOGN state_dict is damaged: 'optimizer' must be the state_dict of VOGN's "
+            f"the {method} state_dict is damaged: 'optimizer' must be the state_dict of {method}'s "
             "optimizer (a 'state' dict and one parameter group with 'lr', 'betas' and its one "
             "placeholder parameter)."
         )
     if not _hyperparameters_ok(groups[0]["lr"], groups[0]["betas"]):
         raise ValueError(
-            "the VOGN state_dict is damaged: its optimizer needs lr > 0 and betas, two numbers in "
-            f"[0, 1); got lr={groups[0]['lr']!r}, betas={groups[0]['betas']!r}."
+            f"the {method} state_dict is damaged: its optimizer needs lr > 0 and betas, two "
+            f"numbers in [0, 1); got lr={groups[0]['lr']!r}, betas={groups[0]['betas']!r}."
         )
     shapes = {}
     for key in ("hidden", "hidden_momentum", "hidden_curvature"):
         if not isinstance(state[key], Mapping) or not all(
             isinstance(t, torch.Tensor) for t in state[key].values()
         ):
-            raise ValueError(f"the VOGN state_dict is damaged: {key!r} must map names to tensors.")
+            raise ValueError(
+                f"the {method} state_dict is damaged: {key!r} must map names to tensors."
+            )
         shapes[key] = {str(n): tuple(t.shape) for n, t in state[key].items()}
     for key in ("hidden_momentum", "hidden_curvature"):
         if shapes[key] != shapes["hidden"]:
             raise ValueError(
-                f"the VOGN state_dict is damaged: {key!r} has entries {sorted(shapes[key].items())}"
-                f", its hidden parameters are {sorted(shapes['hidden'].items())} (name, shape)."
+                f"the {method} state_dict is damaged: {key!r} has entries "
+                f"{sorted(shapes[key].items())}, its hidden parameters are "
+                f"{sorted(shapes['hidden'].items())} (name, shape)."
             )
     if layout is None or hidden is None:
         return

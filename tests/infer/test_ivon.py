@@ -1,0 +1,321 @@
+"""IVON (docs/design/ivon.md): the Hessian estimator's expectation, the update by hand, the
+positivity of h + δ, state, reduce_fn, refusals and the guide."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Predictive
+from torch import nn
+
+from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.infer import IVON, VOGN, IVONHyperparameters, VOGNState, ivon_update
+from tests.common import assert_close
+from tests.infer.test_vogn import PerWeightNormal
+from tests.scenarios import BayesianLinearRegression
+
+
+def batch_grad(sc: BayesianLinearRegression, w: torch.Tensor) -> torch.Tensor:
+    """ĝ = (1/B) Σᵢ ∇_w ℓᵢ(w) = (1/B) Σᵢ xᵢ (xᵢᵀw − yᵢ)/σ², by hand."""
+    return (sc.x * ((sc.x @ w - sc.y) / sc.noise**2)[:, None]).mean(0)
+
+
+def small_classifier(n: int = 16, batchnorm: bool = True):
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)]
+    if batchnorm:
+        layers.insert(1, nn.BatchNorm1d(5))
+    net = bayesianize(nn.Sequential(*layers).double(), priors.Normal(scale=1.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    return models.classifier(net, n), x, y
+
+
+def test_the_hessian_estimate_is_unbiased_on_a_quadratic():
+    # Linear regression: the batch-mean loss is the quadratic ½θᵀAθ − bᵀθ + c with
+    # A = XᵀX/(Bσ²), so ĝ = Aθ − b and ĥᵢ = ĝᵢ εᵢ/σᵢ has expectation Aᵢᵢ exactly (Price/Bonnet).
+    sc = BayesianLinearRegression(n=20, d=3)
+    ivon = IVON(sc.model(), dataset_size=sc.n, hess_init=0.05, num_particles=1000)
+    ivon.setup(sc.x, sc.y)
+    torch.manual_seed(0)
+    ivon._passes.estimate((sc.x, sc.y), {}, num_particles=1000, step=1)
+    _, (h_hat,) = ivon._passes.split()
+    a = sc.x.T @ sc.x / (sc.n * sc.noise**2)
+    m, s = ivon.guide.loc, ivon.guide.scale
+    # Var ĥᵢ = [((Am − b)ᵢ)² + Σ_{j≠i} Aᵢⱼ² σⱼ² + 2 Aᵢᵢ² σᵢ²]/σᵢ² per draw (ε Gaussian: the odd
+    # moments vanish, Var εᵢεⱼ = 1, Var εᵢ² = 2); the mean of M = 1000 draws has standard error
+    # √(Var/M), and 5 of them bound a false failure by 6e-7 per weight.
+    r = batch_grad(sc, m)
+    off = (a.square() * s.square()[None, :]).sum(1) - a.diagonal().square() * s.square()
+    var = (r.square() + off + 2 * a.diagonal().square() * s.square()) / s.square()
+    err = (h_hat - a.diagonal()).abs()
+    assert bool((err < 5 * (var / 1000).sqrt()).all()), (h_hat, a.diagonal(), var)
+    # The bound is tight enough to see a wrong estimator: here σ = 1/√2, so ĝε/σ² instead of
+    # ĝε/σ would be off by 41%, and the bound is below 30% of Aᵢᵢ.
+    assert bool((5 * (var / 1000).sqrt() < 0.3 * a.diagonal()).all())
+
+
+@pytest.mark.parametrize(("prior", "draws"), [("explicit", 1), ("lifted", 1), ("lifted", 2)])
+def test_two_steps_follow_the_design_by_hand(prior, draws):
+    sc = BayesianLinearRegression(n=20, d=3)
+    lr, (b1, b2), h0, ess = 0.2, (0.8, 0.7), 0.3, 30.0
+    if prior == "explicit":
+        model, options = sc.model(), {"prior_precision": 2.0}
+        precision, mu0 = torch.tensor(2.0, dtype=sc.dtype), torch.zeros(3, dtype=sc.dtype)
+    else:
+        net = bayesianize(nn.Linear(3, 1, bias=False).to(sc.dtype), PerWeightNormal())
+        model, options = sc.model(net), {}
+        precision = torch.tensor(PerWeightNormal.precision, dtype=sc.dtype)
+        mu0 = torch.tensor(PerWeightNormal.mean, dtype=sc.dtype)
+    m = model.net._bdl_init_weight.reshape(-1).clone()
+    ivon = IVON(
+        model,
+        dataset_size=sc.n,
+        lr=lr,
+        betas=(b1, b2),
+        hess_init=h0,
+        ess=ess,
+        num_particles=draws,
+        **options,
+    )
+    torch.manual_seed(5)
+    losses = [ivon.step(sc.x, sc.y), ivon.step(sc.x, sc.y)]
+
+    delta = precision / ess  # the weight decay: prior precision = ess · δ
+    h = torch.full_like(m, h0)
+    g = torch.zeros_like(m)
+    torch.manual_seed(5)
+    for t in (1, 2):
+        sigma = (1 / (ess * (h + delta))).sqrt()
+        g_hat, h_hat, nll = torch.zeros_like(m), torch.zeros_like(m), 0.0
+        for _ in range(draws):  # ĝ, ĥ and the NLL averaged over the draws
+            theta = m + sigma * torch.randn(m.shape, dtype=m.dtype)
+            g_k = batch_grad(sc, theta)
+            g_hat += g_k / draws
+            h_hat += g_k * (theta - m) / sigma**2 / draws
+            nll += -float(dist.Normal(sc.x @ theta, sc.noise).log_prob(sc.y).sum()) / draws
+        kl = 0.5 * (precision * (sigma**2 + (m - mu0) ** 2) - 1 - torch.log(precision * sigma**2))
+        assert losses[t - 1] == pytest.approx(nll + float(kl.sum()), rel=1e-10)
+        g = b1 * g + (1 - b1) * g_hat
+        h = b2 * h + (1 - b2) * h_hat + 0.5 * (1 - b2) ** 2 * (h - h_hat) ** 2 / (h + delta)
+        m = m - lr * (g / (1 - b1**t) + delta * (m - mu0)) / (h + delta)
+    assert_close(ivon.guide.loc, m, rtol=1e-12)
+    assert_close(ivon.state.curvature, h, rtol=1e-12)
+    assert_close(ivon.guide.scale, (1 / (ess * (h + delta))).sqrt(), rtol=1e-12)
+    assert ivon.step_count == 2
+    loc = ivon.guide.loc.clone()
+    ivon.evaluate_loss(sc.x, sc.y)
+    assert torch.equal(ivon.guide.loc, loc) and ivon.step_count == 2
+
+
+def test_the_pure_update_with_a_per_weight_prior_and_a_hidden_parameter():
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=torch.float64)
+
+    m, gm, h, theta, g_h, h_h = rand(3), rand(3), rand(3), rand(2), rand(2), rand(2) + 0.1
+    g_hat, h_hat, g_hid = rand(3), rand(3) - 0.5, rand(2)
+    delta, mu0 = rand(3) + 0.1, rand(3)
+    hyper = IVONHyperparameters(
+        lr=0.3, betas=(0.8, 0.6), weight_decay=delta, prior_mean=mu0, hidden_weight_decay=0.05
+    )
+    state = VOGNState(
+        m.clone(), gm.clone(), h.clone(), [theta.clone()], [g_h.clone()], [h_h.clone()], step=2
+    )
+    new = ivon_update(state, [g_hat, g_hid], h_hat, hyper)
+    assert new.step == 3 and new.mean is state.mean  # in place, as its docstring says
+    gm = 0.8 * gm + 0.2 * g_hat
+    h = 0.6 * h + 0.4 * h_hat + 0.5 * 0.4**2 * (h - h_hat) ** 2 / (h + delta)
+    assert_close(new.curvature, h, rtol=1e-14)
+    assert_close(new.mean, m - 0.3 * (gm / (1 - 0.8**3) + delta * (m - mu0)) / (h + delta))
+    g_h = 0.8 * g_h + 0.2 * g_hid  # no prior term, and h stays h₀ (no noise, no ĥ)
+    assert_close(new.hidden[0], theta - 0.3 * g_h / (1 - 0.8**3) / (h_h + 0.05), rtol=1e-14)
+    assert_close(new.hidden_curvature[0], h_h, rtol=0.0)
+    with pytest.raises(ValueError, match="ĝ for the mean and each of the 1 hidden"):
+        ivon_update(new, [g_hat], h_hat, hyper)
+
+
+@pytest.mark.parametrize("beta2", [0.0, 0.5, 0.99999])
+def test_h_plus_delta_stays_positive_under_adversarial_estimates(beta2):
+    # With a = h + δ and x = (h − ĥ)/a the new h + δ is a(½(1 − (1−β₂)x)² + ½) ≥ a/2: the least
+    # value a/2 is reached at ĥ = h − a/(1−β₂), whatever the size of the other ĥ.
+    delta, c = 0.01, 1.0 - beta2
+    hyper = IVONHyperparameters(lr=0.1, betas=(0.9, beta2), weight_decay=delta)
+    h = torch.tensor([0.1, 1e-3, 5.0], dtype=torch.float64)
+    state = VOGNState(torch.zeros(3, dtype=h.dtype), torch.zeros_like(h), h.clone())
+    a = h + delta
+    worst = h - a / c
+    ivon_update(state, [torch.zeros_like(h)], worst, hyper)
+    assert_close(state.curvature + delta, a / 2, rtol=1e-12)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sign = torch.randint(0, 2, (3,), generator=gen).to(h) * 2 - 1
+        huge = sign * 10.0 ** torch.randint(-3, 12, (3,), generator=gen).to(h)
+        before = state.curvature + delta
+        ivon_update(state, [torch.zeros_like(h)], huge, hyper)
+        after = state.curvature + delta
+        # a/2 up to the rounding of the sum (relative 1e-16 per operation, a few operations).
+        assert bool((after >= before / 2 * (1 - 1e-12)).all())
+        assert bool(torch.isfinite(after).all())
+
+
+def test_reduce_fn_gets_every_estimate_in_one_call_per_step():
+    model, x, y = small_classifier()
+    calls = []
+
+    def reduce_fn(tensors):
+        calls.append([tuple(t.shape) for t in tensors])
+        tensors[1].fill_(-1e9)  # an adversarial ĥ reaches the update: σ must stay finite
+
+    ivon = IVON(model, dataset_size=len(x), reduce_fn=reduce_fn)
+    for _ in range(3):
+        ivon.step(x, y)
+    d = ivon.layout.size
+    hidden = [tuple(h.param.shape) for h in ivon._hidden]
+    assert hidden == [(5,), (5,)]  # BatchNorm's affine parameters
+    assert calls == [[(d,), (d,), *hidden]] * 3
+    assert bool(torch.isfinite(ivon.guide.scale).all()) and bool((ivon.guide.scale > 0).all())
+
+
+def test_state_dict_round_trip_continues_the_run_bit_for_bit():
+    model, x, y = small_classifier()
+    ivon = IVON(model, dataset_size=len(x), lr=0.05, num_particles=2)
+    for _ in range(3):
+        ivon.step(x, y)
+    buffer = io.BytesIO()
+    torch.save(
+        {"ivon": ivon.state_dict(), "net": model.net.state_dict()}, buffer
+    )  # what a checkpoint holds
+    net_state = copy.deepcopy(model.net.state_dict())
+    torch.manual_seed(9)
+    expected = [ivon.step(x, y) for _ in range(2)]
+    loc = ivon.guide.loc.clone()
+
+    pyro.clear_param_store()
+    model2, _, _ = small_classifier()
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    model2.net.load_state_dict(net_state)
+    resumed = IVON(model2, dataset_size=len(x), lr=0.05, num_particles=2)
+    resumed.load_state_dict(saved["ivon"])  # before the first step: applied at set-up
+    assert resumed.needs_setup
+    torch.manual_seed(9)
+    assert [resumed.step(x, y) for _ in range(2)] == expected
+    assert torch.equal(resumed.guide.loc, loc) and resumed.step_count == 5
+
+
+def test_state_dicts_of_other_methods_and_models_are_refused():
+    model, x, y = small_classifier()
+    ivon = IVON(model, dataset_size=len(x))
+    with pytest.raises(RuntimeError, match="no state before its first step"):
+        ivon.state_dict()
+    ivon.step(x, y)
+    vogn = VOGN(small_classifier()[0], dataset_size=len(x))
+    vogn.step(x, y)
+    with pytest.raises(ValueError, match="not a IVON state_dict"):
+        ivon.load_state_dict(vogn.state_dict())
+    with pytest.raises(ValueError, match="not a VOGN state_dict"):
+        vogn.load_state_dict(ivon.state_dict())
+    other, _, _ = small_classifier(batchnorm=False)
+    state = IVON(other, dataset_size=len(x))
+    state.step(x, y)
+    before = ivon.state_dict()
+    with pytest.raises(ValueError, match="different model"):
+        ivon.load_state_dict(state.state_dict())
+    damaged = dict(before, curvature=before["curvature"][:-1])
+    with pytest.raises(ValueError, match="IVON state_dict is damaged: 'curvature'"):
+        ivon.load_state_dict(damaged)
+    assert torch.equal(ivon.state_dict()["mean"], before["mean"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lr": 0.0}, ValueError, "lr"),
+        ({"lr": -0.1}, ValueError, "lr"),
+        ({"betas": (1.0, 0.5)}, ValueError, "beta1"),
+        ({"betas": (0.9, -0.1)}, ValueError, "beta2"),
+        ({"betas": (0.9,)}, ValueError, "betas must be a pair"),
+        ({"ess": 0.0}, ValueError, "ess"),
+        ({"ess": -5.0}, ValueError, "ess"),
+        ({"hess_init": 0.0}, ValueError, "hess_init"),
+        ({"hess_init": float("nan")}, ValueError, "hess_init"),
+        ({"prior_precision": -1.0}, ValueError, "prior_precision"),
+        ({"num_particles": 0}, ValueError, "num_particles"),
+        ({"reduce_fn": 3}, TypeError, "reduce_fn must be callable"),
+        ({"dataset_size": 0}, ValueError, "dataset_size"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, error, match):
+    model, x, _ = small_classifier()
+    with pytest.raises(error, match=match):
+        IVON(model, **{"dataset_size": len(x), **kwargs})
+
+
+def test_a_wrong_dataset_size_is_refused_before_anything_changes():
+    model, x, y = small_classifier()
+    running = model.net[1].running_mean.clone()
+    ivon = IVON(model, dataset_size=len(x) + 1)
+    with pytest.raises(ValueError, match="dataset_size is 17 but the model's data plate"):
+        ivon.step(x, y)
+    assert ivon.needs_setup and ivon.state is None
+    assert torch.equal(model.net[1].running_mean, running)
+
+
+def test_refused_steps_change_nothing_and_the_run_continues():
+    model, x, y = small_classifier()
+    ivon = IVON(model, dataset_size=len(x), lr=0.05)
+    ivon.step(x, y)
+    reference = copy.deepcopy(ivon.state_dict())
+    running = model.net[1].running_mean.clone()
+    bad = x.clone()
+    bad[3, 1] = float("nan")
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match="IVON step 2"):
+        ivon.step(bad, y)
+    ivon.optimizer.param_groups[0]["lr"] = float("inf")  # a scheduler gone wrong
+    with pytest.raises(ValueError, match=r"IVON step 2: ivon.optimizer.param_groups\[0\]\['lr'\]"):
+        ivon.step(x, y)
+    ivon.optimizer.param_groups[0]["lr"] = 0.05
+    after = ivon.state_dict()
+    for key in ("mean", "momentum", "curvature"):
+        assert torch.equal(after[key], reference[key])
+    assert after["step"] == 1 and torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(model.net[1].running_mean, running)
+    assert math.isfinite(ivon.step(x, y)) and ivon.step_count == 2
+
+
+def test_the_guide_serves_predictive():
+    model, x, y = small_classifier(batchnorm=False)
+    ivon = IVON(model, dataset_size=len(x))
+    for _ in range(5):
+        ivon.step(x, y)
+    site = ivon.layout.names[0]
+    draws = Predictive(model, guide=ivon.guide, num_samples=7, return_sites=[site])(x)
+    shape = ivon.layout[site].shape
+    assert draws[site].shape[0] == 7 and draws[site].shape[-len(shape) :] == shape
+    assert not torch.equal(draws[site][0], draws[site][1])  # sampled from q, not its mean
+    # σ² = 1/(ess (h + δ)): the guide's scale is IVON's, read in place.
+    delta = 1.0 / len(x)  # the lifted N(0, 1) prior: precision 1 = ess · δ
+    expected = (1 / (len(x) * (ivon.state.curvature + delta))).sqrt()
+    assert_close(ivon.guide.scale, expected, rtol=1e-12)
+
+
+def test_a_scheduler_drives_the_learning_rate():
+    model, x, y = small_classifier(batchnorm=False)
+    ivon = IVON(model, dataset_size=len(x), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(ivon.optimizer, lambda step: 0.0 if step else 1.0)
+    ivon.step(x, y)
+    sched.step()  # the rate is 0 from now on: m stays, g and h still move
+    assert ivon.lr == 0.0
+    loc, h = ivon.guide.loc.clone(), ivon.state.curvature.clone()
+    ivon.step(x, y)
+    assert torch.equal(ivon.guide.loc, loc) and not torch.equal(ivon.state.curvature, h)
