@@ -10,7 +10,8 @@ from __future__ import annotations
 import pyro
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
 
 from pyro_bdl.diagnostics import metrics
 from pyro_bdl.distributed import (
@@ -21,6 +22,7 @@ from pyro_bdl.distributed import (
 )
 from pyro_bdl.guides import AutoSWAG
 from pyro_bdl.infer import VOGN
+from pyro_bdl.nn import init_to_network
 from tests.distributed.test_data_parallel import (
     SEED,
     WORLD,
@@ -138,7 +140,58 @@ def _phase_metrics(rank: int) -> dict:
     return out
 
 
-PHASES = {"swag": _phase_swag, "vogn": _phase_vogn, "metrics": _phase_metrics}
+def _two_backward_passes(model, guide, *args, **kwargs) -> float:
+    """A loss that runs backward twice per step (half the ELBO each), more passes than the
+    buckets expect: its gradients arrive after their bucket started, so the step is stale. It
+    returns a number, so SVI runs no backward of its own."""
+    total = 0.0
+    for _ in range(2):
+        loss = TraceMeanField_ELBO().differentiable_loss(model, guide, *args, **kwargs) / 2
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def _overlap_run(rank: int, loss, **options) -> dict:
+    pyro.clear_param_store()
+    x, y = _dataset()
+    model = _model()
+    # AutoNormal keeps a loc and a scale per site: 8 tensors to split into buckets.
+    guide = AutoNormal(model, init_loc_fn=init_to_network, init_scale=0.05)
+    guide(x[_batch(0, rank)], y[_batch(0, rank)])
+    optim = pyro.optim.Adam({"lr": 0.05})
+    svi = DataParallelSVI(model, guide, optim, loss, shared_noise=True, seed=SEED, **options)
+    started, stale = [], []
+    for t in range(4):
+        idx = _batch(t, rank)
+        svi.step(x[idx], y[idx])
+        if svi._buckets is not None:
+            started.append(svi._buckets.started_in_backward)
+            stale.append(svi._buckets.stale)
+    buckets = 0 if svi._buckets is None else len(svi._buckets.buckets)
+    store = pyro.get_param_store()
+    params = torch.cat([p.detach().reshape(-1) for _, p in sorted(store.named_parameters())])
+    return {"params": params, "started": started, "stale": stale, "buckets": buckets}
+
+
+def _phase_overlap(rank: int) -> dict:
+    """The same run with one bucket, with 8 small buckets (200 bytes each at most), without
+    overlap, and with a loss whose extra backward pass makes every step stale."""
+    return {
+        "one": _overlap_run(rank, TraceMeanField_ELBO()),
+        "small": _overlap_run(rank, TraceMeanField_ELBO(), bucket_cap_mb=200 / 2**20),
+        "off": _overlap_run(rank, TraceMeanField_ELBO(), overlap=False),
+        "two_passes": _overlap_run(rank, _two_backward_passes, bucket_cap_mb=200 / 2**20),
+        "two_passes_off": _overlap_run(rank, _two_backward_passes, overlap=False),
+    }
+
+
+PHASES = {
+    "swag": _phase_swag,
+    "vogn": _phase_vogn,
+    "metrics": _phase_metrics,
+    "overlap": _phase_overlap,
+}
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +286,23 @@ def test_one_process_scores_directly():
     assert scores["nll"] == pytest.approx(metrics.nll(probs, y), rel=1e-15)
     with pytest.raises(ValueError, match="probs contains 6 non-finite"):
         sharded_metrics(torch.full((2, 3), float("nan")), torch.zeros(2, dtype=torch.long))
+
+
+def test_overlapped_buckets_give_the_same_bits(ranks):
+    runs = [r["overlap"] for r in ranks]
+    for run in runs:
+        # Averaging in buckets during backward adds the same two numbers per entry as one
+        # all-reduce after it, so the trajectories are bitwise equal, not just close.
+        for name in ("one", "small"):
+            assert torch.equal(run[name]["params"], run["off"]["params"]), name
+        assert torch.equal(run["two_passes"]["params"], run["two_passes_off"]["params"])
+        assert run["off"]["buckets"] == 0 and run["one"]["buckets"] == 1
+        # Eight tensors of 3 to 24 float64 numbers, in buckets of at most 200 bytes.
+        assert run["small"]["buckets"] > 4
+        # Every bucket started inside backward (that is the overlap); none was stale.
+        assert run["small"]["started"] == [run["small"]["buckets"]] * 4
+        assert run["small"]["stale"] == [False] * 4
+        # Two backward passes: the first pass's hooks started buckets that the second pass then
+        # changed, so each step was re-reduced after backward.
+        assert run["two_passes"]["stale"] == [True] * 4
+    assert torch.equal(runs[0]["small"]["params"], runs[1]["small"]["params"])
