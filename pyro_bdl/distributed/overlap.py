@@ -26,15 +26,49 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientBuckets"]
+from pyro_bdl.distributed.comm import broadcast_, comm_device
+
+__all__ = ["GradientBuckets", "decode_rows", "encode_row"]
+
+
+def _chunk_bits(dtype: torch.dtype) -> int:
+    """Bits of a float64's pattern carried by one element of ``dtype``: integers below 2^bits
+    must be exact in it (float64 holds 2^53, float32 2^24, float16 2^11, bfloat16 2^8). Even in
+    float64 the pattern is cut, because −0 + 0 = +0 would change a raw value's bits."""
+    return 16 if dtype in (torch.float64, torch.float32) else 8
+
+
+def encode_row(values: torch.Tensor, dtype: torch.dtype, rank: int, world: int) -> torch.Tensor:
+    """``values`` (float64, shape (k,)) as a (world · k · c) vector of ``dtype``, nonzero only in
+    rank ``rank``'s slots: each float64 bit pattern cut into c unsigned chunks, small integers
+    that ``dtype`` holds exactly. Summed over ranks it is every rank's row, bit for bit (each slot
+    adds one chunk to zeros), whatever the values are (NaN, inf, −0)."""
+    bits = _chunk_bits(dtype)
+    pattern = values.to(torch.float64).view(torch.int64)
+    shifts = torch.arange(0, 64, bits, dtype=torch.int64)
+    chunks = (pattern.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    row = chunks.reshape(-1).to(dtype)
+    out = torch.zeros(world, len(row), dtype=dtype)
+    out[rank] = row
+    return out.reshape(-1)
+
+
+def decode_rows(flat: torch.Tensor, k: int, world: int) -> torch.Tensor:
+    """The inverse of the sum over ranks of :func:`encode_row`: (world, k) float64."""
+    bits = _chunk_bits(flat.dtype)
+    chunks = flat.reshape(world, k, 64 // bits).cpu().to(torch.int64)
+    pattern = torch.zeros(world, k, dtype=torch.int64)
+    for i in range(64 // bits):
+        pattern |= chunks[..., i] << (i * bits)
+    return pattern.view(torch.float64)
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: list[torch.Tensor], extra: int = 0):
         self.params = params
-        self.flat = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-        )
+        self.numel = sum(p.numel() for p in params)
+        # ``extra`` slots after the gradients carry the ranks' control rows (last bucket only).
+        self.flat = torch.zeros(self.numel + extra, dtype=params[0].dtype, device=params[0].device)
         self.work: dist.Work | None = None
 
     def fill(self) -> None:
@@ -74,25 +108,21 @@ class GradientBuckets:
         *,
         bucket_cap_mb: float = 25.0,
         passes: int = 1,
+        control: int = 0,
     ):
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.control = control
         self.passes = passes
-        cap = bucket_cap_mb * 2**20
-        self.buckets: list[_Bucket] = []
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-        for p in reversed(list(params)):
-            key = (p.device, p.dtype)
-            nbytes = p.numel() * p.element_size()
-            if groups.get(key) and sizes[key] + nbytes > cap:
-                self.buckets.append(_Bucket(groups.pop(key)))
-            if key not in groups:
-                groups[key], sizes[key] = [], 0
-            groups[key].append(p)
-            sizes[key] += nbytes
-        self.buckets += [_Bucket(ps) for ps in groups.values()]
-        self._where = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._cap = bucket_cap_mb * 2**20
+        self._params = list(params)
+        # Until the first step has shown the order in which backward produces the gradients,
+        # guess the reverse of the given order.
+        self._build(self._params[::-1])
+        #: Whether the buckets follow the order observed in a step (rank 0's, see reorder()).
+        self.ordered = False
+        self._arrivals: list[int] = []
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook) for b in self.buckets for p in b.params
         ]
@@ -105,6 +135,42 @@ class GradientBuckets:
         #: after it, in :meth:`launch_remaining`).
         self.started_in_backward = 0
 
+    def _build(self, launch_order: list[torch.Tensor]) -> None:
+        """Cut ``launch_order`` (the first to start first) into buckets of at most the cap, one
+        device and dtype each."""
+        self.buckets: list[_Bucket] = []
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for p in launch_order:
+            key = (p.device, p.dtype)
+            nbytes = p.numel() * p.element_size()
+            if groups.get(key) and sizes[key] + nbytes > self._cap:
+                self.buckets.append(_Bucket(groups.pop(key)))
+            if key not in groups:
+                groups[key], sizes[key] = [], 0
+            groups[key].append(p)
+            sizes[key] += nbytes
+        self.buckets += [_Bucket(ps) for ps in groups.values()]
+        # The last bucket to start also carries every rank's control row (see launch_remaining).
+        last = self.buckets[-1]
+        bits = _chunk_bits(last.flat.dtype)
+        extra = self.world * self.control * (64 // bits)
+        self.buckets[-1] = _Bucket(last.params, extra)
+        self._where = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+
+    def reorder(self) -> None:
+        """Rebuild the buckets in the order rank 0's gradients arrived in its last step (then
+        never again): one broadcast, which every rank must make at the same step, as
+        DistributedDataParallel does after its first iteration."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        seen = [index[key] for key in self._arrivals]
+        done = set(seen)
+        rest = [i for i in range(len(self._params)) if i not in done][::-1]
+        order = torch.tensor(seen + rest, dtype=torch.long, device=comm_device(self.process_group))
+        broadcast_([order], self.process_group)
+        self._build([self._params[i] for i in order.tolist()])
+        self.ordered = True
+
     def close(self) -> None:
         """Remove the hooks (the buckets are rebuilt when the parameters change)."""
         for handle in self._handles:
@@ -114,6 +180,7 @@ class GradientBuckets:
     def arm(self) -> None:
         """Start a step: count hooks from here, no bucket started."""
         self._seen = {}
+        self._arrivals = []
         self._missing = [len(b.params) for b in self.buckets]
         self._next = 0
         self.stale = False
@@ -127,6 +194,8 @@ class GradientBuckets:
         index = self._where[key]
         count = self._seen.get(key, 0) + 1
         self._seen[key] = count
+        if count == 1:
+            self._arrivals.append(key)
         if index < self._next:
             self.stale = True  # more backward passes than expected: re-reduced by the caller
         elif count == self.passes:
@@ -140,17 +209,34 @@ class GradientBuckets:
         )
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+        # The last bucket waits for launch_remaining, which knows the control row.
+        last = len(self.buckets) - 1 if self.control else len(self.buckets)
+        while self._next < last and self._missing[self._next] == 0:
             self._launch(self.buckets[self._next])
             self._next += 1
             self.started_in_backward += 1
 
-    def launch_remaining(self) -> None:
-        """Start every bucket not started yet, in order (missing gradients count as zeros)."""
+    def launch_remaining(self, control: Sequence[float] = ()) -> None:
+        """Start every bucket not started yet, in order (missing gradients count as zeros); the
+        last one carries this rank's ``control`` values (``control`` numbers, given when the
+        buckets were built), which :meth:`gathered` returns for every rank."""
         self._armed = False
+        last = self.buckets[-1]
+        if self.control:
+            row = torch.tensor([float(v) for v in control], dtype=torch.float64)
+            if len(row) != self.control:
+                raise ValueError(f"expected {self.control} control values; got {len(row)}.")
+            encoded = encode_row(row, last.flat.dtype, self.rank, self.world)
+            last.flat[last.numel :].copy_(encoded)
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
+
+    def gathered(self) -> torch.Tensor:
+        """Every rank's control values, (world, control) float64: waits for the buckets."""
+        self.wait()
+        last = self.buckets[-1]
+        return decode_rows(last.flat[last.numel :], self.control, self.world)
 
     def wait(self) -> None:
         """Wait for every started bucket (call before leaving a step, whatever happened)."""
@@ -170,13 +256,14 @@ class GradientBuckets:
         finite = True
         with torch.no_grad():
             for bucket in self.buckets:
-                bucket.flat /= self.world
-                finite = finite and bool(torch.isfinite(bucket.flat).all())
+                grads = bucket.flat[: bucket.numel]
+                grads /= self.world
+                finite = finite and bool(torch.isfinite(grads).all())
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
                     if id(p) in wanted:
-                        mean = bucket.flat[offset : offset + n].view_as(p)
+                        mean = grads[offset : offset + n].view_as(p)
                         if p.grad is None:
                             p.grad = mean.clone()
                         else:

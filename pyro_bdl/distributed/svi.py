@@ -54,7 +54,13 @@ from pyro_bdl.distributed.comm import (
 )
 from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError
 from pyro_bdl.distributed.overlap import GradientBuckets
-from pyro_bdl.distributed.refusal import StateSnapshot, agree_on_refusal, nonfinite_refusal
+from pyro_bdl.distributed.refusal import (
+    StateSnapshot,
+    agree_on_refusal,
+    nonfinite_refusal,
+    refusal_status,
+    settle_refusal,
+)
 from pyro_bdl.distributed.svi_parts import (
     SEED_RANGE,
     backward_passes,
@@ -232,6 +238,7 @@ class DataParallelSVI(SVI):
                 self.process_group,
                 bucket_cap_mb=self._bucket_cap_mb,
                 passes=backward_passes(self.loss),
+                control=6,  # refusal_status (2) and the 4 values of step()
             )
 
     def seed_noise(self, seed: int | None = None) -> None:
@@ -272,22 +279,25 @@ class DataParallelSVI(SVI):
             if buckets is not None:
                 buckets.arm()  # the gradient hooks start the buckets' all-reduces in backward
             error, loss, traced, traced_params = self._local_step(args, kwargs)
-            if buckets is not None:
-                buckets.launch_remaining()  # every rank starts every bucket, even on a refusal
             unknown = [name for key, name in traced.items() if key not in self._known]
             # The buckets follow the list fixed (and checked equal on every rank) by
             # broadcast_parameters, so they line up even when ranks trace different parameters.
             # Like SVI, only parameters this step traced and differentiated are trained.
             has_grad = [id(p) in traced and p.grad is not None for p in self._params.values()]
             stale = float(buckets is not None and buckets.stale)
-            # The one collective that precedes the gradients': every rank's refusal status, loss
-            # and checksums. A refusal on any rank raises here, on every rank.
-            stats = agree_on_refusal(
-                error,
-                [loss, len(unknown), crc([str(int(g)) for g in has_grad]), stale],
-                step=self.num_steps_taken,
-                process_group=self.process_group,
-            )
+            # Every rank's refusal status, loss and checksums, exchanged before any gradient is
+            # used: in the last gradient bucket (overlap), else in one all-gather. A refusal on
+            # any rank raises here, on every rank.
+            values = [loss, len(unknown), crc([str(int(g)) for g in has_grad]), stale]
+            step = self.num_steps_taken
+            if buckets is not None:
+                # Every rank starts every bucket, even on a refusal.
+                buckets.launch_remaining([*refusal_status(error), *values])
+                stats = settle_refusal(
+                    error, buckets.gathered(), step=step, process_group=self.process_group
+                )
+            else:
+                stats = agree_on_refusal(error, values, step=step, process_group=self.process_group)
             if bool((stats[:, 1] > 0).any()):
                 where = f"here: {', '.join(unknown[:5])}" if unknown else "on another rank"
                 raise GuideNotInitializedError(
@@ -325,6 +335,8 @@ class DataParallelSVI(SVI):
         if self._buffers:
             broadcast_(self._buffers, self.process_group)
         self.num_steps_taken += 1
+        if buckets is not None and not buckets.ordered:
+            buckets.reorder()  # once, after the first step every rank completed
         return mean_loss
 
     def _local_step(self, args, kwargs):

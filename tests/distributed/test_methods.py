@@ -20,6 +20,7 @@ from pyro_bdl.distributed import (
     shard_range,
     sharded_metrics,
 )
+from pyro_bdl.distributed.overlap import decode_rows, encode_row
 from pyro_bdl.guides import AutoSWAG
 from pyro_bdl.infer import VOGN
 from pyro_bdl.nn import init_to_network
@@ -169,9 +170,21 @@ def _overlap_run(rank: int, loss, **options) -> dict:
             started.append(svi._buckets.started_in_backward)
             stale.append(svi._buckets.stale)
     buckets = 0 if svi._buckets is None else len(svi._buckets.buckets)
+    first, ordered = None, False
+    if svi._buckets is not None:
+        names = {id(p): n for n, p in pyro.get_param_store().named_parameters()}
+        first = names[id(svi._buckets.buckets[0].params[0])]
+        ordered = svi._buckets.ordered
     store = pyro.get_param_store()
     params = torch.cat([p.detach().reshape(-1) for _, p in sorted(store.named_parameters())])
-    return {"params": params, "started": started, "stale": stale, "buckets": buckets}
+    return {
+        "params": params,
+        "started": started,
+        "stale": stale,
+        "buckets": buckets,
+        "first": first,
+        "ordered": ordered,
+    }
 
 
 def _phase_overlap(rank: int) -> dict:
@@ -299,10 +312,31 @@ def test_overlapped_buckets_give_the_same_bits(ranks):
         assert run["off"]["buckets"] == 0 and run["one"]["buckets"] == 1
         # Eight tensors of 3 to 24 float64 numbers, in buckets of at most 200 bytes.
         assert run["small"]["buckets"] > 4
-        # Every bucket started inside backward (that is the overlap); none was stale.
-        assert run["small"]["started"] == [run["small"]["buckets"]] * 4
+        # Every bucket but the last started inside backward (that is the overlap); the last
+        # waits for the ranks' control row (refusal status, loss, checksums). None was stale.
+        # (The first step's buckets follow a guessed order and may be cut differently.)
+        assert run["small"]["started"][1:] == [run["small"]["buckets"] - 1] * 3
+        assert run["small"]["started"][0] > 0
         assert run["small"]["stale"] == [False] * 4
+        # After the first step the buckets follow the order in which rank 0's gradients
+        # arrived: the output layer's (site "2.weight" or "2.bias") first.
+        assert run["small"]["ordered"] and ".2." in run["small"]["first"], run["small"]["first"]
         # Two backward passes: the first pass's hooks started buckets that the second pass then
         # changed, so each step was re-reduced after backward.
         assert run["two_passes"]["stale"] == [True] * 4
     assert torch.equal(runs[0]["small"]["params"], runs[1]["small"]["params"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_control_rows_survive_the_sum_bit_for_bit(dtype):
+    # The ranks' control rows ride in the last gradient bucket: summed over ranks (as the
+    # all-reduce does) each row must come back with the same bits, NaN, −0 and subnormals too.
+    values = torch.tensor(
+        [float("nan"), -0.0, 1e300, -3.7e-310, 123.456, float("-inf"), 2.0**32 - 1],
+        dtype=torch.float64,
+    )
+    rows = torch.stack([values, values * 2, values - 1])
+    total = sum(encode_row(rows[r], dtype, r, 3) for r in range(3))
+    assert total.dtype == dtype
+    back = decode_rows(total, len(values), 3)
+    assert torch.equal(back.view(torch.int64), rows.view(torch.int64))
