@@ -14,10 +14,15 @@ right before the predictive), so the sharded predictive is the unsharded one, ro
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pyro
-from ddp_svi import finish, parse_args, predictive_probs, train
 
 from pyro_bdl.distributed import is_main_process, shard_range, sharded_metrics
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared set-up
+from ddp_svi import finish, parse_args, predictive_probs, train
 
 
 def main(argv=None) -> None:

@@ -14,14 +14,24 @@ collection costs what it costs in one process). Rank 0 evaluates and writes the 
 from __future__ import annotations
 
 import os
+import sys
 
 import pyro
 import torch
-from ddp_svi import build, finish, parse_args, predictive_probs, run_epochs, setup_distributed
 from pyro.infer import Trace_ELBO
 
 import pyro_bdl as bdl
 from pyro_bdl.distributed import DataParallelSVI, is_main_process
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared set-up
+from ddp_svi import (
+    build,
+    finish,
+    predictive_probs,
+    run_epochs,
+    setup_distributed,
+)
+from ddp_svi import parse_args as shared_parse_args
 
 
 def swag_options(parser) -> None:
@@ -30,8 +40,12 @@ def swag_options(parser) -> None:
     parser.set_defaults(lr=1e-4)  # SGD on the N/B-scaled sum over examples
 
 
+def parse_args(argv=None):
+    return shared_parse_args(argv, add=swag_options)
+
+
 def main(argv=None) -> None:
-    args = parse_args(argv, add=swag_options)
+    args = parse_args(argv)
     device = setup_distributed()
     data = bdl.data.load_digits(seed=args.seed)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)

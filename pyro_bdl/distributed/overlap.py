@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,29 +39,26 @@ def _chunk_bits(dtype: torch.dtype) -> int:
     return 16 if dtype in (torch.float64, torch.float32) else 8
 
 
-def encode_row(values: torch.Tensor, dtype: torch.dtype, rank: int, world: int) -> torch.Tensor:
-    """``values`` (float64, shape (k,)) as a (world · k · c) vector of ``dtype``, nonzero only in
-    rank ``rank``'s slots: each float64 bit pattern cut into c unsigned chunks, small integers
-    that ``dtype`` holds exactly. Summed over ranks it is every rank's row, bit for bit (each slot
-    adds one chunk to zeros), whatever the values are (NaN, inf, −0)."""
-    bits = _chunk_bits(dtype)
-    pattern = values.to(torch.float64).view(torch.int64)
-    shifts = torch.arange(0, 64, bits, dtype=torch.int64)
-    chunks = (pattern.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    row = chunks.reshape(-1).to(dtype)
-    out = torch.zeros(world, len(row), dtype=dtype)
-    out[rank] = row
-    return out.reshape(-1)
+def _chunk_type(dtype: torch.dtype) -> str:
+    return "<u2" if _chunk_bits(dtype) == 16 else "u1"
+
+
+def encode_row(values, dtype: torch.dtype, rank: int, world: int) -> torch.Tensor:
+    """``values`` (k numbers, kept as float64) as a (world · k · c) vector of ``dtype``, nonzero
+    only in rank ``rank``'s slots: each float64's little-endian bytes cut into c unsigned chunks,
+    small integers that ``dtype`` holds exactly. Summed over ranks it is every rank's row, bit for
+    bit (each slot adds one chunk to zeros), whatever the values are (NaN, inf, −0)."""
+    raw = np.asarray(values, dtype="<f8").tobytes()
+    chunks = np.frombuffer(raw, dtype=_chunk_type(dtype))
+    out = np.zeros(world * len(chunks), dtype=np.float64)
+    out[rank * len(chunks) : (rank + 1) * len(chunks)] = chunks
+    return torch.from_numpy(out).to(dtype)
 
 
 def decode_rows(flat: torch.Tensor, k: int, world: int) -> torch.Tensor:
     """The inverse of the sum over ranks of :func:`encode_row`: (world, k) float64."""
-    bits = _chunk_bits(flat.dtype)
-    chunks = flat.reshape(world, k, 64 // bits).cpu().to(torch.int64)
-    pattern = torch.zeros(world, k, dtype=torch.int64)
-    for i in range(64 // bits):
-        pattern |= chunks[..., i] << (i * bits)
-    return pattern.view(torch.float64)
+    chunks = flat.detach().cpu().double().numpy().astype(_chunk_type(flat.dtype))
+    return torch.from_numpy(np.frombuffer(chunks.tobytes(), dtype="<f8").reshape(world, k).copy())
 
 
 class _Bucket:
@@ -223,7 +221,7 @@ class GradientBuckets:
         self._armed = False
         last = self.buckets[-1]
         if self.control:
-            row = torch.tensor([float(v) for v in control], dtype=torch.float64)
+            row = [float(v) for v in control]
             if len(row) != self.control:
                 raise ValueError(f"expected {self.control} control values; got {len(row)}.")
             encoded = encode_row(row, last.flat.dtype, self.rank, self.world)
