@@ -105,14 +105,20 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def train(args):
-    """Data-parallel mean-field VI; returns what evaluation needs."""
+def prepare(args):
+    """Join the process group; the digits data, the device and the model (the same on every
+    rank: the same seed builds the same network)."""
     device = setup_distributed()
-    # The same seed on every rank builds the same network; DataParallelSVI then broadcasts
-    # rank 0's parameters anyway and re-seeds each rank's weight noise with seed + rank.
     data = bdl.data.load_digits(seed=args.seed)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
-    model = build(args, device, len(y_train))
+    return data, device, x_train, y_train, build(args, device, len(y_train))
+
+
+def train(args):
+    """Data-parallel mean-field VI; returns what evaluation needs."""
+    # DataParallelSVI broadcasts rank 0's parameters anyway and re-seeds each rank's weight
+    # noise with seed + rank.
+    data, device, x_train, y_train, model = prepare(args)
     guide = bdl.guides.AutoMeanField(model, init_scale=args.init_scale)
     guide(x_train[:2], y_train[:2])  # the guide creates its parameters before the wrapper
     svi = DataParallelSVI(

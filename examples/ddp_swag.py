@@ -24,13 +24,7 @@ import pyro_bdl as bdl
 from pyro_bdl.distributed import DataParallelSVI, is_main_process
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared set-up
-from ddp_svi import (
-    build,
-    finish,
-    predictive_probs,
-    run_epochs,
-    setup_distributed,
-)
+from ddp_svi import finish, predictive_probs, prepare, run_epochs
 from ddp_svi import parse_args as shared_parse_args
 
 
@@ -46,10 +40,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = setup_distributed()
-    data = bdl.data.load_digits(seed=args.seed)
-    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
-    model = build(args, device, len(y_train))
+    data, device, x_train, y_train, model = prepare(args)
     guide = bdl.guides.AutoSWAG(model, rank=args.swag_rank)
     guide(x_train[:2], y_train[:2])
     optim = pyro.optim.SGD({"lr": args.lr, "momentum": 0.9})
