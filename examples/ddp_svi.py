@@ -27,7 +27,8 @@ from pyro_bdl.compare.problem import predictive_probs
 from pyro_bdl.distributed import DataParallelSVI, get_world_size, is_main_process, shard_indices
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, add=None) -> argparse.Namespace:
+    """The options every example shares; ``add(parser)`` adds a method's own."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32, help="examples per rank and step")
@@ -37,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=32, help="posterior draws for testing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default="", help="file for rank 0's checkpoint")
+    if add is not None:
+        add(parser)
     return parser.parse_args(argv)
 
 
@@ -64,16 +67,9 @@ def save_on_main(path: str) -> None:
     print(f"rank 0 wrote {path}")
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = setup_distributed()
-    world = get_world_size()
-    # The same seed on every rank builds the same network; DataParallelSVI then broadcasts
-    # rank 0's parameters anyway and re-seeds each rank's weight noise with seed + rank.
+def build(args, device: torch.device, n: int):
+    """The lifted digits MLP and its classifier model (the same on every rank: same seed)."""
     pyro.set_rng_seed(args.seed)
-    data = bdl.data.load_digits(seed=args.seed)
-    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
-    n = len(y_train)
     net = nn.Sequential(
         nn.Flatten(),
         nn.Linear(64, args.hidden),
@@ -83,32 +79,69 @@ def main(argv=None) -> None:
         nn.Linear(args.hidden, 10),
     ).to(device)
     bnn = bdl.bayesianize(net, prior=bdl.priors.Normal(scale=1.0))
-    model = bdl.models.classifier(bnn, dataset_size=n)
+    return bdl.models.classifier(bnn, dataset_size=n)
+
+
+def run_epochs(step, x_train, y_train, args, *, after_epoch=None) -> float:
+    """Every rank steps through its shard of each epoch; rank 0 prints; seconds per epoch."""
+    n = len(y_train)
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        idx = shard_indices(n, epoch=epoch, seed=args.seed).to(x_train.device)
+        total = 0.0
+        for batch in idx.split(args.batch_size):
+            total += step(x_train[batch], y_train[batch])
+        if after_epoch is not None:
+            after_epoch(epoch)
+        if is_main_process():
+            steps = -(-len(idx) // args.batch_size)
+            print(f"epoch {epoch + 1:3d}  mean loss per step {total / steps:10.2f}")
+    return (time.perf_counter() - start) / max(args.epochs, 1)
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def prepare(args):
+    """Join the process group; the digits data, the device and the model (the same on every
+    rank: the same seed builds the same network)."""
+    device = setup_distributed()
+    data = bdl.data.load_digits(seed=args.seed)
+    x_train, y_train = data.x_train.to(device), data.y_train.to(device)
+    return data, device, x_train, y_train, build(args, device, len(y_train))
+
+
+def train(args):
+    """Data-parallel mean-field VI; returns what evaluation needs."""
+    # DataParallelSVI broadcasts rank 0's parameters anyway and re-seeds each rank's weight
+    # noise with seed + rank.
+    data, device, x_train, y_train, model = prepare(args)
     guide = bdl.guides.AutoMeanField(model, init_scale=args.init_scale)
     guide(x_train[:2], y_train[:2])  # the guide creates its parameters before the wrapper
     svi = DataParallelSVI(
         model, guide, pyro.optim.Adam({"lr": args.lr}), TraceMeanField_ELBO(), seed=args.seed
     )
     if is_main_process():
-        print(f"{world} rank(s) on {device}; {n} training examples; {args.batch_size} per rank")
-    start = time.perf_counter()
-    for epoch in range(args.epochs):
-        idx = shard_indices(n, epoch=epoch, seed=args.seed).to(device)
-        total = 0.0
-        for batch in idx.split(args.batch_size):
-            total += svi.step(x_train[batch], y_train[batch])
-        if is_main_process():
-            steps = -(-len(idx) // args.batch_size)
-            print(f"epoch {epoch + 1:3d}  mean loss per step {total / steps:10.2f}")
-    elapsed = time.perf_counter() - start
+        print(
+            f"{get_world_size()} rank(s) on {device}; {len(y_train)} training examples; "
+            f"{args.batch_size} per rank"
+        )
+    seconds = run_epochs(svi.step, x_train, y_train, args)
+    return data, device, model, guide, seconds
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    data, device, model, guide, seconds = train(args)
     if is_main_process():
         probs = predictive_probs(model, guide, data.x_test.to(device), args.num_samples)
         accuracy = (probs.argmax(-1).cpu() == data.y_test).double().mean().item()
-        print(f"test accuracy {accuracy:.4f}; {elapsed / args.epochs:.3f} s per epoch")
+        print(f"test accuracy {accuracy:.4f}; {seconds:.3f} s per epoch")
     save_on_main(args.checkpoint)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

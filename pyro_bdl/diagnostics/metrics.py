@@ -30,13 +30,17 @@ __all__ = [
     "Reliability",
     "accuracy",
     "as_tensor",
+    "bin_sums",
     "brier",
+    "brier_terms",
     "check_finite_values",
     "check_probs",
     "ece",
     "gaussian_log_likelihood",
     "nll",
+    "nll_terms",
     "reliability",
+    "reliability_from_sums",
     "rmse",
 ]
 
@@ -134,6 +138,11 @@ def nll(probs, y, *, eps: float = 1e-12) -> float:
     r"""Mean negative log predictive probability of the labels, :math:`-\frac1n\sum_i\log p_{y_i}`
     (probabilities are floored at ``eps``, in (0, 1), so that a confident mistake costs at most
     :math:`-\log \epsilon` instead of infinity)."""
+    return float(nll_terms(probs, y, eps=eps).mean())
+
+
+def nll_terms(probs, y, *, eps: float = 1e-12) -> torch.Tensor:
+    r"""The per-example terms :math:`-\log \max(p_{y_i}, \epsilon)` of :func:`nll`, float64."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(
             f"eps must be a number in (0, 1) (the floor of a probability); got {eps!r}. Use the "
@@ -141,15 +150,20 @@ def nll(probs, y, *, eps: float = 1e-12) -> float:
         )
     probs, y = _checked(probs, y)
     p = probs.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    return float(-(p.clamp_min(eps)).log().mean())
+    return -(p.clamp_min(eps)).log()
 
 
 def brier(probs, y) -> float:
     r"""Brier score :math:`\frac1n\sum_i\sum_c (p_{ic} - 1[y_i = c])^2`, in [0, 2]; lower is
     better."""
+    return float(brier_terms(probs, y).mean())
+
+
+def brier_terms(probs, y) -> torch.Tensor:
+    r"""The per-example terms :math:`\sum_c (p_{ic} - 1[y_i = c])^2` of :func:`brier`, float64."""
     probs, y = _checked(probs, y)
     onehot = torch.nn.functional.one_hot(y, probs.shape[1]).double()
-    return float(((probs - onehot) ** 2).sum(-1).mean())
+    return ((probs - onehot) ** 2).sum(-1)
 
 
 @dataclass(frozen=True)
@@ -188,9 +202,11 @@ class Reliability:
         }
 
 
-def reliability(probs, y, *, num_bins: int = 15) -> Reliability:
-    """Bin the examples by confidence (the top probability) into ``num_bins`` equal-width bins and
-    compare each bin's accuracy with its mean confidence."""
+def bin_sums(probs, y, *, num_bins: int = 15) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sufficient statistics of :func:`reliability`: per equal-width confidence bin, the
+    number of examples, the sum of their confidences (top probabilities) and the number correct,
+    as float64 tensors of shape (num_bins,). Sums over disjoint shards add up, so a sharded test
+    set is scored by adding them (:func:`pyro_bdl.distributed.sharded_metrics`)."""
     check_positive_int("num_bins", num_bins)
     probs, y = _checked(probs, y)
     confidence, predicted = probs.max(-1)
@@ -202,12 +218,21 @@ def reliability(probs, y, *, num_bins: int = 15) -> Reliability:
     acc_sum = torch.zeros_like(conf_sum)
     conf_sum.index_add_(0, index, confidence)
     acc_sum.index_add_(0, index, correct)
+    return counts, conf_sum, acc_sum
+
+
+def reliability_from_sums(
+    counts: torch.Tensor, conf_sum: torch.Tensor, acc_sum: torch.Tensor
+) -> Reliability:
+    """:class:`Reliability` from the per-bin sums of :func:`bin_sums` (possibly added over
+    shards); ``n`` is ``counts.sum()``."""
+    num_bins = len(counts)
     filled = counts > 0
     nan = torch.full_like(conf_sum, float("nan"))
     acc = torch.where(filled, acc_sum / counts.clamp_min(1), nan)
     conf = torch.where(filled, conf_sum / counts.clamp_min(1), nan)
     gap = (acc - conf).abs()
-    ece_value = float((counts[filled] / len(y) * gap[filled]).sum())
+    ece_value = float((counts[filled] / counts.sum() * gap[filled]).sum())
     mce_value = float(gap[filled].max())
     edges = np.linspace(0.0, 1.0, num_bins + 1)
     return Reliability(
@@ -218,6 +243,12 @@ def reliability(probs, y, *, num_bins: int = 15) -> Reliability:
         ece_value,
         mce_value,
     )
+
+
+def reliability(probs, y, *, num_bins: int = 15) -> Reliability:
+    """Bin the examples by confidence (the top probability) into ``num_bins`` equal-width bins and
+    compare each bin's accuracy with its mean confidence."""
+    return reliability_from_sums(*bin_sums(probs, y, num_bins=num_bins))
 
 
 def ece(probs, y, *, num_bins: int = 15) -> float:

@@ -4,6 +4,7 @@ shards and the collective helpers (docs/design/distributed.md). Start with ``tor
 
 from pyro_bdl.distributed.comm import (
     all_gather_scalars,
+    allreduce_mean,
     allreduce_mean_,
     broadcast_,
     get_rank,
@@ -12,6 +13,7 @@ from pyro_bdl.distributed.comm import (
     shard_indices,
 )
 from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError, StepRefusedError
+from pyro_bdl.distributed.metrics import shard_range, sharded_metrics
 from pyro_bdl.distributed.refusal import StepAgreement, agree_on_refusal
 from pyro_bdl.distributed.svi import DataParallelSVI
 
@@ -23,10 +25,13 @@ __all__ = [
     "StepRefusedError",
     "agree_on_refusal",
     "all_gather_scalars",
+    "allreduce_mean",
     "allreduce_mean_",
     "broadcast_",
     "get_rank",
     "get_world_size",
     "is_main_process",
     "shard_indices",
+    "shard_range",
+    "sharded_metrics",
 ]

@@ -19,7 +19,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from pyro_bdl._validation import check_positive_int
 
 __all__ = [
     "all_gather_scalars",
+    "allreduce_mean",
     "allreduce_mean_",
     "broadcast_",
     "get_rank",
@@ -124,6 +125,27 @@ def allreduce_mean_(tensors: Sequence[torch.Tensor], process_group=None) -> bool
             _unflatten_into(flat, bucket)
         finite = finite and bool(torch.isfinite(flat).all())
     return finite
+
+
+def allreduce_mean(process_group=None) -> Callable[[list[torch.Tensor]], bool]:
+    """The ``reduce_fn`` of :class:`~pyro_bdl.infer.VOGN` (and of any optimizer with the same
+    hook) for ``process_group``: a function of the list of tensors that averages them over the
+    group's ranks in place (:func:`allreduce_mean_`, one all-reduce per device and dtype).
+
+    Usage::
+
+        vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=allreduce_mean())
+    """
+    if process_group is not None and not _initialized():
+        raise RuntimeError(
+            "allreduce_mean(process_group) needs torch.distributed to be initialised; call "
+            "torch.distributed.init_process_group first (torchrun sets up the environment)."
+        )
+
+    def reduce_fn(tensors: list[torch.Tensor]) -> bool:
+        return allreduce_mean_(tensors, process_group)
+
+    return reduce_fn
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], process_group=None, *, src: int = 0) -> None:

@@ -41,6 +41,8 @@ __all__ = [
     "agree_on_refusal",
     "nonfinite_refusal",
     "norm_buffers",
+    "refusal_status",
+    "settle_refusal",
 ]
 
 # The kinds the ranks name to each other by index (0 means "no refusal"): the most specific
@@ -135,12 +137,26 @@ def agree_on_refusal(
         if error is not None:
             raise error
         return torch.tensor([[float(v) for v in values]], dtype=torch.float64)
-    reason = b"" if error is None else _reason(error)
-    code = 0 if error is None else _kind(error)
-    stats = all_gather_scalars([code, len(reason), *values], process_group)
+    stats = all_gather_scalars([*refusal_status(error), *values], process_group)
+    return settle_refusal(error, stats, step=step, process_group=process_group)
+
+
+def refusal_status(error: BaseException | None) -> tuple[int, int]:
+    """The two numbers a rank contributes to the agreement: the index of its error's kind (0 when
+    ready) and the length of its reason in bytes."""
+    return (0, 0) if error is None else (_kind(error), len(_reason(error)))
+
+
+def settle_refusal(
+    error: BaseException | None, stats: torch.Tensor, *, step: int, process_group=None
+) -> torch.Tensor:
+    """The second half of :func:`agree_on_refusal`, for a caller that gathered every rank's
+    ``[*refusal_status(error), *values]`` (``stats``, one row per rank) in a collective of its
+    own: returns the ``values`` rows, or raises the agreed error on every rank."""
     kinds = [int(k) for k in stats[:, 0].tolist()]
     if not any(kinds):
         return stats[:, 2:]
+    reason = b"" if error is None else _reason(error)
     reasons = _gather_text(reason, [int(n) for n in stats[:, 1].tolist()], process_group)
     refused = [r for r, k in enumerate(kinds) if k]
     agreed = _agreed_error(refused, kinds, reasons, step)

@@ -32,8 +32,7 @@ References:
 from __future__ import annotations
 
 import warnings
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pyro
 import torch
@@ -44,6 +43,7 @@ from pyro.infer.util import zero_grads
 from pyro.optim import PyroOptim
 from torch import nn
 
+from pyro_bdl._validation import check_positive
 from pyro_bdl.distributed.comm import (
     all_gather_scalars,
     allreduce_mean_,
@@ -53,12 +53,26 @@ from pyro_bdl.distributed.comm import (
     get_world_size,
 )
 from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError
-from pyro_bdl.distributed.refusal import StateSnapshot, agree_on_refusal, nonfinite_refusal
-from pyro_bdl.models import NetworkModel
+from pyro_bdl.distributed.overlap import GradientBuckets
+from pyro_bdl.distributed.refusal import (
+    StateSnapshot,
+    agree_on_refusal,
+    nonfinite_refusal,
+    refusal_status,
+    settle_refusal,
+)
+from pyro_bdl.distributed.svi_parts import (
+    SEED_RANGE,
+    backward_passes,
+    check_seed,
+    crc,
+    grads,
+    item,
+    modules,
+    unsynced_batchnorms,
+)
 
 __all__ = ["BatchNormWarning", "DataParallelSVI", "GuideNotInitializedError"]
-
-_SEED_RANGE = 2**31 - 1
 
 
 _HOW_TO_INIT = (
@@ -67,41 +81,6 @@ _HOW_TO_INIT = (
     "DataParallelSVI: rank 0's parameters are broadcast to every rank when it is built, so a "
     "parameter created later would start from a different value on each rank."
 )
-
-
-def _item(value) -> float:
-    # Detach first: a callable loss may return a tensor that still requires grad.
-    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def _check_seed(seed: object) -> None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
-    if seed is not None and not 0 <= seed < _SEED_RANGE:
-        raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
-
-
-def _crc(names: list[str]) -> int:
-    return zlib.crc32("\n".join(names).encode())
-
-
-def _modules(model: Callable, guide: Callable) -> Iterator[nn.Module]:
-    """The modules we can see: the guide, the model if it is a module, and the network of a
-    :class:`~pyro_bdl.models.NetworkModel` (what ``models.classifier`` and ``regressor`` return)."""
-    net = model.net if isinstance(model, NetworkModel) else None
-    for candidate in (guide, model, net):
-        if isinstance(candidate, nn.Module):
-            yield candidate
-
-
-def _unsynced_batchnorms(modules: list[nn.Module]) -> dict[str, nn.Module]:
-    found: dict[str, nn.Module] = {}
-    for top in modules:
-        for name, m in top.named_modules():
-            is_bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
-            if is_bn and not isinstance(m, nn.SyncBatchNorm) and m.track_running_stats:
-                found.setdefault(name or type(m).__name__, m)
-    return found
 
 
 class DataParallelSVI(SVI):
@@ -164,6 +143,8 @@ class DataParallelSVI(SVI):
         process_group=None,
         shared_noise: bool = False,
         seed: int | None = None,
+        overlap: bool = True,
+        bucket_cap_mb: float = 25.0,
     ):
         if not isinstance(optim, PyroOptim):
             raise TypeError(
@@ -175,7 +156,8 @@ class DataParallelSVI(SVI):
                 f"loss must be a Pyro ELBO or a callable loss; got {type(loss).__name__}. Pass "
                 "for example pyro.infer.Trace_ELBO()."
             )
-        _check_seed(seed)
+        check_seed(seed)
+        check_positive("bucket_cap_mb", bucket_cap_mb)
         if isinstance(guide, AutoGuide) and guide.prototype_trace is None:
             raise GuideNotInitializedError(
                 f"the guide {type(guide).__name__} has not created its parameters yet. "
@@ -190,7 +172,7 @@ class DataParallelSVI(SVI):
         self.process_group = process_group
         self.shared_noise = bool(shared_noise)
         self.num_steps_taken = 0
-        batchnorms = _unsynced_batchnorms(list(_modules(model, guide)))
+        batchnorms = unsynced_batchnorms(list(modules(model, guide)))
         if batchnorms and get_world_size(process_group) > 1:
             warnings.warn(
                 f"the data-parallel model has BatchNorm layers ({', '.join(batchnorms)}): each "
@@ -202,9 +184,12 @@ class DataParallelSVI(SVI):
                 stacklevel=2,
             )
         self._buffers = [b for m in batchnorms.values() for b in m.buffers()]
-        self._norm_modules = list(_modules(model, guide))
+        self._norm_modules = list(modules(model, guide))
         self._params: dict[str, torch.Tensor] = {}
         self._known: set[int] = set()
+        self._overlap = bool(overlap) and get_world_size(process_group) > 1
+        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._buckets: GradientBuckets | None = None
         self.broadcast_parameters()
         self.seed_noise(seed)
 
@@ -232,7 +217,7 @@ class DataParallelSVI(SVI):
         # Names, shapes and dtypes must agree: the buckets of every step follow this list.
         names = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named.items()]
         numel = sum(p.numel() for p in named.values())
-        stats = all_gather_scalars([_crc(names), numel], self.process_group)
+        stats = all_gather_scalars([crc(names), numel], self.process_group)
         if not bool((stats == stats[0]).all()):
             raise RuntimeError(
                 f"the ranks hold different parameters (rank {get_rank(self.process_group)} has "
@@ -245,6 +230,16 @@ class DataParallelSVI(SVI):
         broadcast_(list(named.values()) + self._buffers, self.process_group)
         self._params = named
         self._known = {id(p) for p in named.values()}
+        if self._buckets is not None:
+            self._buckets.close()
+        if self._overlap:
+            self._buckets = GradientBuckets(
+                list(named.values()),
+                self.process_group,
+                bucket_cap_mb=self._bucket_cap_mb,
+                passes=backward_passes(self.loss),
+                control=6,  # refusal_status (2) and the 4 values of step()
+            )
 
     def seed_noise(self, seed: int | None = None) -> None:
         """Re-seed the weight noise of every rank: ``seed + rank`` (``seed`` when the noise is
@@ -254,9 +249,9 @@ class DataParallelSVI(SVI):
         :param int seed: the base seed (default: drawn on rank 0 from its current RNG and
             broadcast, so a script seeded with ``pyro.set_rng_seed`` stays reproducible).
         """
-        _check_seed(seed)
+        check_seed(seed)
         if seed is None:
-            base = torch.randint(_SEED_RANGE, (1,), device=comm_device(self.process_group))
+            base = torch.randint(SEED_RANGE, (1,), device=comm_device(self.process_group))
             broadcast_([base], self.process_group)
             seed = int(base.item())
         offset = 0 if self.shared_noise else get_rank(self.process_group)
@@ -279,21 +274,30 @@ class DataParallelSVI(SVI):
         snapshot = StateSnapshot(self._norm_modules)
         trained: list[tuple[str, torch.Tensor]] = []
         traced_params: list[torch.Tensor] = []
+        buckets = self._buckets
         try:
+            if buckets is not None:
+                buckets.arm()  # the gradient hooks start the buckets' all-reduces in backward
             error, loss, traced, traced_params = self._local_step(args, kwargs)
             unknown = [name for key, name in traced.items() if key not in self._known]
             # The buckets follow the list fixed (and checked equal on every rank) by
             # broadcast_parameters, so they line up even when ranks trace different parameters.
             # Like SVI, only parameters this step traced and differentiated are trained.
             has_grad = [id(p) in traced and p.grad is not None for p in self._params.values()]
-            # The one collective that precedes the gradients': every rank's refusal status, loss
-            # and checksums. A refusal on any rank raises here, on every rank.
-            stats = agree_on_refusal(
-                error,
-                [loss, len(unknown), _crc([str(int(g)) for g in has_grad])],
-                step=self.num_steps_taken,
-                process_group=self.process_group,
-            )
+            stale = float(buckets is not None and buckets.stale)
+            # Every rank's refusal status, loss and checksums, exchanged before any gradient is
+            # used: in the last gradient bucket (overlap), else in one all-gather. A refusal on
+            # any rank raises here, on every rank.
+            values = [loss, len(unknown), crc([str(int(g)) for g in has_grad]), stale]
+            step = self.num_steps_taken
+            if buckets is not None:
+                # Every rank starts every bucket, even on a refusal.
+                buckets.launch_remaining([*refusal_status(error), *values])
+                stats = settle_refusal(
+                    error, buckets.gathered(), step=step, process_group=self.process_group
+                )
+            else:
+                stats = agree_on_refusal(error, values, step=step, process_group=self.process_group)
             if bool((stats[:, 1] > 0).any()):
                 where = f"here: {', '.join(unknown[:5])}" if unknown else "on another rank"
                 raise GuideNotInitializedError(
@@ -310,12 +314,12 @@ class DataParallelSVI(SVI):
                 allreduce_mean_([mask], self.process_group)
                 has_grad = (mask > 0).tolist()
             trained = [(n, p) for (n, p), g in zip(self._params.items(), has_grad) if g]
-            grads = []
-            for _, p in trained:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            finite = allreduce_mean_(grads, self.process_group)
+            if buckets is not None and not bool((stats[:, 3] > 0).any()):
+                finite = buckets.finish([p for _, p in trained])
+            else:  # no overlap, or a rank ran more backward passes than its hooks expected
+                if buckets is not None:
+                    buckets.wait()
+                finite = allreduce_mean_(grads(trained), self.process_group)
             mean_loss = float(stats[:, 0].mean())
             if not finite or not torch.isfinite(torch.tensor(mean_loss)):
                 self._raise_nonfinite(mean_loss, trained)
@@ -324,11 +328,15 @@ class DataParallelSVI(SVI):
             snapshot.restore()
             raise
         finally:
+            if buckets is not None:
+                buckets.wait()  # no all-reduce outlives the step
             # Gradients never outlive the step, also when it raised.
             zero_grads(traced_params + [p for _, p in trained])
         if self._buffers:
             broadcast_(self._buffers, self.process_group)
         self.num_steps_taken += 1
+        if buckets is not None and not buckets.ordered:
+            buckets.reorder()  # once, after the first step every rank completed
         return mean_loss
 
     def _local_step(self, args, kwargs):
@@ -337,7 +345,7 @@ class DataParallelSVI(SVI):
         traced_params: list[torch.Tensor] = []
         try:
             with poutine.trace(param_only=True) as capture:
-                loss = _item(self.loss_and_grads(self.model, self.guide, *args, **kwargs))
+                loss = item(self.loss_and_grads(self.model, self.guide, *args, **kwargs))
             traced_params = [site["value"].unconstrained() for site in capture.trace.nodes.values()]
             traced = {id(p): name for p, name in zip(traced_params, capture.trace.nodes)}
         except Exception as refusal:
@@ -367,7 +375,7 @@ class DataParallelSVI(SVI):
         error, loss = None, float("nan")
         try:
             with torch.no_grad():
-                loss = _item(self.loss(self.model, self.guide, *args, **kwargs))
+                loss = item(self.loss(self.model, self.guide, *args, **kwargs))
         except Exception as refusal:
             error = refusal
         try:

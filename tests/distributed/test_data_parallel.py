@@ -84,7 +84,9 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def run_phases(rank: int, port: int, out_dir: str, phases: dict) -> None:
+    """A spawned rank: join the group, run every phase in turn on a fresh param store and write
+    their results to ``out_dir/rank-<rank>.pt``."""
     # Keep the traffic on 127.0.0.1 whatever the host name resolves to.
     interface = _loopback_interface()
     if interface is not None:
@@ -94,8 +96,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         result = {}
-        phases = {"shared": _phase_shared, "independent": _phase_independent}
-        phases["partial"] = _phase_partial
         for phase, run in phases.items():
             pyro.clear_param_store()
             pyro.enable_validation(True)
@@ -103,6 +103,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(result, os.path.join(out_dir, f"rank-{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def spawn_phases(out_dir, phases: dict) -> list[dict]:
+    """Run ``phases`` (module-level functions of the rank) on two spawned ranks; their results."""
+    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    try:
+        mp.spawn(run_phases, args=(store.port, str(out_dir), phases), nprocs=WORLD, join=True)
+    finally:
+        del store
+    return [torch.load(out_dir / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
 def _phase_shared(rank: int) -> dict:
@@ -192,12 +202,8 @@ def _single_process_trajectory() -> tuple[torch.Tensor, torch.Tensor]:
 def test_two_gloo_ranks(tmp_path):
     """One spawn of two ranks checks every two-rank promise (importing the package dominates a
     rank's start-up, so a spawn per promise would multiply the time)."""
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
-    try:
-        mp.spawn(_worker, args=(store.port, str(tmp_path)), nprocs=WORLD, join=True)
-    finally:
-        del store
-    ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(WORLD)]
+    phases = {"shared": _phase_shared, "independent": _phase_independent}
+    ranks = spawn_phases(tmp_path, {**phases, "partial": _phase_partial})
     shared = [r["shared"] for r in ranks]
     independent = [r["independent"] for r in ranks]
 

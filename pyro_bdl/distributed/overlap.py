@@ -1,0 +1,270 @@
+r"""Gradient all-reduce overlapped with backward: :class:`GradientBuckets`.
+
+The parameters are split into buckets of at most ``bucket_cap_mb`` megabytes (one device and dtype
+per bucket), in reverse order of registration, because backward produces the gradients of the
+last layers first. Each parameter carries a ``register_post_accumulate_grad_hook``; when every
+parameter of the next bucket in line has its gradient, the bucket is copied into a flat buffer and
+an asynchronous ``all_reduce`` starts, while backward goes on computing the earlier layers'
+gradients. Buckets start strictly in order, so every rank issues the same sequence of collectives
+(Li et al., VLDB 2020, describe the same scheme for PyTorch's ``DistributedDataParallel``).
+
+Every rank starts every bucket every step, also when its step failed or some parameters got no
+gradient (their slots hold zeros): the sequence of collectives never depends on one rank's data,
+which is what lets :func:`~pyro_bdl.distributed.agree_on_refusal` follow the buckets safely.
+
+A bucket waits for each of its parameters to be hooked ``passes`` times (the number of backward
+passes per step: one per particle for Pyro's non-vectorised ``Trace_ELBO``). A gradient that
+arrives after its bucket started (more backward passes than expected) marks the step *stale*; the
+caller then re-reduces the final gradients synchronously (``DataParallelSVI`` agrees on this
+across ranks), so a wrong guess of ``passes`` costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pyro_bdl.distributed.comm import broadcast_, comm_device
+
+__all__ = ["GradientBuckets", "decode_rows", "encode_row"]
+
+
+def _chunk_bits(dtype: torch.dtype) -> int:
+    """Bits of a float64's pattern carried by one element of ``dtype``: integers below 2^bits
+    must be exact in it (float64 holds 2^53, float32 2^24, float16 2^11, bfloat16 2^8). Even in
+    float64 the pattern is cut, because −0 + 0 = +0 would change a raw value's bits."""
+    return 16 if dtype in (torch.float64, torch.float32) else 8
+
+
+def _chunk_type(dtype: torch.dtype) -> str:
+    return "<u2" if _chunk_bits(dtype) == 16 else "u1"
+
+
+def encode_row(values, dtype: torch.dtype, rank: int, world: int) -> torch.Tensor:
+    """``values`` (k numbers, kept as float64) as a (world · k · c) vector of ``dtype``, nonzero
+    only in rank ``rank``'s slots: each float64's little-endian bytes cut into c unsigned chunks,
+    small integers that ``dtype`` holds exactly. Summed over ranks it is every rank's row, bit for
+    bit (each slot adds one chunk to zeros), whatever the values are (NaN, inf, −0)."""
+    raw = np.asarray(values, dtype="<f8").tobytes()
+    chunks = np.frombuffer(raw, dtype=_chunk_type(dtype))
+    out = np.zeros(world * len(chunks), dtype=np.float64)
+    out[rank * len(chunks) : (rank + 1) * len(chunks)] = chunks
+    return torch.from_numpy(out).to(dtype)
+
+
+def decode_rows(flat: torch.Tensor, k: int, world: int) -> torch.Tensor:
+    """The inverse of the sum over ranks of :func:`encode_row`: (world, k) float64."""
+    chunks = flat.detach().cpu().double().numpy().astype(_chunk_type(flat.dtype))
+    return torch.from_numpy(np.frombuffer(chunks.tobytes(), dtype="<f8").reshape(world, k).copy())
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.Tensor], extra: int = 0):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        # ``extra`` slots after the gradients carry the ranks' control rows (last bucket only).
+        self.flat = torch.zeros(self.numel + extra, dtype=params[0].dtype, device=params[0].device)
+        self.work: dist.Work | None = None
+
+    def fill(self) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                if p.grad is None:
+                    self.flat[offset : offset + n].zero_()
+                else:
+                    self.flat[offset : offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+
+
+class GradientBuckets:
+    """Bucketed asynchronous mean all-reduce of the gradients of ``params``, started by gradient
+    hooks during backward.
+
+    Usage (one step)::
+
+        buckets.arm()               # before backward
+        loss.backward()             # hooks start the buckets as gradients arrive
+        buckets.launch_remaining()  # every rank starts every bucket
+        ...                         # other collectives may follow here
+        finite = buckets.finish(trained)  # wait, average, write p.grad of ``trained``
+
+    :param params: the parameters, the same list (names, shapes, dtypes, order) on every rank.
+    :param process_group: the ``torch.distributed`` group.
+    :param float bucket_cap_mb: the largest bucket, in megabytes (PyTorch DDP's default is 25).
+    :param int passes: backward passes per step that accumulate into the gradients.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        process_group=None,
+        *,
+        bucket_cap_mb: float = 25.0,
+        passes: int = 1,
+        control: int = 0,
+    ):
+        self.process_group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.control = control
+        self.passes = passes
+        self._cap = bucket_cap_mb * 2**20
+        self._params = list(params)
+        # Until the first step has shown the order in which backward produces the gradients,
+        # guess the reverse of the given order.
+        self._build(self._params[::-1])
+        #: Whether the buckets follow the order observed in a step (rank 0's, see reorder()).
+        self.ordered = False
+        self._arrivals: list[int] = []
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook) for b in self.buckets for p in b.params
+        ]
+        self._armed = False
+        self._seen: dict[int, int] = {}
+        self._missing: list[int] = []
+        self._next = 0
+        self.stale = False
+        #: How many buckets the hooks started during the last step's backward (the rest started
+        #: after it, in :meth:`launch_remaining`).
+        self.started_in_backward = 0
+
+    def _build(self, launch_order: list[torch.Tensor]) -> None:
+        """Cut ``launch_order`` (the first to start first) into buckets of at most the cap, one
+        device and dtype each."""
+        self.buckets: list[_Bucket] = []
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for p in launch_order:
+            key = (p.device, p.dtype)
+            nbytes = p.numel() * p.element_size()
+            if groups.get(key) and sizes[key] + nbytes > self._cap:
+                self.buckets.append(_Bucket(groups.pop(key)))
+            if key not in groups:
+                groups[key], sizes[key] = [], 0
+            groups[key].append(p)
+            sizes[key] += nbytes
+        self.buckets += [_Bucket(ps) for ps in groups.values()]
+        # The last bucket to start also carries every rank's control row (see launch_remaining).
+        last = self.buckets[-1]
+        bits = _chunk_bits(last.flat.dtype)
+        extra = self.world * self.control * (64 // bits)
+        self.buckets[-1] = _Bucket(last.params, extra)
+        self._where = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+
+    def reorder(self) -> None:
+        """Rebuild the buckets in the order rank 0's gradients arrived in its last step (then
+        never again): one broadcast, which every rank must make at the same step, as
+        DistributedDataParallel does after its first iteration."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        seen = [index[key] for key in self._arrivals]
+        done = set(seen)
+        rest = [i for i in range(len(self._params)) if i not in done][::-1]
+        order = torch.tensor(seen + rest, dtype=torch.long, device=comm_device(self.process_group))
+        broadcast_([order], self.process_group)
+        self._build([self._params[i] for i in order.tolist()])
+        self.ordered = True
+
+    def close(self) -> None:
+        """Remove the hooks (the buckets are rebuilt when the parameters change)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def arm(self) -> None:
+        """Start a step: count hooks from here, no bucket started."""
+        self._seen = {}
+        self._arrivals = []
+        self._missing = [len(b.params) for b in self.buckets]
+        self._next = 0
+        self.stale = False
+        self.started_in_backward = 0
+        self._armed = True
+
+    def _hook(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        key = id(param)
+        index = self._where[key]
+        count = self._seen.get(key, 0) + 1
+        self._seen[key] = count
+        if count == 1:
+            self._arrivals.append(key)
+        if index < self._next:
+            self.stale = True  # more backward passes than expected: re-reduced by the caller
+        elif count == self.passes:
+            self._missing[index] -= 1
+            self._launch_ready()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.fill()
+        bucket.work = dist.all_reduce(
+            bucket.flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+        )
+
+    def _launch_ready(self) -> None:
+        # The last bucket waits for launch_remaining, which knows the control row.
+        last = len(self.buckets) - 1 if self.control else len(self.buckets)
+        while self._next < last and self._missing[self._next] == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+            self.started_in_backward += 1
+
+    def launch_remaining(self, control: Sequence[float] = ()) -> None:
+        """Start every bucket not started yet, in order (missing gradients count as zeros); the
+        last one carries this rank's ``control`` values (``control`` numbers, given when the
+        buckets were built), which :meth:`gathered` returns for every rank."""
+        self._armed = False
+        last = self.buckets[-1]
+        if self.control:
+            row = [float(v) for v in control]
+            if len(row) != self.control:
+                raise ValueError(f"expected {self.control} control values; got {len(row)}.")
+            encoded = encode_row(row, last.flat.dtype, self.rank, self.world)
+            last.flat[last.numel :].copy_(encoded)
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def gathered(self) -> torch.Tensor:
+        """Every rank's control values, (world, control) float64: waits for the buckets."""
+        self.wait()
+        last = self.buckets[-1]
+        return decode_rows(last.flat[last.numel :], self.control, self.world)
+
+    def wait(self) -> None:
+        """Wait for every started bucket (call before leaving a step, whatever happened)."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+
+    def finish(self, trained: Sequence[torch.Tensor]) -> bool:
+        """Wait, divide by the world size and write the mean gradients of ``trained`` into their
+        ``.grad`` (the others are left as they are).
+
+        :returns: whether every averaged value is finite.
+        """
+        self.wait()
+        wanted = {id(p) for p in trained}
+        finite = True
+        with torch.no_grad():
+            for bucket in self.buckets:
+                grads = bucket.flat[: bucket.numel]
+                grads /= self.world
+                finite = finite and bool(torch.isfinite(grads).all())
+                offset = 0
+                for p in bucket.params:
+                    n = p.numel()
+                    if id(p) in wanted:
+                        mean = grads[offset : offset + n].view_as(p)
+                        if p.grad is None:
+                            p.grad = mean.clone()
+                        else:
+                            p.grad.copy_(mean)
+                    offset += n
+        return finite

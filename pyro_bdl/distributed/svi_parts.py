@@ -1,0 +1,66 @@
+"""The small pieces of :class:`~pyro_bdl.distributed.DataParallelSVI`'s step: argument checks,
+checksums, the modules and normalisation layers it can see, and the backward-pass count that the
+gradient buckets expect (docs/design/distributed.md)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from pyro_bdl.models import NetworkModel
+
+SEED_RANGE = 2**31 - 1
+
+
+def item(value) -> float:
+    # Detach first: a callable loss may return a tensor that still requires grad.
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def check_seed(seed: object) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
+    if seed is not None and not 0 <= seed < SEED_RANGE:
+        raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
+
+
+def grads(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    for _, p in trained:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for _, p in trained]  # type: ignore[misc]
+
+
+def backward_passes(loss) -> int:
+    """Backward passes per step of ``loss``: Pyro's ELBOs call backward once per particle unless
+    the particles are vectorised (a wrong count only loses the overlap, see overlap.py)."""
+    particles = getattr(loss, "num_particles", 1)
+    if getattr(loss, "vectorize_particles", False) or "Jit" in type(loss).__name__:
+        return 1
+    return particles if isinstance(particles, int) and particles > 0 else 1
+
+
+def crc(names: list[str]) -> int:
+    return zlib.crc32("\n".join(names).encode())
+
+
+def modules(model: Callable, guide: Callable) -> Iterator[nn.Module]:
+    """The modules we can see: the guide, the model if it is a module, and the network of a
+    :class:`~pyro_bdl.models.NetworkModel` (what ``models.classifier`` and ``regressor`` return)."""
+    net = model.net if isinstance(model, NetworkModel) else None
+    for candidate in (guide, model, net):
+        if isinstance(candidate, nn.Module):
+            yield candidate
+
+
+def unsynced_batchnorms(modules: list[nn.Module]) -> dict[str, nn.Module]:
+    found: dict[str, nn.Module] = {}
+    for top in modules:
+        for name, m in top.named_modules():
+            is_bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
+            if is_bn and not isinstance(m, nn.SyncBatchNorm) and m.track_running_stats:
+                found.setdefault(name or type(m).__name__, m)
+    return found

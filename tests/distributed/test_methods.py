@@ -1,0 +1,342 @@
+"""SWAG, VOGN and sharded metrics across two ``gloo`` ranks, against one process.
+
+One spawn of two ranks runs every phase (importing the package dominates a rank's start-up); each
+rank writes its results to a file and the tests below compare them with one process on the
+concatenated batches. The set-up (data, model, shards) is shared with test_data_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_bdl.diagnostics import metrics
+from pyro_bdl.distributed import (
+    DataParallelSVI,
+    allreduce_mean,
+    shard_range,
+    sharded_metrics,
+)
+from pyro_bdl.distributed.overlap import decode_rows, encode_row
+from pyro_bdl.guides import AutoSWAG
+from pyro_bdl.infer import VOGN
+from pyro_bdl.nn import init_to_network
+from tests.distributed.test_data_parallel import (
+    SEED,
+    WORLD,
+    _batch,
+    _dataset,
+    _model,
+    spawn_phases,
+)
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 12
+SWAG_START = 4  # collect after every step from this one on: 8 snapshots, rank 3 keeps 3
+# Uneven test shards: rank 0 scores 23 examples, rank 1 the other 14.
+N_TEST, SPLIT = 37, 23
+
+
+# -- the phases, run on each rank and (for the reference) in one process ---------------------
+
+
+def _swag_run(step_fn, guide) -> dict:
+    for t in range(STEPS):
+        step_fn(t)
+        if t >= SWAG_START:
+            guide.collect()
+    return {
+        "mean": guide.swag_mean.clone(),
+        "m2": guide.swag_m2.clone(),
+        "deviations": guide.swag_deviations.clone(),
+        "collected": guide.num_collected,
+        "loc": guide.loc.detach().clone(),
+    }
+
+
+def _swag_setup():
+    x, y = _dataset()
+    model = _model()
+    guide = AutoSWAG(model, rank=3)
+    guide(x[_batch(0, 0)], y[_batch(0, 0)])
+    return x, y, model, guide, pyro.optim.SGD({"lr": 0.05, "momentum": 0.9})
+
+
+def _phase_swag(rank: int) -> dict:
+    """AutoSWAG's point estimate trained by DataParallelSVI, collected on every rank."""
+    x, y, model, guide, optim = _swag_setup()
+    svi = DataParallelSVI(model, guide, optim, Trace_ELBO(), shared_noise=True, seed=SEED)
+
+    def step(t):
+        idx = _batch(t, rank)
+        svi.step(x[idx], y[idx])
+
+    return _swag_run(step, guide)
+
+
+def _swag_single() -> dict:
+    x, y, model, guide, optim = _swag_setup()
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    pyro.set_rng_seed(SEED)
+
+    def step(t):
+        idx = torch.cat([_batch(t, r) for r in range(WORLD)])
+        svi.step(x[idx], y[idx])
+
+    return _swag_run(step, guide)
+
+
+def _vogn_run(reduce_fn, batch) -> dict:
+    x, y = _dataset()
+    vogn = VOGN(_model(), dataset_size=len(y), lr=0.05, reduce_fn=reduce_fn)
+    # The recipe: set up on the same batch on every rank. The first step draws its weights with
+    # the σ of the set-up curvature s₀, before reduce_fn averages s₀, so ranks set up on their
+    # own batches would draw with different σ (and differ from one process).
+    first = torch.cat([_batch(0, r) for r in range(WORLD)])
+    vogn.setup(x[first], y[first])
+    pyro.set_rng_seed(SEED)  # the same weight noise on every rank and in the reference
+    losses = []
+    for t in range(STEPS):
+        idx = batch(t)
+        losses.append(vogn.step(x[idx], y[idx]))
+    state = vogn.state_dict()
+    return {"mean": state["mean"], "state": state, "losses": losses}
+
+
+def _phase_vogn(rank: int) -> dict:
+    return _vogn_run(allreduce_mean(), lambda t: _batch(t, rank))
+
+
+def _vogn_single() -> dict:
+    return _vogn_run(None, lambda t: torch.cat([_batch(t, r) for r in range(WORLD)]))
+
+
+def _test_set() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(3 * torch.randn(N_TEST, 4, generator=g, dtype=torch.float64), -1)
+    return probs, torch.randint(0, 4, (N_TEST,), generator=g)
+
+
+def _phase_metrics(rank: int) -> dict:
+    probs, y = _test_set()
+    part = slice(0, SPLIT) if rank == 0 else slice(SPLIT, N_TEST)
+    uneven = sharded_metrics(probs[part], y[part], num_bins=10)
+    even = shard_range(N_TEST)  # 19 and 18
+    balanced = sharded_metrics(probs[even], y[even], num_bins=10)
+    empty = sharded_metrics(probs[:0] if rank else probs, y[:0] if rank else y, num_bins=10)
+    for scores in (uneven, balanced, empty):
+        scores["reliability"] = scores["reliability"].to_dict()
+    out = {"uneven": uneven, "balanced": balanced, "empty": empty, "slice": (even.start, even.stop)}
+    bad = probs[part].clone()
+    if rank == 1:
+        bad[0, 0] = float("nan")
+    try:
+        sharded_metrics(bad, y[part])
+    except ValueError as error:
+        out["refusal"] = str(error)
+    return out
+
+
+def _two_backward_passes(model, guide, *args, **kwargs) -> float:
+    """A loss that runs backward twice per step (half the ELBO each), more passes than the
+    buckets expect: its gradients arrive after their bucket started, so the step is stale. It
+    returns a number, so SVI runs no backward of its own."""
+    total = 0.0
+    for _ in range(2):
+        loss = TraceMeanField_ELBO().differentiable_loss(model, guide, *args, **kwargs) / 2
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def _overlap_run(rank: int, loss, **options) -> dict:
+    pyro.clear_param_store()
+    x, y = _dataset()
+    model = _model()
+    # AutoNormal keeps a loc and a scale per site: 8 tensors to split into buckets.
+    guide = AutoNormal(model, init_loc_fn=init_to_network, init_scale=0.05)
+    guide(x[_batch(0, rank)], y[_batch(0, rank)])
+    optim = pyro.optim.Adam({"lr": 0.05})
+    svi = DataParallelSVI(model, guide, optim, loss, shared_noise=True, seed=SEED, **options)
+    started, stale = [], []
+    for t in range(4):
+        idx = _batch(t, rank)
+        svi.step(x[idx], y[idx])
+        if svi._buckets is not None:
+            started.append(svi._buckets.started_in_backward)
+            stale.append(svi._buckets.stale)
+    buckets = 0 if svi._buckets is None else len(svi._buckets.buckets)
+    first, ordered = None, False
+    if svi._buckets is not None:
+        names = {id(p): n for n, p in pyro.get_param_store().named_parameters()}
+        first = names[id(svi._buckets.buckets[0].params[0])]
+        ordered = svi._buckets.ordered
+    store = pyro.get_param_store()
+    params = torch.cat([p.detach().reshape(-1) for _, p in sorted(store.named_parameters())])
+    return {
+        "params": params,
+        "started": started,
+        "stale": stale,
+        "buckets": buckets,
+        "first": first,
+        "ordered": ordered,
+    }
+
+
+def _phase_overlap(rank: int) -> dict:
+    """The same run with one bucket, with 8 small buckets (200 bytes each at most), without
+    overlap, and with a loss whose extra backward pass makes every step stale."""
+    return {
+        "one": _overlap_run(rank, TraceMeanField_ELBO()),
+        "small": _overlap_run(rank, TraceMeanField_ELBO(), bucket_cap_mb=200 / 2**20),
+        "off": _overlap_run(rank, TraceMeanField_ELBO(), overlap=False),
+        "two_passes": _overlap_run(rank, _two_backward_passes, bucket_cap_mb=200 / 2**20),
+        "two_passes_off": _overlap_run(rank, _two_backward_passes, overlap=False),
+    }
+
+
+PHASES = {
+    "swag": _phase_swag,
+    "vogn": _phase_vogn,
+    "metrics": _phase_metrics,
+    "overlap": _phase_overlap,
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return spawn_phases(tmp_path_factory.mktemp("methods"), PHASES)
+
+
+# Two ranks and one process compute the same float64 quantities with sums in a different order
+# (relative rounding 1e-16 per operation, amplified by at most a few hundred operations over
+# 12 steps), so they agree far below 1e-12; every rank holds the same bits.
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def test_swag_moments_match_one_process(ranks):
+    pyro.clear_param_store()
+    single = _swag_single()
+    swag = [r["swag"] for r in ranks]
+    assert swag[0]["collected"] == swag[1]["collected"] == single["collected"] == STEPS - SWAG_START
+    for key in ("mean", "m2", "deviations", "loc"):
+        assert torch.equal(swag[0][key], swag[1][key]), key  # identical snapshots on every rank
+        torch.testing.assert_close(swag[0][key], single[key], **TOL)
+    # SGD moved the snapshots apart, so the second moment and deviations are not all zero.
+    assert single["m2"].abs().max() > 1e-6 and single["deviations"].abs().max() > 1e-4
+
+
+def test_vogn_with_shared_noise_matches_one_process(ranks):
+    pyro.clear_param_store()
+    single = _vogn_single()
+    vogn = [r["vogn"] for r in ranks]
+    assert vogn[0]["state"]["step"] == single["state"]["step"] == STEPS
+    for key in ("mean", "momentum", "curvature"):
+        assert torch.equal(vogn[0]["state"][key], vogn[1]["state"][key]), key
+        torch.testing.assert_close(vogn[0]["state"][key], single["state"][key], **TOL)
+    # The ranks report their own batch's loss (VOGN does not average it); the mean of the two
+    # equals the loss on the concatenated batch, up to rounding of the KL added to each.
+    local = torch.tensor([r["losses"] for r in vogn], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(local, torch.tensor(single["losses"], dtype=torch.float64), **TOL)
+    assert (single["mean"] - _vogn_initial_mean()).abs().max() > 1e-3  # it trained
+
+
+def _vogn_initial_mean() -> torch.Tensor:
+    x, y = _dataset()
+    vogn = VOGN(_model(), dataset_size=len(y))
+    vogn.setup(x[:4], y[:4])
+    return vogn.state_dict()["mean"]
+
+
+@pytest.mark.parametrize("split", ["uneven", "balanced", "empty"])
+def test_sharded_metrics_equal_unsharded(ranks, split):
+    probs, y = _test_set()
+    got = [r["metrics"][split] for r in ranks]
+    assert got[0] == got[1] or all(
+        got[0][k] == got[1][k] for k in ("n", "accuracy", "nll", "brier", "ece")
+    )
+    table = metrics.reliability(probs, y, num_bins=10).to_dict()
+    assert got[0]["n"] == N_TEST
+    # Counts are integers, exact in float64: accuracy and bin counts are equal, not close.
+    assert got[0]["accuracy"] == metrics.accuracy(probs, y)
+    assert got[0]["reliability"]["counts"] == table["counts"]
+    assert got[0]["reliability"]["accuracy"] == table["accuracy"]
+    # The NLL, Brier and confidence sums only change the order of 37 float64 additions:
+    # relative error below 37 · 2^-53 ≈ 4e-15.
+    for name, want in [
+        ("nll", metrics.nll(probs, y)),
+        ("brier", metrics.brier(probs, y)),
+        ("ece", metrics.ece(probs, y, num_bins=10)),
+    ]:
+        assert got[0][name] == pytest.approx(want, rel=1e-14, abs=1e-15), name
+
+
+def test_shard_range_covers_the_test_set(ranks):
+    assert [r["metrics"]["slice"] for r in ranks] == [(0, 19), (19, 37)]
+    for size, world in [(37, 2), (5, 3), (2, 4), (9, 1)]:
+        parts = [shard_range(size, rank=r, world_size=world) for r in range(world)]
+        assert list(range(size)) == [i for p in parts for i in range(p.start, p.stop)]
+        assert max(p.stop - p.start for p in parts) - min(p.stop - p.start for p in parts) <= 1
+    with pytest.raises(ValueError, match="rank must be"):
+        shard_range(10, rank=2, world_size=2)
+
+
+def test_a_bad_shard_is_refused_on_every_rank(ranks):
+    messages = [r["metrics"].get("refusal") for r in ranks]
+    assert messages[0] == messages[1]
+    assert messages[0] is not None and "rank 1 refused its batch" in messages[0]
+    assert "non-finite" in messages[0]
+
+
+def test_one_process_scores_directly():
+    probs, y = _test_set()
+    scores = sharded_metrics(probs, y)
+    assert scores["accuracy"] == metrics.accuracy(probs, y)
+    assert scores["nll"] == pytest.approx(metrics.nll(probs, y), rel=1e-15)
+    with pytest.raises(ValueError, match="probs contains 6 non-finite"):
+        sharded_metrics(torch.full((2, 3), float("nan")), torch.zeros(2, dtype=torch.long))
+
+
+def test_overlapped_buckets_give_the_same_bits(ranks):
+    runs = [r["overlap"] for r in ranks]
+    for run in runs:
+        # Averaging in buckets during backward adds the same two numbers per entry as one
+        # all-reduce after it, so the trajectories are bitwise equal, not just close.
+        for name in ("one", "small"):
+            assert torch.equal(run[name]["params"], run["off"]["params"]), name
+        assert torch.equal(run["two_passes"]["params"], run["two_passes_off"]["params"])
+        assert run["off"]["buckets"] == 0 and run["one"]["buckets"] == 1
+        # Eight tensors of 3 to 24 float64 numbers, in buckets of at most 200 bytes.
+        assert run["small"]["buckets"] > 4
+        # Every bucket but the last started inside backward (that is the overlap); the last
+        # waits for the ranks' control row (refusal status, loss, checksums). None was stale.
+        # (The first step's buckets follow a guessed order and may be cut differently.)
+        assert run["small"]["started"][1:] == [run["small"]["buckets"] - 1] * 3
+        assert run["small"]["started"][0] > 0
+        assert run["small"]["stale"] == [False] * 4
+        # After the first step the buckets follow the order in which rank 0's gradients
+        # arrived: the output layer's (site "2.weight" or "2.bias") first.
+        assert run["small"]["ordered"] and ".2." in run["small"]["first"], run["small"]["first"]
+        # Two backward passes: the first pass's hooks started buckets that the second pass then
+        # changed, so each step was re-reduced after backward.
+        assert run["two_passes"]["stale"] == [True] * 4
+    assert torch.equal(runs[0]["small"]["params"], runs[1]["small"]["params"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_control_rows_survive_the_sum_bit_for_bit(dtype):
+    # The ranks' control rows ride in the last gradient bucket: summed over ranks (as the
+    # all-reduce does) each row must come back with the same bits, NaN, −0 and subnormals too.
+    values = torch.tensor(
+        [float("nan"), -0.0, 1e300, -3.7e-310, 123.456, float("-inf"), 2.0**32 - 1],
+        dtype=torch.float64,
+    )
+    rows = torch.stack([values, values * 2, values - 1])
+    total = sum(encode_row(rows[r], dtype, r, 3) for r in range(3))
+    assert total.dtype == dtype
+    back = decode_rows(total, len(values), 3)
+    assert torch.equal(back.view(torch.int64), rows.view(torch.int64))
