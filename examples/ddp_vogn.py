@@ -50,7 +50,6 @@ def main(argv=None) -> None:
         temperature=0.03,  # a cold posterior trains in a few epochs (compare.vogn uses 0.03)
         reduce_fn=agreement.wrap(allreduce_mean()),
     )
-    vogn.setup(x_train[: args.batch_size], y_train[: args.batch_size])  # the same on every rank
     pyro.set_rng_seed(args.seed + get_rank())  # independent weight noise per rank
 
     def step(x, y) -> float:

@@ -115,10 +115,11 @@ class VOGN:
     :param float damping: γ ≥ 0 added to the mean step's denominator (not to the precision).
     :param int chunk_size: examples per chunk of the per-example gradients (default automatic).
     :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on the list
-        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]`` (the first step appends the initial s of
-        μ and of each hidden parameter), to average them in place across data-parallel ranks
-        (``dist.all_reduce`` then division by the world size), so every rank applies the same
-        update (docs/design/distributed.md).
+        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]``, to average them in place across
+        data-parallel ranks (``dist.all_reduce`` then division by the world size), so every rank
+        applies the same update (docs/design/distributed.md). The first step calls it once more,
+        before drawing the weights, on the initial s of μ and of each hidden parameter, so every
+        rank draws with the σ one process would use on the concatenated batch.
 
     References: Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019.
     """
@@ -340,11 +341,16 @@ class VOGN:
         if self._scale_temperature != tau:
             self._refresh_scale(tau)  # τ changed since σ was last computed
         passes = self._passes
+        if self._unreduced and self.reduce_fn is not None:
+            # The first draw's σ must come from s₀ averaged over the ranks, as one process on
+            # the concatenated batch computes it, so s₀ is reduced before the weights are drawn.
+            self.reduce_fn(self._unreduced)
+            self._unreduced = []
+            self._refresh_scale(tau)
         nlls, batch = passes.estimate(args, kwargs, num_particles=self.num_particles, step=step)
         nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
-        if self.reduce_fn is not None:  # s₀ (this rank's own) too on the first step
-            self.reduce_fn(passes.estimates + self._unreduced)
-            self._unreduced = []
+        if self.reduce_fn is not None:
+            self.reduce_fn(passes.estimates)
         passes.check_finite(step)
         kl = self._kl()
         check_loss(step, nll_total, kl)

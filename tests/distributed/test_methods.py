@@ -93,11 +93,8 @@ def _swag_single() -> dict:
 def _vogn_run(reduce_fn, batch) -> dict:
     x, y = _dataset()
     vogn = VOGN(_model(), dataset_size=len(y), lr=0.05, reduce_fn=reduce_fn)
-    # The recipe: set up on the same batch on every rank. The first step draws its weights with
-    # the σ of the set-up curvature s₀, before reduce_fn averages s₀, so ranks set up on their
-    # own batches would draw with different σ (and differ from one process).
-    first = torch.cat([_batch(0, r) for r in range(WORLD)])
-    vogn.setup(x[first], y[first])
+    # Each rank sets up on its own first batch: the first step averages the initial curvature
+    # s₀ across the ranks before it draws the weights, so the draw's σ is one process's.
     pyro.set_rng_seed(SEED)  # the same weight noise on every rank and in the reference
     losses = []
     for t in range(STEPS):

@@ -140,15 +140,17 @@ def test_reduce_fn_sees_the_estimates_before_the_update():
 
     def reduce_fn(tensors):
         seen.append([t.shape for t in tensors])
-        for t in tensors[:2]:  # ĝ and ĥ; the first step's s₀ (the third) is left as it is
-            t.zero_()
+        if len(seen) > 1:  # ĝ and ĥ; the first call (the initial s₀) is left as it is
+            for t in tensors:
+                t.zero_()
 
     vogn = VOGN(model, dataset_size=sc.n, lr=0.1, betas=(0.5, 0.25), reduce_fn=reduce_fn)
     vogn.step(sc.x, sc.y)
     s0 = per_example_grads(sc, mu).square().mean(0)
     d_tilde = 1.0 / sc.n
     s = 0.75 * s0
-    assert seen == [[torch.Size([3])] * 3]  # one call: ĝ, ĥ and, on the first step, s₀
+    # Two calls on the first step: s₀ before the weights are drawn, then ĝ and ĥ.
+    assert seen == [[torch.Size([3])], [torch.Size([3])] * 2]
     assert_close(vogn.guide.loc, mu - 0.1 * d_tilde * mu / (s + d_tilde), rtol=1e-12)
     with pytest.raises(TypeError, match="reduce_fn"):
         VOGN(model, dataset_size=sc.n, reduce_fn=3)  # type: ignore[arg-type]
@@ -156,30 +158,37 @@ def test_reduce_fn_sees_the_estimates_before_the_update():
 
 def test_reduce_fn_also_reduces_the_initial_curvature():
     # Data-parallel ranks must start from the same s₀ (the mean over ranks of each rank's ĥ at
-    # w = μ), so the first step hands s₀ to reduce_fn with its ĝ and ĥ, in the same one call (set-up
-    # alone, e.g. vogn.setup, stays local). A reduce_fn that zeroes ĝ and ĥ and triples s₀ then
-    # leaves s = (1 − β₂)·3s₀ after the step; later steps pass ĝ and ĥ only.
+    # w = μ), and the first draw's σ must come from it, so the first step hands s₀ to reduce_fn
+    # alone before it draws the weights (set-up alone, e.g. vogn.setup, stays local). A
+    # reduce_fn that triples s₀ and zeroes ĝ and ĥ then leaves s = (1 − β₂)·3s₀ after the step,
+    # and the first draw used σ from 3s₀; later steps pass ĝ and ĥ only.
     sc = BayesianLinearRegression(n=20, d=3)
     model = sc.model()
     mu = model.net._bdl_init_weight.reshape(-1).clone()
     calls = []
+    scales = []
 
     def reduce_fn(tensors):
         calls.append(len(tensors))
-        for t in tensors[:2]:
-            t.zero_()
-        for t in tensors[2:]:
-            t.mul_(3.0)
+        if len(calls) == 1:
+            for t in tensors:
+                t.mul_(3.0)
+        else:
+            scales.append(vogn.guide.scale.clone())  # σ of this step's draw
+            for t in tensors:
+                t.zero_()
 
     vogn = VOGN(model, dataset_size=sc.n, lr=0.1, betas=(0.5, 0.25), reduce_fn=reduce_fn)
     vogn.setup(sc.x, sc.y)
     assert calls == []
     vogn.step(sc.x, sc.y)
     vogn.step(sc.x, sc.y)
-    assert calls == [3, 2]
+    assert calls == [1, 2, 2]
     s0 = per_example_grads(sc, mu).square().mean(0)
     assert vogn.state is not None
     assert_close(vogn.state.curvature, 0.75 * 0.75 * 3 * s0, rtol=1e-12)
+    # σ² = 1/(N(s + δ̃)) with δ̃ = 1/N (prior precision 1, τ = ρ = 1)
+    assert_close(scales[0], (sc.n * (3 * s0 + 1.0 / sc.n)).rsqrt(), rtol=1e-12)
 
 
 def fixed_point(sc: BayesianLinearRegression, *, tau: float, rho: float, delta: float):
