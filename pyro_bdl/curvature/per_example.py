@@ -9,9 +9,12 @@ at every recorded output, and the per-layer rules below finish the job:
 - ``Linear`` on a ``(B, in)`` input: :math:`\sum_i (\delta_i a_i^\top)^2 = (\delta^2)^\top(a^2)`,
   one extra matmul and no per-example storage at all.
 - ``Linear`` on ``(B, ..., in)`` inputs, ``Conv1d/2d/3d`` (any stride, padding, dilation, groups,
-  padding mode): the per-example gradient :math:`\sum_p \delta_{i,p} a_{i,p}^\top` over positions
-  :math:`p` of the unfolded input, squared after the sum, in chunks of the batch so the extra
-  memory stays below ``max_chunk_elements``.
+  padding mode): one of three exact forms per call, picked by a cost model from the layer's
+  shapes (:mod:`pyro_bdl.curvature.per_example_forms`): a grouped weight-gradient convolution or
+  an unfolded input and a batched product, both forming the per-example gradient
+  :math:`\sum_p \delta_{i,p} a_{i,p}^\top` over positions :math:`p` and squaring it, or the
+  position-pair identity that forms none; in chunks of the batch so the extra memory stays below
+  ``max_chunk_elements``.
 - ``BatchNorm`` affine parameters: per-example sums over positions of :math:`\delta \odot \hat x`
   (weight) and :math:`\delta` (bias), :math:`\hat x` recomputed from the saved input.
 - Any other module with parameters: ``torch.func.vmap(grad)`` over chunks of examples of
@@ -36,7 +39,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +52,13 @@ from pyro_bdl.curvature.layer_rules import (
     batch_slices,
     batchnorm_per_example,
     batchnorm_saved_stats,
-    column_sum,
-    conv_per_example,
-    linear_per_example,
-    write_sums,
+)
+from pyro_bdl.curvature.per_example_forms import (
+    FORMS,
+    choose_form,
+    numbers_per_example,
+    pairs_sums,
+    per_example,
 )
 from pyro_bdl.curvature.per_example_functional import (
     direct_targets,
@@ -64,8 +69,10 @@ from pyro_bdl.curvature.per_example_functional import (
 
 __all__ = ["PerExampleGradients", "substitute", "vmap_squared_gradients"]
 
-#: Default bound on the number of elements of a chunk's per-example tensors (about 64 MB fp32).
-DEFAULT_MAX_CHUNK_ELEMENTS = 2**24
+#: Default bound on the numbers held by a chunk's temporaries: 16 MB in fp32, below glibc's
+#: 32 MB threshold above which every freed block goes back to the kernel (and the next step's
+#: allocation page-faults it in afresh).
+DEFAULT_MAX_CHUNK_ELEMENTS = 2**22
 
 Key = tuple[nn.Module, str]
 
@@ -129,6 +136,9 @@ class PerExampleGradients:
     :param int chunk_size: examples per chunk (default: as many as fit in
         ``max_chunk_elements``).
     :param int max_chunk_elements: bound on the numbers held per chunk.
+    :param str form: ``"grouped"``, ``"unfold"`` or ``"pairs"`` forces that form of the
+        ``Linear`` and convolution rules wherever it applies (``grouped``: convolutions;
+        ``pairs``: a layer's only call); default ``None``, the cost model's choice per call.
     """
 
     def __init__(
@@ -138,6 +148,7 @@ class PerExampleGradients:
         layers: Sequence[nn.Module] | None = None,
         chunk_size: int | None = None,
         max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
+        form: str | None = None,
     ):
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(
@@ -154,6 +165,9 @@ class PerExampleGradients:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1 (or None); got {value!r}.")
+        if form is not None and form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS} or None; got {form!r}.")
+        self.form = form
         self.module = module
         self.chunk_size = chunk_size
         self.max_chunk_elements = max_chunk_elements
@@ -324,30 +338,19 @@ class PerExampleGradients:
         add: bool = False,
     ):
         kind, targets = self._layer_info(module)
-        deltas = [c.delta for c in calls]
-        inputs = [c.args[0] for c in calls]
         dest = {} if out is None else {n: out[(module, n)] for n in targets if (module, n) in out}
-        if kind == "linear" and len(calls) == 1 and inputs[0].dim() == 2:
-            # The one rule with no per-example tensor at all: Σᵢ (δᵢ aᵢᵀ)² = (δ²)ᵀ(a²).
-            a, d = inputs[0], deltas[0]
-            assert d is not None
-            d2 = d.square()
-            result = {}
-            if "weight" in targets:
-                result["weight"] = write_sums(
-                    dest.get("weight"), add, torch.mm, d.T, a, d2.T, a.square()
-                )
-            if "bias" in targets:
-                result["bias"] = write_sums(dest.get("bias"), add, column_sum, d, None, d2, None)
-            return result
-        numel = sum(self._numel(module, name) for name in targets)
-        per_row = numel + sum(int(a[0].numel()) for a in inputs) * self._unfold_factor(module)
+        forms = [self._form(module, kind, c, len(calls) == 1) for c in calls]
+        if forms == ["pairs"]:
+            a, d = calls[0].args[0], calls[0].delta
+            sizes = (self.max_chunk_elements, self.chunk_size)
+            return pairs_sums(module, a, d, targets, dest, add, *sizes)  # type: ignore[arg-type]
+        per_row = sum(self._numbers(module, kind, f, c) for f, c in zip(forms, calls))
         sums: dict[str, list[torch.Tensor]] = {}
         for lo, hi in batch_slices(batch, per_row, self.max_chunk_elements, self.chunk_size):
             chunk: dict[str, torch.Tensor] = {}
-            for call in calls:
+            for form, call in zip(forms, calls):
                 assert call.delta is not None
-                part = self._per_example(module, kind, call, lo, hi)
+                part = self._per_example(module, kind, form, call, lo, hi)
                 for name, pe in part.items():
                     if name in targets:
                         chunk[name] = chunk[name] + pe if name in chunk else pe
@@ -355,26 +358,32 @@ class PerExampleGradients:
                 accumulate_sums(sums, name, pe, dest.get(name), add)
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
-    @staticmethod
-    def _numel(module: nn.Module, name: str) -> int:
-        param = module._parameters.get(name)
-        if param is not None:
-            return param.numel()
-        init = getattr(module, "_bdl_init_" + name, None)
-        return init.numel() if isinstance(init, torch.Tensor) else 1
+    def _form(self, module: nn.Module, kind: str, call: _Call, single: bool) -> str:
+        """The form of a ``Linear`` or convolution call (``kind`` for other layers)."""
+        if kind not in ("linear", "conv"):
+            return kind
+        if self.form == "unfold" or (self.form == "grouped" and kind == "conv"):
+            return self.form
+        if self.form == "pairs" and single:
+            return "pairs"
+        return choose_form(module, call.args[0], call.delta, single)  # type: ignore[arg-type]
 
-    @staticmethod
-    def _unfold_factor(module: nn.Module) -> int:
-        if isinstance(module, nn.modules.conv._ConvNd):
-            return math.prod(module.kernel_size)
-        return 1
+    def _numbers(self, module: nn.Module, kind: str, form: str, call: _Call) -> int:
+        if kind in ("linear", "conv"):
+            return numbers_per_example(module, form, call.args[0], call.delta)  # type: ignore[arg-type]
+        params = [module._parameters.get(n) for n in self._layer_info(module)[1]]
+        inits = [getattr(module, "_bdl_init_" + n, None) for n in self._layer_info(module)[1]]
+        numel = [p if p is not None else i for p, i in zip(params, inits)]
+        return sum(t.numel() if isinstance(t, torch.Tensor) else 1 for t in numel) + int(
+            call.args[0][0].numel()
+        )
 
-    def _per_example(self, module, kind, call: _Call, lo: int, hi: int) -> dict[str, torch.Tensor]:
+    def _per_example(
+        self, module, kind: str, form: str, call: _Call, lo: int, hi: int
+    ) -> dict[str, torch.Tensor]:
         a, d = call.args[0][lo:hi], call.delta[lo:hi]  # type: ignore[index]
-        if kind == "linear":
-            return linear_per_example(a, d)
-        if kind == "conv":
-            return conv_per_example(module, a, d)
+        if kind in ("linear", "conv"):
+            return per_example(module, form, a, d)
         if kind == "batchnorm":
             return batchnorm_per_example(module, a, d, call.args[0], call.stats)
         assert call.delta is not None

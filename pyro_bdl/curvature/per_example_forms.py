@@ -1,0 +1,231 @@
+r"""Three exact forms of a layer's squared per-example gradients, and the cost model that picks
+one per layer call (docs/design/vogn.md, "The per-example cost model").
+
+A ``Linear`` or convolution call is, per example :math:`n`, a sum over :math:`P` output positions
+:math:`p` of outer products: :math:`G_n = \sum_p \delta_{np} u_{np}^\top`, with
+:math:`\delta_{np}` the gradient at the output (``O`` numbers per group) and :math:`u_{np}` the
+matching patch of the input (``K`` numbers per group: input channels per group × kernel size; the
+input itself for ``Linear``). VOGN needs :math:`\sum_n G_n` and :math:`\sum_n G_n \odot G_n`:
+
+- ``"grouped"``: every :math:`G_n` at once from one grouped weight-gradient convolution with the
+  batch folded into the groups (:func:`~pyro_bdl.curvature.layer_rules.conv_per_example`), then
+  squared and summed. No unfolded copy of the input, but the backend's grouped kernel is slow
+  for many channels per group.
+- ``"unfold"``: the input unfolded into patches ``(c, g, K, P)`` (im2col), :math:`G_n` by one
+  batched matrix product over examples and groups, then squared and summed.
+- ``"pairs"``: no :math:`G_n` at all. Expanding the square,
+
+  .. math:: \sum_n G_n \odot G_n = \sum_n \sum_{p \le q} w_{pq}
+     (\delta_{np} \odot \delta_{nq})(u_{np} \odot u_{nq})^\top, \quad w_{pp} = 1, w_{p<q} = 2,
+
+  one matrix product over the :math:`B \cdot P(P+1)/2` (example, position pair) rows. With one
+  position (a ``Linear`` on ``(B, in)``, a convolution whose output is 1 × 1: the last stage of
+  a ResNet on CIFAR) this is :math:`(\delta^2)^\top(u^2)`, as cheap as the ordinary weight
+  gradient; its cost grows as :math:`P^2`.
+
+The cost model (:func:`form_costs`) charges each form its multiply-adds plus
+:data:`FLOPS_PER_NUMBER` for every number it writes or reads through memory; the constants were
+measured on one CPU thread (about 100 GFLOP/s against 5 GB/s for tensors past the caches) and
+the ratio is about the same on a GPU (about 60 TFLOP/s fp32 against 3 TB/s). Each form runs in
+chunks of the batch whose temporaries stay below a number budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyro_bdl.curvature.layer_rules import add_sums, batch_slices, conv_per_example
+
+__all__ = [
+    "FORMS",
+    "choose_form",
+    "form_costs",
+    "pairs_squares",
+    "pairs_sums",
+    "patches",
+    "unfold_per_example",
+]
+
+#: The forms :func:`choose_form` picks from (``PerExampleGradients(form=...)`` forces one).
+FORMS = ("grouped", "unfold", "pairs")
+
+#: Multiply-adds a number moved through memory costs as much time as (20 FLOP/byte × 4 bytes).
+FLOPS_PER_NUMBER = 80
+
+#: Memory passes over each per-example gradient number: written, squared in place, summed (and
+#: the grouped kernel writes through an intermediate buffer of the same size: measured 2× slower
+#: than the batched product on one CPU thread for ResNet-18's layers, whatever their shape).
+PASSES = {"unfold": 3, "grouped": 6}
+
+#: Memory passes over each unfolded input number: the strided copy, read by the product.
+PATCH_PASSES = 4
+
+
+def layer_shape(
+    module: nn.Module, a: torch.Tensor, delta: torch.Tensor
+) -> tuple[int, int, int, int, int]:
+    """``(B, O, K, P, g)``: batch, output channels, inputs per group and patch, positions,
+    groups of one call of a ``Linear`` or convolution."""
+    batch = a.shape[0]
+    if isinstance(module, nn.modules.conv._ConvNd):
+        g = module.groups
+        k = module.in_channels // g * math.prod(module.kernel_size)
+        return batch, module.out_channels, k, delta[0, 0].numel(), g
+    return batch, delta.shape[-1], a.shape[-1], delta[0].numel() // delta.shape[-1], 1
+
+
+def form_costs(batch: int, out: int, k: int, positions: int, groups: int, conv: bool):
+    """Estimated cost of each form (FLOP equivalents) of one call; ``conv``: a convolution
+    (``grouped`` is a convolution kernel, and ``unfold`` copies the input into patches)."""
+    flops = 2 * batch * positions * out * k
+    per_example = batch * out * k
+    patches_ = batch * groups * k * positions if conv else 0
+    pairs = positions * (positions + 1) // 2
+    costs = {
+        "unfold": flops
+        + FLOPS_PER_NUMBER * (PASSES["unfold"] * per_example + PATCH_PASSES * patches_),
+        # Forming the two product matrices and reading them back in the matrix product.
+        "pairs": 2 * batch * pairs * out * k
+        + FLOPS_PER_NUMBER * (2 * batch * pairs * (out + groups * k) + PATCH_PASSES * patches_),
+    }
+    if conv:
+        costs["grouped"] = flops + FLOPS_PER_NUMBER * PASSES["grouped"] * per_example
+    return costs
+
+
+def choose_form(module: nn.Module, a: torch.Tensor, delta: torch.Tensor, single: bool) -> str:
+    """The cheapest form for one call; ``single``: the layer's only call in the pass (with weight
+    sharing the calls' per-example gradients add before squaring, which ``pairs`` cannot)."""
+    shape = layer_shape(module, a, delta)
+    costs = form_costs(*shape, conv=isinstance(module, nn.modules.conv._ConvNd))
+    if not single:
+        costs.pop("pairs")
+    return min(costs, key=costs.__getitem__)
+
+
+def patches(module: nn.Module, a: torch.Tensor, examples_inside: bool = False) -> torch.Tensor:
+    """The input as patches (im2col) ``(c, g, P, K)``, or ``(g, P, c, K)`` if
+    ``examples_inside``, each patch in the layout of the weight's ``(O/g, K)`` rows, for a
+    ``Linear`` (``g = 1``; ``P``: the positions between batch and features) or a 1-, 2- or 3-d
+    convolution (any stride, padding and padding mode, dilation, groups)."""
+    c = a.shape[0]
+    if not isinstance(module, nn.modules.conv._ConvNd):
+        x = a.reshape(c, 1, -1, a.shape[-1])
+        return x.permute(1, 2, 0, 3).contiguous() if examples_inside else x
+    nd = a.dim() - 2
+    if isinstance(module.padding, str) or module.padding_mode != "zeros":
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        a = F.pad(a, module._reversed_padding_repeated_twice, mode=mode)
+    elif any(module.padding):
+        a = F.pad(a, [p for p in reversed(module.padding) for _ in (0, 1)])  # type: ignore[arg-type]
+    x = a.reshape(c, module.groups, -1, *a.shape[2:])
+    for i in range(nd):
+        span = (module.kernel_size[i] - 1) * module.dilation[i] + 1
+        x = x.unfold(3 + i, span, module.stride[i])
+    if any(d > 1 for d in module.dilation):
+        steps: list[Any] = [slice(None, None, d) for d in module.dilation]
+        x = x[(..., *steps)]
+    # x: (c, g, C/g, out..., k...); the weight's rows are (C/g, k...), positions (out...).
+    out_dims, k_dims = list(range(3, 3 + nd)), list(range(3 + nd, 3 + 2 * nd))
+    order = [1, *out_dims, 0, 2, *k_dims] if examples_inside else [0, 1, *out_dims, 2, *k_dims]
+    x = x.permute(order)
+    positions = math.prod(x.shape[1 : 1 + nd] if examples_inside else x.shape[2 : 2 + nd])
+    if examples_inside:
+        return x.reshape(module.groups, positions, c, -1)
+    return x.reshape(c, module.groups, positions, -1)
+
+
+def _grads_by_position(module: nn.Module, delta: torch.Tensor, groups: int) -> torch.Tensor:
+    """The output gradient as ``(c, g, O/g, P)``."""
+    c = delta.shape[0]
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return delta.reshape(c, groups, -1, delta[0, 0].numel())
+    return delta.reshape(c, 1, -1, delta.shape[-1]).transpose(2, 3)
+
+
+def unfold_per_example(module: nn.Module, a: torch.Tensor, delta: torch.Tensor):
+    """Per-example weight gradients ``(c, *weight.shape)`` by one batched product of the
+    patches, and bias gradients ``(c, O)``."""
+    u = patches(module, a)
+    c, g, _, k = u.shape
+    d = _grads_by_position(module, delta, g)
+    pe = torch.matmul(d, u)  # (c, g, O/g, K)
+    return {
+        "weight": pe.reshape(c, *_weight_shape(module, g * d.shape[2], k)),
+        "bias": d.sum(-1).reshape(c, -1),
+    }
+
+
+def _weight_shape(module: nn.Module, out: int, k: int) -> tuple[int, ...]:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return (out, module.in_channels // module.groups, *module.kernel_size)
+    return (out, k)
+
+
+def pairs_squares(
+    module: nn.Module, a: torch.Tensor, delta: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    r"""Summed gradients and squares of a chunk ``(Σₙ Gₙ, Σₙ Gₙ²)`` by the position-pair
+    identity, weight and bias, with no per-example gradient formed."""
+    u = patches(module, a, examples_inside=True)  # (g, P, c, K)
+    g, p, c, k = u.shape
+    d = _grads_by_position(module, delta, g).permute(1, 2, 3, 0).contiguous()  # (g, O/g, P, c)
+    o = d.shape[1]
+    if p == 1:
+        du, uu = d.square(), u.square()
+    else:
+        # Pair rows (p, q ≥ p) in blocks of fixed p: products of contiguous slices, no gather.
+        pairs = p * (p + 1) // 2
+        uu, du = u.new_empty(g, pairs, c, k), d.new_empty(g, o, pairs, c)
+        start = 0
+        for first in range(p):
+            stop = start + p - first
+            torch.mul(u[:, first : first + 1], u[:, first:], out=uu[:, start:stop])
+            torch.mul(d[:, :, first : first + 1], d[:, :, first:], out=du[:, :, start:stop])
+            du[:, :, start + 1 : stop].mul_(2)  # w_pq = 2 off the diagonal
+            start = stop
+    # Σ over (pair, example) rows, one product per group: (g, O/g, S·c) @ (g, S·c, K).
+    squares = torch.bmm(du.reshape(g, o, -1), uu.reshape(g, -1, k))
+    # Cross terms can round a true zero slightly below it; a sum of squares is never negative.
+    squares.clamp_min_(0)
+    # Σₙ Gₙ, the ordinary weight gradient: Σ over (position, example) rows, per group.
+    grad = torch.bmm(d.reshape(g, o, -1), u.reshape(g, -1, k))
+    shape = _weight_shape(module, g * o, k)
+    bias = d.sum(2)  # (g, O/g, c)
+    return (
+        {"weight": grad.reshape(shape), "bias": bias.sum(-1).reshape(-1)},
+        {"weight": squares.reshape(shape), "bias": bias.square().sum(-1).reshape(-1)},
+    )
+
+
+def pairs_sums(module, a, delta, targets, dest, add: bool, max_elements: int, chunk_size):
+    """``{name: [Σₙ gₙ, Σₙ gₙ²]}`` over the batch by :func:`pairs_squares`, chunk by chunk
+    (written into or added to ``dest[name]`` where given)."""
+    per_row = numbers_per_example(module, "pairs", a, delta)
+    sums: dict[str, list[torch.Tensor]] = {}
+    for lo, hi in batch_slices(a.shape[0], per_row, max_elements, chunk_size):
+        grads, squares = pairs_squares(module, a[lo:hi], delta[lo:hi])
+        for name in targets:
+            add_sums(sums, name, grads[name], squares[name], dest.get(name), add)
+    return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+def per_example(module: nn.Module, form: str, a: torch.Tensor, delta: torch.Tensor):
+    """Per-example gradients of a chunk by ``"grouped"`` or ``"unfold"``."""
+    if form == "grouped":
+        return conv_per_example(module, a, delta)  # type: ignore[arg-type]
+    return unfold_per_example(module, a, delta)
+
+
+def numbers_per_example(module: nn.Module, form: str, a: torch.Tensor, delta: torch.Tensor):
+    """Numbers a form's temporaries hold per example (to size the chunks of the batch)."""
+    _, out, k, positions, groups = layer_shape(module, a, delta)
+    patch = groups * k * positions if isinstance(module, nn.modules.conv._ConvNd) else 0
+    if form == "pairs":
+        return (positions * (positions + 1) // 2 + positions) * (out + groups * k) + patch
+    return out * k + patch
