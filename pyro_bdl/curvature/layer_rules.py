@@ -139,19 +139,3 @@ def accumulate_sums(
         out[pname] = list(dest)
     else:
         out[pname] = [pe.sum(0), pe.square_().sum(0)]
-
-
-def add_sums(sums, name: str, g, s, dest, add: bool) -> None:
-    """Add a chunk's Σg and Σg² to the running sums (the first chunk writes into ``dest`` if
-    given, or adds to it if ``add``)."""
-    if name in sums or (dest is not None and add):
-        total = sums.get(name, dest)
-        total[0].add_(g)
-        total[1].add_(s)
-        sums[name] = list(total)
-    elif dest is not None:
-        dest[0].copy_(g)
-        dest[1].copy_(s)
-        sums[name] = list(dest)
-    else:
-        sums[name] = [g, s]

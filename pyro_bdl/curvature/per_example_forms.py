@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyro_bdl.curvature.layer_rules import add_sums, batch_slices, conv_per_example
+from pyro_bdl.curvature.layer_rules import batch_slices, conv_per_example
 
 __all__ = [
     "FORMS",
@@ -168,10 +168,16 @@ def _weight_shape(module: nn.Module, out: int, k: int) -> tuple[int, ...]:
 
 
 def pairs_squares(
-    module: nn.Module, a: torch.Tensor, delta: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    r"""Summed gradients and squares of a chunk ``(Σₙ Gₙ, Σₙ Gₙ²)`` by the position-pair
-    identity, weight and bias, with no per-example gradient formed."""
+    module: nn.Module,
+    a: torch.Tensor,
+    delta: torch.Tensor,
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    add: bool = False,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    r"""``{name: (Σₙ Gₙ, Σₙ Gₙ²)}`` of a chunk, weight and bias, by the position-pair identity,
+    with no per-example gradient formed; written into (``add``: added to) ``out[name]`` where
+    given, so the products land in their destination without a copy."""
+    out = out or {}
     u = patches(module, a, examples_inside=True)  # (g, P, c, K)
     g, p, c, k = u.shape
     d = _grads_by_position(module, delta, g).permute(1, 2, 3, 0).contiguous()  # (g, O/g, P, c)
@@ -189,30 +195,46 @@ def pairs_squares(
             torch.mul(d[:, :, first : first + 1], d[:, :, first:], out=du[:, :, start:stop])
             du[:, :, start + 1 : stop].mul_(2)  # w_pq = 2 off the diagonal
             start = stop
-    # Σ over (pair, example) rows, one product per group: (g, O/g, S·c) @ (g, S·c, K).
-    squares = torch.bmm(du.reshape(g, o, -1), uu.reshape(g, -1, k))
-    # Cross terms can round a true zero slightly below it; a sum of squares is never negative.
-    squares.clamp_min_(0)
-    # Σₙ Gₙ, the ordinary weight gradient: Σ over (position, example) rows, per group.
-    grad = torch.bmm(d.reshape(g, o, -1), u.reshape(g, -1, k))
     shape = _weight_shape(module, g * o, k)
-    bias = d.sum(2)  # (g, O/g, c)
-    return (
-        {"weight": grad.reshape(shape), "bias": bias.sum(-1).reshape(-1)},
-        {"weight": squares.reshape(shape), "bias": bias.square().sum(-1).reshape(-1)},
-    )
+    dest = out.get("weight")
+    if dest is None:
+        dest = (u.new_empty(shape), u.new_empty(shape))
+        add = False
+    # Σ over (position, example) rows per group: Σₙ Gₙ, the ordinary weight gradient; over
+    # (pair, example) rows: Σₙ Gₙ². Each one product per group, (g, O/g, ·) @ (g, ·, K).
+    grad, squares = dest[0].view(g, o, k), dest[1].view(g, o, k)
+    rows, cols = du.reshape(g, o, -1), uu.reshape(g, -1, k)
+    if add:
+        grad.baddbmm_(d.reshape(g, o, -1), u.reshape(g, -1, k))
+    else:
+        torch.bmm(d.reshape(g, o, -1), u.reshape(g, -1, k), out=grad)
+    if p == 1:  # no cross terms: every term is a square
+        squares.baddbmm_(rows, cols) if add else torch.bmm(rows, cols, out=squares)
+    else:
+        # Cross terms can round a true zero slightly below it; a sum of squares is not.
+        part = torch.bmm(rows, cols).clamp_min_(0)
+        squares.add_(part) if add else squares.copy_(part)
+    bias = d.sum(2)  # (g, O/g, c): per-example bias gradients
+    sums = (bias.sum(-1).reshape(-1), bias.square().sum(-1).reshape(-1))
+    result = {"weight": dest}
+    if "bias" in out:
+        for total, value in zip(out["bias"], sums):
+            total.add_(value) if add else total.copy_(value)
+        result["bias"] = out["bias"]
+    else:
+        result["bias"] = sums
+    return result
 
 
 def pairs_sums(module, a, delta, targets, dest, add: bool, max_elements: int, chunk_size):
-    """``{name: [Σₙ gₙ, Σₙ gₙ²]}`` over the batch by :func:`pairs_squares`, chunk by chunk
+    """``{name: (Σₙ gₙ, Σₙ gₙ²)}`` over the batch by :func:`pairs_squares`, chunk by chunk
     (written into or added to ``dest[name]`` where given)."""
     per_row = numbers_per_example(module, "pairs", a, delta)
-    sums: dict[str, list[torch.Tensor]] = {}
+    sums = {n: dest[n] for n in targets if n in dest}
     for lo, hi in batch_slices(a.shape[0], per_row, max_elements, chunk_size):
-        grads, squares = pairs_squares(module, a[lo:hi], delta[lo:hi])
-        for name in targets:
-            add_sums(sums, name, grads[name], squares[name], dest.get(name), add)
-    return {k: (v[0], v[1]) for k, v in sums.items()}
+        # The first chunk writes (or adds, as asked) into the destinations; the others add.
+        sums = pairs_squares(module, a[lo:hi], delta[lo:hi], out=sums, add=add or lo > 0)
+    return {n: sums[n] for n in targets}
 
 
 def per_example(module: nn.Module, form: str, a: torch.Tensor, delta: torch.Tensor):
