@@ -6,15 +6,14 @@ gradient :math:`\sum_i g_i` and the sum of squares :math:`\sum_i g_i \odot g_i`,
 edge of its output; one backward pass gives :math:`\delta_i = \partial(\sum_j \ell_j)/\partial z_i`
 at every recorded output, and the per-layer rules below finish the job:
 
-- ``Linear`` on a ``(B, in)`` input: :math:`\sum_i (\delta_i a_i^\top)^2 = (\delta^2)^\top(a^2)`,
-  one extra matmul and no per-example storage at all.
-- ``Linear`` on ``(B, ..., in)`` inputs, ``Conv1d/2d/3d`` (any stride, padding, dilation, groups,
-  padding mode): one of three exact forms per call, picked by a cost model from the layer's
-  shapes (:mod:`pyro_bdl.curvature.per_example_forms`): a grouped weight-gradient convolution or
-  an unfolded input and a batched product, both forming the per-example gradient
+- ``Linear`` (any ``(B, ..., in)`` input) and ``Conv1d/2d/3d`` (any stride, padding, dilation,
+  groups, padding mode): one of three exact forms per call, picked by a cost model from the
+  layer's shapes (:mod:`pyro_bdl.curvature.per_example_forms`): a grouped weight-gradient
+  convolution or an unfolded input and a batched product, both forming the per-example gradient
   :math:`\sum_p \delta_{i,p} a_{i,p}^\top` over positions :math:`p` and squaring it, or the
-  position-pair identity that forms none; in chunks of the batch so the extra memory stays below
-  ``max_chunk_elements``.
+  position-pair identity that forms none (for one position, a ``Linear`` on ``(B, in)``:
+  :math:`\sum_i (\delta_i a_i^\top)^2 = (\delta^2)^\top(a^2)`), in chunks of the batch so the
+  extra memory stays below ``max_chunk_elements``.
 - ``BatchNorm`` affine parameters: per-example sums over positions of :math:`\delta \odot \hat x`
   (weight) and :math:`\delta` (bias), :math:`\hat x` recomputed from the saved input.
 - Any other module with parameters: ``torch.func.vmap(grad)`` over chunks of examples of
@@ -85,9 +84,8 @@ def _is(module: nn.Module, base: type[nn.Module]) -> bool:
 def _kind(module: nn.Module) -> str:
     if _is(module, nn.Linear):
         return "linear"
-    for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        if _is(module, conv):
-            return "conv"
+    if any(_is(module, conv) for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return "conv"
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
         type(module).forward is nn.modules.batchnorm._BatchNorm.forward
     ):
@@ -178,6 +176,7 @@ class PerExampleGradients:
         # does) skips the per-call look-up.
         self._info: dict[nn.Module, tuple[str, list[str]]] = {}
         self._layers = None if layers is None else list(layers)
+        self._forms: dict[tuple, list[str]] = {}
 
     def _layer_info(self, module: nn.Module) -> tuple[str, list[str]]:
         info = self._info.get(module)
@@ -339,7 +338,11 @@ class PerExampleGradients:
     ):
         kind, targets = self._layer_info(module)
         dest = {} if out is None else {n: out[(module, n)] for n in targets if (module, n) in out}
-        forms = [self._form(module, kind, c, len(calls) == 1) for c in calls]
+        # The choice depends on shapes only: found once per layer and input shape.
+        key = (module, len(calls), *(tuple(c.args[0].shape) for c in calls))
+        forms = self._forms.get(key)
+        if forms is None:
+            forms = self._forms[key] = [self._form(module, kind, c, len(calls) == 1) for c in calls]
         if forms == ["pairs"]:
             a, d = calls[0].args[0], calls[0].delta
             sizes = (self.max_chunk_elements, self.chunk_size)
@@ -371,12 +374,13 @@ class PerExampleGradients:
     def _numbers(self, module: nn.Module, kind: str, form: str, call: _Call) -> int:
         if kind in ("linear", "conv"):
             return numbers_per_example(module, form, call.args[0], call.delta)  # type: ignore[arg-type]
-        params = [module._parameters.get(n) for n in self._layer_info(module)[1]]
-        inits = [getattr(module, "_bdl_init_" + n, None) for n in self._layer_info(module)[1]]
-        numel = [p if p is not None else i for p, i in zip(params, inits)]
-        return sum(t.numel() if isinstance(t, torch.Tensor) else 1 for t in numel) + int(
-            call.args[0][0].numel()
-        )
+        # Other layers: a per-example gradient of every target, and the input.
+        targets = [
+            module._parameters.get(n, getattr(module, "_bdl_init_" + n, None))
+            for n in self._layer_info(module)[1]
+        ]
+        sizes = [t.numel() if isinstance(t, torch.Tensor) else 1 for t in targets]
+        return sum(sizes) + int(call.args[0][0].numel())
 
     def _per_example(
         self, module, kind: str, form: str, call: _Call, lo: int, hi: int

@@ -178,6 +178,8 @@ def pairs_squares(
     with no per-example gradient formed; written into (``add``: added to) ``out[name]`` where
     given, so the products land in their destination without a copy."""
     out = out or {}
+    if a.dim() == 2 and not isinstance(module, nn.modules.conv._ConvNd):
+        return _linear_sums(a, delta, out, add)
     u = patches(module, a, examples_inside=True)  # (g, P, c, K)
     g, p, c, k = u.shape
     d = _grads_by_position(module, delta, g).permute(1, 2, 3, 0).contiguous()  # (g, O/g, P, c)
@@ -224,6 +226,33 @@ def pairs_squares(
     else:
         result["bias"] = sums
     return result
+
+
+def _linear_sums(a, delta, out, add: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`pairs_squares` of a ``Linear`` on ``(c, in)``: one position, so
+    Σₙ Gₙ = δᵀa and Σₙ Gₙ² = (δ²)ᵀ(a²), written by matrix products straight into ``out``."""
+    result = {}
+    for name, x1, x2 in (
+        ("weight", (delta.T, a), (delta.square().T, a.square())),
+        ("bias", (delta,), (delta.square(),)),
+    ):
+        op = torch.mm if name == "weight" else _column_sum
+        dest = out.get(name)
+        if dest is None:
+            result[name] = (op(*x1), op(*x2))
+            continue
+        if add:
+            dest[0].add_(op(*x1))
+            dest[1].add_(op(*x2))
+        else:
+            op(*x1, out=dest[0])
+            op(*x2, out=dest[1])
+        result[name] = dest
+    return result
+
+
+def _column_sum(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    return x.sum(0) if out is None else torch.sum(x, 0, out=out)
 
 
 def pairs_sums(module, a, delta, targets, dest, add: bool, max_elements: int, chunk_size):
