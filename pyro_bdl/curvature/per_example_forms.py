@@ -45,6 +45,7 @@ __all__ = [
     "FORMS",
     "choose_form",
     "form_costs",
+    "form_work",
     "pairs_squares",
     "pairs_sums",
     "patches",
@@ -79,23 +80,33 @@ def layer_shape(
     return batch, delta.shape[-1], a.shape[-1], delta[0].numel() // delta.shape[-1], 1
 
 
-def form_costs(batch: int, out: int, k: int, positions: int, groups: int, conv: bool):
-    """Estimated cost of each form (FLOP equivalents) of one call; ``conv``: a convolution
+def form_work(
+    batch: int, out: int, k: int, positions: int, groups: int, conv: bool
+) -> dict[str, tuple[int, int]]:
+    """``{form: (FLOP, numbers moved through memory)}`` of one call; ``conv``: a convolution
     (``grouped`` is a convolution kernel, and ``unfold`` copies the input into patches)."""
     flops = 2 * batch * positions * out * k
     per_example = batch * out * k
     patches_ = batch * groups * k * positions if conv else 0
     pairs = positions * (positions + 1) // 2
-    costs = {
-        "unfold": flops
-        + FLOPS_PER_NUMBER * (PASSES["unfold"] * per_example + PATCH_PASSES * patches_),
-        # Forming the two product matrices and reading them back in the matrix product.
-        "pairs": 2 * batch * pairs * out * k
-        + FLOPS_PER_NUMBER * (2 * batch * pairs * (out + groups * k) + PATCH_PASSES * patches_),
+    work = {
+        "unfold": (flops, PASSES["unfold"] * per_example + PATCH_PASSES * patches_),
+        # The squares' product and Σₙ Gₙ's; the two product matrices formed, then read.
+        "pairs": (
+            2 * batch * pairs * out * k + flops,
+            2 * batch * pairs * (out + groups * k) + PATCH_PASSES * patches_,
+        ),
     }
     if conv:
-        costs["grouped"] = flops + FLOPS_PER_NUMBER * PASSES["grouped"] * per_example
-    return costs
+        work["grouped"] = (flops, PASSES["grouped"] * per_example)
+    return work
+
+
+def form_costs(batch: int, out: int, k: int, positions: int, groups: int, conv: bool):
+    """Estimated cost of each form of one call, FLOP + :data:`FLOPS_PER_NUMBER` × numbers moved
+    (:func:`form_work`)."""
+    work = form_work(batch, out, k, positions, groups, conv)
+    return {form: f + FLOPS_PER_NUMBER * n for form, (f, n) in work.items()}
 
 
 def choose_form(module: nn.Module, a: torch.Tensor, delta: torch.Tensor, single: bool) -> str:
