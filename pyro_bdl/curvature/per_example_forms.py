@@ -243,9 +243,10 @@ def _linear_sums(a, delta, out, add: bool) -> dict[str, tuple[torch.Tensor, torc
     """:func:`pairs_squares` of a ``Linear`` on ``(c, in)``: one position, so
     Σₙ Gₙ = δᵀa and Σₙ Gₙ² = (δ²)ᵀ(a²), written by matrix products straight into ``out``."""
     result = {}
+    d2 = delta.square()
     for name, x1, x2 in (
-        ("weight", (delta.T, a), (delta.square().T, a.square())),
-        ("bias", (delta,), (delta.square(),)),
+        ("weight", (delta.T, a), (d2.T, a.square())),
+        ("bias", (delta,), (d2,)),
     ):
         op = torch.mm if name == "weight" else _column_sum
         dest = out.get(name)
@@ -269,9 +270,16 @@ def _column_sum(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Te
 def pairs_sums(module, a, delta, targets, dest, add: bool, max_elements: int, chunk_size):
     """``{name: (Σₙ gₙ, Σₙ gₙ²)}`` over the batch by :func:`pairs_squares`, chunk by chunk
     (written into or added to ``dest[name]`` where given)."""
-    per_row = numbers_per_example(module, "pairs", a, delta)
     sums = {n: dest[n] for n in targets if n in dest}
-    for lo, hi in batch_slices(a.shape[0], per_row, max_elements, chunk_size):
+    batch = a.shape[0]
+    if (
+        chunk_size is None
+        and numbers_per_example(module, "pairs", a, delta) * batch <= max_elements
+    ):
+        sums = pairs_squares(module, a, delta, out=sums, add=add)  # the whole batch at once
+        return {n: sums[n] for n in targets}
+    per_row = numbers_per_example(module, "pairs", a, delta)
+    for lo, hi in batch_slices(batch, per_row, max_elements, chunk_size):
         # The first chunk writes (or adds, as asked) into the destinations; the others add.
         sums = pairs_squares(module, a[lo:hi], delta[lo:hi], out=sums, add=add or lo > 0)
     return {n: sums[n] for n in targets}
