@@ -301,6 +301,67 @@ def peak_step_bytes(step: _WithStore, device: str) -> int:
     return mem.peak
 
 
+#: Paper GPU for :func:`vogn_gpu_estimate`: an H100's fp32 rate at half its 67 TFLOP/s peak
+#: (small convolutions rarely do better) and 80% of its 3.35 TB/s memory bandwidth.
+GPU_FLOPS, GPU_BYTES = 33e12, 2.7e12
+
+
+def vogn_gpu_estimate(batch: int, shape: tuple[int, ...] = (3, 32, 32)) -> dict:
+    """VOGN step / Adam step on ResNet-18 on paper (FLOP and bytes from the layer shapes).
+
+    Adam: forward (2·MACs of every conv and linear), backward (twice that: input and weight
+    gradients), and its update (read w, g, m, v, write w, m, v, plus the sqrt and div
+    temporaries: 11·D numbers). VOGN: the same forward, the backward to the inputs only (the
+    sampled weights need no autograd gradient), for every layer the form the cost model picks
+    (:func:`~pyro_bdl.curvature.per_example_forms.form_work`; it gives Σg too), and the draw and
+    update (ε, w = μ + σε, g, h, m, s, μ, σ: 16·D numbers). Activations' memory traffic is the
+    same in both and left out, as are kernel-launch overheads. fp32 numbers.
+    """
+    from pyro_bdl.curvature.per_example_forms import choose_form, form_work, layer_shape
+
+    net = resnet18(shape).eval()  # one example through BatchNorm: the running statistics
+    calls: list[tuple[nn.Module, tuple[int, ...], bool]] = []
+
+    def hook(module, inputs, output):
+        a = torch.zeros(batch, *inputs[0].shape[1:])
+        d = torch.zeros(batch, *output.shape[1:])
+        form = choose_form(module, a, d, single=True)
+        calls.append((module, layer_shape(module, a, d), form))  # type: ignore[arg-type]
+
+    handles = [
+        m.register_forward_hook(hook)
+        for m in net.modules()
+        if isinstance(m, (nn.Conv2d, nn.Linear))
+    ]
+    with torch.no_grad():
+        net(torch.zeros(1, *shape))
+    for h in handles:
+        h.remove()
+    num_weights = sum(p.numel() for p in net.parameters())
+    forward = sum(2 * b * p * o * k for _, (b, o, k, p, _g), _f in calls)
+    squares_flops = squares_numbers = 0
+    forms: dict[str, int] = {}
+    for module, (b, o, k, p, g), form in calls:
+        flops, numbers = form_work(b, o, k, p, g, conv=isinstance(module, nn.Conv2d))[form]
+        squares_flops += flops
+        squares_numbers += numbers
+        forms[form] = forms.get(form, 0) + 1
+    adam = 3 * forward / GPU_FLOPS + 11 * num_weights * 4 / GPU_BYTES
+    vogn = (2 * forward + squares_flops) / GPU_FLOPS + (
+        squares_numbers + 16 * num_weights
+    ) * 4 / GPU_BYTES
+    return {
+        "ratio": vogn / adam,
+        "adam_seconds": adam,
+        "vogn_seconds": vogn,
+        "forward_gflop": forward / 1e9,
+        "squares_gflop": squares_flops / 1e9,
+        "squares_mb": squares_numbers * 4 / 1e6,
+        "forms": forms,
+        "gpu": {"flops": GPU_FLOPS, "bytes_per_s": GPU_BYTES},
+    }
+
+
 def quartiles(xs: list[float]) -> list[float]:
     if len(xs) < 4:
         return [min(xs), statistics.median(xs), max(xs)]
@@ -373,6 +434,11 @@ def main(argv: list[str] | None = None) -> dict:
                     f"peak memory {v['peak_memory']:.2f}x",
                     flush=True,
                 )
+            peaks = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r["peak_bytes"].items())
+            print(f"{args.device} {net} B={batch} peak MiB per step: {peaks}", flush=True)
+    estimates = {f"B={b}": vogn_gpu_estimate(b) for b in batches}
+    for key, est in estimates.items():
+        print(f"paper GPU ResNet-18 {key} vogn/adam: {est['ratio']:.2f}x (estimate)", flush=True)
     config = {
         "N": N,
         "batch_sizes": batches,
@@ -386,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
         "inputs": "random normal, random labels",
         "timer": "CUDA events" if args.device.startswith("cuda") else "process time, interleaved",
         "references": REFERENCE,
+        "vogn_gpu_estimate": estimates,
     }
     # glibc returns every freed block above 32 MB to the kernel and maps it afresh (page faults,
     # zeroing: system time) on the next step; MALLOC_MMAP_MAX_=0 with a large

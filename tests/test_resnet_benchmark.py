@@ -56,3 +56,12 @@ def test_cuda_without_a_device_measures_nothing():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
     assert resnet.main(["--device", "cuda", "--no-write"]) == {}
+
+
+def test_the_paper_gpu_estimate_counts_every_layer_and_form():
+    est = resnet.vogn_gpu_estimate(32)
+    # ResNet-18 has 20 convolutions and one linear layer; on 32 × 32 inputs the cost model uses
+    # every form (see tests/curvature/test_per_example.py), and VOGN does more work than Adam.
+    assert sum(est["forms"].values()) == 21 and set(est["forms"]) == {"grouped", "unfold", "pairs"}
+    assert est["vogn_seconds"] > est["adam_seconds"] > 0
+    assert est["ratio"] == est["vogn_seconds"] / est["adam_seconds"]

@@ -17,16 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["batchnorm_per_example", "conv_per_example", "linear_per_example"]
-
-
-def linear_per_example(a: torch.Tensor, delta: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-example weight and bias gradients of a ``Linear`` layer, ``(c, out, in)`` and
-    ``(c, out)``, from inputs ``(c, ..., in)`` and output gradients ``(c, ..., out)``."""
-    c = a.shape[0]
-    a3 = a.reshape(c, -1, a.shape[-1])
-    d3 = delta.reshape(c, -1, delta.shape[-1])
-    return {"weight": torch.bmm(d3.transpose(1, 2), a3), "bias": d3.sum(1)}  # both fresh
+__all__ = ["batchnorm_per_example", "conv_per_example"]
 
 
 def conv_per_example(
@@ -148,20 +139,3 @@ def accumulate_sums(
         out[pname] = list(dest)
     else:
         out[pname] = [pe.sum(0), pe.square_().sum(0)]
-
-
-def column_sum(x: torch.Tensor, _: None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.sum(x, 0, out=out) if out is not None else x.sum(0)
-
-
-def write_sums(dest, add: bool, op, x1, y1, x2, y2) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(op(x1, y1), op(x2, y2))``, written into (or added to) ``dest`` when it is given."""
-    if dest is None:
-        return op(x1, y1), op(x2, y2)
-    if add:
-        dest[0].add_(op(x1, y1))
-        dest[1].add_(op(x2, y2))
-    else:
-        op(x1, y1, out=dest[0])
-        op(x2, y2, out=dest[1])
-    return dest[0], dest[1]

@@ -6,12 +6,14 @@ gradient :math:`\sum_i g_i` and the sum of squares :math:`\sum_i g_i \odot g_i`,
 edge of its output; one backward pass gives :math:`\delta_i = \partial(\sum_j \ell_j)/\partial z_i`
 at every recorded output, and the per-layer rules below finish the job:
 
-- ``Linear`` on a ``(B, in)`` input: :math:`\sum_i (\delta_i a_i^\top)^2 = (\delta^2)^\top(a^2)`,
-  one extra matmul and no per-example storage at all.
-- ``Linear`` on ``(B, ..., in)`` inputs, ``Conv1d/2d/3d`` (any stride, padding, dilation, groups,
-  padding mode): the per-example gradient :math:`\sum_p \delta_{i,p} a_{i,p}^\top` over positions
-  :math:`p` of the unfolded input, squared after the sum, in chunks of the batch so the extra
-  memory stays below ``max_chunk_elements``.
+- ``Linear`` (any ``(B, ..., in)`` input) and ``Conv1d/2d/3d`` (any stride, padding, dilation,
+  groups, padding mode): one of three exact forms per call, picked by a cost model from the
+  layer's shapes (:mod:`pyro_bdl.curvature.per_example_forms`): a grouped weight-gradient
+  convolution or an unfolded input and a batched product, both forming the per-example gradient
+  :math:`\sum_p \delta_{i,p} a_{i,p}^\top` over positions :math:`p` and squaring it, or the
+  position-pair identity that forms none (for one position, a ``Linear`` on ``(B, in)``:
+  :math:`\sum_i (\delta_i a_i^\top)^2 = (\delta^2)^\top(a^2)`), in chunks of the batch so the
+  extra memory stays below ``max_chunk_elements``.
 - ``BatchNorm`` affine parameters: per-example sums over positions of :math:`\delta \odot \hat x`
   (weight) and :math:`\delta` (bias), :math:`\hat x` recomputed from the saved input.
 - Any other module with parameters: ``torch.func.vmap(grad)`` over chunks of examples of
@@ -36,7 +38,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +51,13 @@ from pyro_bdl.curvature.layer_rules import (
     batch_slices,
     batchnorm_per_example,
     batchnorm_saved_stats,
-    column_sum,
-    conv_per_example,
-    linear_per_example,
-    write_sums,
+)
+from pyro_bdl.curvature.per_example_forms import (
+    FORMS,
+    choose_form,
+    numbers_per_example,
+    pairs_sums,
+    per_example,
 )
 from pyro_bdl.curvature.per_example_functional import (
     direct_targets,
@@ -64,8 +68,10 @@ from pyro_bdl.curvature.per_example_functional import (
 
 __all__ = ["PerExampleGradients", "substitute", "vmap_squared_gradients"]
 
-#: Default bound on the number of elements of a chunk's per-example tensors (about 64 MB fp32).
-DEFAULT_MAX_CHUNK_ELEMENTS = 2**24
+#: Default bound on the numbers held by a chunk's temporaries: 16 MB in fp32, below glibc's
+#: 32 MB threshold above which every freed block goes back to the kernel (and the next step's
+#: allocation page-faults it in afresh).
+DEFAULT_MAX_CHUNK_ELEMENTS = 2**22
 
 Key = tuple[nn.Module, str]
 
@@ -78,9 +84,8 @@ def _is(module: nn.Module, base: type[nn.Module]) -> bool:
 def _kind(module: nn.Module) -> str:
     if _is(module, nn.Linear):
         return "linear"
-    for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        if _is(module, conv):
-            return "conv"
+    if any(_is(module, conv) for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return "conv"
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
         type(module).forward is nn.modules.batchnorm._BatchNorm.forward
     ):
@@ -129,6 +134,9 @@ class PerExampleGradients:
     :param int chunk_size: examples per chunk (default: as many as fit in
         ``max_chunk_elements``).
     :param int max_chunk_elements: bound on the numbers held per chunk.
+    :param str form: ``"grouped"``, ``"unfold"`` or ``"pairs"`` forces that form of the
+        ``Linear`` and convolution rules wherever it applies (``grouped``: convolutions;
+        ``pairs``: a layer's only call); default ``None``, the cost model's choice per call.
     """
 
     def __init__(
@@ -138,6 +146,7 @@ class PerExampleGradients:
         layers: Sequence[nn.Module] | None = None,
         chunk_size: int | None = None,
         max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
+        form: str | None = None,
     ):
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(
@@ -154,6 +163,9 @@ class PerExampleGradients:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1 (or None); got {value!r}.")
+        if form is not None and form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS} or None; got {form!r}.")
+        self.form = form
         self.module = module
         self.chunk_size = chunk_size
         self.max_chunk_elements = max_chunk_elements
@@ -164,6 +176,7 @@ class PerExampleGradients:
         # does) skips the per-call look-up.
         self._info: dict[nn.Module, tuple[str, list[str]]] = {}
         self._layers = None if layers is None else list(layers)
+        self._forms: dict[tuple, list[str]] = {}
 
     def _layer_info(self, module: nn.Module) -> tuple[str, list[str]]:
         info = self._info.get(module)
@@ -324,30 +337,23 @@ class PerExampleGradients:
         add: bool = False,
     ):
         kind, targets = self._layer_info(module)
-        deltas = [c.delta for c in calls]
-        inputs = [c.args[0] for c in calls]
         dest = {} if out is None else {n: out[(module, n)] for n in targets if (module, n) in out}
-        if kind == "linear" and len(calls) == 1 and inputs[0].dim() == 2:
-            # The one rule with no per-example tensor at all: Σᵢ (δᵢ aᵢᵀ)² = (δ²)ᵀ(a²).
-            a, d = inputs[0], deltas[0]
-            assert d is not None
-            d2 = d.square()
-            result = {}
-            if "weight" in targets:
-                result["weight"] = write_sums(
-                    dest.get("weight"), add, torch.mm, d.T, a, d2.T, a.square()
-                )
-            if "bias" in targets:
-                result["bias"] = write_sums(dest.get("bias"), add, column_sum, d, None, d2, None)
-            return result
-        numel = sum(self._numel(module, name) for name in targets)
-        per_row = numel + sum(int(a[0].numel()) for a in inputs) * self._unfold_factor(module)
+        # The choice depends on shapes only: found once per layer and input shape.
+        key = (module, len(calls), *(tuple(c.args[0].shape) for c in calls))
+        forms = self._forms.get(key)
+        if forms is None:
+            forms = self._forms[key] = [self._form(module, kind, c, len(calls) == 1) for c in calls]
+        if forms == ["pairs"]:
+            a, d = calls[0].args[0], calls[0].delta
+            sizes = (self.max_chunk_elements, self.chunk_size)
+            return pairs_sums(module, a, d, targets, dest, add, *sizes)  # type: ignore[arg-type]
+        per_row = sum(self._numbers(module, kind, f, c) for f, c in zip(forms, calls))
         sums: dict[str, list[torch.Tensor]] = {}
         for lo, hi in batch_slices(batch, per_row, self.max_chunk_elements, self.chunk_size):
             chunk: dict[str, torch.Tensor] = {}
-            for call in calls:
+            for form, call in zip(forms, calls):
                 assert call.delta is not None
-                part = self._per_example(module, kind, call, lo, hi)
+                part = self._per_example(module, kind, form, call, lo, hi)
                 for name, pe in part.items():
                     if name in targets:
                         chunk[name] = chunk[name] + pe if name in chunk else pe
@@ -355,26 +361,33 @@ class PerExampleGradients:
                 accumulate_sums(sums, name, pe, dest.get(name), add)
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
-    @staticmethod
-    def _numel(module: nn.Module, name: str) -> int:
-        param = module._parameters.get(name)
-        if param is not None:
-            return param.numel()
-        init = getattr(module, "_bdl_init_" + name, None)
-        return init.numel() if isinstance(init, torch.Tensor) else 1
+    def _form(self, module: nn.Module, kind: str, call: _Call, single: bool) -> str:
+        """The form of a ``Linear`` or convolution call (``kind`` for other layers)."""
+        if kind not in ("linear", "conv"):
+            return kind
+        if self.form == "unfold" or (self.form == "grouped" and kind == "conv"):
+            return self.form
+        if self.form == "pairs" and single:
+            return "pairs"
+        return choose_form(module, call.args[0], call.delta, single)  # type: ignore[arg-type]
 
-    @staticmethod
-    def _unfold_factor(module: nn.Module) -> int:
-        if isinstance(module, nn.modules.conv._ConvNd):
-            return math.prod(module.kernel_size)
-        return 1
+    def _numbers(self, module: nn.Module, kind: str, form: str, call: _Call) -> int:
+        if kind in ("linear", "conv"):
+            return numbers_per_example(module, form, call.args[0], call.delta)  # type: ignore[arg-type]
+        # Other layers: a per-example gradient of every target, and the input.
+        targets = [
+            module._parameters.get(n, getattr(module, "_bdl_init_" + n, None))
+            for n in self._layer_info(module)[1]
+        ]
+        sizes = [t.numel() if isinstance(t, torch.Tensor) else 1 for t in targets]
+        return sum(sizes) + int(call.args[0][0].numel())
 
-    def _per_example(self, module, kind, call: _Call, lo: int, hi: int) -> dict[str, torch.Tensor]:
+    def _per_example(
+        self, module, kind: str, form: str, call: _Call, lo: int, hi: int
+    ) -> dict[str, torch.Tensor]:
         a, d = call.args[0][lo:hi], call.delta[lo:hi]  # type: ignore[index]
-        if kind == "linear":
-            return linear_per_example(a, d)
-        if kind == "conv":
-            return conv_per_example(module, a, d)
+        if kind in ("linear", "conv"):
+            return per_example(module, form, a, d)
         if kind == "batchnorm":
             return batchnorm_per_example(module, a, d, call.args[0], call.stats)
         assert call.delta is not None

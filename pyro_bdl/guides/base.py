@@ -37,6 +37,11 @@ from pyro_bdl.nn.lift import init_to_network
 
 __all__ = ["AutoLocScaleGuide", "inverse_softplus"]
 
+#: Sites are processed in contiguous blocks of at most this many numbers (8 MB in fp32): glibc
+#: hands every freed block above 32 MB back to the kernel, so D-long temporaries would be mapped
+#: and page-faulted in afresh at every step, while block-long ones reuse the heap.
+BLOCK_NUMEL = 1 << 21
+
 
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     """ρ with softplus(ρ) = x, stable for small and large x (x > 0)."""
@@ -110,9 +115,9 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         """
         raise NotImplementedError
 
-    def flat_sample(self, loc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """One reparameterized draw of every site at once from the flat ``loc`` and ``scale``
-        (sites are the contiguous blocks of :attr:`layout`)."""
+    def flat_sample(self, loc: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """One reparameterized draw of the sites of one block at once from the block's flat
+        ``loc`` and ``scale`` (the sites' sizes, in order, are ``sizes``)."""
         raise NotImplementedError
 
     # -- set-up ------------------------------------------------------------------------------
@@ -198,15 +203,26 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         # zero tensor of the full (2, D) size and then add them).
         loc, rho = packed.unbind(0)
         self._cache_views((loc, rho), packed._version)
-        scale = softplus(rho)
-        sizes = self.layout.sizes
-        # torch.split gives every site a view with ONE backward node for all of them; slicing
-        # per site would make each slice's backward fill a zero tensor of the full length.
-        locs, scales = loc.split(sizes), scale.split(sizes)
-        # Fast path: draw the noise of every plate-free site in one flat operation. Under an
-        # outer plate (vectorized particles, parallel Predictive) the sites are batched, so each
-        # one samples for itself instead.
-        values = None if _inside_plate() else self.flat_sample(loc, scale).split(sizes)
+        # Sites in contiguous blocks of about BLOCK_NUMEL numbers: every flat temporary of the
+        # step (scale, noise, sample, their gradients) is one block long, not D long. torch's
+        # split gives each block, then each site, a view with ONE backward node for all of them
+        # (slicing per site would make each slice's backward fill a zero tensor of full length).
+        block_sizes, site_sizes = self._blocks()
+        # Fast path: draw the noise of every plate-free site in one operation per block. Under
+        # an outer plate (vectorized particles, parallel Predictive) the sites are batched, so
+        # each one samples for itself instead.
+        flat = not _inside_plate()
+        locs: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        values: list[torch.Tensor] | None = [] if flat else None
+        for block_loc, block_rho, sizes in zip(
+            loc.split(block_sizes), rho.split(block_sizes), site_sizes
+        ):
+            block_scale = softplus(block_rho)
+            locs += block_loc.split(sizes)
+            scales += block_scale.split(sizes)
+            if values is not None:
+                values += self.flat_sample(block_loc, block_scale, sizes).split(sizes)
         result = {}
         for i, site in enumerate(self.layout):
             shape = site.shape
@@ -230,6 +246,21 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
                 fn = self._site_dist(site, site_loc, site_scale, None)
                 result[site.name] = pyro.sample(site.name, fn)
         return result
+
+    def _blocks(self) -> tuple[list[int], list[list[int]]]:
+        """(numbers per block, site sizes per block): consecutive sites grouped into blocks of
+        at most :data:`BLOCK_NUMEL` numbers (a larger site is a block of its own)."""
+        cached = self.__dict__.get("_block_cache")
+        if cached is not None and cached[0] is self.layout:
+            return cached[1], cached[2]
+        blocks: list[list[int]] = [[]]
+        for size in self.layout.sizes:
+            if blocks[-1] and sum(blocks[-1]) + size > BLOCK_NUMEL:
+                blocks.append([])
+            blocks[-1].append(size)
+        totals = [sum(b) for b in blocks]
+        self.__dict__["_block_cache"] = (self.layout, totals, blocks)
+        return totals, blocks
 
     def _site_dist(self, site: Site, loc: torch.Tensor, scale: torch.Tensor, value=None):
         fn = self.site_posterior(loc, scale, site.event_dim, value=value)

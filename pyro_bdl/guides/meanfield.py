@@ -101,5 +101,5 @@ class AutoMeanField(AutoLocScaleGuide):
         base = _SiteNormal(loc, scale, value)
         return dist.Independent(base, event_dim, validate_args=False) if event_dim else base
 
-    def flat_sample(self, loc, scale):
+    def flat_sample(self, loc, scale, sizes):
         return torch.addcmul(loc, scale, torch.randn_like(loc))

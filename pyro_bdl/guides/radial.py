@@ -120,12 +120,11 @@ class AutoRadial(AutoLocScaleGuide):
     def site_posterior(self, loc, scale, event_dim, *, value=None):
         return _SiteRadial(loc, scale, value, event_dim=event_dim)
 
-    def flat_sample(self, loc, scale):
-        # One direction per site for all sites at once: ε and the radii in one randn call, the
-        # per-site norms in one fused foreach pass, and ε scaled by r/‖ε‖ in place by one
-        # foreach multiply over the sites' views (no full-length temporaries).
+    def flat_sample(self, loc, scale, sizes):
+        # One direction per site for all sites of the block at once: ε and the radii in one
+        # randn call, the per-site norms in one fused foreach pass, and ε scaled by r/‖ε‖ in
+        # place by one foreach multiply over the sites' views (no further temporaries).
         with torch.no_grad():
-            sizes = self.layout.sizes
             numel, num_sites = loc.numel(), len(sizes)
             noise = torch.randn(numel + num_sites, dtype=loc.dtype, device=loc.device)
             eps, radius = noise[:numel], noise[numel:]

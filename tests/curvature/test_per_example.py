@@ -12,6 +12,8 @@ from torchvision.models.resnet import BasicBlock
 from pyro_bdl import bayesianize, priors
 from pyro_bdl.curvature import PerExampleGradients, substitute, vmap_squared_gradients
 from pyro_bdl.curvature.layer_rules import batchnorm_per_example
+from pyro_bdl.curvature.memory import TensorMemoryTracker
+from pyro_bdl.curvature.per_example_forms import FORMS, choose_form
 
 B = 5
 
@@ -185,6 +187,68 @@ def test_lifted_matches_oracle(case, dtype):
     assert_rel(squared, s0, 1e-5)
 
 
+# Every form of the Linear/conv rule on every layer it applies to (the cost model would pick
+# only one per layer): grouped and unfold form per-example gradients, pairs expands the square.
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", ["linear", "linear-sequence", "shared-linear", "conv1d", "conv2d"])
+@pytest.mark.parametrize("case_dtype", [torch.float64, torch.float32])
+def test_every_form_matches_oracle(case, form, case_dtype):
+    net, x, y = make(case, case_dtype)
+    with PerExampleGradients(net, chunk_size=2, form=form) as tape:
+        losses = F.cross_entropy(net(x), y, reduction="none")
+    grads, squared = tape.squared_gradients(losses)
+    g0, s0 = oracle(net, dict(net.named_parameters()), x, y)
+    assert_rel(grads, g0, 1e-5)
+    assert_rel(squared, s0, 1e-5)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_on_conv3d_and_lifted_resnet(form):
+    for case in ("conv3d", "resnet"):
+        net, x, y = make(case, torch.float64)
+        with PerExampleGradients(net, form=form) as tape:
+            losses = F.cross_entropy(net(x), y, reduction="none")
+        grads, squared = tape.squared_gradients(losses)
+        g0, s0 = oracle(net, dict(net.named_parameters()), x, y)
+        assert_rel(grads, g0, 1e-5)
+        assert_rel(squared, s0, 1e-5)
+    bnn = bayesianize(make("conv2d", torch.float64)[0], priors.Normal(0.0, 1.0))
+    _, x, y = make("conv2d", torch.float64)
+    g = torch.Generator().manual_seed(3)
+    weights = {
+        name: spec.init_value + 0.1 * torch.randn(spec.shape, generator=g, dtype=torch.float64)
+        for name, spec in bnn._bdl_sites.items()
+    }
+    with PerExampleGradients(bnn, form=form) as tape, poutine.condition(data=weights):
+        losses = F.cross_entropy(bnn(x), y, reduction="none")
+    grads, squared = tape.squared_gradients(losses)
+    g0, s0 = oracle(bnn, weights, x, y)
+    assert_rel(grads, g0, 1e-5)
+    assert_rel(squared, s0, 1e-5)
+
+
+def test_cost_model_picks_each_form_where_it_is_cheapest():
+    # ResNet-18 on 32 × 32 inputs, batch 32: the stem (256 positions) by the grouped kernel, the
+    # 4 × 4 stage by unfolding, the 2 × 2 and 1 × 1 stages by position pairs (the choices that
+    # per-layer timings on one CPU thread confirm; see docs/design/vogn.md).
+    def pick(conv, hw):
+        a = torch.zeros(32, conv.in_channels, hw, hw)
+        delta = torch.zeros(32, conv.out_channels, *conv(a[:1]).shape[2:])
+        return choose_form(conv, a, delta, single=True)
+
+    assert pick(nn.Conv2d(3, 64, 7, stride=2, padding=3), 32) == "grouped"
+    assert pick(nn.Conv2d(64, 64, 3, padding=1), 8) == "grouped"
+    assert pick(nn.Conv2d(128, 128, 3, padding=1), 4) == "unfold"
+    assert pick(nn.Conv2d(256, 256, 3, padding=1), 2) == "pairs"
+    assert pick(nn.Conv2d(512, 512, 3, padding=1), 1) == "pairs"
+    lin = nn.Linear(50, 10)
+    assert choose_form(lin, torch.zeros(8, 50), torch.zeros(8, 10), single=True) == "pairs"
+    # Weight sharing: the calls' gradients add before squaring, which pairs cannot express.
+    assert choose_form(lin, torch.zeros(8, 50), torch.zeros(8, 10), single=False) == "unfold"
+    with pytest.raises(ValueError, match="form must be one of"):
+        PerExampleGradients(lin, form="im2col")
+
+
 def test_train_mode_batchnorm_sums_to_total_gradient():
     # In training mode examples interact through the batch statistics; the per-example shares
     # must still add up to autograd's gradient of the summed loss.
@@ -231,6 +295,30 @@ def test_never_holds_batch_by_parameters():
         torch.Tensor.square = original  # type: ignore[method-assign]
     num_params = sum(p.numel() for p in net.parameters())
     assert max(biggest) < 64 * num_params / 10
+
+
+def test_default_forms_allocate_far_less_than_batch_by_parameters():
+    # A net whose weights dwarf its activations (a 1 × 1 last stage, as ResNet-18's on CIFAR):
+    # with the cost model's forms the squared gradients need O(D) memory, not B × D, even with a
+    # chunk budget that would let a per-example form hold the whole batch.
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(8, 64, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    ).double()
+    x, y = torch.randn(64, 8, 3, 3, dtype=torch.float64), torch.randint(0, 10, (64,))
+    with PerExampleGradients(net, max_chunk_elements=2**26) as tape:
+        losses = F.cross_entropy(net(x), y, reduction="none")
+    num_params = sum(p.numel() for p in net.parameters())
+    with TensorMemoryTracker(exclude=list(net.parameters())) as mem:
+        tape.squared_gradients(losses)
+    # Measured about B·D/12 here (the outputs, 2·D, and the recorded activations); a
+    # per-example form (forced) allocates about B·D/2.
+    assert mem.peak < 64 * num_params * 8 / 8
 
 
 def test_errors():
