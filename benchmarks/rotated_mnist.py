@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     name = "rotated_mnist" + ("_smoke" if args.smoke else "")
     common.write(name, config, results)
+    shown = "MNIST" if data.name == "mnist" else data.name
     title = (
-        f"Rotated {data.name}: {len(data.y_train)} training rows, {settings['epochs']} epochs "
+        f"Rotated {shown}: {len(data.y_train)} training rows, {settings['epochs']} epochs "
         f"({common.machine()['date']})"
     )
     print(f"wrote {plot(results, common.RESULTS / f'{name}.png', title)}")
