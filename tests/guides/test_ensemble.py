@@ -284,3 +284,18 @@ def test_member_index_is_checked():
     with guide.use_member(2):
         assert guide.member == 2
     assert guide.member is None
+
+
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+def test_to_inference_data_exports_member_draws(make):
+    from pyro_bdl.diagnostics.export import to_inference_data
+
+    model, guide = _set_up(make())
+    x, y = contract.data()
+    data = to_inference_data(model, guide, x, y, num_samples=4)
+    bias = data.posterior["3.bias"].values  # (chain, draw, classes)
+    assert bias.shape[:2] == (1, 4) and "_AutoEnsemble_latent" not in data.posterior
+    if make is make_ensemble:  # every draw is one member's bias
+        members = guide.layout.unpack(guide.ensemble_locs)["3.bias"]
+        for draw in torch.as_tensor(bias[0]):
+            assert (draw - members).abs().amax(-1).min() < 1e-6
