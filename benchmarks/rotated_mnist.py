@@ -9,7 +9,8 @@ Protocol (the split and rotations of :mod:`benchmarks.laplace_quality`, imported
 2. Every method of ``compare``'s default set plus ``ensemble`` and ``multiswag`` (M = 5), each
    with ``compare``'s settings (:class:`~pyro_bdl.compare.Problem`: the MLP with two hidden
    layers of 100, Adam at 1e-3, batches of 64, prior N(0, 1), 32 predictive draws) and the
-   same seed; ``--epochs`` sets the length of every run.
+   same seed; 30 epochs (compare's default; ``--epochs`` changes it). The whole run takes about
+   5 minutes of one CPU core (6,800 training rows, 2,000 test digits).
 3. Test digits rotated by 0°, 30°, …, 180° (:data:`benchmarks.laplace_quality.ANGLES`);
    accuracy, NLL and ECE (15 bins) per angle.
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings = {"epochs": args.epochs or 1, "num_samples": 4, "num_members": 2}
     else:
         data = prepare(load_mnist(args.data_dir), args.n_train, None)
-        settings = {"epochs": args.epochs or 10, "num_samples": 32, "num_members": 5}
+        settings = {"epochs": args.epochs or 30, "num_samples": 32, "num_members": 5}
     start = time.process_time()
     results = run(data, methods, **settings)
     config = {
