@@ -69,6 +69,20 @@ SETTINGS = {
 GRID = torch.logspace(-4, 4, 17, dtype=torch.float64)
 
 
+def holdout(data: Dataset):
+    """The protocol's split of the training data: ``((x, y), (x_val, y_val))``, 15% of the
+    rows (drawn with seed 0) held out as in-distribution validation data."""
+    order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
+    n_val = len(order) * 15 // 100
+    val, train = order[:n_val], order[n_val:]
+    return (data.x_train[train], data.y_train[train]), (data.x_train[val], data.y_train[val])
+
+
+def rotated(x: torch.Tensor, angle: float) -> torch.Tensor:
+    """The test inputs rotated by ``angle`` degrees (counter-clockwise; 0 returns ``x``)."""
+    return rotate(x, angle) if angle else x
+
+
 def _probit(f: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """Probit predictive from MAP logits (n, C) and pairwise-difference variances (n, L):
     (L, n, C) probabilities, as in
@@ -82,10 +96,7 @@ class RotationStudy:
     :meth:`evaluate` scores them under a choice of λ per method."""
 
     def __init__(self, data: Dataset, *, epochs: int, test_size: int | None = None, seed=0):
-        order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
-        n_val = len(order) * 15 // 100
-        self.x_val, self.y_val = data.x_train[order[:n_val]], data.y_train[order[:n_val]]
-        x, y = data.x_train[order[n_val:]], data.y_train[order[n_val:]]
+        (x, y), (self.x_val, self.y_val) = holdout(data)
         self.x_test, self.y_test = data.x_test[:test_size], data.y_test[:test_size]
         n = len(y)
         pyro.clear_param_store()
@@ -228,7 +239,7 @@ class RotationStudy:
         out: dict = {s: {m: {"nll": [], "ece": []} for m in methods} for s in lams}
         y = self.y_test
         for angle in ANGLES:
-            x = rotate(self.x_test, angle) if angle else self.x_test
+            x = rotated(self.x_test, angle)
             for method in methods[1:]:
                 values = [lams[s][method] for s in lams]
                 f, var = self.variances(method, x, values)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pyro_bdl.compare.ensemble import fit_ensemble, fit_multiswag
 from pyro_bdl.compare.full_laplace import fit_laplace
 from pyro_bdl.compare.laplace import fit_subnet_laplace
 from pyro_bdl.compare.map import fit_map
@@ -32,9 +33,14 @@ METHODS: dict[str, Callable[..., Predictor]] = {
     "subnet_laplace": fit_subnet_laplace,
     "vogn": fit_vogn,
     "laplace": fit_laplace,
+    "ensemble": fit_ensemble,
+    "multiswag": fit_multiswag,
 }
 
 #: What ``pyro-bdl compare`` runs by default: every method but the full-network ``laplace``,
 #: whose dense D × D posterior outgrows compare's networks (``subnet_laplace`` is its scalable
-#: form); ask for it with ``--methods laplace``.
-COMPARE_METHODS: tuple[str, ...] = tuple(name for name in METHODS if name != "laplace")
+#: form), and the ensembles, which train M = 5 networks each (M times ``map`` / ``swag``);
+#: ask for them with ``--methods laplace,ensemble,multiswag``.
+COMPARE_METHODS: tuple[str, ...] = tuple(
+    name for name in METHODS if name not in ("laplace", "ensemble", "multiswag")
+)

@@ -1,0 +1,156 @@
+"""Deep ensembles and MultiSWAG for ``pyro-bdl compare`` and the benchmarks.
+
+``ensemble`` trains M MAP networks exactly as ``map`` trains one, member k under the seed
+``problem.seed + k`` (its own initial weights and minibatch order); ``multiswag`` runs ``swag``'s
+whole schedule M times the same way. Their predictive is the exact equal-weight mixture of the
+members' predictives, each member evaluated with its own network (its own BatchNorm statistics,
+refreshed per draw for MultiSWAG as ``swag`` does): mean class probabilities over members for
+classification, the mixture of N(f(x), σ²) over every member's draws for regression. The posterior
+exported to ArviZ is :class:`~pyro_bdl.guides.AutoEnsemble` /
+:class:`~pyro_bdl.guides.AutoMultiSWAG` over the first member's model.
+
+References:
+    Lakshminarayanan, Pritzel & Blundell, "Simple and Scalable Predictive Uncertainty
+    Estimation using Deep Ensembles", NeurIPS 2017.
+    Wilson & Izmailov, "Bayesian Deep Learning and a Probabilistic Perspective of
+    Generalization", NeurIPS 2020.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+from pyro.infer import Predictive
+
+from pyro_bdl._validation import check_positive_int
+from pyro_bdl.compare.checks import MAX_SEED
+from pyro_bdl.compare.map import train_map
+from pyro_bdl.compare.problem import (
+    Predictor,
+    Problem,
+    attach_posterior,
+    predictive_probs,
+    seed_everything,
+)
+from pyro_bdl.compare.swag import BN_FRACTION, RANK, train_swag
+from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG
+from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
+from pyro_bdl.guides.ensemble import MemberGuide
+
+__all__ = ["ENSEMBLE_SIZE", "fit_ensemble", "fit_multiswag"]
+
+#: M, the number of members (the deep-ensembles paper's choice).
+ENSEMBLE_SIZE = 5
+
+#: One member: (lifted network, model).
+Member = tuple[torch.nn.Module, Callable]
+
+
+def _member_problems(problem: Problem, num_members: int):
+    """Member k's problem (seed ``problem.seed + k``), with Pyro's RNG and parameter store reset
+    so every member trains from scratch."""
+    check_positive_int("num_members", num_members)
+    for k in range(num_members):
+        seed = (problem.seed + k) % (MAX_SEED + 1)
+        seed_everything(seed)
+        yield k, dataclasses.replace(problem, seed=seed)
+
+
+def _set_up(guide, problem: Problem):
+    """Set ``guide`` up on the model's sites (two training rows, as every autoguide needs)."""
+    x, y = problem.dataset.x_train[:2], problem.dataset.y_train[:2]
+    with torch.no_grad():
+        guide(x.to(problem.device), y.to(problem.device))
+    return guide
+
+
+def _regression_outputs(model, guide, x: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """f_s(x) for ``num_samples`` draws of one member: shape (num_samples, n)."""
+    predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
+    return predictive(x)["_RETURN"].reshape(num_samples, -1)
+
+
+def mixture_predictor(
+    problem: Problem,
+    members: list[Member],
+    posterior: MemberGuide,
+    num_samples: int,
+    member_probs: Callable[[int, torch.Tensor], torch.Tensor],
+) -> Predictor:
+    """The equal-weight mixture of the members' predictives, marked with ``posterior`` (the
+    combined guide, over member 0's model) for the ArviZ export. Member k's draws come from
+    ``posterior.use_member(k)`` through member k's own model.
+
+    :param int num_samples: draws per member (regression).
+    :param member_probs: member k's mean class probabilities at x (classification).
+    """
+    model0 = members[0][1]
+    if problem.is_regression:
+
+        @torch.no_grad()
+        def predict(x):
+            parts = []
+            for k, (_, model) in enumerate(members):
+                with posterior.use_member(k):
+                    parts.append(_regression_outputs(model, posterior, x, num_samples))
+            f = torch.cat(parts).T  # (n, M · num_samples)
+            components = torch.distributions.Normal(f, float(model0.noise_scale))
+            weights = torch.distributions.Categorical(logits=torch.zeros_like(f))
+            return torch.distributions.MixtureSameFamily(weights, components)
+
+    else:
+
+        @torch.no_grad()
+        def predict(x):
+            return torch.stack([member_probs(k, x) for k in range(len(members))]).mean(0)
+
+    return attach_posterior(predict, model0, posterior)
+
+
+def fit_ensemble(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predictor:
+    """A deep ensemble of ``num_members`` MAP networks (each trained as ``map`` trains one)."""
+    members: list[Member] = []
+    values = []
+    for k, member in _member_problems(problem, num_members):
+        bnn, model, guide = train_map(member, desc=f"ensemble {k + 1}/{num_members}")
+        members.append((bnn, model))
+        values.append(guide.median())  # now: the next member's training reuses the store names
+    posterior = _set_up(AutoEnsemble(members[0][1], values), problem)
+
+    def member_probs(k: int, x: torch.Tensor) -> torch.Tensor:
+        with posterior.use_member(k):
+            return predictive_probs(members[k][1], posterior, x, num_samples=1)
+
+    return mixture_predictor(problem, members, posterior, 1, member_probs)
+
+
+def fit_multiswag(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predictor:
+    """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each), drawing
+    ⌈``problem.num_samples`` / M⌉ weights from every member."""
+    members: list[Member] = []
+    guides: list[AutoSWAG] = []
+    for k, member in _member_problems(problem, num_members):
+        bnn, model = member.bayesian_model()
+        guide = AutoSWAG(model, rank=RANK, init_loc_fn=member.init_loc_fn())
+        train_swag(member, guide, model, f"multiswag {k + 1}/{num_members}")
+        members.append((bnn, model))
+        guides.append(guide)
+    per_member = math.ceil(problem.num_samples / num_members)
+    x_train = problem.dataset.x_train.to(problem.device)
+
+    def member_probs(k: int, x: torch.Tensor) -> torch.Tensor:
+        # The SWAG draws read the member's statistics (buffers, not the parameter store).
+        return predict_with_bn_refresh(
+            guides[k],
+            members[k][0],
+            x,
+            num_samples=per_member,
+            bn_data=x_train,
+            bn_fraction=BN_FRACTION,
+        )
+
+    posterior = _set_up(AutoMultiSWAG(members[0][1], guides), problem)
+    return mixture_predictor(problem, members, posterior, per_member, member_probs)

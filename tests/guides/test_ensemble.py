@@ -1,0 +1,301 @@
+"""AutoEnsemble and AutoMultiSWAG: draws are members, the member predictive is the exact mixture,
+the moments, state round trips, refused inputs; and the guide contract of
+tests/guides/test_contract.py run on both guides."""
+
+from __future__ import annotations
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta
+from scipy.stats import binom
+from torch import nn
+
+from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG
+from pyro_bdl.guides.ensemble_mixture import MemberMixture
+from pyro_bdl.guides.state_checks import StateDictMismatchError
+from pyro_bdl.guides.swag import NotCollectedError
+from pyro_bdl.predictive import sample_outputs
+from tests.common import assert_close
+from tests.guides import test_contract as contract
+from tests.guides.test_contract import (  # noqa: F401  (collected here with this module's cases)
+    Case,
+    GuideEntry,
+    test_get_posterior,
+    test_median,
+    test_predictive,
+    test_quantiles,
+    test_sites_and_shapes,
+    test_state_dict_round_trip,
+    test_subsampled_minibatches,
+    test_torch_save_round_trip,
+)
+
+M = 3
+
+
+def train_delta(model, x, y, steps: int = 3):
+    guide = AutoDelta(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+    for step in range(steps):
+        rows = slice(step * contract.BATCH, (step + 1) * contract.BATCH)
+        svi.step(x[rows], y[rows])
+    return guide
+
+
+def train_swag(model, x, y):
+    guide = AutoSWAG(model, rank=3)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO())
+    for step in range(6):
+        rows = slice((step * contract.BATCH) % contract.N, (step * contract.BATCH) % contract.N + 8)
+        svi.step(x[rows], y[rows])
+        guide.collect()
+    return guide
+
+
+def _build(models_out: list):
+    def build():
+        model = contract.small_model(seed=int(torch.randint(1000, ())))
+        models_out.append(model)
+        return model
+
+    return build
+
+
+def _make(cls, train, num_members: int):
+    """``(model of member 0, guide of cls)`` over ``num_members`` members trained by ``train``."""
+    x, y = contract.data()
+    built: list = []
+    guide = cls.from_training(_build(built), lambda model: train(model, x, y), num_members)
+    return built[0], guide
+
+
+def make_ensemble(num_members: int = M):
+    return _make(AutoEnsemble, train_delta, num_members)
+
+
+def make_multiswag(num_members: int = M):
+    return _make(AutoMultiSWAG, train_swag, num_members)
+
+
+def _case(make) -> Case:
+    pyro.set_rng_seed(0)  # the factories must rebuild the same members
+    model, guide = make(5)  # five members: two draws rarely coincide (the predictive test)
+    return Case(model, guide, lambda x, y: guide(x, y))
+
+
+GUIDES = [
+    GuideEntry("ensemble", lambda: _case(make_ensemble), posterior="flat"),
+    GuideEntry("multiswag", lambda: _case(make_multiswag), posterior="flat"),
+]
+
+
+@pytest.fixture(params=GUIDES, ids=lambda e: e.name)
+def fitted(request):
+    """The contract's fixture, over this module's guides."""
+    x, y = contract.data()
+    case = request.param.make()
+    case.fit(x, y)
+    return request.param, case, x[: contract.BATCH], y[: contract.BATCH]
+
+
+def _set_up(made):
+    """Set the guide of ``(model, guide)`` up on the model's sites; returns the pair."""
+    x, y = contract.data()
+    made[1](x[:4], y[:4])
+    return made
+
+
+# ----------------------------------------------------------------------------- draws and outputs
+
+
+def test_members_are_trained_independently():
+    _model, guide = _set_up(make_ensemble())
+    locs = guide.ensemble_locs
+    for j in range(M):
+        for k in range(j):
+            assert not torch.equal(locs[j], locs[k]), (j, k)
+
+
+def test_every_draw_is_a_member_and_members_are_picked_uniformly():
+    _model, guide = _set_up(make_ensemble())
+    n = 3000
+    draws = guide.get_posterior().sample((n,))
+    match = (draws.unsqueeze(1) == guide.ensemble_locs).all(-1)  # (n, M)
+    assert (match.sum(1) == 1).all()  # each draw is exactly one member
+    counts = match.sum(0)
+    # Each count is Binomial(n, 1/M); a two-sided 1e-4 band per member (3 members: the test
+    # fails by chance with probability < 3e-4 — and the seed is fixed).
+    lo, hi = binom.ppf(5e-5, n, 1 / M), binom.isf(5e-5, n, 1 / M)
+    assert ((counts >= lo) & (counts <= hi)).all(), counts
+
+
+def test_member_outputs_are_each_members_network_exactly():
+    model, guide = _set_up(make_ensemble())
+    x, _ = contract.data()
+    out = guide.member_outputs(model, x)
+    assert out.shape == (M, 1, contract.N, contract.CLASSES)
+    for k in range(M):
+        values = guide.layout.unpack(guide.ensemble_locs[k])
+        expected = pyro.poutine.condition(model.net, data=values)(x)
+        assert_close(out[k, 0], expected)
+
+
+def test_multiswag_member_outputs_are_the_members_own_predictives():
+    # The exact mixture: member k's draws are those of member k's own AutoSWAG under the same
+    # random stream, so averaging over members weights each member's predictive 1/M.
+    model, guide = _set_up(make_multiswag())
+    x, _ = contract.data()
+    pyro.set_rng_seed(5)
+    mixed = guide.member_outputs(model, x, num_samples=4)
+    pyro.set_rng_seed(5)
+    own = torch.stack([sample_outputs(model, m, x, num_samples=4) for m in guide.members])
+    assert_close(mixed, own)
+    assert not torch.equal(mixed[0], mixed[1])
+
+
+def test_sample_outputs_draw_from_every_member():
+    model, guide = _set_up(make_ensemble())
+    x, _ = contract.data()
+    draws = sample_outputs(model, guide, x, num_samples=60)
+    members = guide.member_outputs(model, x)[:, 0]  # (M, N, C)
+    which = (draws.unsqueeze(1) - members).abs().amax((-1, -2)) < 1e-5  # (60, M)
+    assert (which.sum(1) == 1).all()
+    # P(some member never drawn in 60) ≤ 3 · (2/3)^60 ≈ 1e-10.
+    assert which.any(0).all()
+
+
+def test_moments_are_the_mixtures():
+    _model, guide = _set_up(make_multiswag())
+    means = torch.stack([m.get_posterior().mean for m in guide.members])
+    variances = torch.stack([m.get_posterior().variance for m in guide.members])
+    loc, scale = guide.flat_loc_scale()
+    assert_close(loc, means.mean(0))
+    # Law of total variance, written the other way round: E[σ²] + E[μ²] − E[μ]².
+    expected = variances.mean(0) + means.square().mean(0) - means.mean(0).square()
+    assert_close(scale.square(), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_mixture_log_prob_and_fixed_member():
+    points = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+    members = [pyro.distributions.Delta(p, event_dim=1) for p in points]
+    mix = MemberMixture(members)
+    assert_close(mix.log_prob(points), torch.full((2,), -torch.log(torch.tensor(2.0))))
+    assert mix.log_prob(torch.tensor([5.0, 5.0])) == float("-inf")
+    fixed = MemberMixture(members, member=1).expand((4,))
+    assert_close(fixed.sample(), points[1].expand(4, 2))
+    with pytest.raises(ValueError, match="member must be"):
+        MemberMixture(members, member=2)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def test_state_of_another_size_is_refused_whole():
+    model, guide = _set_up(make_ensemble())
+    _, other = _set_up((model, AutoEnsemble(model, M + 1)))
+    before = other.ensemble_locs.clone()
+    with pytest.raises(StateDictMismatchError, match="ensemble_locs"):
+        other.load_state_dict(guide.state_dict())
+    assert torch.equal(other.ensemble_locs, before)
+    _, same = _set_up((model, AutoEnsemble(model, M)))
+    same.load_state_dict(guide.state_dict())
+    assert torch.equal(same.ensemble_locs, guide.ensemble_locs)
+
+
+def test_multiswag_state_of_another_rank_is_refused_whole():
+    model, guide = _set_up(make_multiswag())
+    _, other = _set_up((model, AutoMultiSWAG(model, M, rank=4)))
+    with pytest.raises(StateDictMismatchError, match=r"members\.0\.swag_deviations"):
+        other.load_state_dict(guide.state_dict())
+    assert all(m.num_collected == 0 for m in other.members)
+
+
+# ----------------------------------------------------------------------------- refused inputs
+
+
+def _values(seed: int, width: int = 6):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(contract.FEATURES, width), nn.Tanh(), nn.Linear(width, 3))
+    values = {name: p.detach().clone() for name, p in net.named_parameters()}
+    bnn = bayesianize(net, priors.Normal(scale=1.0))
+    return models.classifier(bnn, contract.N), values
+
+
+@pytest.mark.parametrize(
+    ("members", "error", "match"),
+    [
+        (0, ValueError, "members must be >= 1"),
+        ([], ValueError, r"M = 0"),
+        (True, TypeError, "bool"),
+        ({"a": 1}, TypeError, "members must be a list"),
+        ([object()], TypeError, r"members\[0\] must be a dict"),
+        ([{"0.weight": 1.0}], TypeError, "must be a tensor"),
+    ],
+)
+def test_bad_members_are_refused(members, error, match):
+    model, _ = _values(0)
+    with pytest.raises(error, match=match):
+        AutoEnsemble(model, members)
+
+
+def test_members_of_different_layouts_are_refused():
+    model, small = _values(0)
+    _, wide = _values(1, width=7)
+    with pytest.raises(ValueError, match=r"members\[1\] has another site layout"):
+        AutoEnsemble(model, [small, wide])
+
+
+def test_members_of_another_model_are_refused_at_set_up():
+    model, _ = _values(0)
+    _, wide = _values(1, width=7)
+    guide = AutoEnsemble(model, [wide])
+    x, y = contract.data()
+    with pytest.raises(ValueError, match=r"must end in shape|does not sample"):
+        guide(x[:4], y[:4])
+
+
+def test_a_member_with_nan_is_refused():
+    model, values = _values(0)
+    values["0.bias"][0] = float("nan")
+    with pytest.raises(ValueError, match=r"members\[0\]\['0.bias'\] contains NaN"):
+        AutoEnsemble(model, [values])
+
+
+def test_multiswag_refuses_uncollected_and_foreign_members():
+    model = contract.small_model()
+    x, y = contract.data()
+    fresh = AutoSWAG(model, rank=3)
+    fresh(x[:4], y[:4])
+    with pytest.raises(NotCollectedError, match="MultiSWAG"):
+        AutoMultiSWAG(model, [fresh])
+    with pytest.raises(TypeError, match="AutoSWAG guide"):
+        AutoMultiSWAG(model, [AutoDelta(model)])
+    with pytest.raises(TypeError, match="swag_options"):
+        AutoMultiSWAG(model, [fresh], rank=3)
+
+
+def test_member_index_is_checked():
+    _model, guide = _set_up(make_ensemble())
+    with pytest.raises(ValueError, match=r"member must be None or an int in \[0, 3\)"):
+        guide.member = 3
+    with guide.use_member(2):
+        assert guide.member == 2
+    assert guide.member is None
+
+
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+def test_to_inference_data_exports_member_draws(make):
+    from pyro_bdl.diagnostics.export import to_inference_data
+
+    model, guide = _set_up(make())
+    x, y = contract.data()
+    data = to_inference_data(model, guide, x, y, num_samples=4)
+    bias = data.posterior["3.bias"].values  # (chain, draw, classes)
+    assert bias.shape[:2] == (1, 4) and "_AutoEnsemble_latent" not in data.posterior
+    if make is make_ensemble:  # every draw is one member's bias
+        members = guide.layout.unpack(guide.ensemble_locs)["3.bias"]
+        for draw in torch.as_tensor(bias[0]):
+            assert (draw - members).abs().amax(-1).min() < 1e-6
