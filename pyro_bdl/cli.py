@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_methods,
         default=",".join(COMPARE_METHODS),
         help=f"comma-separated subset of: {', '.join(METHODS)} (default: all but the "
-        "full-network laplace)",
+        "full-network laplace and the five-member ensemble and multiswag)",
     )
     c.add_argument("--network", default="mlp", choices=sorted(NETWORKS))
     c.add_argument("--epochs", type=_int_option(1, 30), default=30)
