@@ -117,3 +117,15 @@ def test_tuning_never_reads_the_test_split():
         _, _, b = tuning.tune(name, METHODS[name], poisoned)
         assert a["grid"] == b["grid"] and a["setting"] == b["setting"], name
         assert all(math.isfinite(r["val_nll"]) for r in a["grid"]), name
+
+
+@pytest.mark.slow
+def test_the_tuned_vogn_adam_benchmark_smoke_runs(capsys):
+    from benchmarks import tuned_vogn_adam
+
+    tuned_vogn_adam.main(["--seeds", "0", "--smoke"])
+    out = capsys.readouterr().out
+    for mode in ("tuned", "untuned"):
+        for method in tuned_vogn_adam.METHODS:
+            assert f"seed 0 {mode:8s} {method:7s} acc" in out
+    assert out.count("'lr'") == len(tuned_vogn_adam.METHODS)  # the tuned rows name their choice
