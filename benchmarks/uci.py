@@ -20,12 +20,15 @@ anchors prints none.
 Every method is the registry's (``pyro_bdl.compare.METHODS``, the methods of ``pyro-bdl
 compare``) trained by its one loop on a regression :class:`~pyro_bdl.compare.Problem`: the
 ``nn.Sequential`` is lifted with :func:`~pyro_bdl.bayesianize` (Normal(0, 1) prior) and wrapped in
-:func:`~pyro_bdl.models.regressor`, whose observation noise σ is **fixed**. σ is therefore chosen
-per split as a homoscedastic noise fitted on a validation split carved from the training split
-(20%, seeded by the split number): a MAP network is trained on the other 80% and σ is set to its
-validation RMSE, twice (the second fit starts from the first with the first's σ, since σ sets the
-prior/likelihood balance). Every method then trains on the whole training split with that σ
-(the settings per method are :func:`method_settings`):
+:func:`~pyro_bdl.models.regressor`. A homoscedastic σ is first fitted per split on a validation
+split carved from the training split (20%, seeded by the split number): a MAP network is trained
+on the other 80% and σ is set to its validation RMSE, twice (the second fit starts from the first
+with the first's σ, since σ sets the prior/likelihood balance). With ``--sigma fixed`` (the earlier
+rule) every method then takes that σ as known; by default (``--sigma own``) each method learns σ
+its own way from there (``SIGMA_RULES``, ``Problem.sigma``): MAP and SWAG as a point estimate,
+mean-field as a latent site, VOGN with the MAP's point estimate, Laplace with the validation σ.
+Every method trains on the whole training split (the settings per method are
+:func:`method_settings`):
 
 - ``map``: ``AutoDelta``, full-batch Adam with a decaying rate; predictive N(f(x), σ²).
 - ``meanfield``: ``AutoMeanField`` (initialised at the MAP) with ``TraceSuffStat_ELBO`` (exact
@@ -50,6 +53,7 @@ Usage::
     python -m benchmarks.uci --quick --dataset yacht --data-dir ../shared/data   # development
     python -m benchmarks.uci --dataset protein-tertiary-structure --splits 0-4 --data-dir DIR
     python -m benchmarks.uci --tune                                              # the grid
+    python -m benchmarks.uci --sigma fixed --splits 0-2     # the earlier σ rule, for comparison
 
 ``--dataset`` takes one or more folder names (repeatable; commas also separate); ``--splits``
 takes a count K (the first K splits), a list ``0,3,5`` or a range ``0-4`` (mixable:

@@ -227,10 +227,10 @@ def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path
     before = _result_file(
         tmp_path / "b.json", {"map": [-1.0, -1.2, -1.1, -9.0], "vogn": [-1.0, -1.2, -1.1, -9.0]}
     )
-    after = _result_file(
-        tmp_path / "a.json", {"map": [-1.0, -1.2, -1.1], "vogn": [-0.5, -0.8, -0.6]}
-    )
-    ba.main([str(before), str(after)])
+    # "after" in two files (runs of successive splits), joined in order.
+    after = _result_file(tmp_path / "a.json", {"map": [-1.0, -1.2], "vogn": [-0.5, -0.8]})
+    more = _result_file(tmp_path / "a2.json", {"map": [-1.1], "vogn": [-0.6]})
+    ba.main(["--before", str(before), "--after", str(after), str(more)])
     figures = written["uci_sigma_before_after"]
     rows = figures["table"]["yacht"]
     assert rows["splits"] == 3  # the 4th split of "before" has no partner

@@ -95,11 +95,16 @@ def select(name: str, fit: Callable, tuning: Problem) -> dict[str, Any]:
         setting = dict(zip(grid, values))
         problem, keywords = apply(tuning, setting)
         seed_everything(problem.seed)
+        row: dict[str, Any] = {"setting": setting}
         try:
             score = validation_nll(fit(problem, **keywords), x_val, y_val)
-        except (FloatingPointError, ValueError, RuntimeError):
-            score = math.inf  # diverged (or a distribution refused NaN parameters)
-        rows.append({"setting": setting, "val_nll": score if math.isfinite(score) else math.inf})
+        except (FloatingPointError, ValueError, RuntimeError) as err:
+            # Diverged: train_loop's FloatingPointError, or a distribution refusing NaN
+            # parameters; the setting loses and the row says why.
+            score = math.inf
+            row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        row["val_nll"] = score if math.isfinite(score) else math.inf
+        rows.append(row)
     best = min(rows, key=lambda row: float(row["val_nll"]))
     return {"setting": best["setting"], "grid": rows}
 

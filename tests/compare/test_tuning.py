@@ -63,6 +63,7 @@ def test_a_diverging_setting_scores_inf_and_swag_tunes_its_own_rate():
 
     _, keywords, record = tuning.tune("swag", fit, problem)
     assert [r["val_nll"] for r in record["grid"]].count(math.inf) == 2  # 2 prior scales
+    assert [r.get("error") for r in record["grid"]].count("FloatingPointError: diverged") == 2
     assert keywords["swa_lr"] != max(tuning.SWA_LR_GRID)
 
 
