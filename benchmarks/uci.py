@@ -20,12 +20,15 @@ anchors prints none.
 Every method is the registry's (``pyro_bdl.compare.METHODS``, the methods of ``pyro-bdl
 compare``) trained by its one loop on a regression :class:`~pyro_bdl.compare.Problem`: the
 ``nn.Sequential`` is lifted with :func:`~pyro_bdl.bayesianize` (Normal(0, 1) prior) and wrapped in
-:func:`~pyro_bdl.models.regressor`, whose observation noise σ is **fixed**. σ is therefore chosen
-per split as a homoscedastic noise fitted on a validation split carved from the training split
-(20%, seeded by the split number): a MAP network is trained on the other 80% and σ is set to its
-validation RMSE, twice (the second fit starts from the first with the first's σ, since σ sets the
-prior/likelihood balance). Every method then trains on the whole training split with that σ
-(the settings per method are :func:`method_settings`):
+:func:`~pyro_bdl.models.regressor`. A homoscedastic σ is first fitted per split on a validation
+split carved from the training split (20%, seeded by the split number): a MAP network is trained
+on the other 80% and σ is set to its validation RMSE, twice (the second fit starts from the first
+with the first's σ, since σ sets the prior/likelihood balance). With ``--sigma fixed`` (the earlier
+rule) every method then takes that σ as known; by default (``--sigma own``) each method learns σ
+its own way from there (``SIGMA_RULES``, ``Problem.sigma``): MAP and SWAG as a point estimate,
+mean-field as a latent site, VOGN with the MAP's point estimate, Laplace with the validation σ.
+Every method trains on the whole training split (the settings per method are
+:func:`method_settings`):
 
 - ``map``: ``AutoDelta``, full-batch Adam with a decaying rate; predictive N(f(x), σ²).
 - ``meanfield``: ``AutoMeanField`` (initialised at the MAP) with ``TraceSuffStat_ELBO`` (exact
@@ -50,6 +53,7 @@ Usage::
     python -m benchmarks.uci --quick --dataset yacht --data-dir ../shared/data   # development
     python -m benchmarks.uci --dataset protein-tertiary-structure --splits 0-4 --data-dir DIR
     python -m benchmarks.uci --tune                                              # the grid
+    python -m benchmarks.uci --sigma fixed --splits 0-2     # the earlier σ rule, for comparison
 
 ``--dataset`` takes one or more folder names (repeatable; commas also separate); ``--splits``
 takes a count K (the first K splits), a list ``0,3,5`` or a range ``0-4`` (mixable:
@@ -174,9 +178,22 @@ class Config:
     vogn_betas: tuple[float, float] = (0.9, 0.05)  # β₂ weights the new curvature (vogn.md)
     vogn_damping: float = 1e-3
     num_samples: int = 64  # posterior draws for the mixture predictive
+    #: "own": each method learns σ its own way (SIGMA_RULES); "fixed": the validation σ for all.
+    sigma: str = "own"
 
 
 DEFAULTS = Config()
+#: How each method learns σ under ``Config.sigma == "own"`` (``--sigma fixed``: every method takes
+#: the validation σ, Laplace's rule below).
+SIGMA_RULES = {
+    "map": "point estimate: maximises the joint density over weights and σ (from the validation σ)",
+    "meanfield": "latent site, prior LogNormal(0, 1) on the standardised target's σ, inferred "
+    "with the weights (guide started at the MAP's σ); the predictive mixes over σ draws",
+    "swag": "point estimate trained with the SWAG-phase iterates, from the MAP's σ",
+    "vogn": "the MAP's point estimate, known to VOGN (VOGN updates only lifted weights)",
+    "laplace": "the validation σ (MAP's RMSE on 20% of the training split), as before: the "
+    "linearized Laplace treats σ as known",
+}
 QUICK = dataclasses.replace(
     DEFAULTS, map_steps=300, mf_steps=300, swag_epochs=10, vogn_steps=300, num_samples=16
 )
@@ -240,9 +257,12 @@ class UCIProblem(Problem):
             yield x[idx].to(self.device), y[idx].to(self.device)
 
 
-def regression_problem(x, y, noise: float, cfg: Config, seed: int, init=None) -> Problem:
-    """The registry's problem on the rows (x, y): the network and prior of ``cfg``, fixed noise
-    σ, guides starting from the site values ``init`` (e.g. the MAP) when given."""
+def regression_problem(
+    x, y, noise: float, cfg: Config, seed: int, init=None, sigma: str = "fixed"
+) -> Problem:
+    """The registry's problem on the rows (x, y): the network and prior of ``cfg``, noise σ
+    (known under ``sigma="fixed"``, each method's own under ``"own"``: ``Problem.sigma``),
+    guides starting from the site values ``init`` (e.g. the MAP) when given."""
     dataset = Dataset("uci", x, y, x[:0], y[:0], num_classes=None)
     return UCIProblem(
         dataset,
@@ -253,6 +273,7 @@ def regression_problem(x, y, noise: float, cfg: Config, seed: int, init=None) ->
         progress=False,
         noise=noise,
         init=init,
+        sigma=sigma,
     )
 
 
@@ -329,11 +350,13 @@ def fit_noise(x, y, cfg: Config, seed: int) -> tuple[float, Any, tuple]:
 
 def prepare(x, y, cfg: Config, seed: int) -> tuple:
     """(σ, MAP predictor, CPU seconds, held-out part): the noise fit, then MAP on the whole
-    training split (warm-started from the noise fit's last network). The held-out part is
-    ``(fit rows, validation rows, MAP values on the fit rows)``, for validation-tuned choices."""
+    training split (warm-started from the noise fit's last network; under ``cfg.sigma == "own"``
+    learning σ as a point estimate from the noise fit's σ: ``predictor.noise``). The held-out
+    part is ``(fit rows, validation rows, MAP values on the fit rows)``, for validation-tuned
+    choices."""
     t0 = time.process_time()
     noise, init, (rows, val) = fit_noise(x, y, cfg, seed)
-    predict = fit("map", regression_problem(x, y, noise, cfg, seed, init), cfg)
+    predict = fit("map", regression_problem(x, y, noise, cfg, seed, init, cfg.sigma), cfg)
     return noise, predict, time.process_time() - t0, (rows, val, init)
 
 
@@ -360,18 +383,28 @@ def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, pr
     noise, map_predict, t_map, holdout = (
         prepared if prepared is not None else prepare(x, y, cfg, seed)
     )
-    problem = regression_problem(x, y, noise, cfg, seed, site_values(map_predict))
+    values = site_values(map_predict)
+    problem = regression_problem(x, y, noise, cfg, seed, values)
+    # Each method's own σ (SIGMA_RULES): the MAP's point estimate starts SWAG's, initialises
+    # mean-field's latent σ and is VOGN's known σ; Laplace keeps the validation σ.
+    own = regression_problem(
+        x, y, map_predict.noise, cfg, seed, {**values, "sigma": torch.tensor(map_predict.noise)}
+    )
+    own = dataclasses.replace(own, sigma=cfg.sigma)
     out: dict = {}
     for name in methods:
         t0 = time.process_time()
         if name == "map":
             predict = map_predict  # trained by prepare, which the other methods start from
-        else:
-            extra = laplace_keywords(x, y, noise, cfg, seed, holdout) if name == "laplace" else {}
+        elif name == "laplace":
+            extra = laplace_keywords(x, y, noise, cfg, seed, holdout)
             predict = fit(name, problem, cfg, **extra)
+        else:
+            predict = fit(name, own if cfg.sigma == "own" else problem, cfg)
         seconds = time.process_time() - t0 + (t_map if name in ("map", "laplace") else 0.0)
         out[name] = (*scores(predict(x_test), y_test, y_std), seconds)
     out["_noise"] = noise
+    out["_noise_map"] = map_predict.noise
     return out
 
 
@@ -393,14 +426,19 @@ def run_split(name: str, data_dir, k: int, cfg: Config, methods) -> dict:
     cfg = dataclasses.replace(cfg, hidden=d.info["n_hidden"])  # n_hidden.txt, else 50
     res = run_methods(d.x_train, d.y_train, d.x_test, d.y_test, y_std, cfg, methods, k)
     res["_noise"] *= y_std  # in original units
+    res["_noise_map"] *= y_std
     line = "  ".join(f"{m} {res[m][0]:.2f}/{res[m][1]:.2f}" for m in methods)
-    print(f"  {name} split {k}: σ {res['_noise']:.3f}  {line}  (LL/RMSE)", flush=True)
+    sigmas = f"σ {res['_noise']:.3f} (MAP's own {res['_noise_map']:.3f})"
+    print(f"  {name} split {k}: {sigmas}  {line}  (LL/RMSE)", flush=True)
     return res
 
 
 def summarise(per_split: list[dict], methods) -> dict:
     """Mean ± SE over the splits of one dataset, and the per-split figures."""
-    figures: dict[str, Any] = {"noise_original_units": mean_se([r["_noise"] for r in per_split])}
+    figures: dict[str, Any] = {
+        "noise_original_units": mean_se([r["_noise"] for r in per_split]),
+        "noise_map_original_units": mean_se([r["_noise_map"] for r in per_split]),
+    }
     for m in methods:
         lls, rmses, secs = zip(*(r[m] for r in per_split))
         figures[m] = {
@@ -593,6 +631,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {' '.join(DATASETS)})",
     )
     parser.add_argument("--methods", nargs="+", default=list(UCI_METHODS), choices=UCI_METHODS)
+    parser.add_argument(
+        "--sigma",
+        choices=("own", "fixed"),
+        default=DEFAULTS.sigma,
+        help="'own': each method learns σ its own way (default); 'fixed': every method takes the "
+        "validation σ (the earlier rule, for before/after comparisons)",
+    )
     parser.add_argument("--quick", action="store_true", help="first 2 selected splits, few steps")
     parser.add_argument("--tune", action="store_true", help="score the grid on split 0's train")
     return parser
@@ -647,9 +692,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.tune:
         tune(data_dir, args.datasets, args.methods)
         return
-    cfg = QUICK if args.quick else DEFAULTS
+    cfg = dataclasses.replace(QUICK if args.quick else DEFAULTS, sigma=args.sigma)
     full = args.datasets == list(DATASETS) and args.splits is None
     stem = "uci" if full else "uci-" + "-".join(args.datasets)
+    if args.sigma != DEFAULTS.sigma:
+        stem += f"-sigma-{args.sigma}"
     # Splits in the outer loop and the JSON rewritten after each: a run cut short still has the
     # first splits of every dataset.
     per: dict[str, list] = {name: [] for name in args.datasets}
@@ -706,7 +753,9 @@ def run_config(cfg: Config, args, splits_done: dict, wall: float, data_dir) -> d
         "network": "Linear(d, H) - ReLU - Linear(H, 1), H from the folder's n_hidden.txt, else "
         f"{UCI_DEFAULT_HIDDEN} (hidden_per_dataset)",
         "prior": f"Normal(0, {cfg.prior_scale}) on every weight",
-        "noise": "homoscedastic σ per split: validation RMSE of MAP trained on 80% of the "
+        "noise": SIGMA_RULES
+        if cfg.sigma == "own"
+        else "homoscedastic σ per split: validation RMSE of MAP trained on 80% of the "
         f"training split ({cfg.noise_rounds} rounds, warm-started), then fixed for every method",
         "hyperparameters": TUNING,
         "grid": GRID,

@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="results",
         help="folder for results.json, results.txt, the ArviZ data (<method>.nc) and the plots",
     )
+    c.add_argument(
+        "--tune",
+        action="store_true",
+        help="fair tuning first: each method tries the same number of settings (its learning "
+        "rate x its key hyperparameter, pyro_bdl.compare.tuning.GRIDS) scored on 10%% of the "
+        "training split; about 7x slower",
+    )
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
 
@@ -305,6 +312,7 @@ def compare(args: argparse.Namespace) -> int:
         f"dataset {dataset.name}: {problem.num_train} train / {len(dataset.y_test)} test, "
         f"{dataset.num_classes} classes, network {args.network}, {args.epochs} epochs, "
         f"device {args.device}"
+        + (", fair tuning on a validation split (--tune)" if args.tune else "")
     )
     if problem.ood_x is not None:
         print(
@@ -318,7 +326,7 @@ def compare(args: argparse.Namespace) -> int:
     def save(rows: list[dict], interrupted: bool = False) -> None:
         done[:] = rows
         pending = methods[len(rows) :]
-        write_json(rows, problem, path, pending=pending, interrupted=interrupted)
+        write_json(rows, problem, path, pending=pending, interrupted=interrupted, tune=args.tune)
         verb = "never ran (interrupted)" if interrupted else "still to run"
         note = f"\n({verb}: {', '.join(pending)})" if pending else ""
         write_text_atomic(table, format_table(rows) + note + "\n")
@@ -328,7 +336,7 @@ def compare(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"argument --output: cannot write {str(path)!r}: {err}") from None
     try:
-        rows = run(problem, methods, output=output, keep_going=True, on_row=save)
+        rows = run(problem, methods, output=output, keep_going=True, on_row=save, tune=args.tune)
     except KeyboardInterrupt:
         save(done, interrupted=True)
         print(

@@ -192,3 +192,54 @@ def test_make_bench_without_uci_data_skips(tmp_path, monkeypatch, capsys):
     uci.main()
     out = capsys.readouterr().out
     assert "skipped" in out and "'wine-quality-red'" in out and "['other']" in out
+
+
+def test_sigma_fixed_keeps_the_earlier_rule_and_its_own_results_file(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    written = {}
+    monkeypatch.setattr(uci, "DEFAULTS", TINY)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
+    argv = ["--dataset", "toy", "--splits", "1", "--methods", "map", "--data-dir", str(tmp_path)]
+    uci.main([*argv, "--sigma", "fixed"])
+    uci.main(argv)
+    fixed, own = (
+        written["uci-toy-sigma-fixed"]["results"]["toy"],
+        written["uci-toy"]["results"]["toy"],
+    )
+    # Fixed: the MAP predicts with the validation σ; own: with the σ it learned from there.
+    # (Index 0: the mean over the one split; its SE is NaN.)
+    assert fixed["noise_map_original_units"][0] == fixed["noise_original_units"][0]
+    assert own["noise_original_units"][0] == fixed["noise_original_units"][0]
+    assert own["noise_map_original_units"][0] != own["noise_original_units"][0]
+
+
+def _result_file(path, lls: dict[str, list[float]]):
+    per = {m: {"per_split_ll": v} for m, v in lls.items()}
+    path.write_text(json.dumps({"figures": {"results": {"yacht": {"noise": [1, 0], **per}}}}))
+    return path
+
+
+def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path, monkeypatch):
+    from benchmarks import uci_before_after as ba
+
+    written = {}
+    monkeypatch.setattr(ba, "write", lambda name, config, figures: written.update({name: figures}))
+    before = _result_file(
+        tmp_path / "b.json", {"map": [-1.0, -1.2, -1.1, -9.0], "vogn": [-1.0, -1.2, -1.1, -9.0]}
+    )
+    # "after" in two files (runs of successive splits), joined in order.
+    after = _result_file(tmp_path / "a.json", {"map": [-1.0, -1.2], "vogn": [-0.5, -0.8]})
+    more = _result_file(tmp_path / "a2.json", {"map": [-1.1], "vogn": [-0.6]})
+    ba.main(["--before", str(before), "--after", str(after), str(more)])
+    figures = written["uci_sigma_before_after"]
+    rows = figures["table"]["yacht"]
+    assert rows["splits"] == 3  # the 4th split of "before" has no partner
+    assert rows["map"]["before"]["ll"][0] == pytest.approx(-1.1)
+    # VOGN after: 0.5, 0.4, 0.5 above MAP on each split: better by far more than the SE.
+    assert rows["vogn"]["after"]["diff_to_map"][0] == pytest.approx(1.4 / 3)
+    assert figures["targets"]["after"]["better_than_map_by_1se"]["vogn"] == ["yacht"]
+    assert figures["targets"]["before"]["better_than_map_by_1se"]["vogn"] == []
+    # Yacht's published deep ensemble is −1.18: the best method (VOGN, −0.63) beats it, on one
+    # dataset only, so the "at least two datasets" target is not met.
+    assert figures["targets"]["after"]["best_method_at_least_deep_ensemble"] == ["yacht"]
+    assert not figures["targets"]["after"]["deep_ensemble_target_met"]

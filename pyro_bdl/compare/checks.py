@@ -9,12 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pyro_bdl._validation import check_positive
+from pyro_bdl._validation import check_choice, check_positive
 
 if TYPE_CHECKING:
     from pyro_bdl.compare.problem import Problem
 
-__all__ = ["check_problem"]
+__all__ = ["SIGMA_RULES", "check_problem"]
+
+#: ``Problem.sigma``: every method takes σ as known, or each learns it its own way.
+SIGMA_RULES = ("fixed", "own")
 
 #: Seeds numpy accepts (``pyro.set_rng_seed`` seeds numpy too).
 MAX_SEED = 2**32 - 1
@@ -56,6 +59,7 @@ def check_problem(problem: Problem) -> None:
         check_positive("Problem.lr_decay", problem.lr_decay, fix="Use e.g. 0.1, or None.")
     if problem.noise is not None:
         check_positive("Problem.noise", problem.noise, fix="Pass the observation noise σ > 0.")
+    check_choice("Problem.sigma", problem.sigma, SIGMA_RULES)
     if isinstance(problem.network, str):
         if problem.network not in NETWORKS:
             raise ValueError(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pyro_bdl.compare import tuning
 from pyro_bdl.compare.problem import Problem, record_posteriors, seed_everything
 from pyro_bdl.compare.registry import METHODS
 from pyro_bdl.diagnostics import metrics, ood
@@ -46,6 +47,8 @@ COLUMNS = [
     ("ood_auroc", "OOD AUROC", "{:.4f}"),
     ("fit_seconds", "fit time (s)", "{:.1f}"),
 ]
+#: The column added when a row was tuned (``run(..., tune=True)``).
+TUNED_COLUMN = ("tuned", "tuned setting", "{}")
 
 
 def evaluate(
@@ -128,6 +131,7 @@ def run(
     output: str | Path | None = None,
     keep_going: bool = False,
     on_row: Callable[[list[dict]], None] | None = None,
+    tune: bool = False,
 ) -> list[dict]:
     """Train every method in ``methods`` on ``problem``; one row of figures per method.
 
@@ -140,6 +144,10 @@ def run(
         when ``on_row`` saves them.
     :param on_row: called with the rows so far after each method, failed ones included (how
         ``pyro-bdl compare`` saves every finished result as soon as it exists).
+    :param bool tune: choose each method's settings first by the fair-tuning protocol
+        (:mod:`pyro_bdl.compare.tuning`: the same grid size and validation rows for every method,
+        carved from the training split); the row gets ``"tuned"`` (the chosen setting),
+        ``"tuning"`` (every setting's validation NLL) and ``"tune_seconds"``.
     """
     if problem.is_regression:
         raise ValueError(
@@ -160,7 +168,7 @@ def run(
     for name in methods:
         row: dict[str, Any] = {"method": name}
         try:
-            _run_one(name, problem, row, x_test, y_test, x_ood, output)
+            _run_one(name, problem, row, x_test, y_test, x_ood, output, tune)
         except Exception as err:
             if not keep_going:
                 raise
@@ -174,11 +182,18 @@ def run(
     return rows
 
 
-def _run_one(name, problem, row, x_test, y_test, x_ood, output) -> None:
+def _run_one(name, problem, row, x_test, y_test, x_ood, output, tune=False) -> None:
     """Fit, score and (with ``output``) export one method, filling ``row`` as figures arrive."""
+    keywords: dict = {}
+    if tune:
+        start = time.perf_counter()
+        problem, keywords, record = tuning.tune(name, METHODS[name], problem)
+        row["tuned"] = record["setting"]
+        row["tuning"] = record
+        row["tune_seconds"] = time.perf_counter() - start
     seed_everything(problem.seed)
     start = time.perf_counter()
-    predict = METHODS[name](problem)
+    predict = METHODS[name](problem, **keywords)
     fit_seconds = time.perf_counter() - start
     with record_posteriors() as seen:
         probs = _probs(predict, x_test)
@@ -203,7 +218,8 @@ def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
 def format_table(rows: list[dict]) -> str:
     """The printed table: one line per row; a failed row (one with ``"error"``) reads
     ``failed`` in its figures and its error is listed under the table."""
-    headers = [h for _, h, _ in COLUMNS]
+    columns = COLUMNS + ([TUNED_COLUMN] if any("tuned" in row for row in rows) else [])
+    headers = [h for _, h, _ in columns]
     cells = [
         [
             (
@@ -213,9 +229,11 @@ def format_table(rows: list[dict]) -> str:
                 if "error" in row and row.get(k) is None
                 else "n/a"
                 if row.get(k) is None
+                else _setting(row[k])
+                if k == "tuned"
                 else fmt.format(row[k])
             )
-            for k, _, fmt in COLUMNS
+            for k, _, fmt in columns
         ]
         for row in rows
     ]
@@ -227,6 +245,12 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _setting(setting: dict) -> str:
+    return ", ".join(
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in setting.items()
+    )
+
+
 def write_json(
     rows: list[dict],
     problem: Problem,
@@ -234,6 +258,7 @@ def write_json(
     *,
     pending: list[str] | tuple[str, ...] = (),
     interrupted: bool = False,
+    tune: bool = False,
 ) -> None:
     """Write the config, the machine and ``rows`` to ``path`` as JSON, atomically (a reader, or
     a run killed mid-write, sees the previous file or the new one, never half of one).
@@ -260,6 +285,16 @@ def write_json(
         "n_ood": None if problem.ood_x is None else len(problem.ood_x),
         "ece_bins": 15,
         "ood_score": "predictive entropy",
+        "tune": (
+            {
+                "protocol": "pyro_bdl.compare.tuning: validation NLL on "
+                f"{tuning.VALIDATION_FRACTION:g} of the training split, the best setting then "
+                "trained on the whole training split",
+                "grids": tuning.GRIDS,
+            }
+            if tune
+            else None
+        ),
     }
     machine = {
         "python": platform.python_version(),

@@ -12,8 +12,9 @@ __all__ = ["fit_map", "train_map"]
 
 def train_map(problem: Problem, desc: str = "map"):
     """``(bnn, model, guide)``: the MAP network trained on ``problem``'s training rows, starting
-    from ``problem.init`` when given."""
-    bnn, model = problem.bayesian_model()
+    from ``problem.init`` when given. Under ``problem.sigma == "own"`` a regression MAP learns σ
+    as a point estimate with the weights (the maximum of the joint density over weights and σ)."""
+    bnn, model = problem.bayesian_model(noise="point")
     guide = AutoDelta(model, init_loc_fn=problem.init_loc_fn())
     svi = SVI(model, guide, problem.optimizer(), Trace_ELBO())
     train_svi(problem, svi, desc)

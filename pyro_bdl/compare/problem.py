@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from pyro_bdl import models
 from pyro_bdl._validation import check_probability
 from pyro_bdl.compare.checks import check_problem
+from pyro_bdl.compare.networks import NETWORKS, cnn, mlp
 from pyro_bdl.data import Dataset
 from pyro_bdl.nn import bayesianize, init_to_network
 from pyro_bdl.priors import Normal, Prior
@@ -42,7 +43,9 @@ __all__ = [
     "Predictor",
     "Problem",
     "attach_posterior",
+    "cnn",
     "init_at",
+    "mlp",
     "predictive_mixture",
     "predictive_probs",
     "record_posteriors",
@@ -54,40 +57,6 @@ __all__ = [
 #: Maps test inputs to mean predictive class probabilities, shape (n, C), for a classification
 #: problem; to the predictive distribution of the targets (batch shape (n,)) for a regression one.
 Predictor = Callable[[torch.Tensor], torch.Tensor | Distribution]
-
-
-def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 100) -> nn.Module:
-    """Two hidden ReLU layers."""
-    d = 1
-    for s in input_shape:
-        d *= s
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(d, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, num_classes),
-    )
-
-
-def cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
-    """Two 3×3 convolutions with BatchNorm, global average pooling and a linear head."""
-    c = input_shape[0]
-    return nn.Sequential(
-        nn.Conv2d(c, width, 3, padding=1),
-        nn.BatchNorm2d(width),
-        nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1, stride=2),
-        nn.BatchNorm2d(2 * width),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(2 * width, num_classes),
-    )
-
-
-NETWORKS = {"mlp": mlp, "cnn": cnn}
 
 
 def init_at(values: Mapping[str, torch.Tensor]):
@@ -126,8 +95,12 @@ class Problem:
     ood_x: torch.Tensor | None = None
     #: What ``ood_x`` is, for the printed report (e.g. "held-out classes 8, 9").
     ood_name: str = ""
-    #: Observation noise σ of a regression problem (fixed; required when ``num_classes`` is None).
+    #: Observation noise σ of a regression problem (required when ``num_classes`` is None): the
+    #: known σ under ``sigma="fixed"``, the starting value of a point estimate under ``"own"``.
     noise: float | None = None
+    #: How a regression problem's methods treat σ: ``"fixed"`` (every method takes ``noise`` as
+    #: known) or ``"own"`` (each learns it its own way: see :meth:`bayesian_model`).
+    sigma: str = "fixed"
     #: Site values every method starts from (e.g. a trained MAP), or None for the network's own
     #: initial weights.
     init: Mapping[str, torch.Tensor] | None = None
@@ -158,9 +131,16 @@ class Problem:
         outputs = 1 if self.dataset.num_classes is None else self.dataset.num_classes
         return build(self.dataset.input_shape, outputs).to(self.device)
 
-    def bayesian_model(self):
+    def bayesian_model(self, noise: str = "fixed"):
         """``(bnn, model)``: the lifted network and a categorical (classification) or Gaussian
-        (regression, noise ``self.noise``) model over it."""
+        (regression) model over it.
+
+        :param str noise: the calling method's own way to learn σ when ``self.sigma == "own"``:
+            ``"learned"`` (a latent site with the default ``LogNormal(0, 1)`` prior),
+            ``"point"`` (a maximum-likelihood param starting at ``self.noise``) or ``"fixed"``
+            (``self.noise`` is known; the methods that cannot learn σ). Under
+            ``self.sigma == "fixed"`` every method gets ``"fixed"``.
+        """
         if self.is_regression and self.noise is None:
             raise ValueError(
                 f"dataset {self.dataset.name!r} is a regression dataset (num_classes=None), so "
@@ -168,7 +148,11 @@ class Problem:
             )
         bnn = bayesianize(self.net(), self.prior)
         if self.noise is not None and self.is_regression:
-            return bnn, models.regressor(bnn, self.num_train, self.noise)
+            if self.sigma == "fixed" or noise == "fixed":
+                return bnn, models.regressor(bnn, self.num_train, self.noise)
+            if noise == "learned":
+                return bnn, models.regressor(bnn, self.num_train, noise="learned")
+            return bnn, models.regressor(bnn, self.num_train, self.noise, noise="point")
         return bnn, models.classifier(bnn, self.num_train)
 
     def init_loc_fn(self):
@@ -188,9 +172,15 @@ class Problem:
         mean class probabilities, or the mixture of N(f_s(x), σ²) for regression."""
         s = self.num_samples if num_samples is None else num_samples
         if self.is_regression:
-            return attach_posterior(
-                lambda x: predictive_mixture(model, guide, x, num_samples=s), model, guide
+            # A point σ lives in Pyro's param store, which the next method clears: read it now.
+            noise = model.noise_scale
+            predict = attach_posterior(
+                lambda x: predictive_mixture(model, guide, x, num_samples=s, noise=noise),
+                model,
+                guide,
             )
+            predict.noise = noise  # type: ignore[attr-defined]
+            return predict
         return attach_posterior(
             lambda x: predictive_probs(model, guide, x, num_samples=s), model, guide
         )
@@ -333,15 +323,23 @@ def predictive_probs(model, guide, x: torch.Tensor, num_samples: int) -> torch.T
 
 
 @torch.no_grad()
-def predictive_mixture(model, guide, x: torch.Tensor, num_samples: int):
-    """The equal-weight mixture of N(f_s(x), σ²) over ``num_samples`` posterior draws f_s of a
-    :func:`~pyro_bdl.models.regressor` (σ its fixed noise); batch shape (n,)."""
+def predictive_mixture(model, guide, x: torch.Tensor, num_samples: int, noise=None):
+    """The equal-weight mixture of N(f_s(x), σ_s²) over ``num_samples`` posterior draws of a
+    :func:`~pyro_bdl.models.regressor`: σ_s is the guide's draw of a learned σ (site
+    ``"sigma"``), else ``noise`` (default: the model's fixed or point σ); batch shape (n,)."""
     seen = _SEEN.get()
     if seen is not None:
         seen.append((model, guide))
-    predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
-    f = predictive(x)["_RETURN"].reshape(num_samples, -1).T  # (n, S)
-    components = torch.distributions.Normal(f, float(model.noise_scale))
+    learned = getattr(model, "noise", None) == "learned"
+    sites = ["_RETURN", "sigma"] if learned else ["_RETURN"]
+    predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=sites)
+    draws = predictive(x)
+    f = draws["_RETURN"].reshape(num_samples, -1).T  # (n, S)
+    if learned:
+        scale = draws["sigma"].reshape(1, num_samples).expand_as(f)
+    else:
+        scale = float(model.noise_scale if noise is None else noise)
+    components = torch.distributions.Normal(f, scale)
     weights = torch.distributions.Categorical(logits=torch.zeros_like(f))
     return torch.distributions.MixtureSameFamily(weights, components)
 

@@ -6,7 +6,9 @@ SGD and collect a snapshot every c steps, with c chosen to gather about ``2 · r
 many). When the problem starts from a trained point estimate (``Problem.init``), every epoch is
 the SWAG phase, as in the paper's use from a pretrained solution. Classification predictions
 average softmax over ``problem.num_samples`` draws, refreshing BatchNorm for each draw when the
-network has BatchNorm; regression predictions are the mixture over draws.
+network has BatchNorm; regression predictions are the mixture over draws. Under
+``Problem.sigma == "own"`` a regression σ is a point estimate trained with the SGD/SWAG iterates
+(maximum likelihood, starting from ``Problem.noise``), not part of the SWAG posterior.
 
 References:
     Maddox, Izmailov, Garipov, Vetrov & Wilson, "A Simple Baseline for Bayesian Uncertainty in
@@ -113,7 +115,7 @@ def train_swag(
 
 
 def _fit(problem: Problem, *, diag_only: bool, desc: str, **schedule) -> Predictor:
-    bnn, model = problem.bayesian_model()
+    bnn, model = problem.bayesian_model(noise="point")
     guide = AutoSWAG(model, rank=RANK, diag_only=diag_only, init_loc_fn=problem.init_loc_fn())
     train_swag(problem, guide, model, desc, **schedule)
     if problem.is_regression:

@@ -4,7 +4,9 @@ Both train ``SVI`` with :class:`~pyro_bdl.infer.TraceSuffStat_ELBO`: the exact K
 registered (the Normal prior; the guides put the posterior on each weight site itself), else a
 ``problem.num_kl_samples``-sample estimate at the memory of one; it also skips the latent sites'
 unused log-densities, which makes a step ≈ 1.2–1.6× cheaper than ``TraceMeanField_ELBO``. They
-predict by averaging ``problem.num_samples`` posterior draws.
+predict by averaging ``problem.num_samples`` posterior draws. Under ``Problem.sigma == "own"`` a
+regression σ is one more latent site (prior ``LogNormal(0, 1)`` over the standardised target's
+noise), inferred with the weights and drawn with them in the predictive.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ INIT_SCALE = 1e-2
 
 
 def _fit(problem: Problem, guide_cls, desc: str, init_scale: float) -> Predictor:
-    _, model = problem.bayesian_model()
+    _, model = problem.bayesian_model(noise="learned")
     guide = guide_cls(model, init_scale=init_scale, init_loc_fn=problem.init_loc_fn())
     elbo = TraceSuffStat_ELBO(num_kl_samples=problem.num_kl_samples)
     svi = SVI(model, guide, problem.optimizer(), elbo)

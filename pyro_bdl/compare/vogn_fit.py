@@ -8,6 +8,10 @@ rate in :attr:`VOGN.optimizer`'s parameter groups decays exponentially, by that 
 run. BatchNorm parameters stay point estimates, and predictions average
 ``problem.num_samples`` draws of :attr:`VOGN.guide` with BatchNorm in evaluation mode
 (docs/design/vogn.md).
+
+VOGN updates only lifted weights, so a regression σ is always known to it: under
+``Problem.sigma == "own"`` the caller passes the MAP's point estimate as ``Problem.noise`` (the
+UCI benchmark does).
 """
 
 from __future__ import annotations

@@ -106,12 +106,24 @@ def test_uci_runs_every_method_through_the_registry():
     out = uci.run_methods(
         data.x_train, data.y_train, data.x_test, data.y_test, 1.0, cfg, uci.UCI_METHODS, 0
     )
-    assert set(out) == {*uci.UCI_METHODS, "_noise"}
+    assert set(out) == {*uci.UCI_METHODS, "_noise", "_noise_map"}
     for name in uci.UCI_METHODS:
         ll, rmse, seconds = out[name]
         assert torch.isfinite(torch.tensor([ll, rmse, seconds])).all(), name
     # The warm-started MAP fits sin(2x) far better than the target's spread (std ≈ 0.7).
     assert out["map"][1] < 0.5
+
+
+def test_uci_sigma_rules_own_and_fixed():
+    data = _regression(n=60)
+    cfg = dataclasses.replace(uci.DEFAULTS, hidden=8, map_steps=40, num_samples=4)
+    args = (data.x_train, data.y_train, data.x_test, data.y_test, 1.0)
+    own = uci.run_methods(*args, cfg, ["map"], 0)
+    fixed = uci.run_methods(*args, dataclasses.replace(cfg, sigma="fixed"), ["map"], 0)
+    # The same validation σ either way; under "own" the MAP then learns its own from it.
+    assert own["_noise"] == fixed["_noise"] == fixed["_noise_map"]
+    assert own["_noise_map"] != own["_noise"]
+    assert set(uci.SIGMA_RULES) == set(uci.UCI_METHODS)
 
 
 def test_uci_problem_keeps_the_benchmark_row_order():
