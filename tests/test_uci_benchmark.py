@@ -194,20 +194,20 @@ def test_make_bench_without_uci_data_skips(tmp_path, monkeypatch, capsys):
     assert "skipped" in out and "'wine-quality-red'" in out and "['other']" in out
 
 
-def test_sigma_fixed_keeps_the_earlier_rule_and_its_own_results_file(tmp_path, monkeypatch):
+def test_sigma_own_learns_sigma_per_method_and_has_its_own_results_file(tmp_path, monkeypatch):
     make_folder(tmp_path / "uci")
     written = {}
     monkeypatch.setattr(uci, "DEFAULTS", TINY)
     monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
     argv = ["--dataset", "toy", "--splits", "1", "--methods", "map", "--data-dir", str(tmp_path)]
-    uci.main([*argv, "--sigma", "fixed"])
     uci.main(argv)
+    uci.main([*argv, "--sigma", "own"])
     fixed, own = (
-        written["uci-toy-sigma-fixed"]["results"]["toy"],
         written["uci-toy"]["results"]["toy"],
+        written["uci-toy-sigma-own"]["results"]["toy"],
     )
-    # Fixed: the MAP predicts with the validation σ; own: with the σ it learned from there.
-    # (Index 0: the mean over the one split; its SE is NaN.)
+    # Fixed (the default): the MAP predicts with the validation σ; own: with the σ it learned
+    # from there. (Index 0: the mean over the one split; its SE is NaN.)
     assert fixed["noise_map_original_units"][0] == fixed["noise_original_units"][0]
     assert own["noise_original_units"][0] == fixed["noise_original_units"][0]
     assert own["noise_map_original_units"][0] != own["noise_original_units"][0]

@@ -35,7 +35,7 @@ from pyro_bdl.compare.problem import (
     predictive_probs,
     seed_everything,
 )
-from pyro_bdl.compare.swag import BN_FRACTION, RANK, train_swag
+from pyro_bdl.compare.swag import BN_FRACTION, RANK, SWA_LR, train_swag
 from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from pyro_bdl.guides.ensemble import MemberGuide
@@ -127,15 +127,17 @@ def fit_ensemble(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predi
     return mixture_predictor(problem, members, posterior, 1, member_probs)
 
 
-def fit_multiswag(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predictor:
-    """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each), drawing
-    ⌈``problem.num_samples`` / M⌉ weights from every member."""
+def fit_multiswag(
+    problem: Problem, *, num_members: int = ENSEMBLE_SIZE, swa_lr: float = SWA_LR
+) -> Predictor:
+    """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each, SWAG-phase rate
+    ``swa_lr``), drawing ⌈``problem.num_samples`` / M⌉ weights from every member."""
     members: list[Member] = []
     guides: list[AutoSWAG] = []
     for k, member in _member_problems(problem, num_members):
-        bnn, model = member.bayesian_model()
+        bnn, model = member.bayesian_model(noise="point")  # σ as swag learns it
         guide = AutoSWAG(model, rank=RANK, init_loc_fn=member.init_loc_fn())
-        train_swag(member, guide, model, f"multiswag {k + 1}/{num_members}")
+        train_swag(member, guide, model, f"multiswag {k + 1}/{num_members}", swa_lr=swa_lr)
         members.append((bnn, model))
         guides.append(guide)
     per_member = math.ceil(problem.num_samples / num_members)

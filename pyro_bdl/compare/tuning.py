@@ -61,6 +61,9 @@ GRIDS: dict[str, dict[str, tuple]] = {
     "laplace": _LR_PRIOR,
     "swag": {"swa_lr": SWA_LR_GRID, "prior_scale": PRIOR_SCALES},
     "swag_diag": {"swa_lr": SWA_LR_GRID, "prior_scale": PRIOR_SCALES},
+    # The ensembles tune their members' settings (each member is a map / swag run).
+    "ensemble": _LR_PRIOR,
+    "multiswag": {"swa_lr": SWA_LR_GRID, "prior_scale": PRIOR_SCALES},
 }
 
 
