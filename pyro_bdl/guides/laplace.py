@@ -4,11 +4,12 @@ While the network trains, :class:`AutoSubnetLaplace` is a MAP point estimate (a 
 the packed weights, like Pyro's ``AutoLaplaceApproximation``). :meth:`~AutoSubnetLaplace.fit`
 then computes the full-covariance GGN Laplace posterior over a subnetwork S of the weights,
 
-.. math:: H_S = \sum_n J_S(x_n)^\top \Lambda(x_n) J_S(x_n) + \mathrm{diag}\,\lambda_S, \qquad
-          \lambda_S = \lambda\, S / D,
+.. math:: H_S = \sum_n J_S(x_n)^\top \Lambda(x_n) J_S(x_n) + \mathrm{diag}\,\lambda_S,
 
-keeping every other weight at its MAP value. λ is read from the prior declared in
-:func:`~pyro_bdl.bayesianize` (one precision per weight) unless ``prior_precision=`` gives one.
+with λ_S the prior precision of each included weight (laplace-torch's meaning; the rule
+``prior_scaling="subnetwork_fraction"`` uses λ·S/D instead), keeping every other weight at its
+MAP value. λ is read from the prior declared in :func:`~pyro_bdl.bayesianize` (one precision
+per weight) unless ``prior_precision=`` gives one.
 The guide orchestrates: the :class:`~pyro_bdl.layout.SiteLayout` says where each weight sits,
 :mod:`~pyro_bdl.guides.subnetwork` chooses S, :mod:`~pyro_bdl.guides.laplace_model` reads the
 model, :mod:`pyro_bdl.curvature` computes :math:`J_S` (never over all D weights) and its GGN
@@ -63,7 +64,10 @@ from pyro_bdl.guides.subnetwork import parse_subnetwork
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
-__all__ = ["AutoSubnetLaplace", "NotFittedError", "SubnetNormal"]
+__all__ = ["PRIOR_SCALINGS", "AutoSubnetLaplace", "NotFittedError", "SubnetNormal"]
+
+#: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
+PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
 
 
 class NotFittedError(RuntimeError):
@@ -97,7 +101,10 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         :class:`~pyro_bdl.priors.NonGaussianPriorError` when it is not Gaussian). The buffer
         ``prior_precision`` holds λ: 0-dim when one value holds for every weight (given or
         tuned), else, after :meth:`fit`, the declared precision of each subnetwork weight.
-    :param bool prior_rescaling: use λ_S = λ·S/D (the paper's rule) instead of λ.
+    :param str prior_scaling: ``"per_weight"`` (default): λ is the prior precision of each
+        included weight, λ_S = λ (laplace-torch's meaning); ``"subnetwork_fraction"``:
+        λ_S = λ·S/D, the rule of Daxberger et al. (appendix C), which keeps the size of the
+        linearised kernel of the D-weight prior when only S weights are kept.
     :param int seed: seed of the ``"random"`` rule.
     :param int batch_size: rows per Jacobian chunk in :meth:`predict`, and at most that many in
         :meth:`fit`.
@@ -124,7 +131,7 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         size: int | float | None = None,
         variances: Any = "diagonal_laplace",
         prior_precision: float | None = None,
-        prior_rescaling: bool = True,
+        prior_scaling: str = "per_weight",
         seed: int = 0,
         batch_size: int = 64,
         accumulate_dtype: torch.dtype | None = None,
@@ -135,6 +142,7 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
         if prior_precision is not None:
             check_positive("prior_precision", prior_precision, fix="Pass λ = 1/prior_scale² > 0.")
+        check_choice("prior_scaling", prior_scaling, PRIOR_SCALINGS)
         check_positive_int("batch_size", batch_size)
         if max_memory is not None:
             check_positive_int("max_memory", max_memory)
@@ -147,7 +155,7 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         check_supported(model)  # a NetworkModel's likelihood, before the MAP phase trains it
         super().__init__(model, init_loc_fn=init_loc_fn)
         self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
-        self.prior_rescaling = bool(prior_rescaling)
+        self.prior_scaling = prior_scaling
         self.batch_size = batch_size
         self.accumulate_dtype = accumulate_dtype
         self.max_memory = max_memory
@@ -315,7 +323,7 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
 
     def _prior_s(self, lam, count: int, total: int):
         """λ_S from λ (one value or one per subnetwork weight)."""
-        return lam * count / total if self.prior_rescaling else lam
+        return lam * count / total if self.prior_scaling == "subnetwork_fraction" else lam
 
     # ---- predicting --------------------------------------------------------------------------
 
