@@ -2,12 +2,13 @@
 ``poutine``, ``state_dict`` checkpoints and the diagnostics work the same for all of them."""
 
 from pyro_bdl.guides.base import AutoLocScaleGuide
-from pyro_bdl.guides.laplace import AutoSubnetLaplace, NotFittedError
+from pyro_bdl.guides.laplace import AutoLaplace, AutoSubnetLaplace, NotFittedError
 from pyro_bdl.guides.meanfield import AutoMeanField
 from pyro_bdl.guides.radial import AutoRadial
 from pyro_bdl.guides.swag import AutoSWAG
 
 __all__: list[str] = [
+    "AutoLaplace",
     "AutoLocScaleGuide",
     "AutoMeanField",
     "AutoRadial",
