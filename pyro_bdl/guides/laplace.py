@@ -291,8 +291,13 @@ class AutoSubnetLaplace(
 
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
         with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
+            values = leaf_slots(self.layout, self.loc)[0]
             return observe(
-                self._raw_model, self.layout, head(batch, 1), without_targets=without_targets
+                self._raw_model,
+                self.layout,
+                head(batch, 1),
+                without_targets=without_targets,
+                values=values,
             )
 
     def _batches(self, data: Any, rows: int | None = None):
