@@ -13,7 +13,7 @@ of ResNet-18 on CPU, and rotated-digits quality under two rules for the prior pr
    the test digits rotated by 0°, 30°, …, 180°.
 
 Usage: ``python -m benchmarks.laplace_structures`` (``--smoke`` for a tiny run; results in
-``benchmarks/results/laplace_structures.json``).
+``benchmarks/results/laplace_structures_<part>.json``).
 """
 
 from __future__ import annotations
@@ -187,43 +187,61 @@ def rotated(hidden: int, epochs: int, test_rows: int | None = None, rows: int | 
     return out
 
 
-def run(smoke: bool = False, hidden: int = 30, resnet_rows: int = 64, rounds: int = 3) -> dict:
-    if smoke:
-        return {
-            "fit_time": fit_times(8, 1, rows=64),
-            "resnet18_kron": resnet_kron(4, small=True),
-            "rotated_digits": rotated(8, 1, test_rows=40, rows=100),
-        }
-    return {
-        "fit_time": fit_times(hidden, rounds),
-        "resnet18_kron": resnet_kron(resnet_rows),
-        "rotated_digits": rotated(hidden, 40),
+PARTS = ("fit_time", "rotated_digits", "resnet18_kron")
+
+
+def run(
+    smoke: bool = False,
+    hidden: int = 30,
+    resnet_rows: int = 64,
+    rounds: int = 3,
+    parts=PARTS,
+    done=None,
+) -> dict:
+    """The ``parts`` of the benchmark (smoke: tiny sizes); ``done(name, figures)`` is called
+    after each part, so that a long run keeps what it measured."""
+    jobs = {
+        "fit_time": lambda: fit_times(8, 1, rows=64) if smoke else fit_times(hidden, rounds),
+        "rotated_digits": lambda: (
+            rotated(8, 1, test_rows=40, rows=100) if smoke else rotated(hidden, 40)
+        ),
+        "resnet18_kron": lambda: resnet_kron(4, small=True) if smoke else resnet_kron(resnet_rows),
     }
+    results = {}
+    for name in parts:
+        results[name] = jobs[name]()
+        if done is not None:
+            done(name, results[name])
+    return results
 
 
-def report(results: dict) -> None:
-    fit = results["fit_time"]
-    print(f"fit time, D = {fit['D']}, {fit['rows']} rows (target ≤ 0.5× laplace-torch):")
-    for name, _, _ in STRUCTURES:
-        f = fit[name]
+def report(name: str, figures: dict) -> None:
+    """Print one part's figures."""
+    if name == "fit_time":
         print(
-            f"  {name:10s} {f['ours_s']:8.3f} s vs {f['laplace_torch_s']:8.3f} s: {f['ratio']:.2f}×"
+            f"fit time, D = {figures['D']}, {figures['rows']} rows (target ≤ 0.5× laplace-torch):"
         )
-    r = results["resnet18_kron"]
-    print(
-        f"ResNet-18 kron fit: D = {r['D']}, {r['rows']} rows, {r['fit_s']:.1f} s, peak RSS "
-        f"{r['peak_rss_mib']:.0f} MiB"
-    )
-    rot = results["rotated_digits"]
-    print("rotated digits, mean over angles (NLL / ECE):")
-    print(f"  {'map':22s} {rot['map']['mean_nll']:.3f} / {rot['map']['mean_ece']:.3f}")
-    for name, _, _ in STRUCTURES:
-        for rule in ("marglik", "val_ll"):
-            e = rot[f"{name}/{rule}"]
-            lam = e["lambda"] if isinstance(e["lambda"], float) else float("nan")
+        for structure, _, _ in STRUCTURES:
+            f = figures[structure]
             print(
-                f"  {name + '/' + rule:22s} {e['mean_nll']:.3f} / {e['mean_ece']:.3f}  λ {lam:.3g}"
+                f"  {structure:10s} {f['ours_s']:8.3f} s vs {f['laplace_torch_s']:8.3f} s: "
+                f"{f['ratio']:.2f}×"
             )
+    elif name == "resnet18_kron":
+        print(
+            f"ResNet-18 kron fit: D = {figures['D']}, {figures['rows']} rows, "
+            f"{figures['fit_s']:.1f} s, peak RSS {figures['peak_rss_mib']:.0f} MiB"
+        )
+    else:
+        print("rotated digits, mean over angles (NLL / ECE):")
+        m = figures["map"]
+        print(f"  {'map':22s} {m['mean_nll']:.3f} / {m['mean_ece']:.3f}")
+        for structure, _, _ in STRUCTURES:
+            for rule in ("marglik", "val_ll"):
+                key = f"{structure}/{rule}"
+                e = figures[key]
+                lam = e["lambda"] if isinstance(e["lambda"], float) else float("nan")
+                print(f"  {key:22s} {e['mean_nll']:.3f} / {e['mean_ece']:.3f}  λ {lam:.3g}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,12 +250,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=30)
     parser.add_argument("--resnet-rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     args = parser.parse_args(argv if argv is not None else [])
     torch.set_num_threads(1)
-    results = run(args.smoke, args.hidden, args.resnet_rows, args.rounds)
-    report(results)
-    if not args.smoke:
-        write("laplace_structures", vars(args), results)
+
+    def done(name: str, figures: dict) -> None:
+        report(name, figures)
+        if not args.smoke:  # one file per part: a long run keeps what it measured
+            write(f"laplace_structures_{name}", vars(args), figures)
+
+    run(args.smoke, args.hidden, args.resnet_rows, args.rounds, args.parts, done)
 
 
 if __name__ == "__main__":
