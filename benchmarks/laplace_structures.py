@@ -5,7 +5,7 @@ of ResNet-18 on CPU, and rotated-digits quality under two rules for the prior pr
    weights and data (scikit-learn's digits, 1,438 rows), process time of ``fit`` on one thread,
    rounds interleaved (ours, then laplace-torch's, per structure). Target: ≤ 0.5× laplace-torch.
 2. ResNet-18 (torchvision, 10 classes, BatchNorm in eval mode) lifted with N(0, 1): a Kronecker
-   fit over all 62 Linear/Conv2d weight tensors on ``--resnet-rows`` random 32 × 32 images, timed
+   fit over all 21 Linear/Conv2d layers on ``--resnet-rows`` random 32 × 32 images, timed
    and with the process's peak resident memory.
 3. Rotated digits: an MLP trained as a MAP estimate (Adam, 40 epochs) on 85% of the training
    split; each structure fitted on it; λ by the marginal likelihood (gradient, one value) or by
