@@ -10,11 +10,12 @@ Protocol:
    laplace-torch's a half hour each on a 2-core machine), trained as a MAP point estimate by
    Adam (lr 1e-3, batches of 64; 40 epochs on digits, 20 on MNIST) under the prior N(0, 1).
 3. Posterior: :class:`~pyro_bdl.guides.AutoSubnetLaplace` at the declared prior precision 1
-   without rescaling (so Σ_S = (GGN_S + I)⁻¹, the same posterior laplace-torch fits with
-   ``prior_precision=1``), over ``"all"`` weights on digits, a ``"random"`` S = 2,000
-   subnetwork on MNIST (D = 42,310 is too large for a D × D matrix on the benchmark machine;
-   the ``"largest_variance"`` one by diagonal-Laplace variances picks weights of zero GGN there,
-   whose predictive variance is ~0, so every link equals MAP), and ``"last_layer"`` on both.
+   of each included weight (``prior_scaling="per_weight"``, so Σ_S = (GGN_S + I)⁻¹, the same
+   posterior laplace-torch fits with ``prior_precision=1``), over ``"all"`` weights on digits,
+   a ``"random"`` S = 2,000 subnetwork on MNIST (D = 42,310 is too large for a D × D matrix on
+   the benchmark machine; the ``"largest_variance"`` one by diagonal-Laplace variances picks
+   weights of zero GGN there, whose predictive variance is ~0, so every link equals MAP), and
+   ``"last_layer"`` on both.
 4. Links, all from the same MAP logits f and J_S L on the test set: ``pairwise_mean`` (the
    former formula, computed here only for the comparison: every logit divided by
    √(1 + π v̄/8), v̄ the mean variance of the pairwise logit differences), ``probit`` (per
@@ -144,7 +145,7 @@ def run_case(model, layout, theta, plain, data, subnetwork, size, use_lt):
     x, y = data.x_train, data.y_train
     kw = {"size": size} if size else {}
     guide = AutoSubnetLaplace(
-        model, subnetwork=subnetwork, prior_rescaling=False, batch_size=128, **kw
+        model, subnetwork=subnetwork, prior_scaling="per_weight", batch_size=128, **kw
     )
     guide(x[:2], y[:2])
     guide.loc.data = theta.clone()
@@ -216,7 +217,7 @@ def main(argv=None):
         "hidden": args.hidden,
         "mc_draws": MC_DRAWS,
         "prior_precision": 1.0,
-        "prior_rescaling": False,
+        "prior_scaling": "per_weight",
         "quick": args.quick,
     }
     write("laplace_probit" + ("_quick" if args.quick else ""), config, figures)

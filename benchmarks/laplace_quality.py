@@ -142,7 +142,10 @@ class RotationStudy:
         self.guides: dict[str, AutoSubnetLaplace] = {}
         self.fit_seconds: dict[str, float] = {}
         for name, kw in rules.items():
-            guide = AutoSubnetLaplace(self.model, batch_size=128, **kw)  # type: ignore[arg-type]
+            # The protocol's λ_S = λ·S/D (module docstring), in the guides' tuning too.
+            guide = AutoSubnetLaplace(
+                self.model, batch_size=128, prior_scaling="subnetwork_fraction", **kw
+            )  # type: ignore[arg-type]
             guide(x[:2], y[:2])
             guide.loc.data = self.theta.clone()
             start = time.process_time()

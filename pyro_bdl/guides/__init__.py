@@ -4,13 +4,14 @@
 from pyro_bdl.guides.base import AutoLocScaleGuide
 from pyro_bdl.guides.ensemble import AutoEnsemble
 from pyro_bdl.guides.ensemble_swag import AutoMultiSWAG
-from pyro_bdl.guides.laplace import AutoSubnetLaplace, NotFittedError
+from pyro_bdl.guides.laplace import AutoLaplace, AutoSubnetLaplace, NotFittedError
 from pyro_bdl.guides.meanfield import AutoMeanField
 from pyro_bdl.guides.radial import AutoRadial
 from pyro_bdl.guides.swag import AutoSWAG
 
 __all__: list[str] = [
     "AutoEnsemble",
+    "AutoLaplace",
     "AutoLocScaleGuide",
     "AutoMeanField",
     "AutoMultiSWAG",

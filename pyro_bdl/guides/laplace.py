@@ -4,11 +4,12 @@ While the network trains, :class:`AutoSubnetLaplace` is a MAP point estimate (a 
 the packed weights, like Pyro's ``AutoLaplaceApproximation``). :meth:`~AutoSubnetLaplace.fit`
 then computes the full-covariance GGN Laplace posterior over a subnetwork S of the weights,
 
-.. math:: H_S = \sum_n J_S(x_n)^\top \Lambda(x_n) J_S(x_n) + \mathrm{diag}\,\lambda_S, \qquad
-          \lambda_S = \lambda\, S / D,
+.. math:: H_S = \sum_n J_S(x_n)^\top \Lambda(x_n) J_S(x_n) + \mathrm{diag}\,\lambda_S,
 
-keeping every other weight at its MAP value. λ is read from the prior declared in
-:func:`~pyro_bdl.bayesianize` (one precision per weight) unless ``prior_precision=`` gives one.
+with λ_S the prior precision of each included weight (laplace-torch's meaning; the rule
+``prior_scaling="subnetwork_fraction"`` uses λ·S/D instead), keeping every other weight at its
+MAP value. λ is read from the prior declared in :func:`~pyro_bdl.bayesianize` (one precision
+per weight) unless ``prior_precision=`` gives one.
 The guide orchestrates: the :class:`~pyro_bdl.layout.SiteLayout` says where each weight sits,
 :mod:`~pyro_bdl.guides.subnetwork` chooses S, :mod:`~pyro_bdl.guides.laplace_model` reads the
 model, :mod:`pyro_bdl.curvature` computes :math:`J_S` (never over all D weights) and its GGN
@@ -34,10 +35,10 @@ from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
-from pyro_bdl.curvature.ggn import diagonal_ggn, output_hessian_factor, subnet_ggn
-from pyro_bdl.curvature.jacobian import subnet_jacobian
-from pyro_bdl.curvature.memory import check_memory, chunk_budget, chunk_rows
+from pyro_bdl.curvature.memory import check_memory
 from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.laplace_fit import check_reduce_fn, fit_diag, fit_full, fit_kron
+from pyro_bdl.guides.laplace_kron import KronPosterior, check_blockwise
 from pyro_bdl.guides.laplace_model import (
     Observation,
     check_supported,
@@ -47,32 +48,47 @@ from pyro_bdl.guides.laplace_model import (
     head,
     iter_batches,
     leaf_slots,
-    network,
     observe,
 )
 from pyro_bdl.guides.laplace_posterior import (
-    LINKS,
     SubnetNormal,
     accumulation_dtype,
     posterior_factor,
-    predictive,
-    tune_precision,
 )
+from pyro_bdl.guides.laplace_structures import DiagPosterior, FullPosterior, StructuredNormal
+from pyro_bdl.guides.laplace_tune import LaplaceTuning
+from pyro_bdl.guides.laplace_use import LaplacePredicting
 from pyro_bdl.guides.state_checks import SubnetLaplaceState
 from pyro_bdl.guides.subnetwork import parse_subnetwork
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
-__all__ = ["AutoSubnetLaplace", "NotFittedError", "SubnetNormal"]
+__all__ = [
+    "HESSIAN_STRUCTURES",
+    "PRIOR_SCALINGS",
+    "AutoLaplace",
+    "AutoSubnetLaplace",
+    "NotFittedError",
+    "SubnetNormal",
+]
+
+#: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
+PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
+#: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace_structures`).
+HESSIAN_STRUCTURES = ("full", "kron", "diag")
 
 
 class NotFittedError(RuntimeError):
     """Raised when a post-hoc posterior is used before it was fitted."""
 
 
-class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
-    r"""Subnetwork linearized Laplace: a MAP guide while training, then a full-covariance GGN
-    Laplace posterior over a subnetwork S after :meth:`fit`.
+class AutoSubnetLaplace(
+    LaplacePredicting, LaplaceTuning, SubnetLaplaceState, SiteAccess, AutoContinuous
+):
+    r"""Subnetwork linearized Laplace: a MAP guide while training, then a GGN Laplace posterior
+    over a subnetwork S after :meth:`fit`, full-covariance by default, or Kronecker-factored or
+    diagonal (``hessian_structure``); :class:`AutoLaplace` is the same family with
+    laplace-torch's defaults.
 
     Usage::
 
@@ -87,6 +103,10 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         model is read as :mod:`~pyro_bdl.guides.laplace_model` describes.
     :param subnetwork: ``"all"``, ``"last_layer"``, ``"random"``, ``"largest_variance"``, a list
         of site names or globs, or a list/LongTensor of packed weight indices.
+    :param str hessian_structure: ``"full"`` (dense S × S, the default), ``"kron"`` (KFAC per
+        ``Linear``/``Conv2d`` layer, bias folded in; the subnetwork must hold whole layers) or
+        ``"diag"`` (the exact diagonal of the GGN). Only ``"full"`` keeps its posterior in
+        ``state_dict``; refit the others after loading.
     :param size: S for ``"random"``/``"largest_variance"``: a count or a fraction in (0, 1].
     :param variances: marginal variances for ``"largest_variance"``: ``"diagonal_laplace"``
         (computed in :meth:`fit`), a mapping site name -> tensor, or an
@@ -97,7 +117,10 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         :class:`~pyro_bdl.priors.NonGaussianPriorError` when it is not Gaussian). The buffer
         ``prior_precision`` holds λ: 0-dim when one value holds for every weight (given or
         tuned), else, after :meth:`fit`, the declared precision of each subnetwork weight.
-    :param bool prior_rescaling: use λ_S = λ·S/D (the paper's rule) instead of λ.
+    :param str prior_scaling: ``"per_weight"`` (default): λ is the prior precision of each
+        included weight, λ_S = λ (laplace-torch's meaning); ``"subnetwork_fraction"``:
+        λ_S = λ·S/D, the rule of Daxberger et al. (appendix C), which keeps the size of the
+        linearised kernel of the D-weight prior when only S weights are kept.
     :param int seed: seed of the ``"random"`` rule.
     :param int batch_size: rows per Jacobian chunk in :meth:`predict`, and at most that many in
         :meth:`fit`.
@@ -121,10 +144,11 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         model,
         *,
         subnetwork: Any,
+        hessian_structure: str = "full",
         size: int | float | None = None,
         variances: Any = "diagonal_laplace",
         prior_precision: float | None = None,
-        prior_rescaling: bool = True,
+        prior_scaling: str = "per_weight",
         seed: int = 0,
         batch_size: int = 64,
         accumulate_dtype: torch.dtype | None = None,
@@ -135,6 +159,14 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
         if prior_precision is not None:
             check_positive("prior_precision", prior_precision, fix="Pass λ = 1/prior_scale² > 0.")
+        check_choice("prior_scaling", prior_scaling, PRIOR_SCALINGS)
+        check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
+        if hessian_structure == "kron" and self.rule.kind in ("random", "largest_variance"):
+            raise ValueError(
+                f"hessian_structure='kron' needs whole layers; subnetwork={self.rule.kind!r} picks "
+                "single weights. Use subnetwork='all', 'last_layer' or a list of layer site names, "
+                "or hessian_structure='full' or 'diag'."
+            )
         check_positive_int("batch_size", batch_size)
         if max_memory is not None:
             check_positive_int("max_memory", max_memory)
@@ -147,7 +179,13 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         check_supported(model)  # a NetworkModel's likelihood, before the MAP phase trains it
         super().__init__(model, init_loc_fn=init_loc_fn)
         self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
-        self.prior_rescaling = bool(prior_rescaling)
+        self.prior_scaling = prior_scaling
+        self.hessian_structure = hessian_structure
+        self._structure: Any = None  # the kron/diag posterior (full lives in the buffers)
+        self._stats: torch.Tensor | None = None  # fit statistics for the marginal likelihood
+        self._noise: float | None = None  # a tuned Gaussian σ (None: the model's)
+        self._noise0: float | None = None  # the model's σ, at which the GGN was computed
+        self._likelihood = ""
         self.batch_size = batch_size
         self.accumulate_dtype = accumulate_dtype
         self.max_memory = max_memory
@@ -184,21 +222,47 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         return self.subnet_index.numel() > 0
 
     def get_posterior(self, *args, **kwargs):
-        if self.fitted:
+        if not self.fitted:
+            return dist.Delta(self.loc, event_dim=1)
+        if self.hessian_structure == "full":
             return SubnetNormal(self.map_loc, self.subnet_index, self.scale_tril)
-        return dist.Delta(self.loc, event_dim=1)
+        return StructuredNormal(self.map_loc, self.subnet_index, self.posterior)
+
+    @property
+    def posterior(self):
+        """The fitted posterior structure over the subnetwork
+        (:mod:`~pyro_bdl.guides.laplace_structures`): ``variances()``, ``apply_scale``,
+        ``sample``, ``logdet``."""
+        self._check_fitted("posterior")
+        if self.hessian_structure == "full":
+            lam = self._prior_s(self._precision_s(), self.subnet_index.numel(), self.layout.size)
+            lam = torch.as_tensor(lam, dtype=torch.float64, device=self.ggn.device)
+            return FullPosterior(self.ggn, lam, self._noise_scale(), self.scale_tril)
+        if self._structure is None:
+            raise NotFittedError(
+                f"the {self.hessian_structure!r} posterior is not kept in state_dict; call "
+                "guide.fit(data) again after loading."
+            )
+        return self._structure
 
     def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fitted:
             return self.loc, torch.zeros_like(self.loc)
         scale = torch.zeros_like(self.map_loc)
-        scale[self.subnet_index] = self.scale_tril.square().sum(-1).sqrt().to(scale.dtype)
+        scale[self.subnet_index] = self.posterior.variances().sqrt().to(scale.dtype)
         return self.map_loc, scale
 
     @property
     def covariance(self) -> torch.Tensor:
-        """Σ_S (S × S), the posterior covariance of the subnetwork weights."""
+        """Σ_S (S × S), the posterior covariance of the subnetwork weights (``"full"`` only; the
+        other structures give ``posterior.variances()``)."""
         self._check_fitted("covariance")
+        if self.hessian_structure != "full":
+            raise ValueError(
+                f"covariance is the dense S × S matrix, which hessian_structure="
+                f"{self.hessian_structure!r} never forms; use guide.posterior.variances() for "
+                "the marginal variances."
+            )
         return self.scale_tril @ self.scale_tril.T
 
     def __getstate__(self):
@@ -227,8 +291,13 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
 
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
         with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
+            values = leaf_slots(self.layout, self.loc)[0]
             return observe(
-                self._raw_model, self.layout, head(batch, 1), without_targets=without_targets
+                self._raw_model,
+                self.layout,
+                head(batch, 1),
+                without_targets=without_targets,
+                values=values,
             )
 
     def _batches(self, data: Any, rows: int | None = None):
@@ -245,28 +314,31 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
             return self.layout.gaussian_prior()[1].to(self.loc.device, torch.float64)
         return full[index] if full is not None else declared_precision(self.layout, index)
 
-    def _variances(self, data: Any, lam, obs: Observation):
+    def _precision_s(self) -> float | torch.Tensor:
+        """λ of the fitted subnetwork weights: one value, or one per weight."""
+        p = self.prior_precision
+        return float(p) if p.dim() == 0 else p
+
+    def _variances(self, data: Any, lam, obs: Observation, reduce_fn):
         external = self.rule.external_variances(self.layout)
         if external is not None or not self.rule.needs_diagonal_laplace:
             return external
-        diag = torch.zeros(self.loc.numel(), dtype=torch.float64, device=self.loc.device)
-        with eval_mode(self._raw_model):
-            for batch in self._batches(data):
-                forward, slots = self._forward(self.loc, batch, obs)
-                diag += diagonal_ggn(
-                    forward, slots, lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
-                ).double()
+        diag, _ = fit_diag(self, data, obs, reduce_fn=reduce_fn, stats=False)
         return 1.0 / (diag + lam)
 
-    def fit(self, data: Any) -> AutoSubnetLaplace:
+    def fit(self, data: Any, *, reduce_fn=None) -> AutoSubnetLaplace:
         r"""Compute the GGN Laplace posterior over the subnetwork at the current MAP values.
 
         :param data: the training data, a tuple ``(x, y)`` of tensors or a DataLoader yielding
             ``(x, y)`` batches (the model's positional arguments).
+        :param reduce_fn: for data-parallel fitting, a callable that sums a tensor over ranks
+            (an all-reduce); each rank passes its own rows and every curvature statistic is
+            summed once per block before it is factorised (:mod:`~pyro_bdl.guides.laplace_fit`).
         :returns: ``self``.
         :raises NonGaussianPriorError: when no ``prior_precision`` was given and a weight's
             declared prior is not Gaussian (before anything changes).
         """
+        check_reduce_fn(reduce_fn)
         first = next(self._batches(data))
         if self.prototype_trace is None:
             self._setup_prototype(*first)
@@ -274,117 +346,50 @@ class AutoSubnetLaplace(SubnetLaplaceState, SiteAccess, AutoContinuous):
         # Checks first (nothing below changes state until the buffers are assigned).
         dtype = accumulation_dtype(self.accumulate_dtype, self.loc.dtype)
         count = self.rule.size_of(self.layout)
-        item = torch.finfo(dtype).bits // 8
-        check_memory(count, obs.outputs, self.batch_size, dtype, self.loc.device, self.max_memory)
+        if self.hessian_structure == "full":
+            check_memory(
+                count, obs.outputs, self.batch_size, dtype, self.loc.device, self.max_memory
+            )
         # The diagonal Laplace needs λ of all D weights; otherwise the subnetwork's are read
         # site by site, so that no vector over all weights adds to the peak memory.
         lam = self._precision() if self.rule.needs_diagonal_laplace else None
-        variances = self._variances(data, lam, obs)
+        variances = self._variances(data, lam, obs, reduce_fn)
         index = self.rule.select(self.layout, variances).to(self.loc.device)
         lam_s = self._precision(index, full=lam)
         del lam, variances
-        budget = chunk_budget(count, obs.outputs, self.batch_size, item, self.chunk_memory)
-        # Measured on the first rows; the weights and the data are not the chunk's memory.
-        tensors = [t for t in first if isinstance(t, torch.Tensor)]
-        net = network(self._raw_model)
-        owned = [*net.parameters(), *net.buffers()] if net is not None else []
-        exclude = [self.loc, *tensors, *owned]
-        with eval_mode(self._raw_model):
-            at = lambda n: self._forward(self.loc, head(first, n), obs)  # noqa: E731
-            rows, select_numbers = chunk_rows(
-                at, index, budget, self.batch_size, item, available=len(tensors[0]), exclude=exclude
+        prior = self._prior_s(lam_s, index.numel(), self.layout.size)
+        prior_t = torch.as_tensor(prior, dtype=torch.float64, device=self.loc.device)
+        ggn, scale_tril, structure = torch.zeros(0), torch.zeros(0), None
+        if self.hessian_structure == "full":
+            ggn, stats = fit_full(self, data, first, obs, index, dtype, reduce_fn)
+            scale_tril = posterior_factor(ggn, prior)
+        elif self.hessian_structure == "diag":
+            diag, stats = fit_diag(self, data, obs, index, reduce_fn)
+            structure = DiagPosterior(diag, prior_t)
+        else:
+            blocks, a_sums, g_sums, stats = fit_kron(self, data, obs, index, reduce_fn)
+            check_blockwise(prior_t, blocks)
+            rows = float(stats[0])
+            structure = KronPosterior.from_factors(
+                blocks, a_sums, g_sums, rows, prior_t, index.numel()
             )
-        ggn = torch.zeros(index.numel(), index.numel(), dtype=dtype, device=self.loc.device)
-        with eval_mode(self._raw_model):
-            for batch in self._batches(data, rows):
-                forward, slots = self._forward(self.loc, batch, obs)
-                jac, out = subnet_jacobian(
-                    forward, slots, index, return_outputs=True, select_numbers=select_numbers
-                )
-                factor = output_hessian_factor(out, obs.likelihood, obs.noise)
-                subnet_ggn(jac, factor, out=ggn)
-                del jac, out, factor, forward, slots
-        scale_tril = posterior_factor(ggn, self._prior_s(lam_s, index.numel(), self.layout.size))
         self.map_loc = self.loc.detach().clone()
         self.subnet_index = index
-        self.ggn = ggn
-        self.scale_tril = scale_tril
+        self.ggn, self.scale_tril = ggn, scale_tril
+        self._structure, self._stats, self._noise = structure, stats, None
+        self._likelihood, self._noise0 = obs.likelihood, obs.noise
         if not isinstance(lam_s, float):
             self.prior_precision = lam_s
         return self
 
     def _prior_s(self, lam, count: int, total: int):
         """λ_S from λ (one value or one per subnetwork weight)."""
-        return lam * count / total if self.prior_rescaling else lam
+        return lam * count / total if self.prior_scaling == "subnetwork_fraction" else lam
 
-    # ---- predicting --------------------------------------------------------------------------
 
-    def _jacobians(self, data: Any, obs: Observation):
-        """(outputs (b, C), J_S (b, C, S), batch) at the MAP values, ``batch_size`` rows at a
-        time; the model gets the batch's first tensor (the inputs)."""
-        with eval_mode(self._raw_model):
-            for batch in self._batches(data):
-                forward, slots = self._forward(self.map_loc, batch[:1], obs)
-                jac, out = subnet_jacobian(forward, slots, self.subnet_index, return_outputs=True)
-                yield out, jac, batch
+class AutoLaplace(AutoSubnetLaplace):
+    """The Laplace guide family with laplace-torch's defaults: ``hessian_structure="kron"`` over
+    ``subnetwork="all"`` weights; every argument of :class:`AutoSubnetLaplace` is accepted."""
 
-    def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
-        r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
-
-        Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
-        closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
-        ``link``: ``"probit"`` (per logit), ``"bridge"`` (Laplace bridge) or ``"mc"``
-        (``num_samples`` draws): :func:`~pyro_bdl.guides.laplace_posterior.linearized_predictive`.
-
-        :param torch.Tensor x: inputs, the model's first argument.
-        """
-        check_choice("link", link, LINKS)
-        check_positive_int("num_samples", num_samples)
-        self._check_fitted("predict")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
-        obs = self._observe((x,), without_targets=True)
-        chunks = (
-            (out, jac.to(self.scale_tril.dtype) @ self.scale_tril)
-            for out, jac, _ in self._jacobians((x,), obs)
-        )
-        return predictive(chunks, obs.likelihood, obs.noise, obs.vector, link, num_samples)
-
-    # ---- prior precision ---------------------------------------------------------------------
-
-    def tune_prior_precision(
-        self,
-        data: Any = None,
-        *,
-        method: str = "marglik",
-        grid: torch.Tensor | None = None,
-        refine: bool = True,
-    ) -> float:
-        r"""Choose one λ for every weight by the Laplace marginal likelihood or by validation
-        log-likelihood.
-
-        Searches a log-spaced grid (default :math:`10^{-4} … 10^{4}`, 17 values), then a finer
-        grid between the best value's neighbours, updates the posterior and returns λ. Warns
-        when the best value sits at the grid's edge (a one-value grid just sets λ, silently).
-
-        :param data: validation ``(x, y)`` (or a DataLoader) for ``method="val_ll"``.
-        :param str method: ``"marglik"`` or ``"val_ll"`` (probit predictive log-likelihood).
-        """
-        check_choice("method", method, ("marglik", "val_ll"))
-        self._check_fitted("tune_prior_precision")
-        if method == "val_ll" and data is None:
-            raise ValueError("method='val_ll' needs validation data (x, y); pass data=.")
-        s, total = self.subnet_index.numel(), self.map_loc.numel()
-        ratio = self._prior_s(1.0, s, total)
-        if method == "marglik":
-            best = tune_precision(self.ggn, ratio, grid, refine, self.map_loc[self.subnet_index])
-        else:
-            first = next(self._batches(data))
-            if len(first) < 2:
-                raise ValueError("validation data must be (x, y).")
-            obs = self._observe(first)
-            parts = ((out, jac, batch[1]) for out, jac, batch in self._jacobians(data, obs))
-            best = tune_precision(self.ggn, ratio, grid, refine, parts=parts, obs=obs)
-        self.prior_precision = torch.tensor(best, dtype=torch.float64)
-        self.scale_tril = posterior_factor(self.ggn, self._prior_s(best, s, total))
-        return best
+    def __init__(self, model, *, subnetwork: Any = "all", hessian_structure: str = "kron", **kw):
+        super().__init__(model, subnetwork=subnetwork, hessian_structure=hessian_structure, **kw)

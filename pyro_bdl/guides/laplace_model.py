@@ -127,21 +127,24 @@ def read_outputs(fn) -> torch.Tensor:
     raise AssertionError("unreachable")
 
 
-def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = False):
+def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = False, values=None):
     """The :class:`Observation` of ``model(*args)``: its one observed site (called
     ``without_targets``, the one sample site that is not a weight site of ``layout``), the
     likelihood (declared by a :class:`~pyro_bdl.models.NetworkModel`, else read from the site)
-    and the outputs' shape."""
+    and the outputs' shape. ``values`` (site name -> value) holds the weights where they are,
+    since weights drawn from a broad prior can overflow a deep network's outputs."""
     if isinstance(model, NetworkModel):
         check_supported(model)
+    run = poutine.condition(model, data=values) if values is not None else model
     with torch.no_grad(), poutine.block():
-        trace = poutine.trace(model).get_trace(*args)
+        trace = poutine.trace(run).get_trace(*args)
     observed = [
         n
         for n, s in trace.nodes.items()
         if s["type"] == "sample"
         and not site_is_subsample(s)
-        and (s["is_observed"] or (without_targets and n not in layout))
+        and n not in layout
+        and (s["is_observed"] or without_targets)
     ]
     if len(observed) != 1:
         raise ValueError(

@@ -57,6 +57,7 @@ __all__ = [
     "marglik_score",
     "posterior_factor",
     "predictive",
+    "predictive_log_likelihood",
     "probit_logits",
     "tune_grid",
     "tune_precision",
@@ -81,8 +82,12 @@ class SubnetNormal(TorchDistribution):
         shape = torch.Size(sample_shape)
         z = torch.randn(shape + self.index.shape, dtype=self.loc.dtype, device=self.loc.device)
         out = self.loc.expand(shape + self.loc.shape).clone()
-        out[..., self.index] += (z.to(self.scale_tril.dtype) @ self.scale_tril.T).to(out.dtype)
+        out[..., self.index] += self._draw(z).to(out.dtype)
         return out
+
+    def _draw(self, z: torch.Tensor) -> torch.Tensor:
+        """L z for standard normal ``z`` (..., S)."""
+        return z.to(self.scale_tril.dtype) @ self.scale_tril.T
 
     def log_prob(self, value):
         d = (value - self.loc)[..., self.index].to(self.scale_tril.dtype)
@@ -289,15 +294,24 @@ def val_ll_score(
 
     def score(lam: torch.Tensor) -> torch.Tensor:
         var = q @ (1.0 / (evals + lam * ratio))
-        if likelihood == "gaussian":
-            assert noise is not None
-            return dist.Normal(f.squeeze(-1), (var.squeeze(-1) + noise**2).sqrt()).log_prob(y).sum()
-        logits = probit_logits(f, var)
-        if likelihood == "bernoulli":
-            return dist.Bernoulli(logits=logits.reshape(y.shape)).log_prob(y.to(f)).sum()
-        return dist.Categorical(logits=logits).log_prob(y).sum()
+        return predictive_log_likelihood(f, var, y, likelihood, noise)
 
     return score
+
+
+def predictive_log_likelihood(
+    f: torch.Tensor, var: torch.Tensor, y: torch.Tensor, likelihood: str, noise: float | None
+) -> torch.Tensor:
+    """Log-likelihood of targets ``y`` under the linearized predictive with MAP outputs ``f``
+    (n, C) and output variances ``var``: the probit (classification) or the Gaussian with the
+    noise σ added (regression; ``var`` (n, 1), one output)."""
+    if likelihood == "gaussian":
+        assert noise is not None
+        return dist.Normal(f.squeeze(-1), (var.squeeze(-1) + noise**2).sqrt()).log_prob(y).sum()
+    logits = probit_logits(f, var)
+    if likelihood == "bernoulli":
+        return dist.Bernoulli(logits=logits.reshape(y.shape)).log_prob(y.to(f)).sum()
+    return dist.Categorical(logits=logits).log_prob(y).sum()
 
 
 def tune_precision(

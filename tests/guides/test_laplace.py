@@ -96,16 +96,18 @@ def test_float64_accumulation_of_a_float32_network():
     assert guide32.predict(x.float()).dtype == F64
 
 
-@pytest.mark.parametrize("rescale", [True, False])
-def test_last_layer_equals_last_layer_laplace(rescale):
-    guide, _, plain, x, y = _trained("last_layer", prior_rescaling=rescale)
+@pytest.mark.parametrize("scaling", ["per_weight", "subnetwork_fraction", None])
+def test_last_layer_equals_last_layer_laplace(scaling):
+    kwargs = {} if scaling is None else {"prior_scaling": scaling}
+    guide, _, plain, x, y = _trained("last_layer", **kwargs)
     guide.fit((x, y))
     d = guide.loc.numel()
     last = torch.arange(d - 18, d)  # Linear(5, 3): 15 weights then 3 biases, packed last
     assert torch.equal(guide.subnet_index, last)
     # Last-layer Laplace by brute force: the features are fixed, only the head's Jacobian counts.
     ggn = _brute_ggn(guide, plain, x)[last][:, last]
-    lam = 18 / d if rescale else 1.0
+    # The default is laplace-torch's meaning: λ is each included weight's prior precision.
+    lam = 18 / d if scaling == "subnetwork_fraction" else 1.0
     expected = torch.linalg.inv(ggn + lam * torch.eye(18, dtype=F64))
     assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
 
@@ -306,7 +308,7 @@ def test_layerwise_prior_gives_one_precision_per_weight():
     guide.fit((x, y))
     lam = torch.tensor([3.0, 3.0, 5.0, 5.0], dtype=F64)
     assert_close(guide.prior_precision, lam)
-    expected = torch.linalg.inv(guide.ggn + torch.diag(lam * 4 / 38))  # λ_S = λ·S/D
+    expected = torch.linalg.inv(guide.ggn + torch.diag(lam))  # each weight's own precision
     assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
 
 
@@ -415,6 +417,7 @@ def test_tune_prior_precision():
         ("all", {"prior_precision": 0.0}, ValueError, "prior_precision must be finite and > 0"),
         ("all", {"prior_precision": math.nan}, ValueError, "prior_precision"),
         ("all", {"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+        ("all", {"prior_scaling": "fraction"}, ValueError, "prior_scaling"),
         (3.5, {}, TypeError, "subnetwork must be one of"),
     ],
 )

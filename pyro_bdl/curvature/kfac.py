@@ -1,0 +1,102 @@
+r"""Kronecker-factored GGN (KFAC) of ``Linear`` and ``Conv2d`` layers, bias folded in.
+
+For a layer with weight :math:`W` (out × k, a convolution's kernel flattened as ``unfold`` lays
+out its input) and bias :math:`b`, write :math:`\bar W = [W, b]` and :math:`\bar a = [a; 1]` for
+the layer input. The GGN block of :math:`\mathrm{vec}\,\bar W` (row-major) is
+
+.. math:: \sum_n \sum_k \Big(\sum_t g_{nkt}\bar a_{nt}^\top\Big)^{\otimes 2}, \qquad
+          g_{nkt} = \partial (L_{n,:,k}^\top f_n) / \partial z_{nt},
+
+with :math:`L_n L_n^\top = \Lambda_n` (:func:`~pyro_bdl.curvature.ggn.output_hessian_factor`)
+and :math:`z_{nt}` the layer output at position t. KFAC (Martens & Grosse 2015; the "expand"
+form of Eschenhagen et al. 2023 for positions t) approximates it by :math:`G \otimes A` with
+
+.. math:: A = \frac1T \sum_{n,t} \bar a_{nt}\bar a_{nt}^\top, \qquad
+          G = \frac1N \sum_{n,k,t} g_{nkt} g_{nkt}^\top .
+
+It is exact when every example has the same :math:`g` (one output, a Gaussian likelihood, a
+single layer). :func:`kfac_sums` returns the unnormalised sums of one batch, so that batches and
+data-parallel ranks add them before dividing by the total N.
+
+References:
+    Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored Approximate
+    Curvature", ICML 2015.
+    Grosse & Martens, "A Kronecker-factored approximate Fisher matrix for convolution layers",
+    ICML 2016.
+    Eschenhagen et al., "Kronecker-Factored Approximate Curvature for Modern Neural Network
+    Architectures", NeurIPS 2023.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pyro_bdl.curvature.jacobian import as_matrix, capture, grad_factor, input_factor
+
+__all__ = ["KronLayer", "augmented_input", "kfac_sums"]
+
+
+@dataclass(frozen=True)
+class KronLayer:
+    """A layer KFAC treats: ``kind`` is ``"linear"`` or ``"conv"``; ``bias`` whether its bias is
+    folded into the input factor."""
+
+    module: nn.Module
+    kind: str
+    bias: bool
+
+
+def augmented_input(layer: KronLayer, a: torch.Tensor) -> torch.Tensor:
+    """The layer input as (B, k [+1], T), with a row of ones appended when the bias is folded."""
+    x = input_factor(layer.kind, layer.module, a)
+    if layer.bias:
+        x = torch.cat([x, x.new_ones(x.shape[0], 1, x.shape[2])], 1)
+    return x
+
+
+def kfac_sums(
+    forward: Callable[[], torch.Tensor],
+    layers: Sequence[KronLayer],
+    factor_fn: Callable[[torch.Tensor], torch.Tensor],
+    a_sums: list[torch.Tensor],
+    g_sums: list[torch.Tensor],
+) -> torch.Tensor:
+    r"""Add one batch's :math:`\frac1T\sum \bar a\bar a^\top` to ``a_sums`` and
+    :math:`\sum g g^\top` to ``g_sums`` (one entry per layer, in place, in their dtype) and
+    return the detached outputs (B, C).
+
+    ``factor_fn(outputs)`` gives :math:`L` (B, C, K); one backward pass per column k. A layer
+    called several times contributes every call as further positions t.
+    """
+    modules = [layer.module for layer in layers]
+    with capture(modules) as calls:
+        out = as_matrix(forward())
+    factor = factor_fn(out).detach()
+    zs, owner = [], []
+    for i, layer in enumerate(layers):
+        if not calls[layer.module]:
+            raise ValueError(
+                f"layer {type(layer.module).__name__} of the Kronecker-factored subnetwork is not "
+                "called by the model's forward pass; choose a subnetwork of layers the model uses."
+            )
+        positions, local = 0, torch.zeros_like(a_sums[i])
+        for a, z in calls[layer.module]:
+            x = augmented_input(layer, a).to(a_sums[i].dtype)
+            positions += x.shape[2]
+            local += torch.einsum("bit,bjt->ij", x, x)
+            zs.append(z)
+            owner.append(i)
+        a_sums[i] += local / positions
+    for k in range(factor.shape[-1]):
+        grads = torch.autograd.grad(
+            out, zs, grad_outputs=factor[:, :, k], retain_graph=True, allow_unused=True
+        )
+        for i, g in zip(owner, grads):
+            if g is not None:
+                gg = grad_factor(layers[i].kind, g).to(g_sums[i].dtype)
+                g_sums[i] += torch.einsum("bit,bjt->ij", gg, gg)
+    return out.detach()
