@@ -118,7 +118,7 @@ def test_uci_sigma_rules_own_and_fixed():
     data = _regression(n=60)
     cfg = dataclasses.replace(uci.DEFAULTS, hidden=8, map_steps=40, num_samples=4)
     args = (data.x_train, data.y_train, data.x_test, data.y_test, 1.0)
-    own = uci.run_methods(*args, cfg, ["map"], 0)
+    own = uci.run_methods(*args, dataclasses.replace(cfg, sigma="own"), ["map"], 0)
     fixed = uci.run_methods(*args, dataclasses.replace(cfg, sigma="fixed"), ["map"], 0)
     # The same validation σ either way; under "own" the MAP then learns its own from it.
     assert own["_noise"] == fixed["_noise"] == fixed["_noise_map"]
