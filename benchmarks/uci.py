@@ -24,8 +24,8 @@ compare``) trained by its one loop on a regression :class:`~pyro_bdl.compare.Pro
 split carved from the training split (20%, seeded by the split number): a MAP network is trained
 on the other 80% and σ is set to its validation RMSE, twice (the second fit starts from the first
 with the first's σ, since σ sets the prior/likelihood balance). With ``--sigma fixed`` (the
-default) every method then takes that σ as known; with ``--sigma own`` each method
-learns σ its own way from there (``SIGMA_RULES``, ``Problem.sigma``): MAP and SWAG as a point estimate,
+default) every method then takes that σ as known; with ``--sigma own`` each method learns σ its
+own way from there (``SIGMA_RULES``, ``Problem.sigma``): MAP and SWAG as a point estimate,
 mean-field as a latent site, VOGN with the MAP's point estimate, Laplace with the validation σ.
 Every method trains on the whole training split (the settings per method are
 :func:`method_settings`):

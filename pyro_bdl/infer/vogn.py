@@ -18,12 +18,10 @@ weight sample :math:`w \sim q` and :math:`\hat h` averages their **squares** (th
 empirical-Fisher diagonal, from :class:`~pyro_bdl.curvature.PerExampleGradients`). Note the
 convention (docs/design/vogn.md): :math:`\beta_2` weights the *new* estimate :math:`\hat h`.
 
-The state (μ, m, s, the step count and the hidden parameters' moments) is one
-:class:`~pyro_bdl.infer.vogn_update.VOGNState`, changed only by the pure
-:func:`~pyro_bdl.infer.vogn_update.vogn_update`. Because VOGN samples the weights before the
-forward pass and needs per-example losses, it is its own inference object with an ``SVI``-shaped
-:meth:`VOGN.step`, not a ``pyro.optim`` wrapper. Its posterior is an ordinary Pyro guide,
-:attr:`VOGN.guide`.
+The state is one :class:`~pyro_bdl.infer.vogn_update.VOGNState`, changed only by the pure
+:func:`~pyro_bdl.infer.vogn_update.vogn_update`. VOGN samples the weights before the forward pass
+and needs per-example losses, so it is its own object with an ``SVI``-shaped :meth:`VOGN.step`,
+not a ``pyro.optim`` wrapper; its posterior is an ordinary Pyro guide, :attr:`VOGN.guide`.
 
 References:
 
@@ -152,12 +150,10 @@ class VOGN:
             chunk_size=chunk_size,
             reduce_fn=reduce_fn,
         )
-        self.model = model
-        self.dataset_size = dataset_size
-        self.num_particles = num_particles
-        self.chunk_size = chunk_size
+        self.model, self.dataset_size = model, dataset_size
+        self.num_particles, self.chunk_size = num_particles, chunk_size
         self.reduce_fn = reduce_fn
-        self._unreduced: list[torch.Tensor] = []  # s₀ until a step averages it across ranks
+        self._unreduced: list[torch.Tensor] = []  # s₀ until the first step averages it
         self.prior_precision = None if prior_precision is None else float(prior_precision)
         self.effective_size = float(augmentation_factor) * dataset_size
         self.damping = float(damping)
@@ -338,15 +334,12 @@ class VOGN:
     def _estimate(self, args, kwargs, step: int, tau: float) -> float:
         """ĝ, ĥ into the pass buffers and the loss, with every check; changes only what
         :meth:`step` rolls back on a refusal (σ, the buffers of the layers, the random state)."""
-        if self._scale_temperature != tau:
-            self._refresh_scale(tau)  # τ changed since σ was last computed
-        passes = self._passes
-        if self._unreduced and self.reduce_fn is not None:
-            # The first draw's σ must come from s₀ averaged over the ranks, as one process on
-            # the concatenated batch computes it, so s₀ is reduced before the weights are drawn.
-            self.reduce_fn(self._unreduced)
-            self._unreduced = []
+        if self._unreduced and self.reduce_fn is not None:  # the first draw's σ: from the
+            self.reduce_fn(self._unreduced)  # ranks' mean s₀, as in one process
+            self._unreduced, self._scale_temperature = [], None
+        if self._scale_temperature != tau:  # τ or s₀ changed since σ was last computed
             self._refresh_scale(tau)
+        passes = self._passes
         nlls, batch = passes.estimate(args, kwargs, num_particles=self.num_particles, step=step)
         nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
         if self.reduce_fn is not None:
