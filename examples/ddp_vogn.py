@@ -8,8 +8,8 @@ Each rank forms ĝ and ĥ (the mean gradient and the mean *squared per-example* 
 own shard with its own weight noise; ``reduce_fn=allreduce_mean()`` averages them (one all-reduce
 per step), which equals the estimates on the concatenated batch, so every rank applies the same
 update (docs/design/distributed.md). :class:`~pyro_bdl.distributed.StepAgreement` makes a batch
-refused on one rank raise on every rank. VOGN is set up on the same batch on every rank: its
-first step draws weights with the σ of that set-up curvature. The settings are those of
+refused on one rank raise on every rank. The first step also averages the initial curvature
+before it draws weights, so every rank draws with the same σ. The settings are those of
 ``pyro-bdl compare`` (β₂ = 0.01, γ = 0.03, τ = 0.03); in one process the defaults reached a test
 accuracy of 0.84 after 5 epochs (2026-11-23).
 """

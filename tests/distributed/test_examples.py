@@ -21,6 +21,7 @@ TINY = ["--epochs", "2", "--hidden", "16", "--num-samples", "4", "--batch-size",
 EXPECTED = {
     "ddp_swag": "SWAG snapshots; test accuracy",
     "ddp_vogn": "test accuracy",
+    "ddp_ivon": "test accuracy",
     "ddp_eval": "accuracy",
 }
 
@@ -42,7 +43,7 @@ def _check_trained(name: str, out: str) -> None:
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("epoch")]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), out
     if name != "ddp_vogn":
-        # Two epochs of a 16-unit MLP on digits: well above chance (0.1) for SWAG and SVI.
+        # Two epochs of a 16-unit MLP on digits: well above chance (0.1) for SWAG, SVI and IVON.
         # VOGN at its example settings needs more epochs than a fast test can give it.
         assert _accuracy(out) > 0.3, out
 
