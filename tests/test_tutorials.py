@@ -1,7 +1,7 @@
 """The tutorials in tutorials/ are stored executed, and each still runs top to bottom.
 
-(a) Every committed notebook has the outputs of every code cell, no error output, and as many
-    embedded PNG figures as its plotting calls promise, so a reader on a code host sees the
+(a) Every committed notebook has the outputs of every code cell, no error output, and a PNG
+    figure in every cell whose plotting calls promise one, so a reader on a code host sees the
     numbers and the plots.
 (b) Every notebook runs end to end in smoke mode (``PYRO_BDL_SMOKE=1``: tiny sizes), in a fresh
     kernel that imports this checkout.
@@ -45,9 +45,6 @@ def test_tutorial_is_stored_executed(path):
         assert images >= min(promised, 1), (
             f"{path.name}: code cell {i} draws a figure but stores no PNG output"
         )
-    assert any("image/png" in o.get("data", {}) for c in cells for o in c.outputs), (
-        f"{path.name} stores no figure"
-    )
 
 
 def test_the_stored_check_sees_a_missing_output(tmp_path):
@@ -79,5 +76,6 @@ def test_tutorial_runs_in_smoke_mode(path, monkeypatch, tmp_path):
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    promised = sum(c.source.count(call) for c in nb.cells for call in FIGURE_CALLS)
     images = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
-    assert images >= 1, f"{path.name} drew no figure in smoke mode"
+    assert images >= min(promised, 1), f"{path.name} drew no figure in smoke mode"
