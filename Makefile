@@ -7,14 +7,14 @@ STAMP  := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 OUTPUT ?= results
 
-.PHONY: venv run test test-slow test-all lint format bench clean
+.PHONY: venv run test test-slow test-all lint format bench docs clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
@@ -31,16 +31,21 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m ''
 
 lint: $(STAMP)
-	$(BIN)/ruff check pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
-	$(BIN)/ruff format --check pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
+	$(BIN)/ruff check pyro_bdl tests benchmarks examples docs/conf.py
+	$(BIN)/ruff format --check pyro_bdl tests benchmarks examples docs/conf.py
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
-	$(BIN)/ruff format pyro_bdl tests benchmarks examples tutorials/build_notebooks.py
+	$(BIN)/ruff check --fix pyro_bdl tests benchmarks examples docs/conf.py
+	$(BIN)/ruff format pyro_bdl tests benchmarks examples docs/conf.py
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 
+# The API reference, the design notes and the stored tutorials as HTML in docs/_build/html; any
+# Sphinx warning fails the build. The notebooks are rendered with their stored outputs, not run.
+docs: $(STAMP)
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache docs/_build docs/tutorials

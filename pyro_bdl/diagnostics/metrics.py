@@ -175,7 +175,7 @@ class Reliability:
     :ivar numpy.ndarray counts: number of examples per bin.
     :ivar numpy.ndarray accuracy: fraction correct per bin (NaN for empty bins).
     :ivar numpy.ndarray confidence: mean confidence (max probability) per bin (NaN if empty).
-    :ivar float ece: expected calibration error Σ_b |B_b|/n · |acc(B_b) − conf(B_b)|.
+    :ivar float ece: expected calibration error ``Σ_b |B_b|/n · |acc(B_b) − conf(B_b)|``.
     :ivar float mce: maximum calibration error over non-empty bins.
     """
 
