@@ -11,6 +11,10 @@ of ResNet-18 on CPU, and rotated-digits quality under two rules for the prior pr
    split; each structure fitted on it; λ by the marginal likelihood (gradient, one value) or by
    the probit log-likelihood on the held-out 15% (grid); NLL and ECE of the probit predictive on
    the test digits rotated by 0°, 30°, …, 180°.
+4. Rotated MNIST: the same protocol on the MNIST test-set split (8,000 / 2,000, from
+   ``$PYRO_BDL_DATA`` or ``--data-dir``; 20 epochs) with every structure but ``full`` over all
+   weights: for the 784-30-30-10 MLP (D = 24,790) its float64 matrix alone is 4.9 GB and its
+   factorisation ~5·10¹² FLOPs, which is what the other structures exist to avoid.
 
 Usage: ``python -m benchmarks.laplace_structures`` (``--smoke`` for a tiny run; results in
 ``benchmarks/results/laplace_structures_<part>.json``).
@@ -33,7 +37,7 @@ from torchvision.transforms.functional import rotate
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.compare import problem as compare_networks
-from pyro_bdl.data import load_digits
+from pyro_bdl.data import Dataset, load_digits, load_mnist
 from pyro_bdl.diagnostics.metrics import ece, nll
 from pyro_bdl.guides import AutoSubnetLaplace
 
@@ -149,9 +153,16 @@ def resnet_kron(rows: int, small: bool = False) -> dict:
     }
 
 
-def rotated(hidden: int, epochs: int, test_rows: int | None = None, rows: int | None = None):
-    """NLL and ECE per angle, per structure and λ rule (module docstring, part 3)."""
-    data = load_digits()
+def rotated(
+    hidden: int,
+    epochs: int,
+    test_rows: int | None = None,
+    rows: int | None = None,
+    data: Dataset | None = None,
+    structures=STRUCTURES,
+):
+    """NLL and ECE per angle, per structure and λ rule (module docstring, parts 3 and 4)."""
+    data = load_digits() if data is None else data
     order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))
     n_val = len(order) * 15 // 100
     x_val, y_val = data.x_train[order[:n_val]].double(), data.y_train[order[:n_val]]
@@ -159,7 +170,7 @@ def rotated(hidden: int, epochs: int, test_rows: int | None = None, rows: int | 
     x_test, y_test = data.x_test[:test_rows].double(), data.y_test[:test_rows]
     pyro.clear_param_store()
     torch.manual_seed(0)
-    net = compare_networks.mlp((1, 8, 8), 10, hidden).double()
+    net = compare_networks.mlp(tuple(data.x_train.shape[1:]), 10, hidden).double()
     model = models.classifier(bayesianize(net, priors.Normal(1.0)), len(y))
     base = _guide(model, x, y, "full", "all")
     svi = SVI(model, base, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
@@ -175,7 +186,7 @@ def rotated(hidden: int, epochs: int, test_rows: int | None = None, rows: int | 
             logits = pyro.poutine.condition(model, data=base.layout.unpack(theta))(xr)
         out["map"]["nll"].append(nll(logits.softmax(-1), y_test))
         out["map"]["ece"].append(ece(logits.softmax(-1), y_test))
-    for name, structure, subnetwork in STRUCTURES:
+    for name, structure, subnetwork in structures:
         for rule in ("marglik", "val_ll"):
             guide = _guide(model, x, y, structure, subnetwork, loc=theta)
             start = time.process_time()
@@ -198,13 +209,15 @@ def rotated(hidden: int, epochs: int, test_rows: int | None = None, rows: int | 
     out["map"]["mean_nll"] = sum(out["map"]["nll"]) / len(ANGLES)
     out["map"]["mean_ece"] = sum(out["map"]["ece"]) / len(ANGLES)
     for rule in ("marglik", "val_ll"):
-        keys = [f"{n}/{rule}" for n, _, _ in STRUCTURES]
+        keys = [f"{n}/{rule}" for n, _, _ in structures]
         out[f"best_mean_nll/{rule}"] = min(keys, key=lambda k: out[k]["mean_nll"])
         out[f"best_mean_ece/{rule}"] = min(keys, key=lambda k: out[k]["mean_ece"])
     return out
 
 
-PARTS = ("fit_time", "rotated_digits", "resnet18_kron")
+PARTS = ("fit_time", "rotated_digits", "resnet18_kron", "rotated_mnist")
+#: Parts that need the MNIST files; not run by default.
+DATA_PARTS = ("rotated_mnist",)
 
 
 def run(
@@ -212,8 +225,9 @@ def run(
     hidden: int = 30,
     resnet_rows: int = 64,
     rounds: int = 3,
-    parts=PARTS,
+    parts=tuple(p for p in PARTS if p not in DATA_PARTS),
     done=None,
+    data_dir=None,
 ) -> dict:
     """The ``parts`` of the benchmark (smoke: tiny sizes); ``done(name, figures)`` is called
     after each part, so that a long run keeps what it measured."""
@@ -223,6 +237,12 @@ def run(
             rotated(8, 1, test_rows=40, rows=100) if smoke else rotated(hidden, 40)
         ),
         "resnet18_kron": lambda: resnet_kron(4, small=True) if smoke else resnet_kron(resnet_rows),
+        "rotated_mnist": lambda: rotated(
+            *((8, 1) if smoke else (hidden, 20)),
+            **({"test_rows": 40, "rows": 100} if smoke else {}),
+            data=load_mnist(data_dir),
+            structures=STRUCTURES[1:],
+        ),
     }
     results = {}
     for name in parts:
@@ -251,12 +271,14 @@ def report(name: str, figures: dict) -> None:
             f"{figures['fit_s']:.1f} s, peak RSS {figures['peak_rss_mib']:.0f} MiB"
         )
     else:
-        print("rotated digits, mean over angles (NLL / ECE):")
+        print(f"{name.replace('_', ' ')}, mean over angles (NLL / ECE):")
         m = figures["map"]
         print(f"  {'map':22s} {m['mean_nll']:.3f} / {m['mean_ece']:.3f}")
         for structure, _, _ in STRUCTURES:
             for rule in ("marglik", "val_ll"):
                 key = f"{structure}/{rule}"
+                if key not in figures:
+                    continue
                 e = figures[key]
                 lam = e["lambda"] if isinstance(e["lambda"], float) else float("nan")
                 print(f"  {key:22s} {e['mean_nll']:.3f} / {e['mean_ece']:.3f}  λ {lam:.3g}")
@@ -268,7 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=30)
     parser.add_argument("--resnet-rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    default_parts = [p for p in PARTS if p not in DATA_PARTS]
+    parser.add_argument("--parts", nargs="+", default=default_parts, choices=PARTS)
+    parser.add_argument("--data-dir", default=None, help="MNIST folder (default $PYRO_BDL_DATA)")
     args = parser.parse_args(argv if argv is not None else [])
     torch.set_num_threads(1)
 
@@ -277,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.smoke:  # one file per part: a long run keeps what it measured
             write(f"laplace_structures_{name}", vars(args), figures)
 
-    run(args.smoke, args.hidden, args.resnet_rows, args.rounds, args.parts, done)
+    run(args.smoke, args.hidden, args.resnet_rows, args.rounds, args.parts, done, args.data_dir)
 
 
 if __name__ == "__main__":
