@@ -94,8 +94,10 @@ def fit_full(guide, data: Any, first: tuple, obs: Observation, index, dtype, red
     with eval_mode(guide._raw_model):
         at = lambda n: guide._forward(guide.loc, head(first, n), obs)  # noqa: E731
         if layer is not None:
-            # Per row: the forward graph, one row of the O·k products and the layer input.
-            width = 2 * count + layer.positions.shape[1] + obs.outputs**2
+            # Per row: the forward graph, one row of the O·k products, the layer input, the
+            # gradients at the layer's output (O × C) and their products (O × O).
+            o = layer.positions.shape[0]
+            width = 2 * count + layer.positions.shape[1] + o * (o + obs.outputs)
             rows = forward_rows(
                 at,
                 budget,
