@@ -29,7 +29,13 @@ from pyro_bdl.curvature.jacobian import (
     placements,
 )
 
-__all__ = ["LIKELIHOODS", "diagonal_ggn", "output_hessian_factor", "subnet_ggn"]
+__all__ = [
+    "LIKELIHOODS",
+    "diagonal_ggn",
+    "linear_layer_ggn",
+    "output_hessian_factor",
+    "subnet_ggn",
+]
 
 LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
 
@@ -64,16 +70,82 @@ def output_hessian_factor(
 
 
 def subnet_ggn(
-    jac: torch.Tensor, factor: torch.Tensor, *, dtype=None, out: torch.Tensor | None = None
+    jac: torch.Tensor,
+    factor: torch.Tensor,
+    *,
+    dtype=None,
+    out: torch.Tensor | None = None,
+    block: int = 512,
 ) -> torch.Tensor:
     r""":math:`\sum_n J_n^\top \Lambda_n J_n` (S, S) from ``jac`` (B, C, S) and ``factor``
     (B, C, K), accumulated in ``dtype`` (default: ``jac``'s, or ``out``'s). With ``out`` the sum
-    is added to it in place (no second S × S matrix) and ``out`` is returned."""
+    is added to it in place (no second S × S matrix) and ``out`` is returned. Columns are taken
+    ``block`` at a time, so that each product stays one large matrix multiplication."""
     dtype = out.dtype if out is not None else dtype or jac.dtype
     m = torch.einsum("bck,bcs->bks", factor.to(dtype), jac.to(dtype)).reshape(-1, jac.shape[-1])
-    if out is not None:
-        return out.addmm_(m.T, m)
-    return m.T @ m
+    if out is None:
+        out = m.new_zeros(m.shape[1], m.shape[1])
+    # The sum is symmetric: only the blocks on and above the diagonal are products, the others
+    # their transposes, which saves up to half the S × BK × S multiply-adds.
+    count = m.shape[1]
+    for i in range(0, count, block):
+        rows = slice(i, i + block)
+        upper = m[:, rows].T @ m[:, i:]
+        out[rows, i:] += upper
+        out[i + block :, rows] += upper[:, block:].T
+    return out
+
+
+def linear_layer_ggn(
+    forward: Callable[[], torch.Tensor],
+    module: torch.nn.Module,
+    bias: bool,
+    positions: torch.Tensor,
+    factor_fn: Callable[[torch.Tensor], torch.Tensor],
+    out: torch.Tensor,
+) -> torch.Tensor | None:
+    r"""Add the exact GGN of one ``Linear`` layer (weights ``[W, b]``, O × k) to ``out`` (S × S,
+    in place, in its dtype) and return the detached outputs (B, C); ``None`` (nothing added) when
+    the layer is not called exactly once on inputs of shape (B, k).
+
+    The layer's Jacobian is :math:`J_n = G_n (I_O \otimes \tilde a_n^\top)` with
+    :math:`\tilde a_n = [a_n; 1]` its input and :math:`G_n = \partial f_n / \partial z_n`,
+    so with :math:`\tilde\Lambda_n = G_n^\top \Lambda_n G_n = \sum_k g_{nk} g_{nk}^\top`,
+    :math:`g_{nk} = G_n^\top L_{n,:,k}`,
+
+    .. math:: H = \sum_n \tilde\Lambda_n \otimes \tilde a_n \tilde a_n^\top,
+
+    K batched backward passes to the layer's output and O products of k × B × S instead of one
+    of S × BK × S.
+    ``positions`` (O, k [+1]) are the subnetwork positions of the entries of ``[W, b]``.
+    """
+    with capture([module]) as calls:
+        f = as_matrix(forward())
+    if len(calls[module]) != 1 or calls[module][0][0].dim() != 2:
+        return None
+    a, z = calls[module][0]
+    factor = factor_fn(f).detach()
+    g = torch.stack(
+        [
+            torch.autograd.grad(f, z, grad_outputs=factor[:, :, k], retain_graph=True)[0]
+            for k in range(factor.shape[-1])
+        ],
+        -1,
+    )
+    dtype = out.dtype
+    g = g.to(dtype)
+    lam = g @ g.transpose(1, 2)  # (B, O, O)
+    phi = a.to(dtype)
+    if bias:
+        phi = torch.cat([phi, phi.new_ones(phi.shape[0], 1)], 1)
+    b, o, k = phi.shape[0], lam.shape[1], phi.shape[1]
+    block = out.new_empty(o * k, o * k)
+    for i in range(o):
+        scaled = (lam[:, i, :, None] * phi[:, None, :]).reshape(b, o * k)
+        block[i * k : (i + 1) * k] = phi.T @ scaled
+    flat = positions.reshape(-1).to(out.device)
+    out.index_put_((flat[:, None], flat[None, :]), block, accumulate=True)
+    return f.detach()
 
 
 def diagonal_ggn(

@@ -64,13 +64,16 @@ def kfac_sums(
     factor_fn: Callable[[torch.Tensor], torch.Tensor],
     a_sums: list[torch.Tensor],
     g_sums: list[torch.Tensor],
+    *,
+    grad_bytes: int = 32 << 20,
 ) -> torch.Tensor:
     r"""Add one batch's :math:`\frac1T\sum \bar a\bar a^\top` to ``a_sums`` and
     :math:`\sum g g^\top` to ``g_sums`` (one entry per layer, in place, in their dtype) and
     return the detached outputs (B, C).
 
-    ``factor_fn(outputs)`` gives :math:`L` (B, C, K); one backward pass per column k. A layer
-    called several times contributes every call as further positions t.
+    ``factor_fn(outputs)`` gives :math:`L` (B, C, K); one vmapped backward pass per group of
+    columns k, as many as keep the gradients at the layers' outputs within ``grad_bytes``
+    (at least one). A layer called several times contributes every call as further positions t.
     """
     modules = [layer.module for layer in layers]
     with capture(modules) as calls:
@@ -91,12 +94,21 @@ def kfac_sums(
             zs.append(z)
             owner.append(i)
         a_sums[i] += local / positions
-    for k in range(factor.shape[-1]):
+    # Several columns of L per backward pass (vmapped), as many as keep their layer-output
+    # gradients within ``grad_bytes``.
+    per_column = sum(z.numel() * z.element_size() for z in zs)
+    step = max(1, min(factor.shape[-1], grad_bytes // max(per_column, 1)))
+    for k in range(0, factor.shape[-1], step):
         grads = torch.autograd.grad(
-            out, zs, grad_outputs=factor[:, :, k], retain_graph=True, allow_unused=True
+            out,
+            zs,
+            grad_outputs=factor[:, :, k : k + step].permute(2, 0, 1),
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=True,
         )
         for i, g in zip(owner, grads):
             if g is not None:
-                gg = grad_factor(layers[i].kind, g).to(g_sums[i].dtype)
+                gg = grad_factor(layers[i].kind, g.flatten(0, 1)).to(g_sums[i].dtype)
                 g_sums[i] += torch.einsum("bit,bjt->ij", gg, gg)
     return out.detach()

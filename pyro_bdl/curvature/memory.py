@@ -34,6 +34,7 @@ __all__ = [
     "check_memory",
     "chunk_budget",
     "chunk_rows",
+    "forward_rows",
     "jacobian_row_bytes",
 ]
 
@@ -170,3 +171,26 @@ def chunk_rows(
     per_row = peaks[1] - peaks[0] if available > 1 else peaks[0]
     rows = max(1, min(batch_size, budget * 3 // 4 // max(per_row, 1)))
     return rows, max(1, budget // 4 // (3 * item))
+
+
+def forward_rows(
+    network_at: Callable[[int], tuple[Callable[[], torch.Tensor], Sequence[ParamSlot]]],
+    budget: int,
+    batch_size: int,
+    row_bytes: int,
+    *,
+    available: int,
+    exclude: Sequence[torch.Tensor] = (),
+) -> int:
+    """Rows per chunk within ``budget`` bytes for a pass that holds the forward graph and
+    ``row_bytes`` more per row: the graph's bytes per row are the difference between the peaks
+    of a two-row and a one-row forward pass (``network_at`` as in :func:`chunk_rows`)."""
+    peaks = []
+    for n in (1, 2):
+        forward, _ = network_at(n)
+        with TensorMemoryTracker(exclude=exclude) as mem:
+            forward()
+        peaks.append(mem.peak)
+    graph = peaks[1] - peaks[0] if available > 1 else peaks[0]
+    per_row = max(graph, 1) + row_bytes
+    return max(1, min(batch_size, budget // per_row))

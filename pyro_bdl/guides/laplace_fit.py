@@ -16,11 +16,16 @@ from typing import Any
 
 import torch
 
-from pyro_bdl.curvature.ggn import diagonal_ggn, output_hessian_factor, subnet_ggn
+from pyro_bdl.curvature.ggn import (
+    diagonal_ggn,
+    linear_layer_ggn,
+    output_hessian_factor,
+    subnet_ggn,
+)
 from pyro_bdl.curvature.jacobian import subnet_jacobian
 from pyro_bdl.curvature.kfac import kfac_sums
-from pyro_bdl.curvature.memory import chunk_budget, chunk_rows
-from pyro_bdl.guides.laplace_kron import kron_blocks
+from pyro_bdl.curvature.memory import chunk_budget, chunk_rows, forward_rows
+from pyro_bdl.guides.laplace_kron import KronBlock, kron_blocks
 from pyro_bdl.guides.laplace_marglik import fit_statistics
 from pyro_bdl.guides.laplace_model import Observation, eval_mode, head, network
 
@@ -60,9 +65,23 @@ def _factor(obs: Observation):
     return lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
 
 
+def _single_linear(guide, index) -> KronBlock | None:
+    """The block of the subnetwork when it is exactly one whole ``Linear`` layer (weight, and
+    bias if it has one), else ``None``."""
+    try:
+        blocks = kron_blocks(guide.layout, index)
+    except ValueError:
+        return None
+    if len(blocks) != 1 or blocks[0].layer.kind != "linear":
+        return None
+    return blocks[0] if blocks[0].positions.numel() == index.numel() else None
+
+
 def fit_full(guide, data: Any, first: tuple, obs: Observation, index, dtype, reduce_fn=None):
     """``(GGN over index (S × S, in dtype), statistics)`` from :math:`J_S` in row chunks sized by
-    the guide's memory budget (:mod:`~pyro_bdl.curvature.memory`)."""
+    the guide's memory budget (:mod:`~pyro_bdl.curvature.memory`); when the subnetwork is one
+    whole ``Linear`` layer (the last layer), from its inputs without :math:`J_S`
+    (:func:`~pyro_bdl.curvature.ggn.linear_layer_ggn`)."""
     item = torch.finfo(dtype).bits // 8
     count = index.numel()
     budget = chunk_budget(count, obs.outputs, guide.batch_size, item, guide.chunk_memory)
@@ -71,22 +90,50 @@ def fit_full(guide, data: Any, first: tuple, obs: Observation, index, dtype, red
     net = network(guide._raw_model)
     owned = [*net.parameters(), *net.buffers()] if net is not None else []
     exclude = [guide.loc, *tensors, *owned]
+    layer = _single_linear(guide, index)
     with eval_mode(guide._raw_model):
         at = lambda n: guide._forward(guide.loc, head(first, n), obs)  # noqa: E731
-        rows, select_numbers = chunk_rows(
-            at, index, budget, guide.batch_size, item, available=len(tensors[0]), exclude=exclude
-        )
+        if layer is not None:
+            # Per row: the forward graph, one row of the O·k products, the layer input, the
+            # gradients at the layer's output (O × C) and their products (O × O).
+            o = layer.positions.shape[0]
+            width = 2 * count + layer.positions.shape[1] + o * (o + obs.outputs)
+            rows = forward_rows(
+                at,
+                budget,
+                guide.batch_size,
+                width * item,
+                available=len(tensors[0]),
+                exclude=exclude,
+            )
+            select_numbers = budget // 4 // (3 * item)
+        else:
+            rows, select_numbers = chunk_rows(
+                at,
+                index,
+                budget,
+                guide.batch_size,
+                item,
+                available=len(tensors[0]),
+                exclude=exclude,
+            )
     ggn = torch.zeros(count, count, dtype=dtype, device=guide.loc.device)
     stats = torch.zeros(4, dtype=torch.float64)
     with eval_mode(guide._raw_model):
         for batch in guide._batches(data, rows):
             forward, slots = guide._forward(guide.loc, batch, obs)
-            jac, out = subnet_jacobian(
-                forward, slots, index, return_outputs=True, select_numbers=select_numbers
-            )
-            subnet_ggn(jac, output_hessian_factor(out, obs.likelihood, obs.noise), out=ggn)
+            out = None
+            if layer is not None:
+                module, bias = layer.layer.module, layer.layer.bias
+                out = linear_layer_ggn(forward, module, bias, layer.positions, _factor(obs), ggn)
+            if out is None:
+                jac, out = subnet_jacobian(
+                    forward, slots, index, return_outputs=True, select_numbers=select_numbers
+                )
+                subnet_ggn(jac, output_hessian_factor(out, obs.likelihood, obs.noise), out=ggn)
+                del jac
             stats += _stats(out, batch, obs).cpu()
-            del jac, out, forward, slots
+            del out, forward, slots
     return _reduce(reduce_fn, ggn), _reduce(reduce_fn, stats)
 
 
