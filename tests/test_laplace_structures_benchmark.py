@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/laplace_structures.py at tiny sizes: every part runs and forms its
-figures (the figures themselves are not checked). The fit-time part times laplace-torch too, so
-it needs the optional `bench` extra; the others run without it."""
+figures (the figures themselves are not checked). The fit-time and marglik parts run
+laplace-torch too, so they need the optional `bench` extra; the others run without it."""
 
 import importlib.util
 import inspect
@@ -38,10 +38,11 @@ def test_rotated_mnist_part_is_opt_in_and_reads_the_given_folder(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("laplace") is None, reason="needs laplace-torch")
-def test_smoke_fit_time_against_laplace_torch():
+def test_smoke_fit_time_and_marglik_against_laplace_torch():
     with warnings.catch_warnings():  # laplace-torch's import calls the deprecated jit.script
         warnings.simplefilter("ignore", FutureWarning)
         import laplace  # noqa: F401
-    out = _run(("fit_time",))
+    out = _run(("fit_time", "marglik"))
     for name, _, _ in laplace_structures.STRUCTURES:
         assert out["fit_time"][name]["ratio"] > 0
+        assert out["marglik"][name]["ours_lambda"] > 0
