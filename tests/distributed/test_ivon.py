@@ -1,33 +1,25 @@
 """Data-parallel IVON: two ``gloo`` ranks with shared weight noise equal one process on the
-concatenated batch (docs/design/ivon.md). The harness is that of test_data_parallel.py: the parent
-owns a ``TCPStore`` on port 0 and every collective has a timeout."""
+concatenated batch (docs/design/ivon.md), through test_data_parallel.py's two-rank harness."""
 
 from __future__ import annotations
-
-import os
-import socket
-from datetime import timedelta
 
 import pyro
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pyro_bdl import bayesianize, models
 from pyro_bdl.distributed import allreduce_mean_, shard_indices
 from pyro_bdl.infer import IVON
 from pyro_bdl.priors import Normal
+from tests.distributed.test_data_parallel import WORLD, spawn_phases
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 2
 N = 40
 B_LOCAL = 4
 STEPS = 12
 SEED = 321
-TIMEOUT = timedelta(seconds=60)
 
 
 def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,42 +41,28 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return shard_indices(N, rank=rank, world_size=WORLD, epoch=step, seed=0)[:B_LOCAL]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    for _, name in socket.if_nameindex():
-        if name in ("lo", "lo0"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
-    try:
-        x, y = _dataset()
-        calls = []
+def _phase_ivon(rank: int) -> dict:
+    x, y = _dataset()
+    calls = []
 
-        def reduce_fn(tensors):
-            calls.append(len(tensors))
-            allreduce_mean_(tensors)
+    def reduce_fn(tensors):
+        calls.append(len(tensors))
+        allreduce_mean_(tensors)
 
-        ivon = _ivon(reduce_fn)
-        pyro.set_rng_seed(SEED)  # the same seed on every rank: shared weight noise
-        losses, means = [], []
-        for t in range(STEPS):
-            idx = _batch(t, rank)
-            losses.append(ivon.step(x[idx], y[idx]))
-            means.append(ivon.guide.loc.clone())
-        out = {"losses": losses, "means": torch.stack(means), "scale": ivon.guide.scale.clone()}
-        out["calls"] = calls
-        torch.save(out, os.path.join(out_dir, f"rank-{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    ivon = _ivon(reduce_fn)
+    pyro.set_rng_seed(SEED)  # the same seed on every rank: shared weight noise
+    losses, means = [], []
+    for t in range(STEPS):
+        idx = _batch(t, rank)
+        losses.append(ivon.step(x[idx], y[idx]))
+        means.append(ivon.guide.loc.clone())
+    out = {"losses": losses, "means": torch.stack(means), "scale": ivon.guide.scale.clone()}
+    out["calls"] = calls
+    return out
 
 
 def test_two_ranks_with_shared_noise_equal_one_process(tmp_path):
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
-    try:
-        mp.spawn(_worker, args=(store.port, str(tmp_path)), nprocs=WORLD, join=True)
-    finally:
-        del store
-    ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(WORLD)]
+    ranks = [r["ivon"] for r in spawn_phases(tmp_path, {"ivon": _phase_ivon})]
     # One reduce call per step, holding ĝ and ĥ (the network has no hidden parameters).
     assert all(r["calls"] == [2] * STEPS for r in ranks)
     # Both ranks apply the same averaged estimates: bitwise identical states.

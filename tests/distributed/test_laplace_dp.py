@@ -1,31 +1,26 @@
 """Data-parallel Laplace fit: two ``gloo`` ranks, each with half of the data and a
-``reduce_fn`` that sums over ranks, against one process on all of it (the harness of
-test_data_parallel.py: the parent owns a ``TCPStore`` on port 0, every collective has a
-timeout)."""
+``reduce_fn`` that sums over ranks, against one process on all of it (through
+test_data_parallel.py's two-rank harness)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pyro_bdl import bayesianize, models
 from pyro_bdl.guides import AutoSubnetLaplace
 from pyro_bdl.priors import Normal
-from tests.distributed.test_data_parallel import _loopback_interface
+from tests.distributed.test_data_parallel import WORLD, spawn_phases
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 2
 N = 40
-TIMEOUT = timedelta(seconds=60)
 STRUCTURES = ("full", "kron", "diag")
 
 
@@ -56,29 +51,14 @@ def _allreduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    interface = _loopback_interface()
-    if interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
-    try:
-        x, y = _data()
-        shard = (x[rank::WORLD], y[rank::WORLD])
-        result = {s: _fit(s, shard, _allreduce_sum) for s in STRUCTURES}
-        torch.save(result, os.path.join(out_dir, f"rank-{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _phase_laplace(rank: int) -> dict:
+    x, y = _data()
+    shard = (x[rank::WORLD], y[rank::WORLD])
+    return {s: _fit(s, shard, _allreduce_sum) for s in STRUCTURES}
 
 
 def test_two_ranks_fit_the_posterior_of_all_the_data(tmp_path):
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
-    try:
-        mp.spawn(_worker, args=(store.port, str(tmp_path)), nprocs=WORLD, join=True)
-    finally:
-        del store
-    ranks = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(WORLD)]
+    ranks = [r["laplace"] for r in spawn_phases(tmp_path, {"laplace": _phase_laplace})]
     for structure in STRUCTURES:
         one = _fit(structure, _data())
         for rank in ranks:
