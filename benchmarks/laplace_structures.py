@@ -65,6 +65,17 @@ def _guide(model, x, y, structure: str, subnetwork: str, loc=None) -> AutoSubnet
     return guide
 
 
+def _theirs(laplace, plain: nn.Module, structure: str, subnetwork: str):
+    """laplace-torch's Laplace of the same network (a copy), structure and prior precision."""
+    return laplace.Laplace(
+        copy.deepcopy(plain),
+        "classification",
+        subset_of_weights=subnetwork,
+        hessian_structure=structure,
+        prior_precision=1.0,
+    )
+
+
 def fit_times(hidden: int, rounds: int, rows: int | None = None) -> dict:
     """Process seconds of ``fit`` per structure, ours and laplace-torch's, and their ratio."""
     import laplace  # the optional bench extra
@@ -90,13 +101,7 @@ def fit_times(hidden: int, rounds: int, rows: int | None = None) -> dict:
             times[name]["ours"].append(time.process_time() - start)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                la = laplace.Laplace(
-                    copy.deepcopy(plain),
-                    "classification",
-                    subset_of_weights=subnetwork,
-                    hessian_structure=structure,
-                    prior_precision=1.0,
-                )
+                la = _theirs(laplace, plain, structure, subnetwork)
                 start = time.process_time()
                 la.fit(loader)
                 times[name]["laplace_torch"].append(time.process_time() - start)
@@ -155,13 +160,7 @@ def marglik_times(hidden: int, rows: int | None = None, epochs: int = 10) -> dic
         ours_s = time.process_time() - start
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            la = laplace.Laplace(
-                copy.deepcopy(plain),
-                "classification",
-                subset_of_weights=subnetwork,
-                hessian_structure=structure,
-                prior_precision=1.0,
-            )
+            la = _theirs(laplace, plain, structure, subnetwork)
             la.fit(loader)
             start = time.process_time()
             la.optimize_prior_precision(method="marglik")
