@@ -151,9 +151,9 @@ def marglik_times(hidden: int, rows: int | None = None, epochs: int = 10) -> dic
     model = models.classifier(bayesianize(net, priors.Normal(1.0)), len(y))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=128)
     out: dict = {"D": sum(p.numel() for p in plain.parameters()), "rows": len(y)}
+    map_loc = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
     for name, structure, subnetwork in STRUCTURES:
-        guide = _guide(model, x, y, structure, subnetwork)
-        guide.loc.data = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+        guide = _guide(model, x, y, structure, subnetwork, loc=map_loc)
         guide.fit((x, y))
         start = time.process_time()
         lam = guide.tune_prior_precision()

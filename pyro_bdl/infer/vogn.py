@@ -250,7 +250,8 @@ class VOGN:
                 assert self.state is not None
                 self.state.curvature = h[0] / batch
                 self.state.hidden_curvature = [t / batch for t in h[1:]]
-                self._unreduced = [self.state.curvature, *self.state.hidden_curvature]
+                if self.reduce_fn is not None:  # averaged across ranks by the first step
+                    self._unreduced = [self.state.curvature, *self.state.hidden_curvature]
                 self._refresh_scale(self._temperature)
         except BaseException as err:
             refused(err, where)
