@@ -24,14 +24,25 @@ Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
 ``scale * KL``). Weight sites live outside the data plate, so under a subsampled plate the KL is
 counted once per step while the likelihood is scaled by N/B.
+
+A refused step (a non-finite loss, or anything the model or guide raises) changes nothing: the
+network's buffers (BatchNorm's running statistics), torch's random state and the parameters'
+gradients are put back before the error propagates (:mod:`pyro_bdl.infer.rollback`), so
+``SVI.step`` never reaches the optimiser and a retry with good data continues the run as if the
+bad batch had not come. The first step learns which buffers a pass writes (a global forward
+pre-hook, that step only); later steps copy just those (a few KB) and the generator state before
+the passes. A refused first call of an autoguide also undoes its set-up (its parameters and param
+store entries), so that the retry initialises it as an uninterrupted first step would.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
+import pyro
 import torch
 from pyro import poutine
 from pyro.distributions import Delta
@@ -43,9 +54,16 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from torch.distributions import Distribution, Independent, kl_divergence
 
 from pyro_bdl._validation import check_choice, check_positive_int
-from pyro_bdl.infer import kl as _kl
-from pyro_bdl.infer.elbo_step import StepGuard, guarded_loss_and_grads
+from pyro_bdl.infer.kl import (
+    NOISE_FAMILIES,
+    RADIAL_NOISE,
+    KLTerms,
+    NoiseFamily,
+    find_kl_estimator,
+    kl_direct,
+)
 from pyro_bdl.infer.kl_transform import reduce_transformed
+from pyro_bdl.infer.rollback import BufferRecorder, Rollback, refused
 
 __all__ = ["KLFallbackWarning", "TraceSuffStat_ELBO"]
 
@@ -66,9 +84,9 @@ def _unwrap(d: Distribution) -> tuple[Distribution, int]:
             return d, dims
 
 
-def _noise_family(d: Distribution) -> _kl.NoiseFamily | None:
+def _noise_family(d: Distribution) -> NoiseFamily | None:
     for cls in type(d).__mro__:
-        family = _kl.NOISE_FAMILIES.get(cls)
+        family = NOISE_FAMILIES.get(cls)
         if family is not None:
             return family
     return None
@@ -104,6 +122,24 @@ def _exact_kl(q: Distribution, p: Distribution) -> torch.Tensor | None:
     except NotImplementedError:
         return None
     return sum_rightmost(kl.expand(q.batch_shape + q.event_shape), len(q.event_shape))
+
+
+@dataclass
+class _StepGuard:
+    """Per-ELBO bookkeeping: the layers to save (known after the first step) and the steps done.
+
+    :ivar int steps: ``loss_and_grads`` calls that completed (SVI steps taken with this ELBO).
+    :ivar current: the step under way (``None`` outside ``loss_and_grads``), for error messages.
+    """
+
+    rollback: Rollback | None = None
+    steps: int = 0
+    current: int | None = None
+
+
+def _leaf(value: torch.Tensor) -> torch.Tensor:
+    unconstrained = getattr(value, "unconstrained", None)
+    return unconstrained() if callable(unconstrained) else value
 
 
 class KLFallbackWarning(UserWarning):
@@ -170,7 +206,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         super().__init__(num_particles=num_particles, **kwargs)
         self.kl_methods: dict[str, str] = {}
         self._warned: set[str] = set()
-        self._guard = StepGuard()
+        self._guard = _StepGuard()
 
     def _get_trace(self, model, guide, args, kwargs):
         # As pyro.infer.enum.get_importance_trace, minus the log-densities of latent sites in the
@@ -195,9 +231,71 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         return model_trace, guide_trace
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        """Trace_ELBO's; a refused step (non-finite loss) leaves the network's buffers, the random
-        state and the gradients as they were (:mod:`pyro_bdl.infer.elbo_step`)."""
-        return guarded_loss_and_grads(self, self._guard, model, guide, args, kwargs)
+        """Trace_ELBO's loss and backward pass over ``num_particles`` particles, undone on any
+        error: the network's buffers, the random state and the gradients (with several
+        particles, those of the earlier ones too) are left as they were."""
+        recorder = BufferRecorder() if self._guard.rollback is None else None
+        cpu_rng = torch.get_rng_state() if recorder is not None else None
+        cuda_rng = (
+            torch.cuda.get_rng_state_all()
+            if recorder is not None and torch.cuda.is_initialized()
+            else None
+        )
+        if recorder is not None:
+            recorder.__enter__()
+        else:
+            assert self._guard.rollback is not None
+            self._guard.rollback.save()
+        # An autoguide sets itself up (parameters, param store entries) on its first call; a refused
+        # first call undoes that too, so that the retry initialises it as the first call would have.
+        fresh_guide = getattr(guide, "prototype_trace", False) is None
+        store = pyro.get_param_store()
+        known = set(store.keys()) if fresh_guide or recorder is not None else None
+        grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._guard.current = self._guard.steps + 1
+        loss = 0.0
+        try:
+            for model_trace, guide_trace in self._get_traces(model, guide, args, kwargs):
+                loss_particle, surrogate = self._differentiable_loss_particle(
+                    model_trace, guide_trace
+                )
+                loss += loss_particle / self.num_particles
+                params = [
+                    _leaf(site["value"])
+                    for trace in (model_trace, guide_trace)
+                    for site in trace.nodes.values()
+                    if site["type"] == "param"
+                ]
+                if params and getattr(surrogate, "requires_grad", False):
+                    if grads is None and self.num_particles > 1:
+                        grads = [(p, None if p.grad is None else p.grad.clone()) for p in params]
+                    (surrogate / self.num_particles).backward(retain_graph=self.retain_graph)
+        except BaseException as err:
+            refused(err, f"TraceSuffStat_ELBO step {self._guard.current}")
+            if recorder is not None:
+                recorder.__exit__()
+                recorder.restore()
+                if cpu_rng is not None:
+                    torch.set_rng_state(cpu_rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+            else:
+                assert self._guard.rollback is not None
+                self._guard.rollback.restore()
+            for p, g in grads or ():
+                p.grad = g
+            for name in set(store.keys()) - known if known is not None else ():
+                del store[name]
+            if fresh_guide:
+                guide.prototype_trace = None
+            raise
+        finally:
+            self._guard.current = None
+        if recorder is not None:
+            recorder.__exit__()
+            self._guard.rollback = Rollback(recorder.written())
+        self._guard.steps += 1
+        return loss
 
     def loss(self, model, guide, *args, **kwargs) -> float:
         """An estimate of the negative ELBO (no gradient), averaged over ``num_particles``."""
@@ -350,19 +448,19 @@ class TraceSuffStat_ELBO(Trace_ELBO):
             elbo = elbo + scale_and_mask(log_p, model_site["scale"], model_site["mask"]).sum()
         return elbo
 
-    def _mc_terms(self, name: str, q: Distribution, p: Distribution) -> _kl.KLTerms | str:
+    def _mc_terms(self, name: str, q: Distribution, p: Distribution) -> KLTerms | str:
         """The registered M-sample estimator's terms, or why none applies (with the fix)."""
         q_base, q_dims = _unwrap(q)
         p_base, p_dims = _unwrap(p)
         family = _noise_family(q_base)
         if family is None:
-            known = ", ".join(c.__name__ for c in _kl.NOISE_FAMILIES)
+            known = ", ".join(c.__name__ for c in NOISE_FAMILIES)
             return (
                 f"the guide's {type(q_base).__name__} is not a registered location-scale "
                 f"posterior (known: {known}); for the M-sample KL use a guide with one of these "
                 "on each site, such as pyro_bdl.guides.AutoMeanField or AutoRadial"
             )
-        if family is _kl.RADIAL_NOISE and q_dims:
+        if family is RADIAL_NOISE and q_dims:
             return (
                 "a Radial wrapped in Independent normalises over too few dims; use "
                 "pyro_bdl.guides.AutoRadial, whose Radial covers the whole site"
@@ -374,9 +472,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 "prior (or register a closed form with torch.distributions.kl.register_kl)"
             )
         estimator = (
-            _kl.kl_direct
-            if self.kl == "direct"
-            else _kl.find_kl_estimator(family.name, type(p_base))
+            kl_direct if self.kl == "direct" else find_kl_estimator(family.name, type(p_base))
         )
         if estimator is None:
             return (

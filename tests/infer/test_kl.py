@@ -3,7 +3,9 @@ with closed forms, the memory property, the Gaussian statistics, the registry an
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 
 import pyro.distributions as dist
 import pytest
@@ -264,3 +266,18 @@ def test_bad_arguments_raise_clear_errors():
     learnable = dist.Laplace(0.0, torch.tensor(1.0, requires_grad=True))
     with pytest.raises(NotImplementedError, match="'scale' requires grad"):
         K.kl_streaming(loc, scale, learnable)
+
+
+@pytest.mark.parametrize(
+    "old, names",
+    [
+        ("pyro_bdl.infer.kl_noise", ["KLTerms", "NoiseFamily", "noise_family", "RADIAL_NOISE"]),
+        ("pyro_bdl.infer.kl_streaming", ["kl_streaming", "autograd_score", "laplace_chunk_sums"]),
+    ],
+)
+def test_old_module_paths_warn_and_give_the_same_objects(old, names):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match="moved to pyro_bdl.infer.kl"):
+        module = importlib.import_module(old)
+    for name in names:
+        assert getattr(module, name) is getattr(K, name)
