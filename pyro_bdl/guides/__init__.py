@@ -2,8 +2,7 @@
 ``poutine``, ``state_dict`` checkpoints and the diagnostics work the same for all of them."""
 
 from pyro_bdl.guides.base import AutoLocScaleGuide
-from pyro_bdl.guides.ensemble import AutoEnsemble
-from pyro_bdl.guides.ensemble_swag import AutoMultiSWAG
+from pyro_bdl.guides.ensemble import AutoEnsemble, AutoMultiSWAG
 from pyro_bdl.guides.laplace import AutoLaplace, AutoSubnetLaplace, NotFittedError
 from pyro_bdl.guides.meanfield import AutoMeanField
 from pyro_bdl.guides.radial import AutoRadial

@@ -10,9 +10,8 @@ Both are read here as one posterior over the packed weight vector, the equal-wei
     q_m = \delta_{\theta_m} \text{ (ensemble)} \text{ or } \mathcal N(\bar\theta_m, \Sigma_m)
     \text{ (MultiSWAG)},
 
-so a draw picks a member uniformly and draws from it (:class:`AutoEnsemble` here,
-:class:`~pyro_bdl.guides.ensemble_swag.AutoMultiSWAG` in :mod:`~pyro_bdl.guides.ensemble_swag`):
-``Predictive``,
+so a draw picks a member uniformly and draws from it (:class:`MemberMixture`; the guides
+:class:`AutoEnsemble` and :class:`AutoMultiSWAG` share :class:`MemberGuide`): ``Predictive``,
 :func:`~pyro_bdl.predictive.sample_outputs`, :func:`~pyro_bdl.diagnostics.export.to_inference_data`
 and the metrics use :class:`AutoEnsemble` and :class:`AutoMultiSWAG` like any other guide. For
 the predictive itself, :meth:`MemberGuide.member_outputs` enumerates the members instead of
@@ -26,24 +25,109 @@ docs/design/ensemble.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.distributions import TorchDistribution, constraints
 from pyro.infer.autoguide import AutoContinuous
+from torch import nn
+from torch.distributions import Distribution
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.guides.access import SiteAccess
-from pyro_bdl.guides.ensemble_mixture import MemberMixture
 from pyro_bdl.guides.state_checks import CheckedLoad
+from pyro_bdl.guides.swag import AutoSWAG
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn import init_to_network
 from pyro_bdl.predictive import sample_outputs
 
-__all__ = ["AutoEnsemble", "MemberGuide", "MemberMixture"]
+__all__ = ["AutoEnsemble", "AutoMultiSWAG", "MemberGuide", "MemberMixture"]
+
+
+class MemberMixture(TorchDistribution):
+    r"""Equal-weight mixture of ``members``, each a distribution with event shape ``(D,)`` and no
+    batch shape.
+
+    Sampling draws the member indices of all ``n`` draws at once and each member only for the
+    draws that picked it (``n`` draws in all, not ``M · n``).
+
+    :param members: the M component distributions (point masses, SWAG Gaussians, ...).
+    :param int member: draw from this member only (``None``: pick uniformly per draw).
+    """
+
+    arg_constraints: dict = {}
+    support = constraints.real_vector
+    has_rsample = False
+
+    def __init__(
+        self,
+        members: Sequence[Distribution],
+        *,
+        member: int | None = None,
+        batch_shape: torch.Size | tuple[int, ...] = (),
+    ):
+        self.members = tuple(members)
+        if not self.members:
+            raise ValueError("MemberMixture needs at least one member distribution; got none.")
+        if member is not None and not 0 <= member < len(self.members):
+            raise ValueError(f"member must be in [0, {len(self.members)}); got {member}.")
+        self.member = member
+        event_shape = self.members[0].event_shape
+        super().__init__(torch.Size(batch_shape), event_shape, validate_args=False)
+
+    def expand(self, batch_shape, _instance=None):
+        # Pyro's plates (Predictive(parallel=True), sample_outputs) expand the distribution:
+        # a draw of the expanded mixture is one independent mixture draw per batch element.
+        return MemberMixture(self.members, member=self.member, batch_shape=batch_shape)
+
+    def _stacked(self, attr: str) -> torch.Tensor:
+        return torch.stack([getattr(m, attr) for m in self.members])
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The average of the members' means."""
+        return self._stacked("mean").mean(0).expand(self.batch_shape + self.event_shape)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        r"""Law of total variance: :math:`\frac1M\sum_m \sigma_m^2 + \frac1M\sum_m (\mu_m -
+        \bar\mu)^2`, coordinate by coordinate."""
+        means = self._stacked("mean")
+        spread = (means - means.mean(0)).square().mean(0)
+        total = self._stacked("variance").mean(0) + spread
+        return total.expand(self.batch_shape + self.event_shape)
+
+    def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
+        shape = torch.Size(sample_shape) + self.batch_shape
+        with torch.no_grad():
+            if self.member is not None:
+                return self.members[self.member].sample(shape)
+            n = shape.numel()
+            device = self.members[0].mean.device
+            index = torch.randint(len(self.members), (n,), device=device)
+            out: torch.Tensor | None = None
+            for k, member in enumerate(self.members):
+                rows = (index == k).nonzero().squeeze(1)
+                if rows.numel() == 0:
+                    continue
+                draw = member.sample(torch.Size([rows.numel()]))
+                if out is None:
+                    out = draw.new_empty((n, *self.event_shape))
+                out[rows] = draw
+            assert out is not None  # n >= 1, so some member was picked
+            return out.reshape(shape + self.event_shape)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """:math:`\\log \\frac1M \\sum_m q_m(\\theta)`; for one fixed member, that member's."""
+        if self.member is not None:
+            return self.members[self.member].log_prob(value)
+        parts = torch.stack([m.log_prob(value) for m in self.members], -1)
+        return parts.logsumexp(-1) - math.log(len(self.members))
 
 
 def _count(members: object) -> int | None:
@@ -85,7 +169,7 @@ def _check_same_layout(signatures: list, what: str) -> None:
 
 class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
     """Base of :class:`AutoEnsemble` and :class:`AutoMultiSWAG`: the guide of the mixture
-    :class:`~pyro_bdl.guides.ensemble_mixture.MemberMixture` over the packed vector. A subclass
+    :class:`MemberMixture` over the packed vector. A subclass
     provides :meth:`member_posteriors` and sets up its members in :meth:`_setup_members`."""
 
     layout: SiteLayout
@@ -330,3 +414,93 @@ class AutoEnsemble(MemberGuide):
         locs = self._buffers["ensemble_locs"]
         assert locs is not None
         return [dist.Delta(loc, event_dim=1, validate_args=False) for loc in locs]
+
+
+class AutoMultiSWAG(MemberGuide):
+    r"""MultiSWAG: the uniform mixture of M :class:`~pyro_bdl.guides.AutoSWAG` Gaussians, each
+    from its own SGD run of one lifted model.
+
+    A draw picks a member uniformly and draws from its SWAG Gaussian; :meth:`member_outputs`
+    takes ``num_samples`` draws from each member in turn. The members are submodules
+    (``members.0`` …), so ``state_dict`` holds every member's SWAG statistics and
+    ``load_state_dict`` checks them all before copying any.
+
+    :param callable model: the Pyro model over the lifted network (any member's).
+    :param members: the M trained :class:`~pyro_bdl.guides.AutoSWAG` guides (each with at
+        least two collected snapshots), or an int M for M fresh ones built with
+        ``swag_options`` (to load a ``state_dict`` into).
+    :param swag_options: keyword arguments of the fresh members' :class:`AutoSWAG` (``rank``,
+        ``diag_only``, ``scale``, ...), only with an int ``members``.
+
+    References:
+
+    [1] `Bayesian Deep Learning and a Probabilistic Perspective of Generalization`,
+        Andrew Gordon Wilson, Pavel Izmailov (NeurIPS 2020)
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        members,
+        *,
+        init_loc_fn: Callable = init_to_network,
+        **swag_options: Any,
+    ):
+        count = _count(members)
+        if count is not None:
+            guides = [
+                AutoSWAG(model, init_loc_fn=init_loc_fn, **swag_options) for _ in range(count)
+            ]
+        else:
+            if swag_options:
+                raise TypeError(
+                    f"swag_options {sorted(swag_options)} only apply to fresh members (an int "
+                    "members); trained members keep their own options."
+                )
+            guides = _as_list(members, "trained AutoSWAG guides")
+            for k, guide in enumerate(guides):
+                if not isinstance(guide, AutoSWAG):
+                    raise TypeError(
+                        f"members[{k}] must be an AutoSWAG guide; got {type(guide).__name__}."
+                    )
+                guide.require_collected(f"join a MultiSWAG ensemble (members[{k}])")
+            _check_same_layout([_signature(g.layout) for g in guides], "MultiSWAG member")
+        super().__init__(model, len(guides), init_loc_fn=init_loc_fn)
+        self.members = nn.ModuleList(guides)
+
+    def _setup_members(self, init: torch.Tensor) -> None:
+        own = _signature(self.layout)
+        for k, guide in enumerate(self.swag_members):
+            if guide.prototype_trace is None:
+                guide._setup_prototype(*self._args_kwargs[0], **self._args_kwargs[1])
+            if _signature(guide.layout) != own:
+                raise ValueError(
+                    f"members[{k}] is a SWAG guide of another model (its sites differ from this "
+                    "model's); pass AutoSWAG guides of the same lifted network."
+                )
+
+    def _setup_prototype(self, *args, **kwargs):
+        self._args_kwargs = (args, kwargs)  # fresh members set up on the same arguments
+        try:
+            super()._setup_prototype(*args, **kwargs)
+        finally:
+            del self._args_kwargs
+
+    def member_posteriors(self) -> list[dist.TorchDistribution]:
+        """Each member's SWAG Gaussian; a member with fewer than two snapshots (a fresh guide
+        before ``load_state_dict``) contributes its point estimate, as AutoSWAG itself does."""
+        self._ensure_setup()
+        out: list[dist.TorchDistribution] = []
+        for guide in self.swag_members:
+            if guide.num_collected >= 2:
+                out.append(guide.get_posterior())
+            else:
+                loc = guide._parameters["loc"]
+                assert loc is not None
+                out.append(dist.Delta(loc.detach(), event_dim=1, validate_args=False))
+        return out
+
+    @property
+    def swag_members(self) -> list[AutoSWAG]:
+        """The M member guides (``members`` typed)."""
+        return [cast(AutoSWAG, guide) for guide in self.members]

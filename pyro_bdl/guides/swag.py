@@ -230,7 +230,9 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
                 "(svi.step(x, y) or guide(x)) so it knows the model's sites."
             )
 
-    def _require_collected(self, action: str) -> None:
+    def require_collected(self, action: str) -> None:
+        """Raise :class:`NotCollectedError` naming ``action`` unless the guide is set up and has
+        collected at least two snapshots (what sampling needs)."""
         self._require_setup(action)
         if self._num_collected < 2:
             raise NotCollectedError(
@@ -286,7 +288,7 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
 
     def get_posterior(self, *args, **kwargs) -> SWAGNormal:
         """The SWAG Gaussian over the packed latent vector (SWAG-diag if ``diag_only``)."""
-        self._require_collected("build its posterior")
+        self.require_collected("build its posterior")
         mean, m2 = self._buffers["swag_mean"], self._buffers["swag_m2"]
         assert mean is not None and m2 is not None
         if not self.cache_std:
@@ -380,7 +382,7 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         site's (unconstrained) shape}`` — what subnetwork selection ranks weights by. Defined
         for SWAG guides too (the diagonal statistics are always kept), where it is the diagonal
         part of the SWAG covariance, without the low-rank term."""
-        self._require_collected("give marginal variances")
+        self.require_collected("give marginal variances")
         variance = swag_variance(self.swag_m2, self._num_collected, clamp=self.var_clamp)
         variance.mul_(self.scale)
         return self.layout.unpack(variance)

@@ -4,6 +4,9 @@ tests/guides/test_contract.py run on both guides."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pyro
 import pytest
 import torch
@@ -13,8 +16,8 @@ from scipy.stats import binom
 from torch import nn
 
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG
-from pyro_bdl.guides.ensemble_mixture import MemberMixture
+from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG, ensemble
+from pyro_bdl.guides.ensemble import MemberMixture
 from pyro_bdl.guides.state_checks import StateDictMismatchError
 from pyro_bdl.guides.swag import NotCollectedError
 from pyro_bdl.predictive import sample_outputs
@@ -299,3 +302,13 @@ def test_to_inference_data_exports_member_draws(make):
         members = guide.layout.unpack(guide.ensemble_locs)["3.bias"]
         for draw in torch.as_tensor(bias[0]):
             assert (draw - members).abs().amax(-1).min() < 1e-6
+
+
+@pytest.mark.parametrize(
+    "old, name", [("ensemble_mixture", "MemberMixture"), ("ensemble_swag", "AutoMultiSWAG")]
+)
+def test_old_module_paths_warn_and_give_the_same_objects(old, name):
+    sys.modules.pop(f"pyro_bdl.guides.{old}", None)
+    with pytest.warns(DeprecationWarning, match="moved to pyro_bdl.guides.ensemble"):
+        module = importlib.import_module(f"pyro_bdl.guides.{old}")
+    assert getattr(module, name) is getattr(ensemble, name)
