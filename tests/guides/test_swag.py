@@ -3,7 +3,9 @@ guide, errors, state, BatchNorm refresh, and the load_digits comparison with SGD
 
 from __future__ import annotations
 
+import importlib
 import io
+import sys
 
 import pyro
 import pyro.distributions as dist
@@ -16,7 +18,7 @@ from scipy.stats import chi2
 from torch import nn
 
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.guides import AutoSWAG
+from pyro_bdl.guides import AutoSWAG, swag
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh, refresh_batchnorm
 from pyro_bdl.guides.swag import NotCollectedError, SWAGNormal, swag_collect_, swag_sample
 from tests.common import assert_close
@@ -675,3 +677,18 @@ def test_digits_swag_beats_the_sgd_point_estimate_of_the_same_run():
     torch.set_num_threads(1)  # as in the MNIST check
     # Seeds 0–4 suffice for the strict xfail: its NLL claim already fails in three of them.
     assert_swag_beats_sgd([sgd_vs_swag(load_digits(seed=0), seed) for seed in SEEDS[:5]])
+
+
+@pytest.mark.parametrize(
+    "old, names",
+    [
+        ("swag_gaussian", ["SWAGNormal", "swag_collect_", "swag_sample"]),
+        ("swag_state", ["convert_second_moment", "sync_counter"]),
+    ],
+)
+def test_old_module_paths_warn_and_give_the_same_objects(old, names):
+    sys.modules.pop(f"pyro_bdl.guides.{old}", None)
+    with pytest.warns(DeprecationWarning, match="moved to pyro_bdl.guides.swag"):
+        module = importlib.import_module(f"pyro_bdl.guides.{old}")
+    for name in names:
+        assert getattr(module, name) is getattr(swag, name)
