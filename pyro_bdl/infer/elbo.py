@@ -138,6 +138,7 @@ class _StepGuard:
 
 
 def _leaf(value: torch.Tensor) -> torch.Tensor:
+    """The tensor a param site's gradient lands on (a constrained param's unconstrained one)."""
     unconstrained = getattr(value, "unconstrained", None)
     return unconstrained() if callable(unconstrained) else value
 
