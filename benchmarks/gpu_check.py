@@ -320,6 +320,7 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
 
     from benchmarks import resnet
     from pyro_bdl.curvature.per_example_forms import (
+        FORMS,
         choose_form,
         form_costs,
         layer_shape,
@@ -362,13 +363,12 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
             entry["fastest"] = fastest
             entry["picked_over_fastest"] = timed.get(entry["picked"], float("nan")) / timed[fastest]
         layers[name] = entry
-    done = [e for e in layers.values() if "fastest" in e]
+    # The totals only over layers whose every form was timed before the budget ran out.
+    done = [e for e in layers.values() if None not in e["seconds"].values()]
     summary = {
         "layers": len(layers),
-        "picked": {
-            f: sum(e["picked"] == f for e in layers.values())
-            for f in ("grouped", "unfold", "pairs")
-        },
+        "layers_fully_timed": len(done),
+        "picked": {f: sum(e["picked"] == f for e in layers.values()) for f in FORMS},
         "picked_is_fastest": sum(e["picked"] == e["fastest"] for e in done),
         "total_seconds_picked": sum(e["seconds"][e["picked"]] for e in done),
         "total_seconds_fastest": sum(e["seconds"][e["fastest"]] for e in done),
@@ -678,6 +678,37 @@ PARTS: dict[str, Callable[[str, bool, float], dict]] = {
 }
 
 
+def _steps_headline(figures: dict) -> dict:
+    return {
+        precision: {
+            k: round(r["time_ratio"], 2) if "time_ratio" in r else r["status"]
+            for k, r in pairs.items()
+        }
+        for precision, pairs in figures.items()
+    }
+
+
+#: One line per part for the summary: what to look at first.
+HEADLINES: dict[str, Callable[[dict], object]] = {
+    "tests": lambda r: r["counts"],
+    "steps": lambda r: _steps_headline(r["figures"]),
+    "forms": lambda r: {
+        k: r["figures"]["summary"][k] for k in ("layers", "picked", "picked_is_fastest")
+    },
+    "compare": lambda r: {
+        "rc": r["rc"],
+        "methods": {
+            row["method"]: row.get("error", "ok") for row in (r["figures"] or {}).get("results", [])
+        },
+    },
+    "match": lambda r: {m: v.get("ok") for m, v in r["figures"].items()},
+    "arviz": lambda r: {
+        "tests": r["figures"]["tests"]["counts"],
+        "probe_errors": [k for k, v in r["figures"]["probe"].items() if str(v).startswith("error")],
+    },
+}
+
+
 def run_part(name: str, device: str, quick: bool, budget: float, output: Path) -> dict:
     """One part in this process; its record (status, seconds, figures) is written whatever
     happens."""
@@ -720,6 +751,11 @@ def run_all(
             status = "timed out" if run["rc"] is None else f"crashed (rc {run['rc']})"
             write_part(output, name, {"status": status, "seconds": run["seconds"], **run})
         summary[name] = {"status": status, "seconds": run["seconds"], "budget_seconds": budget}
+        if status == "ok":
+            try:
+                summary[name]["headline"] = HEADLINES[name](json.loads(path.read_text()))
+            except (KeyError, TypeError, AttributeError) as err:  # a record of another shape
+                summary[name]["headline"] = f"unreadable: {type(err).__name__}: {err}"
         print(f"== {name}: {status} in {run['seconds']:.0f} s", flush=True)
     write_part(output, "summary", {"figures": summary, "seconds": time.monotonic() - start})
     return summary

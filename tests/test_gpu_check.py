@@ -61,6 +61,14 @@ def test_forms_part_times_every_form_of_every_layer(quiet_cpu):
     assert summary["total_seconds_picked"] >= summary["total_seconds_fastest"] > 0
 
 
+def test_forms_part_past_its_budget_still_records_the_picks(quiet_cpu):
+    out = gpu_check.part_forms("cpu", True, time.monotonic() - 1)
+    summary = out["figures"]["summary"]
+    assert summary["layers"] == 3 and summary["layers_fully_timed"] == 0
+    assert sum(summary["picked"].values()) == 3 and summary["total_seconds_picked"] == 0
+    assert all(s is None for e in out["figures"]["layers"].values() for s in e["seconds"].values())
+
+
 def test_form_sums_agree_across_forms():
     # The three forms compute the same Σg and Σg²; the timing compares like with like.
     torch.manual_seed(0)
@@ -172,6 +180,7 @@ def test_run_bounded_kills_the_whole_group_past_its_timeout():
 def test_the_runner_writes_each_part_and_the_summary(tmp_path):
     summary = gpu_check.run_all(["forms"], "cpu", True, tmp_path)
     assert summary["forms"]["status"] == "ok"
+    assert summary["forms"]["headline"]["layers"] == 3  # the tiny CNN's three layers
     record = json.loads((tmp_path / "gpu-forms.json").read_text())
     assert {"machine", "part", "status", "config", "figures", "seconds"} <= set(record)
     assert record["machine"]["torch"] == torch.__version__ and record["machine"]["date"]
