@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 OUTPUT ?= results
 
-.PHONY: venv run test test-slow test-all lint format bench docs clean
+.PHONY: venv run test test-slow test-all lint format bench docs clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -46,6 +46,30 @@ bench: $(STAMP)
 # Sphinx warning fails the build. The notebooks are rendered with their stored outputs, not run.
 docs: $(STAMP)
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
+# The GPU check (docs/gpu.md). `make gpu-wheels` here, with PyPI reachable: the wheels the lent
+# GPU machine (Python 3.12, torch, no network) lacks, one pinned version each so that pip never
+# sees two, into the git-ignored .whl/ that travels with the working tree. `make gpu-check` there:
+# no venv (nothing to install from), the wheels into /tmp/site unless pyro is already importable.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS := pyro-ppl==1.9.2 pyro-api==0.1.2 arviz==1.3.0 arviz-base==1.3.1 arviz-stats==1.3.3 \
+	arviz-plots==1.3.2 xarray-einstats==0.11.0 h5netcdf==1.8.2
+GPU_SITE ?= /tmp/site
+# e.g. GPU_CHECK_ARGS="--parts steps,match"
+GPU_CHECK_ARGS ?=
+
+gpu-wheels:
+	rm -rf .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYTHON_VERSION) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	du -sh .whl
+
+gpu-check:
+	$(PYTHON) -c "import pyro, arviz" 2>/dev/null || $(PYTHON) -m pip install -q --no-index --no-deps \
+		--no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE):$$PWD $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache docs/_build docs/tutorials

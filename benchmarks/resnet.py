@@ -12,6 +12,7 @@ variant            the step                                                    r
 ``swag``           ``SVI`` + ``AutoSWAG`` + ``Trace_ELBO``, SGD (point step)    ``sgd``
 ``laplace_map``    ``SVI`` + ``AutoSubnetLaplace`` + ``Trace_ELBO``, SGD (MAP)  ``sgd``
 ``vogn``           ``VOGN.step`` (one MC sample)                                ``adam``
+``ivon``           ``IVON.step`` (one MC sample)                                ``adam``
 =================  ==========================================================  ===============
 
 ``mf_plain`` is the mean-field step written by hand: per lifted parameter a (loc, ρ) pair,
@@ -26,11 +27,16 @@ load from a neighbour hits both). On CUDA: CUDA events. Peak memory: the largest
 of tensors allocated during one step beyond those alive before it (CPU: a ``TorchDispatchMode``
 tracker, ``pyro_bdl.curvature.TensorMemoryTracker``; CUDA: ``torch.cuda.max_memory_allocated``).
 
+``--autocast bf16`` runs every step, the references' included, under
+``torch.autocast(device, torch.bfloat16)`` (mixed precision as a user would switch it on: the
+parameters and the optimizers' state stay fp32).
+
 Usage::
 
     python -m benchmarks.resnet                       # CPU, B = 32 and 128, ResNet-18 and MLP
     python -m benchmarks.resnet --quick               # few repeats, B = 32 (a smoke check)
     python -m benchmarks.resnet --device cuda --batch-sizes 32,128 --nets resnet18,mlp
+    python -m benchmarks.resnet --device cuda --batch-sizes 128 --nets resnet18 --autocast bf16
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from pyro_bdl.curvature.memory import TensorMemoryTracker
 N = 50_000  # dataset size for the N/B scaling (CIFAR-10)
 CLASSES = 10
 LR_SGD, LR_ADAM = 1e-3, 1e-3
+LR_IVON = 0.1  # IVON's own default (benchmarks/ivon_step.py); the time does not depend on it
 
 Step = Callable[[], object]
 
@@ -69,7 +76,11 @@ REFERENCE = {
     "swag": "sgd",
     "laplace_map": "sgd",
     "vogn": "adam",
+    "ivon": "adam",
 }
+
+#: ``--autocast`` choices: the dtype every step runs under (``None``: no autocast, fp32).
+AUTOCAST: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
 
 
 def resnet18(shape: tuple[int, ...] = (3, 32, 32)) -> nn.Module:
@@ -190,10 +201,34 @@ def vogn_step(net: nn.Module, x, y) -> Step:
     return lambda: vogn.step(x, y)
 
 
+def ivon_step(net: nn.Module, x, y) -> Step:
+    ivon = bdl.infer.IVON(_model(net), dataset_size=N, lr=LR_IVON, num_particles=1)
+    return lambda: ivon.step(x, y)
+
+
+def under_autocast(step: Step, device: str, dtype: torch.dtype | None) -> Step:
+    """``step`` run inside ``torch.autocast(device type, dtype)`` (``dtype=None``: unchanged)."""
+    if dtype is None:
+        return step
+    kind = torch.device(device).type
+
+    def run():
+        with torch.autocast(kind, dtype=dtype):
+            return step()
+
+    return run
+
+
 def build_steps(
-    build: Callable[[], nn.Module], x, y, device: str, variants: list[str] | None = None
+    build: Callable[[], nn.Module],
+    x,
+    y,
+    device: str,
+    variants: list[str] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, _WithStore]:
-    """Every variant on its own fresh copy of the same network (seed 0)."""
+    """Every variant on its own fresh copy of the same network (seed 0), each step under
+    ``torch.autocast`` to ``autocast`` where given."""
     makers: dict[str, Callable[[nn.Module], Step]] = {
         "sgd": lambda n: plain_step(n, x, y, "sgd"),
         "adam": lambda n: plain_step(n, x, y, "adam"),
@@ -203,13 +238,14 @@ def build_steps(
         "swag": lambda n: svi_step(n, x, y, "swag"),
         "laplace_map": lambda n: svi_step(n, x, y, "laplace_map"),
         "vogn": lambda n: vogn_step(n, x, y),
+        "ivon": lambda n: ivon_step(n, x, y),
     }
     steps: dict[str, _WithStore] = {}
     for name in variants or list(makers):
         # pyro's global param store: each variant builds and warms its own before the next.
         torch.manual_seed(0)
         pyro.clear_param_store()
-        fn = makers[name](build().to(device))
+        fn = under_autocast(makers[name](build().to(device)), device, autocast)
         fn()  # first step: lazy setup (guides, optimizer state) out of the figures
         steps[name] = _WithStore(fn, pyro.get_param_store().get_state())
     return steps
@@ -376,12 +412,14 @@ def measure(
     rounds: int,
     variants: list[str] | None = None,
     shape: tuple[int, ...] = (3, 32, 32),
+    autocast: torch.dtype | None = None,
 ) -> dict:
-    """Step times, peak memory and their ratios to the references for one network and batch."""
+    """Step times, peak memory and their ratios to the references for one network and batch
+    (every step under ``torch.autocast`` to ``autocast`` where given)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, *shape, generator=g).to(device)
     y = torch.randint(0, CLASSES, (batch,), generator=g).to(device)
-    steps = build_steps(lambda: NETS[net](shape), x, y, device, variants)
+    steps = build_steps(lambda: NETS[net](shape), x, y, device, variants, autocast)
     times = (cuda_times if device.startswith("cuda") else interleaved)(steps, rounds=rounds)
     peaks = {k: peak_step_bytes(fn, device) for k, fn in steps.items()}
     out: dict = {
@@ -408,6 +446,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-sizes", default="32,128", help="comma-separated, e.g. 32,128")
     parser.add_argument("--nets", default="resnet18,mlp", help="comma-separated: resnet18,mlp")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant")
+    parser.add_argument(
+        "--autocast", default="none", choices=sorted(AUTOCAST), help="bf16: steps under autocast"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args, _ = parser.parse_known_args(argv)  # run_all passes its own argv through
     nets = [n for n in args.nets.split(",") if n]
@@ -424,7 +465,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures: dict = {}
     for net in nets:
         for batch in batches:
-            r = measure(net, batch, args.device, rounds)
+            r = measure(net, batch, args.device, rounds, autocast=AUTOCAST[args.autocast])
             figures[f"{net}/B={batch}"] = r
             for key, v in r["ratios"].items():
                 q = v["time_quartiles_per_round"]
@@ -447,6 +488,7 @@ def main(argv: list[str] | None = None) -> dict:
             "mlp": "3072-2048-2048-10 ReLU MLP, 3x32x32 inputs flattened",
         },
         "device": args.device,
+        "autocast": args.autocast,
         "threads": 1,
         "rounds": rounds,
         "inputs": "random normal, random labels",
@@ -460,6 +502,8 @@ def main(argv: list[str] | None = None) -> dict:
     config["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     if not args.no_write:
         suffix = "" if args.device == "cpu" else f"_{args.device.split(':')[0]}"
+        if args.autocast != "none":
+            suffix += f"_{args.autocast}"
         if args.quick:
             suffix += "_quick"
         if os.environ.get("MALLOC_MMAP_MAX_") == "0":

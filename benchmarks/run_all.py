@@ -24,9 +24,10 @@ BENCHMARKS: list[str] = [
     "rotated_mnist",  # needs $PYRO_BDL_DATA (or ../shared/data) for MNIST
     "uci",  # needs $PYRO_BDL_DATA (or ../shared/data); skips with a message without it
 ]
-#: Modules under benchmarks/ that are not benchmarks to run: shared code, this runner, and a
-#: report that joins the JSON files of earlier `uci` runs (it takes their paths).
-NOT_RUN: frozenset[str] = frozenset({"common", "run_all", "uci_before_after"})
+#: Modules under benchmarks/ that are not benchmarks to run: shared code, this runner, a
+#: report that joins the JSON files of earlier `uci` runs (it takes their paths), and the check
+#: that needs a GPU (`make gpu-check`, docs/gpu.md).
+NOT_RUN: frozenset[str] = frozenset({"common", "run_all", "uci_before_after", "gpu_check"})
 
 
 def main() -> int:

@@ -65,3 +65,30 @@ def test_the_paper_gpu_estimate_counts_every_layer_and_form():
     assert sum(est["forms"].values()) == 21 and set(est["forms"]) == {"grouped", "unfold", "pairs"}
     assert est["vogn_seconds"] > est["adam_seconds"] > 0
     assert est["ratio"] == est["vogn_seconds"] / est["adam_seconds"]
+
+
+def test_under_autocast_runs_the_step_in_bf16():
+    seen = []
+    step = resnet.under_autocast(
+        lambda: seen.append(
+            torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        ),
+        "cpu",
+        torch.bfloat16,
+    )
+    step()
+    resnet.under_autocast(lambda: seen.append(torch.is_autocast_enabled("cpu")), "cpu", None)()
+    assert seen == [torch.bfloat16, False]
+
+
+def test_a_pair_measures_under_bf16_autocast(tiny_mlp):
+    out = resnet.measure(
+        tiny_mlp,
+        4,
+        "cpu",
+        rounds=1,
+        variants=["ivon", "adam"],
+        shape=(3, 4, 4),
+        autocast=torch.bfloat16,
+    )
+    assert set(out["ratios"]) == {"ivon/adam"} and out["ratios"]["ivon/adam"]["time"] > 0
