@@ -24,5 +24,5 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available."""
     needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(needs_cuda)
