@@ -356,7 +356,7 @@ def test_block_keys_name_one_block_each():
 # --- shell blocks ---------------------------------------------------------------------------------
 
 
-def _commands() -> list[tuple[int, str]]:
+def _commands() -> list[tuple[str, str]]:
     """``("document:line", command)`` of every command in the shell blocks (continuations
     joined)."""
     commands = []
