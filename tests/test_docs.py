@@ -3,7 +3,7 @@
 (a) Every ``docs/design/<name>.md`` mentioned in the code, tests, benchmarks or examples exists.
 (b) Nothing there cites the internal reference documents that are not part of the repository
     (their names are built from pieces below, so this file does not cite them either).
-(c) The relative links between the design notes resolve.
+(c) The relative links of the design notes, the other documentation pages and README.md resolve.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN_DIR = ROOT / "docs" / "design"
-#: The folders whose files must cite only what the repository holds.
+#: The folders whose files must cite only what the repository holds (docs/ through :func:`_pages`).
 SCANNED = ("pyro_bdl", "tests", "benchmarks", "examples")
+#: Folders under docs/ that are generated, not written: the build and the copied notebooks.
+GENERATED = {"_build", "tutorials"}
 SUFFIXES = {".py", ".md", ".rst", ".txt", ".toml", ".cfg", ".ipynb"}
 
 #: The internal documents: "<STEM>.md", assembled here so that no literal name appears.
@@ -29,8 +31,17 @@ DESIGN_REF = re.compile(r"docs/design/([A-Za-z0-9_\-]+\.md)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
+def _pages() -> list[Path]:
+    """README.md and every hand-written Markdown page under docs/."""
+    docs = ROOT / "docs"
+    pages = [
+        p for p in sorted(docs.rglob("*.md")) if not GENERATED & set(p.relative_to(docs).parts)
+    ]
+    return [ROOT / "README.md", *pages]
+
+
 def _files() -> list[Path]:
-    found = []
+    found = _pages()
     for folder in SCANNED:
         for path in sorted((ROOT / folder).rglob("*")):
             if path.is_file() and path.suffix in SUFFIXES and "__pycache__" not in path.parts:
@@ -73,16 +84,21 @@ def test_no_citation_of_documents_outside_the_repository():
     )
 
 
-@pytest.mark.parametrize("note", sorted(p.name for p in DESIGN_DIR.glob("*.md")) or ["README.md"])
-def test_design_note_links_resolve(note):
-    path = DESIGN_DIR / note
-    assert path.is_file(), f"docs/design/{note} is missing"
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in _pages()])
+def test_page_links_resolve(page):
+    path = ROOT / page
     broken = [
         target
         for target in LINK.findall(path.read_text(encoding="utf-8"))
         if "://" not in target and not (path.parent / target).exists()
     ]
-    assert not broken, f"docs/design/{note} links to missing files: {broken}"
+    assert not broken, f"{page} links to missing files: {broken}"
+
+
+def test_the_pages_include_the_design_notes():
+    # Guard against a page scan that silently misses a folder.
+    pages = {p.relative_to(ROOT).as_posix() for p in _pages()}
+    assert {"README.md", "docs/design/vogn.md", "docs/methods/laplace.md"} <= pages
 
 
 def test_the_forbidden_pattern_matches_what_it_should():

@@ -31,9 +31,19 @@ from pyro_bdl.diagnostics.metrics import Reliability, as_tensor, check_finite_va
 __all__ = ["plot_entropy", "plot_reliability", "save_arviz_plots"]
 
 
+#: How the gap between confidence and accuracy is drawn, by its sign: ``(colour, hatch, label)``.
+#: The colours are opaque, so a gap drawn over an accuracy bar (an underconfident bin) shows the
+#: colour its legend entry shows instead of a blend of the two.
+GAP_STYLES = {
+    "over": ("#f4a3a3", "//", "gap: confidence above accuracy"),
+    "under": ("#a6d8a0", "\\\\", "gap: accuracy above confidence"),
+}
+
+
 def plot_reliability(reliability: Reliability, *, title: str = "") -> Figure:
     """Accuracy per confidence bin against the diagonal of perfect calibration, with the gap
-    shaded and the ECE in the legend."""
+    shaded (one colour where the model is overconfident, another where it is underconfident,
+    each in the legend when it occurs) and the ECE in the legend."""
     if not isinstance(reliability, Reliability):
         raise TypeError(
             f"reliability must be a Reliability (from metrics.reliability(probs, y)); got "
@@ -53,16 +63,21 @@ def plot_reliability(reliability: Reliability, *, title: str = "") -> Figure:
         color="tab:blue",
         label=f"accuracy (ECE {r.ece:.3f})",
     )
-    ax.bar(
-        centers[filled],
-        r.confidence[filled] - r.accuracy[filled],
-        bottom=r.accuracy[filled],
-        width=width[filled],
-        color="tab:red",
-        alpha=0.3,
-        hatch="//",
-        label="gap to confidence",
-    )
+    gap = r.confidence - r.accuracy
+    for kind, bins in (("over", filled & (gap > 0)), ("under", filled & (gap < 0))):
+        if not bins.any():
+            continue  # no legend entry for a gap the figure does not draw
+        color, hatch, label = GAP_STYLES[kind]
+        ax.bar(
+            centers[bins],
+            gap[bins],
+            bottom=r.accuracy[bins],
+            width=width[bins],
+            color=color,
+            edgecolor="dimgray",
+            hatch=hatch,
+            label=label,
+        )
     ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (max probability)", ylabel="accuracy")
     ax.set_title(title or "reliability diagram")
