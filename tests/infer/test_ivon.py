@@ -45,8 +45,8 @@ def test_the_hessian_estimate_is_unbiased_on_a_quadratic():
     ivon = IVON(sc.model(), dataset_size=sc.n, hess_init=0.05, num_particles=1000)
     ivon.setup(sc.x, sc.y)
     torch.manual_seed(0)
-    ivon._passes.estimate((sc.x, sc.y), {}, num_particles=1000, step=1)
-    _, (h_hat,) = ivon._passes.split()
+    ivon._estimate_gradients((sc.x, sc.y), {}, step=1)
+    _, (h_hat,) = ivon._split()
     a = sc.x.T @ sc.x / (sc.n * sc.noise**2)
     m, s = ivon.guide.loc, ivon.guide.scale
     # Var ĥᵢ = [((Am − b)ᵢ)² + Σ_{j≠i} Aᵢⱼ² σⱼ² + 2 Aᵢᵢ² σᵢ²]/σᵢ² per draw (ε Gaussian: the odd

@@ -97,7 +97,8 @@ def test_two_steps_follow_the_design_by_hand(prior):
 
 
 def test_the_pure_update_with_a_per_weight_prior_and_a_hidden_parameter():
-    from pyro_bdl.infer.vogn_update import VOGNHyperparameters, VOGNState, vogn_update
+    from pyro_bdl.infer import VOGNHyperparameters, VOGNState
+    from pyro_bdl.infer.natural_gradient import vogn_update
 
     g = torch.Generator().manual_seed(0)
 
