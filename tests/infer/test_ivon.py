@@ -319,3 +319,19 @@ def test_a_scheduler_drives_the_learning_rate():
     loc, h = ivon.guide.loc.clone(), ivon.state.curvature.clone()
     ivon.step(x, y)
     assert torch.equal(ivon.guide.loc, loc) and not torch.equal(ivon.state.curvature, h)
+
+
+def test_ivon_messages_name_ivon_not_vogn():
+    model, x, y = small_classifier()
+    ivon = IVON(model, dataset_size=16)
+    with pytest.raises(RuntimeError, match=r"set up by IVON: call ivon\.step") as info:
+        Predictive(model, guide=ivon.guide, num_samples=2)(x)
+
+    def with_latent(x, y):
+        pyro.sample("z", dist.Normal(0.0, 1.0))
+        return model(x, y)
+
+    with pytest.raises(ValueError, match="IVON infers only network weights") as refused:
+        IVON(with_latent, dataset_size=16).step(x, y)
+    for message in (str(info.value), str(refused.value)):
+        assert "VOGN" not in message
