@@ -63,21 +63,34 @@ def _reduce_fn(failing: list[bool]):
     return reduce_fn
 
 
-def run_vogn(num_particles: int, *, refuse_at: int | None = None) -> dict[str, list[float]]:
-    """Three VOGN steps; with ``refuse_at=k`` a step whose ``reduce_fn``
-    fails (after the passes have changed BatchNorm and the random stream) comes before step k."""
+#: Each method with options away from its defaults, so that every hyperparameter takes part.
+METHODS = {
+    "vogn": (
+        VOGN,
+        {
+            "lr": 0.05,
+            "betas": (0.8, 0.9),
+            "temperature": 0.5,
+            "augmentation_factor": 2.0,
+            "damping": 0.01,
+        },
+    ),
+    "ivon": (IVON, {"lr": 0.1, "betas": (0.8, 0.99), "hess_init": 0.2, "ess": 24.0}),
+}
+
+
+def run(method: str, num_particles: int, *, refuse_at: int | None = None) -> dict:
+    """Three steps of ``method``; with ``refuse_at=k`` a step whose ``reduce_fn`` fails (after
+    the passes have changed BatchNorm and the random stream) comes before step k."""
     net, model, x, y = _problem()
     failing: list[bool] = []
-    vogn = VOGN(
+    cls, options = METHODS[method]
+    fit = cls(
         model,
         dataset_size=len(x),
-        lr=0.05,
-        betas=(0.8, 0.9),
-        temperature=0.5,
-        augmentation_factor=2.0,
-        damping=0.01,
         num_particles=num_particles,
         reduce_fn=_reduce_fn(failing),
+        **options,
     )
     pyro.set_rng_seed(3)
     losses = []
@@ -85,44 +98,17 @@ def run_vogn(num_particles: int, *, refuse_at: int | None = None) -> dict[str, l
         if k == refuse_at:
             failing.append(True)
             with pytest.raises(RuntimeError, match="rank lost"):
-                vogn.step(xb, yb)
+                fit.step(xb, yb)
             failing.clear()
-        losses.append(vogn.step(xb, yb))
-    return _snapshot(vogn, net, losses)
-
-
-def run_ivon(num_particles: int, *, refuse_at: int | None = None) -> dict[str, list[float]]:
-    """Three IVON steps; with ``refuse_at=k`` a step whose ``reduce_fn``
-    fails (after the passes have changed BatchNorm and the random stream) comes before step k."""
-    net, model, x, y = _problem()
-    failing: list[bool] = []
-    ivon = IVON(
-        model,
-        dataset_size=len(x),
-        lr=0.1,
-        betas=(0.8, 0.99),
-        hess_init=0.2,
-        ess=24.0,
-        num_particles=num_particles,
-        reduce_fn=_reduce_fn(failing),
-    )
-    pyro.set_rng_seed(3)
-    losses = []
-    for k, (xb, yb) in enumerate(_batches(x, y, 3), 1):
-        if k == refuse_at:
-            failing.append(True)
-            with pytest.raises(RuntimeError, match="rank lost"):
-                ivon.step(xb, yb)
-            failing.clear()
-        losses.append(ivon.step(xb, yb))
-    return _snapshot(ivon, net, losses)
+        losses.append(fit.step(xb, yb))
+    return _snapshot(fit, net, losses)
 
 
 RUNS = {
-    "vogn-1": lambda: run_vogn(1),
-    "vogn-2": lambda: run_vogn(2),
-    "ivon-1": lambda: run_ivon(1),
-    "ivon-2": lambda: run_ivon(2),
+    "vogn-1": lambda: run("vogn", 1),
+    "vogn-2": lambda: run("vogn", 2),
+    "ivon-1": lambda: run("ivon", 1),
+    "ivon-2": lambda: run("ivon", 2),
 }
 
 # fmt: off
@@ -472,5 +458,4 @@ def test_steps_match_the_pinned_numbers(run):
 def test_a_refused_step_changes_nothing_the_pins_can_see(method):
     # A step before step 2 fails in reduce_fn, after its passes ran, and is refused; the run then
     # continues bit for bit as if it had not come (same state, BatchNorm statistics, random stream).
-    runner = run_vogn if method == "vogn" else run_ivon
-    _assert_pinned(runner(1, refuse_at=2), EXPECTED[f"{method}-1"])
+    _assert_pinned(run(method, 1, refuse_at=2), EXPECTED[f"{method}-1"])

@@ -210,38 +210,6 @@ def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
             )
 
 
-def _check_arguments(
-    model: object,
-    *,
-    dataset_size: int,
-    lr: float,
-    betas: tuple[float, float],
-    prior_precision: float | None,
-    num_particles: int,
-    chunk_size: int | None,
-    reduce_fn: object,
-) -> None:
-    if not callable(model):
-        raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
-    check_positive_int("dataset_size", dataset_size)
-    check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
-    check_probability("betas[0] (beta1)", betas[0], open_interval=False)
-    check_probability("betas[1] (beta2)", betas[1], open_interval=False)
-    if prior_precision is not None:
-        check_positive(
-            "prior_precision",
-            prior_precision,
-            fix="Pass δ > 0, e.g. 1.0, or leave it out to use the prior of bayesianize.",
-        )
-    check_positive_int("num_particles", num_particles)
-    if chunk_size is not None:
-        check_positive_int("chunk_size", chunk_size)
-    if reduce_fn is not None and not callable(reduce_fn):
-        raise TypeError(f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}.")
-
-
 # -- the driver --------------------------------------------------------------------------------
 
 
@@ -287,16 +255,25 @@ class NaturalGradientVI:
         chunk_size: int | None,
         reduce_fn: Callable[[list[torch.Tensor]], None] | None,
     ):
-        _check_arguments(
-            model,
-            dataset_size=dataset_size,
-            lr=lr,
-            betas=betas,
-            prior_precision=prior_precision,
-            num_particles=num_particles,
-            chunk_size=chunk_size,
-            reduce_fn=reduce_fn,
-        )
+        if not callable(model):
+            raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
+        check_positive_int("dataset_size", dataset_size)
+        check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
+        check_probability("betas[0] (beta1)", betas[0], open_interval=False)
+        check_probability("betas[1] (beta2)", betas[1], open_interval=False)
+        if prior_precision is not None:
+            check_positive(
+                "prior_precision",
+                prior_precision,
+                fix="Pass δ > 0, e.g. 1.0, or leave it out to use the prior of bayesianize.",
+            )
+        check_positive_int("num_particles", num_particles)
+        if chunk_size is not None:
+            check_positive_int("chunk_size", chunk_size)
+        if reduce_fn is not None and not callable(reduce_fn):
+            raise TypeError(f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}.")
         self.model, self.dataset_size = model, dataset_size
         self.num_particles, self.chunk_size = num_particles, chunk_size
         self.reduce_fn = reduce_fn
