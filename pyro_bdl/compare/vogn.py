@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from pyro_bdl.compare.problem import Problem
-from pyro_bdl.infer.vogn import VOGN
+from pyro_bdl.infer.natural_gradient import VOGN
 
 __all__ = ["damping", "make_vogn"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from pyro_bdl.compare.problem import Predictor, Problem, train_loop
 from pyro_bdl.compare.vogn import make_vogn
-from pyro_bdl.infer.vogn import VOGN
+from pyro_bdl.infer.natural_gradient import VOGN
 
 __all__ = ["fit_vogn"]
 

@@ -32,6 +32,7 @@ __all__ = [
     "allreduce_mean",
     "allreduce_mean_",
     "broadcast_",
+    "device_dtype_buckets",
     "get_rank",
     "get_world_size",
     "is_main_process",
@@ -85,7 +86,7 @@ def all_gather_scalars(values: Sequence[float], process_group=None) -> torch.Ten
     return torch.stack(out).cpu()
 
 
-def _buckets(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+def device_dtype_buckets(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Group tensors by (device, dtype), keeping their order within each group."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
@@ -117,7 +118,7 @@ def allreduce_mean_(tensors: Sequence[torch.Tensor], process_group=None) -> bool
     """
     world = get_world_size(process_group)
     finite = True
-    for bucket in _buckets(tensors):
+    for bucket in device_dtype_buckets(tensors):
         flat = _flat(bucket)
         if world > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
@@ -153,7 +154,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], process_group=None, *, src: int 
     if get_world_size(process_group) == 1:
         return
     global_src = src if process_group is None else dist.get_global_rank(process_group, src)
-    for bucket in _buckets(tensors):
+    for bucket in device_dtype_buckets(tensors):
         flat = _flat(bucket)
         dist.broadcast(flat, src=global_src, group=process_group)
         _unflatten_into(flat, bucket)

@@ -12,7 +12,8 @@ carry the reasons' text (as bytes, never pickles).
 :func:`agree_on_refusal` is the primitive (``DataParallelSVI.step`` puts its loss and checksums in
 the same all-gather, so a normal step costs no extra collective); :class:`StepAgreement` wraps
 another step function, such as ``VOGN.step`` with ``reduce_fn=``, and rolls back torch's random
-generators and the normalisation statistics that the refused step's forward passes changed.
+generators and the normalisation statistics that the refused step's forward passes changed (with
+:class:`~pyro_bdl.infer.rollback.Rollback`, the one mechanism that undoes a refused step).
 
 Usage::
 
@@ -32,15 +33,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pyro_bdl.distributed.comm import _buckets, all_gather_scalars, comm_device, get_world_size
+from pyro_bdl.distributed.comm import (
+    all_gather_scalars,
+    comm_device,
+    device_dtype_buckets,
+    get_world_size,
+)
 from pyro_bdl.distributed.errors import GuideNotInitializedError, StepRefusedError
+from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
 
 __all__ = [
-    "StateSnapshot",
     "StepAgreement",
     "agree_on_refusal",
     "nonfinite_refusal",
-    "norm_buffers",
     "refusal_status",
     "settle_refusal",
 ]
@@ -176,47 +181,12 @@ def nonfinite_refusal(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exc
     # overflow, which the element-wise search below tells apart).
     finite = all(
         bool(torch.isfinite(torch.stack([g.sum() for g in bucket])).all())
-        for bucket in _buckets(g for _, g in grads)
+        for bucket in device_dtype_buckets(g for _, g in grads)
     )
     bad = None if finite else next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
     return (
         None if bad is None else FloatingPointError(f"the gradient of {bad!r} is not finite{fix}")
     )
-
-
-class StateSnapshot:
-    """The state a forward pass changes outside the parameters: torch's random generators (the
-    CPU one and the current CUDA device's, which Pyro's sampling draws from) and the buffers of
-    the given modules' normalisation layers (BatchNorm's running statistics and batch counter).
-    Taken when built; :meth:`restore` puts it back.
-
-    Python's and NumPy's global generators are left out: Pyro's sampling does not draw from them,
-    and copying their state costs about 0.1 ms, more than the rest of a small step's overhead."""
-
-    def __init__(self, modules: Iterable[nn.Module] = ()):
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-        self.buffers = [(b, b.clone()) for b in norm_buffers(modules)]
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
-        with torch.no_grad():
-            for live, saved in self.buffers:
-                live.copy_(saved)
-
-
-def norm_buffers(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
-    """The buffers of the normalisation layers with running statistics inside ``modules``, once
-    each (the state a training-mode forward pass changes)."""
-    seen: dict[int, torch.Tensor] = {}
-    for top in modules:
-        for m in top.modules():
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
-                for b in m.buffers(recurse=False):
-                    seen.setdefault(id(b), b)
-    return list(seen.values())
 
 
 class StepAgreement:
@@ -259,7 +229,7 @@ class StepAgreement:
         self.num_steps_taken = 0
         self._active = False
         self._agreed = False
-        self._snapshot: StateSnapshot | None = None
+        self._snapshot: Rollback | None = None
 
     def wrap(self, reduce_fn: Callable[[list[torch.Tensor]], object]) -> Callable:
         """``reduce_fn`` preceded by the exchange of statuses: pass the result as VOGN's
@@ -294,7 +264,8 @@ class StepAgreement:
     def __enter__(self) -> StepAgreement:
         if self._active:
             raise RuntimeError("agreement.step() contexts cannot be nested.")
-        self._snapshot = StateSnapshot(self.modules)
+        # The modules' layers are looked up at every step: the network may change between steps.
+        self._snapshot = Rollback.saved(norm_layer_buffers(self.modules))
         self._active, self._agreed = True, False
         return self
 

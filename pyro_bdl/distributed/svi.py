@@ -55,7 +55,6 @@ from pyro_bdl.distributed.comm import (
 from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError
 from pyro_bdl.distributed.overlap import GradientBuckets
 from pyro_bdl.distributed.refusal import (
-    StateSnapshot,
     agree_on_refusal,
     nonfinite_refusal,
     refusal_status,
@@ -71,6 +70,7 @@ from pyro_bdl.distributed.svi_parts import (
     modules,
     unsynced_batchnorms,
 )
+from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
 
 __all__ = ["BatchNormWarning", "DataParallelSVI", "GuideNotInitializedError"]
 
@@ -271,7 +271,7 @@ class DataParallelSVI(SVI):
 
         :returns: the loss averaged over the ranks.
         """
-        snapshot = StateSnapshot(self._norm_modules)
+        snapshot = Rollback.saved(norm_layer_buffers(self._norm_modules))
         trained: list[tuple[str, torch.Tensor]] = []
         traced_params: list[torch.Tensor] = []
         buckets = self._buckets
@@ -371,7 +371,7 @@ class DataParallelSVI(SVI):
     def evaluate_loss(self, *args, **kwargs) -> float:
         """The loss on this rank's batch, without gradients, averaged over the ranks. A batch
         refused on any rank raises on every rank, as in :meth:`step`."""
-        snapshot = StateSnapshot(self._norm_modules)
+        snapshot = Rollback.saved(norm_layer_buffers(self._norm_modules))
         error, loss = None, float("nan")
         try:
             with torch.no_grad():

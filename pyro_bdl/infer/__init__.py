@@ -1,11 +1,20 @@
 """Inference: the sufficient-statistic ELBO and its KL estimators, VOGN and IVON."""
 
+from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.elbo import KLFallbackWarning, TraceSuffStat_ELBO
-from pyro_bdl.infer.ivon import IVON
-from pyro_bdl.infer.ivon_update import IVONHyperparameters, ivon_update
 from pyro_bdl.infer.kl import KL_ESTIMATORS, find_kl_estimator, register_kl_estimator
-from pyro_bdl.infer.vogn import VOGN, VOGNGuide
-from pyro_bdl.infer.vogn_update import VOGNHyperparameters, VOGNState
+from pyro_bdl.infer.natural_gradient import (
+    IVON,
+    VOGN,
+    IVONHyperparameters,
+    NaturalGradientState,
+    VOGNHyperparameters,
+    ivon_update,
+)
+
+#: The earlier names of the guide and the state that VOGN and IVON share.
+VOGNGuide = NaturalGradientGuide
+VOGNState = NaturalGradientState
 
 __all__: list[str] = [
     "IVON",

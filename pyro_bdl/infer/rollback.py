@@ -1,6 +1,12 @@
-"""Undo what a refused training step changed outside the optimiser's own state: the buffers of the
-network's layers (BatchNorm's running statistics and ``num_batches_tracked``) and torch's random
-streams (docs/design/README.md: a refused step changes nothing).
+"""The one mechanism that undoes a refused step (docs/design/README.md: a refused step changes
+nothing): what a pass changed outside the optimiser's own state, the buffers of the network's
+layers (BatchNorm's running statistics and ``num_batches_tracked``), torch's random streams and the
+param store entries a first pass created.
+
+:class:`Rollback` saves and restores known buffers and the random streams around every step (the
+ELBO, VOGN and IVON, and the data-parallel steps of :mod:`pyro_bdl.distributed`);
+:class:`BufferRecorder` and :class:`ParamStoreRecorder` undo a first pass over modules and
+parameters not known in advance.
 
 A forward pass in training mode writes the batch's statistics into BatchNorm before any loss is
 seen, so a check of the loss comes too late to keep a NaN batch out of them. Copying the buffers
@@ -14,11 +20,12 @@ import operator
 from collections.abc import Iterable
 from typing import Any, cast
 
+import pyro
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["BufferRecorder", "Rollback", "refused"]
+__all__ = ["BufferRecorder", "ParamStoreRecorder", "Rollback", "norm_layer_buffers", "refused"]
 
 
 class Rollback:
@@ -35,6 +42,13 @@ class Rollback:
         self._saved: list[torch.Tensor] = []  # ... and their copies
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
+
+    @classmethod
+    def saved(cls, buffers: Iterable[tuple[nn.Module, str]] = ()) -> Rollback:
+        """A rollback of ``buffers`` (none: the random streams only), saved now."""
+        rollback = cls(buffers)
+        rollback.save()
+        return rollback
 
     def save(self) -> None:
         """Copy the buffers (into storage kept between steps) and the generator states."""
@@ -62,6 +76,18 @@ class Rollback:
             torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+def norm_layer_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """The ``(layer, buffer name)`` pairs of the normalisation layers with running statistics
+    inside ``modules``, once each: the state a training-mode forward pass changes."""
+    seen: dict[int, tuple[nn.Module, str]] = {}
+    for top in modules:
+        for m in top.modules():
+            if isinstance(m, _NormBase) and m.track_running_stats:
+                for name, b in m.named_buffers(recurse=False):
+                    seen.setdefault(id(b), (m, name))
+    return list(seen.values())
 
 
 class BufferRecorder:
@@ -112,6 +138,32 @@ class BufferRecorder:
         for module, buffers in self.snapshots.items():
             for k, b in buffers.items():
                 getattr(module, k).copy_(b)
+
+
+class ParamStoreRecorder:
+    """The entries of Pyro's param store that a pass creates (PyroModule registers a layer's
+    parameters on first use), so that a refused first pass can forget them.
+
+    :ivar frozenset added: the names created between construction and :meth:`stop`.
+    """
+
+    def __init__(self) -> None:
+        self._known = set(pyro.get_param_store().keys())
+        self.added: frozenset[str] = frozenset()
+        self._stopped = False
+
+    def stop(self) -> frozenset[str]:
+        """Record the entries created since construction; returns them."""
+        self.added = frozenset(set(pyro.get_param_store().keys()) - self._known)
+        self._stopped = True
+        return self.added
+
+    def forget(self) -> None:
+        """Delete the entries created since construction (recorded at :meth:`stop`, or now)."""
+        store = pyro.get_param_store()
+        for name in self.added if self._stopped else self.stop():
+            if name in store:
+                del store[name]
 
 
 def refused(err: BaseException, where: str) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.diagnostics import export, loo
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
-from pyro_bdl.infer.vogn import VOGN
+from pyro_bdl.infer.natural_gradient import VOGN
 from tests.scenarios import BayesianLinearRegression
 
 N, D_IN, HIDDEN, C = 20, 4, 5, 3

@@ -474,7 +474,7 @@ def test_the_rollback_copies_only_the_buffers_a_pass_writes():
     # here), not the initial weights that bayesianize keeps as buffers (as large as the weights).
     net = lifted_net()
     vogn = trained_vogn(hand_model(net), 1)
-    saved = {name for _, name in vogn._passes.rollback._entries}
+    saved = {name for _, name in vogn._rollback._entries}
     assert saved == {"running_mean", "running_var", "num_batches_tracked"}
 
 

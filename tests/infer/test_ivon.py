@@ -45,8 +45,8 @@ def test_the_hessian_estimate_is_unbiased_on_a_quadratic():
     ivon = IVON(sc.model(), dataset_size=sc.n, hess_init=0.05, num_particles=1000)
     ivon.setup(sc.x, sc.y)
     torch.manual_seed(0)
-    ivon._passes.estimate((sc.x, sc.y), {}, num_particles=1000, step=1)
-    _, (h_hat,) = ivon._passes.split()
+    ivon._estimate_gradients((sc.x, sc.y), {}, step=1)
+    _, (h_hat,) = ivon._split()
     a = sc.x.T @ sc.x / (sc.n * sc.noise**2)
     m, s = ivon.guide.loc, ivon.guide.scale
     # Var ĥᵢ = [((Am − b)ᵢ)² + Σ_{j≠i} Aᵢⱼ² σⱼ² + 2 Aᵢᵢ² σᵢ²]/σᵢ² per draw (ε Gaussian: the odd
@@ -319,3 +319,19 @@ def test_a_scheduler_drives_the_learning_rate():
     loc, h = ivon.guide.loc.clone(), ivon.state.curvature.clone()
     ivon.step(x, y)
     assert torch.equal(ivon.guide.loc, loc) and not torch.equal(ivon.state.curvature, h)
+
+
+def test_ivon_messages_name_ivon_not_vogn():
+    model, x, y = small_classifier()
+    ivon = IVON(model, dataset_size=16)
+    with pytest.raises(RuntimeError, match=r"set up by IVON: call ivon\.step") as info:
+        Predictive(model, guide=ivon.guide, num_samples=2)(x)
+
+    def with_latent(x, y):
+        pyro.sample("z", dist.Normal(0.0, 1.0))
+        return model(x, y)
+
+    with pytest.raises(ValueError, match="IVON infers only network weights") as refused:
+        IVON(with_latent, dataset_size=16).step(x, y)
+    for message in (str(info.value), str(refused.value)):
+        assert "VOGN" not in message

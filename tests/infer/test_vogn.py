@@ -97,7 +97,8 @@ def test_two_steps_follow_the_design_by_hand(prior):
 
 
 def test_the_pure_update_with_a_per_weight_prior_and_a_hidden_parameter():
-    from pyro_bdl.infer.vogn_update import VOGNHyperparameters, VOGNState, vogn_update
+    from pyro_bdl.infer import VOGNHyperparameters, VOGNState
+    from pyro_bdl.infer.natural_gradient import vogn_update
 
     g = torch.Generator().manual_seed(0)
 
@@ -609,3 +610,29 @@ def test_compare_damping_grows_as_the_root_of_the_number_of_steps():
     assert damping(DAMPING_STEPS) == pytest.approx(DAMPING, rel=1e-12)
     assert damping(DAMPING_STEPS // 4) == pytest.approx(DAMPING / 2, rel=1e-12)
     assert damping(0) == damping(1) > 0  # a run with no steps still gets a valid γ
+
+
+@pytest.mark.parametrize(
+    ("path", "names"),
+    [
+        ("pyro_bdl.infer.vogn", ["VOGN", "VOGNGuide", "VOGNState", "VOGNOptimizer", "vogn_update"]),
+        ("pyro_bdl.infer.ivon", ["IVON"]),
+    ],
+)
+def test_the_old_module_paths_warn_and_give_the_same_objects(path, names):
+    import importlib
+    import sys
+
+    import pyro_bdl.infer.natural_gradient as ng
+    from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
+
+    sys.modules.pop(path, None)  # a module warns when it is first imported
+    with pytest.warns(DeprecationWarning, match="moved to pyro_bdl.infer.natural_gradient"):
+        old = importlib.import_module(path)
+    new = {
+        "VOGNGuide": NaturalGradientGuide,
+        "VOGNState": ng.NaturalGradientState,
+        "VOGNOptimizer": ng.NaturalGradientOptimizer,
+    }
+    for name in names:
+        assert getattr(old, name) is new.get(name, getattr(ng, name, None)), name

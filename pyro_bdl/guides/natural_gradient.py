@@ -1,4 +1,6 @@
-"""VOGN's posterior as an ordinary Pyro guide (written by :class:`~pyro_bdl.infer.VOGN`)."""
+"""The posterior of natural-gradient VI as an ordinary Pyro guide: a diagonal Normal over the
+weight sites, backed by buffers that :class:`~pyro_bdl.infer.VOGN` or
+:class:`~pyro_bdl.infer.IVON` updates in place."""
 
 from __future__ import annotations
 
@@ -11,16 +13,17 @@ from pyro.infer.autoguide import AutoGuide
 from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.layout import SiteLayout
 
-__all__ = ["VOGNGuide"]
+__all__ = ["NaturalGradientGuide"]
 
 
-class VOGNGuide(SiteAccess, AutoGuide):
-    """VOGN's posterior as a Pyro guide: an independent Normal on every weight site.
+class NaturalGradientGuide(SiteAccess, AutoGuide):
+    """A diagonal Normal posterior over every weight site, written by a natural-gradient method.
 
-    The flat buffers ``loc`` (μ) and ``scale`` (σ) are VOGN's: :meth:`attach` hands them over
-    once VOGN has seen the model, and VOGN updates them in place. The guide is then an ordinary
-    guide for ``Predictive``, ``poutine`` and checkpoints (``state_dict`` holds both buffers), with
-    ``median``, ``quantiles`` and ``locs_and_scales`` per site.
+    The flat buffers ``loc`` (μ) and ``scale`` (σ) belong to the inference object (VOGN or IVON):
+    :meth:`attach` hands them over once it has seen the model, and it updates them in place. The
+    guide is then an ordinary guide for ``Predictive``, ``poutine`` and checkpoints
+    (``state_dict`` holds both buffers), with ``median``, ``quantiles`` and ``locs_and_scales``
+    per site.
 
     Usage::
 
@@ -31,6 +34,11 @@ class VOGNGuide(SiteAccess, AutoGuide):
     layout: SiteLayout
     loc: torch.Tensor
     scale: torch.Tensor
+
+    def __init__(self, model, *, owner: str = "VOGN"):
+        super().__init__(model)
+        #: The name of the inference object that writes the guide (``"VOGN"``, ``"IVON"``).
+        self.owner = owner
 
     def attach(self, layout: SiteLayout, loc: torch.Tensor, scale: torch.Tensor) -> None:
         """Serve the posterior N(``loc``, ``scale``²) over the sites of ``layout``; the guide
@@ -68,7 +76,7 @@ class VOGNGuide(SiteAccess, AutoGuide):
         self.register_buffer("scale", scale)
 
     def detach(self) -> None:
-        """Undo :meth:`attach` (VOGN's first step was refused): the guide is unset again."""
+        """Undo :meth:`attach` (the first step was refused): the guide is unset again."""
         self.prototype_trace = None
         self._buffers.pop("loc", None)
         self._buffers.pop("scale", None)
@@ -79,9 +87,10 @@ class VOGNGuide(SiteAccess, AutoGuide):
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
+            name = self.owner.lower()
             raise RuntimeError(
-                "VOGNGuide is set up by VOGN: call vogn.step(x, y) (or vogn.setup(x, y)) "
-                "before using vogn.guide."
+                f"this guide is set up by {self.owner}: call {name}.step(x, y) (or "
+                f"{name}.setup(x, y)) before using {name}.guide."
             )
 
     def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
-r"""How :class:`~pyro_bdl.infer.VOGN` reads a Pyro model: the checks of the first step, the
-per-example negative log-likelihoods of the data plate, and the fast conditioned run.
+r"""How natural-gradient VI (:class:`~pyro_bdl.infer.VOGN`, :class:`~pyro_bdl.infer.IVON`) runs a
+Pyro model: the first, traced pass and its checks, the per-example negative log-likelihoods of
+the data plate, and the fast conditioned run with the weights written on the layers.
 
 The first step traces the model once (weights at their initial values) and checks that every
 latent site is a lifted weight, every observation lies in the data plate, and every ``param``
@@ -22,21 +23,33 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pyro.poutine as poutine
 import torch
+from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
+from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.infer.rollback import BufferRecorder, ParamStoreRecorder, Rollback
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.models import DATA_PLATE
-from pyro_bdl.nn.lift import site_spec
+from pyro_bdl.nn.lift import init_to_network, site_spec
 
-__all__ = ["Hidden", "SiteRecorder", "inspect_model", "per_example_nll", "run_substituted"]
+__all__ = [
+    "Hidden",
+    "Prepared",
+    "SiteRecorder",
+    "inspect_model",
+    "per_example_nll",
+    "prepare",
+    "run_substituted",
+]
 
 
 @dataclass(frozen=True, eq=False)
 class Hidden:
-    """A hidden parameter: a ``pyro.param`` of a layer that VOGN keeps as a point estimate.
+    """A hidden parameter: a ``pyro.param`` of a layer kept as a point estimate.
 
     :ivar str name: the dotted parameter (``param`` site) name.
     :ivar param: the parameter itself.
@@ -59,10 +72,11 @@ def data_frame(site) -> Any:
 
 
 def inspect_model(
-    trace, layers: Iterable[nn.Module], dataset_size: int
+    trace, layers: Iterable[nn.Module], dataset_size: int, method: str
 ) -> tuple[SiteLayout, list[Hidden]]:
     """Validate the model's first trace; returns the layout of its weight sites (the flat μ) and
-    the hidden parameters among the ``layers`` the trace called."""
+    the hidden parameters among the ``layers`` the trace called. ``method`` names the inference
+    object in the messages."""
     sites, observed, params = [], [], []
     for name, site in trace.nodes.items():
         if site["type"] == "param":
@@ -75,12 +89,12 @@ def inspect_model(
         spec = site_spec(site)
         if spec is None:
             raise ValueError(
-                f"VOGN infers only network weights lifted by pyro_bdl.bayesianize; latent site "
+                f"{method} infers only network weights lifted by pyro_bdl.bayesianize; latent site "
                 f"{name!r} is not one. Make it observed or a constant, or use SVI with a guide."
             )
         if site["cond_indep_stack"]:
             raise ValueError(
-                f"weight site {name!r} lies inside a plate; VOGN needs global weights."
+                f"weight site {name!r} lies inside a plate; {method} needs global weights."
             )
         sites.append(spec)
     if not sites:
@@ -91,7 +105,7 @@ def inspect_model(
     outside = [s["name"] for s in observed if data_frame(s) is None]
     if outside or not in_plate:
         raise ValueError(
-            f"VOGN needs every observed site inside pyro.plate({DATA_PLATE!r}, N, "
+            f"{method} needs every observed site inside pyro.plate({DATA_PLATE!r}, N, "
             f"subsample_size=B) to read per-example likelihoods; "
             + (f"sites {outside} are outside it." if outside else "the model has none.")
             + " Use pyro_bdl.models.classifier/regressor or wrap the observation in that plate."
@@ -120,16 +134,17 @@ def inspect_model(
     missing = [p for p in params if p not in covered]
     if missing:
         raise ValueError(
-            f"VOGN trains the lifted network's weights and its hidden layer parameters only; "
+            f"{method} trains the lifted network's weights and its hidden layer parameters only; "
             f"param sites {missing} belong to no layer of the network. Make them constants, "
             "or fit the model with SVI."
         )
     return SiteLayout.from_specs(sites), hidden
 
 
-def per_example_nll(sites: Iterable[dict], step: int) -> tuple[torch.Tensor, int, float]:
+def per_example_nll(sites: Iterable[dict], where: str) -> tuple[torch.Tensor, int, float]:
     """Per-example negative log-likelihood ``(B,)`` of the data-plate sites without the plate's
-    N/B scaling (any other ``poutine.scale`` kept), the batch size B, and the sum as a float."""
+    N/B scaling (any other ``poutine.scale`` kept), the batch size B, and the sum as a float;
+    ``where`` (``"VOGN step 3"``) starts the messages."""
     total, batch, value = None, 0, 0.0
     for site in sites:
         name, frame = site["name"], data_frame(site)
@@ -142,7 +157,7 @@ def per_example_nll(sites: Iterable[dict], step: int) -> tuple[torch.Tensor, int
         dim = frame.dim
         if lp.shape != site["fn"].batch_shape:
             raise ValueError(
-                f"VOGN step {step}: the observation of site {name!r} has shape "
+                f"{where}: the observation of site {name!r} has shape "
                 f"{tuple(site['value'].shape)}, which broadcasts the distribution's batch shape "
                 f"{tuple(site['fn'].batch_shape)} to {tuple(lp.shape)}; give it the batch shape."
             )
@@ -158,7 +173,7 @@ def per_example_nll(sites: Iterable[dict], step: int) -> tuple[torch.Tensor, int
         site_total = float(per.detach().sum())
         if not math.isfinite(site_total):
             raise ValueError(
-                f"VOGN step {step}: the negative log-likelihood of site {name!r} is not finite "
+                f"{where}: the negative log-likelihood of site {name!r} is not finite "
                 "(NaN or inf). Lower the learning rate or check the data."
             )
         total = per if total is None else total + per
@@ -197,10 +212,11 @@ def run_substituted(
     values: Sequence[tuple[nn.Module, str, torch.Tensor]],
     args: tuple,
     kwargs: dict,
-    step: int,
+    where: str,
 ) -> list[dict]:
     """Run ``model`` with ``module.<name> = value`` for every entry of ``values``; returns the
-    observed sites of the data plate, refusing a latent site (the model changed its structure)."""
+    observed sites of the data plate, refusing a latent site (the model changed its structure).
+    ``where`` (``"VOGN step 3"``) starts the messages."""
     recorder = SiteRecorder()
     try:
         for module, name, value in values:
@@ -217,11 +233,80 @@ def run_substituted(
         if site_is_subsample(site):
             continue
         if not site["is_observed"] or data_frame(site) is None:
-            where = "latent" if not site["is_observed"] else "outside the data plate"
+            kind = "latent" if not site["is_observed"] else "outside the data plate"
             raise ValueError(
-                f"VOGN step {step}: site {site['name']!r} is {where}, but the model had no such "
-                "site at the first step; VOGN keeps the model's structure from its first step. "
-                "Give the model the same sample sites at every step."
+                f"{where}: site {site['name']!r} is {kind}, but the model had no such site at the "
+                "first step, whose structure is kept. Give the model the same sample sites at "
+                "every step."
             )
         sites.append(site)
     return sites
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the first pass found.
+
+    :ivar layout: the weight sites in the flat vector μ.
+    :ivar hidden: the hidden (point-estimate) parameters.
+    :ivar tape: the tape that recorded the pass (its layers are the ones to hook from then on).
+    :ivar observed: the observed sites of the pass, weights at their initial values.
+    :ivar statistics: the buffers of every layer as they were before the pass.
+    :ivar params: the param store entries the pass created.
+    """
+
+    layout: SiteLayout
+    hidden: list[Hidden]
+    tape: PerExampleGradients
+    observed: list[dict]
+    statistics: BufferRecorder
+    params: ParamStoreRecorder
+
+    def restore_statistics(self) -> None:
+        """Put back the buffers (BatchNorm's running statistics) that the pass changed; only
+        once the pass's backward is done, which reads them."""
+        self.statistics.restore()
+
+    def undo(self) -> None:
+        """Undo the pass (the first step was refused): the buffers, and the param store entries
+        that PyroModule registered for the layers' parameters."""
+        self.statistics.restore()
+        self.params.forget()
+
+
+def prepare(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    dataset_size: int,
+    chunk_size: int | None,
+    method: str,
+) -> Prepared:
+    """Trace ``model`` at the weights' initial values while a tape records every layer, and check
+    the model (``method`` names the inference object in the messages).
+
+    The pass is a training pass: it updates BatchNorm's running statistics, which are put back on
+    any refusal, whatever raised (and by :meth:`Prepared.restore_statistics`). The random streams
+    are left as they were found (a subsampling plate draws indices), so that a run resumed from a
+    state_dict continues bit for bit.
+
+    :raises ValueError: for a model that natural-gradient VI cannot fit.
+    """
+    recorder, params = BufferRecorder(), ParamStoreRecorder()
+    streams = Rollback.saved()
+    tape = PerExampleGradients(None, chunk_size=chunk_size)
+    try:
+        with recorder, tape:
+            trace = poutine.trace(InitMessenger(init_to_network)(model)).get_trace(*args, **kwargs)
+        layout, hidden = inspect_model(trace, list(tape.calls), dataset_size, method)
+    except BaseException:
+        # Whatever refused the pass (bad data, a model error, a check), nothing stays changed.
+        recorder.restore()
+        params.forget()
+        raise
+    finally:
+        streams.restore()
+    observed = observed_sites(trace, set(layout.names))
+    params.stop()
+    return Prepared(layout, hidden, tape, observed, recorder, params)

@@ -1,58 +1,120 @@
-"""VOGN's ``state_dict`` (and IVON's, which holds the same state without a temperature): what it
-holds, and the checks that refuse a state of another model or format before anything is
-restored."""
+"""The state of natural-gradient VI, shared by VOGN and IVON, and its ``state_dict``: what it
+holds, and the checks that refuse a state of another model or format before anything is restored
+(IVON's holds the same state without a temperature)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pyro_bdl.infer.vogn_model import Hidden
-from pyro_bdl.infer.vogn_update import VOGNState
+from pyro_bdl.infer.natural_gradient.model import Hidden
 from pyro_bdl.layout import SiteLayout
 
-__all__ = ["FORMAT", "VERSION", "check_state_dict", "pack_state_dict", "unpack_state_dict"]
+__all__ = [
+    "NaturalGradientState",
+    "StateFormat",
+    "check_state_dict",
+    "initial_state",
+    "pack_state_dict",
+    "unpack_state_dict",
+]
 
-FORMAT = "pyro_bdl.infer.VOGN"
-VERSION = 2
-_KEYS = {
-    "format",
-    "version",
-    "step",
-    "sites",
-    "hidden",
-    "mean",
-    "momentum",
-    "curvature",
-    "hidden_momentum",
-    "hidden_curvature",
-    "temperature",
-    "optimizer",
-}
-#: The format name, version and keys of each method's state_dict (IVON has no temperature).
-FORMATS = {
-    "VOGN": (FORMAT, VERSION, frozenset(_KEYS)),
-    "IVON": ("pyro_bdl.infer.IVON", 1, frozenset(_KEYS - {"temperature"})),
-}
-#: The keys of the state_dict VOGN wrote when its state was spread over a guide and an optimizer.
-_EARLIER_KEYS = {"step", "sites", "hidden", "guide", "optimizer"}
+
+@dataclass
+class NaturalGradientState:
+    r"""Everything a natural-gradient update changes, in one object (VOGN's and IVON's).
+
+    :ivar mean: μ, the flat posterior mean of every weight site, ``(D,)``.
+    :ivar momentum: the running average of ĝ (VOGN's m, IVON's g), like ``mean``.
+    :ivar curvature: the running average of ĥ (VOGN's s, IVON's h), like ``mean``.
+    :ivar hidden: the hidden point-estimate parameters (the network's own tensors).
+    :ivar hidden_momentum: the momentum of each hidden parameter.
+    :ivar hidden_curvature: the curvature of each hidden parameter.
+    :ivar int step: the number of updates done.
+    """
+
+    mean: torch.Tensor
+    momentum: torch.Tensor
+    curvature: torch.Tensor
+    hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    hidden_momentum: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    hidden_curvature: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    step: int = 0
+
+
+def initial_state(layout: SiteLayout, hidden: Sequence[Hidden]) -> NaturalGradientState:
+    """μ at the lifted weights' initial values, the hidden parameters themselves, every moment
+    zero."""
+    specs = [s.spec for s in layout if s.spec is not None]
+    mean = torch.cat([spec.init_value.detach().reshape(-1) for spec in specs]).clone()
+    params: list[torch.Tensor] = [h.param for h in hidden]
+    return NaturalGradientState(
+        mean=mean,
+        momentum=torch.zeros_like(mean),
+        curvature=torch.zeros_like(mean),
+        hidden=params,
+        hidden_momentum=[torch.zeros_like(p) for p in params],
+        hidden_curvature=[torch.zeros_like(p) for p in params],
+    )
+
+
+#: The keys of every method's state_dict; a method without a temperature leaves that one out.
+KEYS = frozenset(
+    {
+        "format",
+        "version",
+        "step",
+        "sites",
+        "hidden",
+        "mean",
+        "momentum",
+        "curvature",
+        "hidden_momentum",
+        "hidden_curvature",
+        "temperature",
+        "optimizer",
+    }
+)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """What identifies one method's ``state_dict``.
+
+    :ivar str method: the method's name in the messages (``"VOGN"``).
+    :ivar str name: the ``"format"`` entry.
+    :ivar int version: the ``"version"`` entry this release reads and writes.
+    :ivar bool temperature: whether the state holds a temperature.
+    :ivar frozenset earlier_keys: the keys of an earlier layout to refuse by name (or empty).
+    """
+
+    method: str
+    name: str
+    version: int
+    temperature: bool
+    earlier_keys: frozenset[str] = frozenset()
+
+    @property
+    def keys(self) -> frozenset[str]:
+        return KEYS if self.temperature else KEYS - {"temperature"}
 
 
 def pack_state_dict(
-    state: VOGNState,
+    state: NaturalGradientState,
     layout: SiteLayout,
     hidden: Sequence[Hidden],
     *,
-    temperature: float | None,
+    temperature: float,
     optimizer: dict[str, Any],
-    method: str = "VOGN",
+    spec: StateFormat,
 ) -> dict[str, Any]:
-    """The ``state_dict`` of a VOGN (or, with ``method="IVON"`` and no temperature, an IVON) run
-    (detached copies)."""
-    fmt, version, keys = FORMATS[method]
+    """The ``state_dict`` of a run in format ``spec`` (detached copies)."""
+    fmt, version, keys = spec.name, spec.version, spec.keys
 
     def named(tensors: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {h.name: t.detach().clone() for h, t in zip(hidden, tensors)}
@@ -68,7 +130,7 @@ def pack_state_dict(
         "curvature": state.curvature.detach().clone(),
         "hidden_momentum": named(state.hidden_momentum),
         "hidden_curvature": named(state.hidden_curvature),
-        "temperature": None if temperature is None else float(temperature),
+        "temperature": float(temperature),
         "optimizer": optimizer,
     }
     return {k: v for k, v in out.items() if k in keys}
@@ -78,24 +140,25 @@ def check_state_dict(
     state: Any,
     layout: SiteLayout | None = None,
     hidden: Sequence[Hidden] | None = None,
-    method: str = "VOGN",
+    *,
+    spec: StateFormat,
 ) -> None:
-    """Refuse anything but a ``state_dict`` of ``method`` in this format (and, given the model's
-    layout and hidden parameters, of this model), naming what differs.
+    """Refuse anything but a ``state_dict`` in format ``spec`` (and, given the model's layout and
+    hidden parameters, of this model), naming what differs.
 
     :raises ValueError: with the reason and the way out.
     """
-    fmt, version, keys = FORMATS[method]
+    method, fmt, version, keys = spec.method, spec.name, spec.version, spec.keys
     if (
-        method == "VOGN"
+        spec.earlier_keys
         and isinstance(state, Mapping)
         and "format" not in state
-        and set(state) == _EARLIER_KEYS
+        and set(state) == spec.earlier_keys
     ):
         raise ValueError(
-            "this VOGN state_dict has the earlier layout (keys 'guide' and 'optimizer' holding "
-            "μ, σ, m and s), which this version does not read; restart the run, or resume it "
-            "with the pyro_bdl version that wrote it."
+            f"this {method} state_dict has the earlier layout (keys 'guide' and 'optimizer' "
+            "holding μ, σ, m and s), which this version does not read; restart the run, or "
+            "resume it with the pyro_bdl version that wrote it."
         )
     if not isinstance(state, Mapping) or state.get("format") != fmt or set(state) != keys:
         got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
@@ -211,7 +274,9 @@ def _hyperparameters_ok(lr: Any, betas: Any) -> bool:
 
 
 @torch.no_grad()
-def unpack_state_dict(state: Mapping[str, Any], into: VOGNState, hidden: Sequence[Hidden]):
+def unpack_state_dict(
+    state: Mapping[str, Any], into: NaturalGradientState, hidden: Sequence[Hidden]
+) -> NaturalGradientState:
     """Copy a checked ``state_dict`` into the tensors of ``into``; returns the restored state."""
     into.mean.copy_(state["mean"])
     into.momentum.copy_(state["momentum"])

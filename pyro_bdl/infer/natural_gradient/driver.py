@@ -1,0 +1,588 @@
+r"""The natural-gradient driver shared by VOGN and IVON: set-up, the step template, refusal and
+rollback, the Gaussian prior and its KL, the checks, the state_dict and ``reduce_fn``.
+
+Both methods fit a diagonal Gaussian :math:`q = \mathcal N(\mu, \operatorname{diag}\sigma^2)`
+over a lifted network's weights under a diagonal Gaussian prior, and keep the same state
+(:class:`~pyro_bdl.infer.natural_gradient.state.NaturalGradientState`: μ, a running average of
+ĝ, a running average of ĥ, and the same for the hidden point-estimate parameters). One step of
+either is the template :meth:`NaturalGradientVI.step`:
+
+1. read the model on the first minibatch (:func:`~pyro_bdl.infer.natural_gradient.model.prepare`)
+   and initialise the state (the method's :meth:`~NaturalGradientVI._initialise`);
+2. draw ``num_particles`` weight samples :math:`w = \mu + \sigma\varepsilon`, run the model with
+   each written on the layers, and form ĝ and ĥ (the method's
+   :meth:`~NaturalGradientVI._estimate_gradients`);
+3. average them across data-parallel ranks with ``reduce_fn``, refuse non-finite values, and
+   compute the loss N/B Σᵢ ℓᵢ + τ·KL(q ‖ prior);
+4. apply the method's update (:meth:`~NaturalGradientVI._update`) and recompute σ
+   (:meth:`~NaturalGradientVI._write_scale`).
+
+A refused step (bad data or hyperparameters, a non-finite loss or gradient, an error from the
+model or ``reduce_fn``) changes nothing: :class:`~pyro_bdl.infer.rollback.Rollback` puts back
+BatchNorm's running statistics and torch's random state, σ is recomputed as it was, and a refused
+first step forgets everything it set up. Reading a step: this module and the method's
+(:mod:`~pyro_bdl.infer.natural_gradient.vogn`, :mod:`~pyro_bdl.infer.natural_gradient.ivon`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from pyro_bdl._validation import check_positive, check_positive_int, check_probability
+from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
+from pyro_bdl.infer.natural_gradient.model import (
+    Hidden,
+    Prepared,
+    per_example_nll,
+    prepare,
+    run_substituted,
+)
+from pyro_bdl.infer.natural_gradient.state import (
+    NaturalGradientState,
+    StateFormat,
+    check_state_dict,
+    initial_state,
+    pack_state_dict,
+    unpack_state_dict,
+)
+from pyro_bdl.infer.rollback import Rollback, refused
+from pyro_bdl.layout import SiteLayout
+
+__all__ = [
+    "GaussianPrior",
+    "NaturalGradientOptimizer",
+    "NaturalGradientVI",
+    "as_float",
+    "check_hyperparameters",
+    "check_loss",
+]
+
+
+class NaturalGradientOptimizer(torch.optim.Optimizer):
+    """The learning rate α and the betas of a natural-gradient method, for PyTorch's
+    learning-rate schedulers.
+
+    Pass it to any ``torch.optim.lr_scheduler`` class; the method reads ``param_groups[0]["lr"]``
+    and ``["betas"]`` before every update. It holds none of the method's state
+    (:class:`~pyro_bdl.infer.natural_gradient.state.NaturalGradientState` does) and one
+    placeholder tensor as its parameter; :meth:`step` updates nothing and is called after each
+    update, so that the schedulers see the optimizer step before theirs.
+    """
+
+    def __init__(self, lr: float, betas: tuple[float, float]):
+        super().__init__([torch.zeros(0)], {"lr": float(lr), "betas": tuple(betas)})
+
+    @property
+    def lr(self) -> float:
+        return float(self.param_groups[0]["lr"])
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        b1, b2 = self.param_groups[0]["betas"]
+        return float(b1), float(b2)
+
+    def step(self, closure: Callable | None = None):  # type: ignore[override]
+        return closure() if closure is not None else None
+
+
+@dataclass(frozen=True)
+class GaussianPrior:
+    """The diagonal Gaussian prior N(μ₀, diag δ⁻¹) over the flat weight vector, read once from
+    the lifted sites (docs/design/vogn.md). A prior that is the same on every weight is kept as
+    one number, so that the update and the KL take the scalar path.
+
+    :ivar precision: δ, a number or a ``(D,)`` tensor.
+    :ivar mean: μ₀, a ``(D,)`` tensor, or ``None`` for zero.
+    """
+
+    precision: float | torch.Tensor
+    mean: torch.Tensor | None = None
+
+    @classmethod
+    def read(cls, layout: SiteLayout, prior_precision: float | None) -> GaussianPrior:
+        """The prior declared in :func:`~pyro_bdl.bayesianize` for the sites of ``layout``, or
+        N(0, δ⁻¹ I) for an explicit δ.
+
+        :raises NonGaussianPriorError: a lifted prior is not Gaussian (and no δ was given).
+        """
+        if prior_precision is not None:
+            return cls(float(prior_precision))
+        like = layout[0].spec.init_value  # type: ignore[union-attr]
+        mean, precision = layout.gaussian_prior()
+        mean = mean.to(like)
+        precision = precision.to(like)
+        first = precision[:1]
+        uniform: float | torch.Tensor = (
+            float(first) if bool((precision == first).all()) else precision.contiguous()
+        )
+        return cls(uniform, None if not bool(mean.any()) else mean.contiguous())
+
+    @property
+    def mean_precision(self) -> float:
+        """δ averaged over the weights (the δ that damps the hidden parameters' step)."""
+        if isinstance(self.precision, torch.Tensor):
+            return float(self.precision.mean())
+        return self.precision
+
+    def tilde(self, temperature: float, effective_size: float) -> float | torch.Tensor:
+        """δ̃ = τδ/Ñ."""
+        if isinstance(self.precision, torch.Tensor):
+            return self.precision * (temperature / effective_size)
+        return temperature * self.precision / effective_size
+
+    @torch.no_grad()
+    def variance_sums(self, scale: torch.Tensor, log_scale: torch.Tensor) -> tuple[float, float]:
+        """(Σ δσ², Σ log σ²) of the KL (Σ σ² for a scalar δ), kept while σ does not change."""
+        if isinstance(self.precision, torch.Tensor):
+            return float(torch.dot(self.precision, scale.square())), 2.0 * float(log_scale.sum())
+        return float(torch.dot(scale, scale)), 2.0 * float(log_scale.sum())
+
+    @torch.no_grad()
+    def kl(self, loc: torch.Tensor, sums: tuple[float, float]) -> float:
+        r"""KL(N(μ, σ²) ‖ N(μ₀, δ⁻¹)) in closed form, given :meth:`variance_sums` of σ."""
+        weighted_var, sum_log_var = sums
+        dim = loc.numel()
+        offset = loc if self.mean is None else loc - self.mean
+        if isinstance(self.precision, torch.Tensor):
+            quad = weighted_var + float(torch.dot(self.precision, offset.square()))
+            log_det = float(self.precision.log().sum())
+        else:
+            quad = self.precision * (weighted_var + float(torch.dot(offset, offset)))
+            log_det = dim * math.log(self.precision)
+        return 0.5 * (quad - dim - log_det - sum_log_var)
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def as_float(value: object) -> float | None:
+    """``value`` as a float if it is a real number (or a one-element tensor), else ``None``."""
+    if type(value) is float:  # the common case, before the slower checks below
+        return value
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value.item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: str) -> None:
+    """Refuse a learning rate or betas in ``optimizer.param_groups[0]`` that the update cannot
+    use (set there by a scheduler or by hand): lr must be finite and >= 0 (a schedule may end at
+    0), each beta in [0, 1)."""
+    group = optimizer.param_groups[0]
+    where = f"{method} step {step}: {method.lower()}.optimizer.param_groups[0]"
+    lr = as_float(group.get("lr"))
+    if lr is None or not math.isfinite(lr) or lr < 0:
+        raise ValueError(
+            f"{where}['lr'] must be a finite number >= 0; got {group.get('lr')!r}. A "
+            "learning-rate scheduler or an assignment set it; nothing was updated. Set a finite "
+            f"lr, for example {method.lower()}.optimizer.param_groups[0]['lr'] = 1e-3."
+        )
+    betas = group.get("betas")
+    pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
+    if len(pair) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in pair):
+        raise ValueError(
+            f"{where}['betas'] must be a pair (beta1, beta2), each in [0, 1); got {betas!r}. "
+            "Nothing was updated; set for example (0.9, 0.999)."
+        )
+
+
+def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
+    """Refuse a non-finite loss, naming its term (each site's likelihood is checked earlier, so a
+    non-finite total here is an overflow of the sum, or the KL)."""
+    for term, value in (("likelihood (the sum over the data sites)", likelihood), ("KL", kl)):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
+                "nothing was updated. Lower the learning rate, check the data, or check the prior."
+            )
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+class NaturalGradientVI:
+    r"""Natural-gradient variational inference over a lifted network, shaped like ``SVI``: the
+    base of :class:`~pyro_bdl.infer.VOGN` and :class:`~pyro_bdl.infer.IVON`.
+
+    A method gives its name, its state_dict format, and five pieces of mathematics:
+    :meth:`_allocate` (its buffers), :meth:`_initialise` (the first curvature),
+    :meth:`_estimate_gradients` (ĝ and ĥ into :attr:`estimates`), :meth:`_update` and
+    :meth:`_write_scale` (σ from the curvature). Everything else is here.
+
+    :param callable model: a Pyro model over a :func:`~pyro_bdl.bayesianize` -d network whose only
+        latent sites are its weights and whose observations lie in the data plate.
+    :param int dataset_size: N, the number of training examples (the data plate's size).
+    :param float lr: learning rate α (> 0).
+    :param tuple betas: (β₁, β₂), each in [0, 1).
+    :param float prior_precision: δ (> 0) of an N(0, δ⁻¹ I) prior instead of the lifted one.
+    :param int num_particles: weight samples per step.
+    :param int chunk_size: examples per chunk of per-example gradients (methods that take them).
+    :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on
+        :attr:`estimates` to average them in place across data-parallel ranks, so every rank
+        applies the same update (docs/design/distributed.md).
+    """
+
+    #: The method's name in messages (``"VOGN"``).
+    name: ClassVar[str]
+    #: The format of its state_dict.
+    state_format: ClassVar[StateFormat]
+    #: Whether the pass that reads the model is a training pass whose BatchNorm statistics the
+    #: first step keeps (VOGN's first curvature comes from it; IVON's does not).
+    reading_pass_trains: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        dataset_size: int,
+        lr: float,
+        betas: tuple[float, float],
+        prior_precision: float | None,
+        num_particles: int,
+        chunk_size: int | None,
+        reduce_fn: Callable[[list[torch.Tensor]], None] | None,
+    ):
+        if not callable(model):
+            raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
+        check_positive_int("dataset_size", dataset_size)
+        check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
+        check_probability("betas[0] (beta1)", betas[0], open_interval=False)
+        check_probability("betas[1] (beta2)", betas[1], open_interval=False)
+        if prior_precision is not None:
+            check_positive(
+                "prior_precision",
+                prior_precision,
+                fix="Pass δ > 0, e.g. 1.0, or leave it out to use the prior of bayesianize.",
+            )
+        check_positive_int("num_particles", num_particles)
+        if chunk_size is not None:
+            check_positive_int("chunk_size", chunk_size)
+        if reduce_fn is not None and not callable(reduce_fn):
+            raise TypeError(f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}.")
+        self.model, self.dataset_size = model, dataset_size
+        self.num_particles, self.chunk_size = num_particles, chunk_size
+        self.reduce_fn = reduce_fn
+        self.prior_precision = None if prior_precision is None else float(prior_precision)
+        #: Ñ, the dataset size the likelihood stands for (set by the method).
+        self.effective_size = float(dataset_size)
+        self.guide = NaturalGradientGuide(model, owner=self.name)
+        #: The ``torch.optim.Optimizer`` to hand to ``torch.optim.lr_scheduler`` classes.
+        self.optimizer = NaturalGradientOptimizer(lr, (float(betas[0]), float(betas[1])))
+        #: Everything the update changes; ``None`` until the method has seen the model.
+        self.state: NaturalGradientState | None = None
+        self.layout: SiteLayout | None = None
+        self.prior: GaussianPrior | None = None
+        #: The Monte Carlo estimates of a step, the list ``reduce_fn`` receives.
+        self.estimates: list[torch.Tensor] = []
+        self._hidden: list[Hidden] = []
+        self._pending: dict | None = None
+        self._temperature = 1.0  # τ of the loss and of σ; only VOGN's changes
+        self._scale_temperature: float | None = None  # the τ that σ was computed for
+        self._var_sums = (0.0, 0.0)
+        self._unreduced: list[torch.Tensor] = []  # a first curvature that ranks must average
+
+    # -- what a method provides ------------------------------------------------------------------
+
+    def _allocate(self, ready: Prepared) -> None:
+        """Allocate :attr:`estimates` and the method's other buffers, once per model."""
+        raise NotImplementedError
+
+    def _initialise(self, ready: Prepared) -> None:
+        """Initialise the curvature at set-up (not from a state_dict) and compute σ."""
+        raise NotImplementedError
+
+    def _estimate_gradients(self, args, kwargs, step: int) -> tuple[list[float], int]:
+        """ĝ and ĥ averaged over the particles into :attr:`estimates`; returns Σᵢ ℓᵢ of each
+        draw, and the batch size B."""
+        raise NotImplementedError
+
+    def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(ĝs, ĥs) in :attr:`estimates`: of μ first, then of each hidden parameter."""
+        raise NotImplementedError
+
+    def _update(self) -> NaturalGradientState:
+        """The method's update of :attr:`state` from :attr:`estimates`."""
+        raise NotImplementedError
+
+    def _write_scale(self, tau: float, scale: torch.Tensor, log_scale: torch.Tensor) -> None:
+        """σ from the curvature into ``scale``, and log σ into ``log_scale``."""
+        raise NotImplementedError
+
+    def _next_temperature(self, step: int) -> float:
+        """The temperature τ of ``step``."""
+        return self._temperature
+
+    # -- hyperparameters ---------------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @property
+    def step_count(self) -> int:
+        return 0 if self.state is None else self.state.step
+
+    @property
+    def needs_setup(self) -> bool:
+        """Whether the method has yet to see the model (its first :meth:`step` or :meth:`setup`)."""
+        return self.state is None
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def setup(self, *args, **kwargs) -> None:
+        """Read the model on a minibatch and initialise the state as the first :meth:`step` does
+        before its update, leaving BatchNorm's running statistics as they were. Does nothing once
+        the method has seen the model. A checkpoint loader calls it before checking and restoring
+        a state. A refusal leaves the method unset and the network as it was."""
+        self._setup(args, kwargs, keep_statistics=False, where=f"{self.name}.setup")
+
+    def _setup(self, args, kwargs, *, keep_statistics: bool, where: str):
+        """Set up on this minibatch unless already set up; returns what undoes the set-up
+        (``None`` if there was nothing to do)."""
+        if self.state is not None:
+            return None
+        pending = self._pending
+        ready = prepare(
+            self.model,
+            args,
+            kwargs,
+            dataset_size=self.dataset_size,
+            chunk_size=self.chunk_size,
+            method=self.name,
+        )
+
+        def undo() -> None:
+            ready.undo()
+            self._uninstall(pending)
+
+        try:
+            prior = GaussianPrior.read(ready.layout, self.prior_precision)
+            if pending is not None:
+                check_state_dict(pending, ready.layout, ready.hidden, spec=self.state_format)
+            self._install(ready, prior)
+            if pending is not None:
+                self._pending = None
+                self.load_state_dict(pending)
+            else:
+                self._initialise(ready)
+        except BaseException as err:
+            refused(err, where)
+            undo()
+            raise
+        if not (keep_statistics and self.reading_pass_trains):
+            ready.restore_statistics()
+        return undo
+
+    def _install(self, ready: Prepared, prior: GaussianPrior) -> None:
+        """Own the state of a freshly read model; allocate the buffers every pass reuses."""
+        layout, hidden = ready.layout, ready.hidden
+        self.layout, self._hidden, self.prior = layout, hidden, prior
+        self.state = initial_state(layout, hidden)
+        mean = self.state.mean
+        self.guide.attach(layout, mean, torch.zeros_like(mean))
+        #: ε of the last draw; free once w is drawn (σ's refresh computes log σ into it).
+        self._noise = torch.empty_like(mean)
+        self._w = torch.empty_like(mean)
+        self._specs = [site.spec for site in layout if site.spec is not None]
+        self._weight_views = layout.split(self._w)
+        # What each pass writes onto the layers: the weight sample's views, and the hidden
+        # parameters themselves (what PyroModule's pyro.param statement would return).
+        self._values = self._written(self._weight_views)
+        # The buffers a pass may change (BatchNorm's running statistics), saved before each step.
+        self._rollback = Rollback(ready.statistics.written())
+        self._allocate(ready)
+
+    def _uninstall(self, pending: dict | None) -> None:
+        """Back to a method that has not seen the model (a refused first step)."""
+        self.state, self.layout, self.prior, self._hidden = None, None, None, []
+        self._pending = pending
+        self._scale_temperature, self._var_sums, self._unreduced = None, (0.0, 0.0), []
+        self.guide.detach()
+
+    @torch.no_grad()
+    def _refresh_scale(self, tau: float) -> None:
+        """σ into the guide, and the KL's Σσ² and Σ log σ², kept for the loss of the next steps
+        (only the μ terms change)."""
+        assert self.prior is not None
+        self._scale_temperature = tau
+        scale = self.guide.scale
+        self._write_scale(tau, scale, self._noise)  # ε is spent once w is drawn
+        self._var_sums = self.prior.variance_sums(scale, self._noise)
+
+    # -- the passes ------------------------------------------------------------------------------
+
+    def _written(self, weights: list[torch.Tensor]) -> list[tuple[Any, str, torch.Tensor]]:
+        """(layer, name, value) of every weight site's ``weights`` and every hidden parameter."""
+        out = [(spec.module, spec.param_name, w) for spec, w in zip(self._specs, weights)]
+        return out + [(hp.module, hp.param_name, hp.param) for hp in self._hidden]
+
+    @torch.no_grad()
+    def _sample(self) -> torch.Tensor:
+        """w = μ + σ ⊙ ε into the flat sample buffer (whose views the layers read)."""
+        assert self.state is not None
+        torch.randn(self._noise.shape, out=self._noise)
+        return torch.addcmul(self.state.mean, self.guide.scale, self._noise, out=self._w)
+
+    def _run(self, values, args, kwargs, step: int) -> tuple[torch.Tensor, int, float]:
+        """One pass with ``values`` written on the layers: the per-example NLL, B and its sum."""
+        where = f"{self.name} step {step}"
+        return per_example_nll(run_substituted(self.model, values, args, kwargs, where), where)
+
+    def _gradients(self, tape: PerExampleGradients, losses: torch.Tensor, out, add: bool) -> None:
+        """Σg and Σg² of each layer's parameters into ``out`` (added to them if ``add``)."""
+        raw = tape.compute(losses, out=out, add=add)
+        tape.clear()  # free the recorded activations now, not at the next step
+        if not add and len(raw) < len(out):
+            for key, (g, h) in out.items():
+                if key not in raw:  # a layer the model did not call this time: no gradient
+                    g.zero_()
+                    h.zero_()
+
+    def _check_finite(self, step: int) -> None:
+        """Refuse non-finite estimates, naming the first tensor."""
+        # One reduction per tensor: a sum is finite only if every element is.
+        if bool(torch.isfinite(torch.stack([t.sum() for t in self.estimates])).all()):
+            return
+        names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
+        g_hats, h_hats = self._split()
+        labelled = [(f"{n} (ĝ)", t) for n, t in zip(names, g_hats)]
+        labelled += [(f"{n} (ĥ)", t) for n, t in zip(names, h_hats)]
+        name = next(n for n, t in labelled if not bool(torch.isfinite(t).all()))
+        raise ValueError(
+            f"{self.name} step {step}: the gradient of the likelihood for {name} is not finite "
+            "(NaN or inf); nothing was updated. Lower the learning rate."
+        )
+
+    # -- the public step -----------------------------------------------------------------------
+
+    def step(self, *args, **kwargs) -> float:
+        """One update on a minibatch; returns the estimated (tempered) negative ELBO,
+        N/B Σᵢ ℓᵢ averaged over the particles plus τ·KL(q ‖ prior), like ``SVI.step``.
+
+        A refused step (bad data or hyperparameters, a non-finite loss or gradient, an error from
+        the model or ``reduce_fn``) changes nothing: the state, τ, BatchNorm's running statistics
+        and torch's random state stay as they were, so a retry with good data continues the run
+        as if the bad batch had not come."""
+        step = self.step_count + 1
+        check_hyperparameters(self.optimizer, step, self.name)
+        tau = self._next_temperature(step)
+        where = f"{self.name} step {step}"
+        undo_setup = self._setup(args, kwargs, keep_statistics=True, where=where)
+        rollback, scale_tau = self._rollback, self._scale_temperature
+        rollback.save()
+        try:
+            loss = self._loss(args, kwargs, step, tau)
+        except BaseException as err:
+            refused(err, where)
+            rollback.restore()
+            if scale_tau is not None and self._scale_temperature != scale_tau:
+                self._refresh_scale(scale_tau)  # σ back to what it was, bit for bit
+            if undo_setup is not None:
+                undo_setup()
+            raise
+        self._temperature = tau
+        self.state = self._update()
+        self.optimizer.step()  # marks the step for the learning-rate schedulers
+        self._refresh_scale(tau)
+        return loss
+
+    def _loss(self, args, kwargs, step: int, tau: float) -> float:
+        """ĝ, ĥ into :attr:`estimates` and the loss, with every check; changes only what
+        :meth:`step` rolls back on a refusal (σ, the buffers of the layers, the random state)."""
+        if self._unreduced and self.reduce_fn is not None:  # the first draw's σ: from the
+            self.reduce_fn(self._unreduced)  # ranks' mean first curvature, as in one process
+            self._unreduced, self._scale_temperature = [], None
+        if self._scale_temperature != tau:  # τ or the first curvature changed since σ was set
+            self._refresh_scale(tau)
+        nlls, batch = self._estimate_gradients(args, kwargs, step)
+        nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
+        if self.reduce_fn is not None:
+            self.reduce_fn(self.estimates)
+        self._check_finite(step)
+        kl = self._kl()
+        check_loss(step, nll_total, kl, self.name)
+        return nll_total + tau * kl
+
+    @torch.no_grad()
+    def evaluate_loss(self, *args, **kwargs) -> float:
+        """The loss :meth:`step` would report, at the current q, without updating anything (like
+        ``SVI.evaluate_loss``; put BatchNorm in eval mode first to keep its statistics). If a pass
+        raises, the layers' buffers and the random state are put back."""
+        if self.state is None:
+            raise RuntimeError(
+                f"{self.name} has not seen the model yet; call {self.name.lower()}.step(x, y) "
+                "first."
+            )
+        step = self.step_count + 1
+        self._rollback.save()
+        try:
+            nll = 0.0
+            for _ in range(self.num_particles):
+                self._sample()
+                _, batch, total = self._run(self._values, args, kwargs, step)
+                nll += total / batch
+        except BaseException:
+            self._rollback.restore()
+            raise
+        nll = nll / self.num_particles
+        return nll * self.dataset_size + self._temperature * self._kl()
+
+    def _kl(self) -> float:
+        """KL(q ‖ prior) in closed form."""
+        assert self.state is not None and self.prior is not None
+        return self.prior.kl(self.state.mean, self._var_sums)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the update changes: μ, the moments, the hidden parameters and their
+        moments, the step counter, τ (VOGN) and the scheduled hyperparameters (BatchNorm running
+        statistics stay in ``net.state_dict()``; σ follows from the curvature)."""
+        if self.state is None or self.layout is None:
+            raise RuntimeError(
+                f"{self.name} has no state before its first step; call "
+                f"{self.name.lower()}.step(x, y)."
+            )
+        return pack_state_dict(
+            self.state,
+            self.layout,
+            self._hidden,
+            temperature=self._temperature,
+            optimizer=self.optimizer.state_dict(),
+            spec=self.state_format,
+        )
+
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse (``ValueError``) a state that :meth:`load_state_dict` would not restore: not
+        this method's, an earlier format, or (once the model is known) another model's."""
+        hidden = self._hidden if self.layout is not None else None
+        check_state_dict(state, self.layout, hidden, spec=self.state_format)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`, checked first (nothing changes if it is refused); before
+        the method has seen the model it is applied then (and checked against the model there),
+        and the first :meth:`step` skips the initialisation of the curvature."""
+        self.check_state_dict(state)
+        if self.state is None:
+            self._pending = dict(state)
+            return
+        unpack_state_dict(state, self.state, self._hidden)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.state_format.temperature:
+            self._temperature = float(state["temperature"])
+        self._refresh_scale(self._temperature)

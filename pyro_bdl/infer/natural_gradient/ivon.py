@@ -1,0 +1,322 @@
+r"""IVON: Improved Variational Online Newton, natural-gradient VI at the cost of one backward pass.
+
+IVON fits a diagonal Gaussian :math:`q = \mathcal N(m, \operatorname{diag}\sigma^2)` over a lifted
+network's weights, under the Gaussian prior :math:`\mathcal N(\mu_0, \operatorname{diag}
+(\lambda\delta)^{-1})` declared in :func:`~pyro_bdl.bayesianize` (prior precision
+:math:`\lambda\delta`, :math:`\lambda` the effective sample size). Unlike VOGN it needs no
+per-example gradients: for a draw :math:`\theta = m + \sigma\varepsilon` the minibatch-mean
+gradient :math:`\hat g` gives, by Price's (Bonnet's) theorem, the diagonal Hessian estimate
+:math:`\hat h = \hat g \cdot (\theta - m)/\sigma^2 = \hat g\,\varepsilon/\sigma`, whose expectation
+under q is :math:`\mathbb E_q[\operatorname{diag} \nabla^2 \ell]` (docs/design/ivon.md).
+
+IVON keeps the driver's state: the mean :math:`m` (``state.mean``), the gradient average
+:math:`g` (``state.momentum``) and the curvature :math:`h` (``state.curvature``). With
+:math:`\delta` the weight decay (the prior precision divided by :math:`\lambda`, elementwise when
+it differs between weights), :math:`\mu_0` the prior mean and :math:`t` the step number:
+
+.. math::
+
+    g &\leftarrow \beta_1 g + (1-\beta_1)\hat g, \\
+    h &\leftarrow \beta_2 h + (1-\beta_2)\hat h
+        + \tfrac12 (1-\beta_2)^2 \frac{(h-\hat h)^2}{h+\delta}, \\
+    m &\leftarrow m - \alpha\,\frac{g/(1-\beta_1^t) + \delta (m-\mu_0)}{h+\delta}, \qquad
+    \sigma = \frac{1}{\sqrt{\lambda (h+\delta)}}.
+
+The correction term keeps :math:`h+\delta` positive whatever :math:`\hat h` is: with
+:math:`a = h+\delta` and :math:`x = (h-\hat h)/a` the new :math:`h+\delta` is
+:math:`a\,(\tfrac12(1-(1-\beta_2)x)^2 + \tfrac12) \ge a/2`.
+
+Hidden (point-estimate) parameters have no noise, so no :math:`\hat h`: their :math:`h` stays at
+its initial value :math:`h_0` and they take the same debiased step without the prior term,
+damped by the mean weight decay.
+
+This module holds only IVON's mathematics; the set-up, the step template, refusals and rollback,
+the prior, the state and its state_dict are the natural-gradient driver's
+(:mod:`pyro_bdl.infer.natural_gradient.driver`).
+
+References:
+
+- Shen, Daheim, Cong, Nickl, Marconi, Bazan, Yokota, Gurevych, Cremers, Khan, Möllenhoff,
+  "Variational Learning is Effective for Large Deep Networks", ICML 2024 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pyro_bdl._validation import check_positive
+from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI
+from pyro_bdl.infer.natural_gradient.model import Prepared
+from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
+
+__all__ = ["IVON", "IVONHyperparameters", "ivon_scale", "ivon_update"]
+
+
+class IVON(NaturalGradientVI):
+    r"""IVON over a lifted network, shaped like ``SVI`` and :class:`~pyro_bdl.infer.VOGN`.
+
+    Each :meth:`step` draws ``num_particles`` weight samples θ = m + σε, runs the model
+    conditioned on each, reads the per-example negative log-likelihoods inside
+    ``pyro.plate("data", N, subsample_size=B)`` (without the plate's N/B scaling), takes ĝ, their
+    batch mean's gradient at θ, by one backward pass, forms ĥ = ĝ ε/σ, and applies
+    :func:`ivon_update`.
+
+    **Prior.** By default the Gaussian prior declared in :func:`~pyro_bdl.bayesianize` (per-weight
+    mean μ₀ and precision λδ, so the weight decay is δ = precision/ess); a non-Gaussian one
+    raises :class:`~pyro_bdl.priors.NonGaussianPriorError` at the first step.
+    ``prior_precision`` replaces it by N(0, prior_precision⁻¹ I).
+
+    **Hidden parameters** (BatchNorm's affine parameters) are point estimates without noise and
+    so without ĥ: their h stays at ``hess_init`` and they take the debiased gradient step
+    α ĝ/((1 − β₁ᵗ)(h₀ + δ̄)), δ̄ the mean weight decay.
+
+    Usage::
+
+        ivon = bdl.infer.IVON(model, dataset_size=N, lr=0.1)
+        for x, y in loader:
+            loss = ivon.step(x, y)
+        probs = Predictive(model, guide=ivon.guide, num_samples=32)(x_test)
+
+    :param callable model: a Pyro model over a :func:`~pyro_bdl.bayesianize` -d network whose only
+        latent sites are its weights and whose observations lie in the data plate.
+    :param int dataset_size: N, the number of training examples (the data plate's size).
+    :param float lr: learning rate α (> 0); IVON's are far larger than Adam's (0.05 to 0.5).
+    :param tuple betas: (β₁, β₂), gradient and curvature averaging rates, each in [0, 1).
+    :param float hess_init: h₀ (> 0), the initial curvature: σ starts at 1/√(λ(h₀ + δ)).
+    :param float ess: λ (> 0), the effective sample size; ``None`` for N. λ > N tempers the
+        posterior (narrower σ), λ < N widens it.
+    :param float prior_precision: the precision (> 0) of an N(0, prior_precision⁻¹ I) prior instead
+        of the lifted one.
+    :param int num_particles: weight samples per step (ĝ and ĥ are averaged over them).
+    :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on
+        ``[ĝ, ĥ, ĝ of each hidden parameter...]`` to average them in place across data-parallel
+        ranks, so every rank applies the same update (docs/design/distributed.md).
+
+    References: Shen et al., "Variational Learning is Effective for Large Deep Networks",
+    ICML 2024.
+    """
+
+    name = "IVON"
+    state_format = StateFormat(
+        method="IVON", name="pyro_bdl.infer.IVON", version=1, temperature=False
+    )
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        dataset_size: int,
+        lr: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99999),
+        hess_init: float = 0.1,
+        ess: float | None = None,
+        prior_precision: float | None = None,
+        num_particles: int = 1,
+        reduce_fn: Callable[[list[torch.Tensor]], None] | None = None,
+    ):
+        super().__init__(
+            model,
+            dataset_size=dataset_size,
+            lr=lr,
+            betas=betas,
+            prior_precision=prior_precision,
+            num_particles=num_particles,
+            chunk_size=None,
+            reduce_fn=reduce_fn,
+        )
+        check_positive("hess_init", hess_init, fix="Pass h0 > 0, e.g. hess_init=0.1.")
+        if ess is not None:
+            check_positive("ess", ess, fix="Pass λ > 0, or leave it out to use dataset_size.")
+        self.hess_init = float(hess_init)
+        self.effective_size = float(dataset_size if ess is None else ess)
+
+    # -- ĝ by one backward pass, ĥ = ĝ ε/σ -------------------------------------------------------
+
+    def _allocate(self, ready: Prepared) -> None:
+        assert self.state is not None and self.layout is not None
+        mean = self.state.mean
+        g, h = torch.empty_like(mean), torch.empty_like(mean)
+        #: [ĝ, ĥ, ĝ of each hidden parameter...], the list ``reduce_fn`` receives (no ĥ for the
+        #: noiseless hidden parameters).
+        self.estimates = [g, h, *(torch.empty_like(hp.param) for hp in self._hidden)]
+        self._product = torch.empty_like(mean)  # a later draw's ĝ
+        self._g_views = self.layout.split(g)
+        self._spare_views = self.layout.split(self._product)
+
+    def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [self.estimates[0], *self.estimates[2:]], [self.estimates[1]]
+
+    def _initialise(self, ready: Prepared) -> None:
+        """h = h₀ everywhere (g = 0, m at the network's weights)."""
+        assert self.state is not None
+        ready.tape.clear()  # no per-example gradients: free the recorded activations
+        self.state.curvature.fill_(self.hess_init)
+        for h in self.state.hidden_curvature:
+            h.fill_(self.hess_init)
+        self._refresh_scale(self._temperature)
+
+    def _estimate_gradients(self, args, kwargs, step: int) -> tuple[list[float], int]:
+        g, h, *g_hidden = self.estimates
+        scale, noise = self.guide.scale, self._noise
+        hidden_params = [hp.param for hp in self._hidden]
+        nlls, batch = [], 0
+        for k in range(self.num_particles):
+            self._sample()
+            # Leaves per site (sharing the sample's storage) rather than one flat leaf: autograd
+            # then returns one gradient per site, as ``loss.backward()`` would for the plain
+            # network, not those and their concatenation as well.
+            leaves = [v.detach().requires_grad_() for v in self._weight_views]
+            losses, batch, nll = self._run(self._written(leaves), args, kwargs, step)
+            wrt = [*leaves, *hidden_params]
+            grads: Sequence[torch.Tensor | None] = (None,) * len(wrt)
+            if losses.requires_grad:  # else the likelihood depends on no weight
+                grads = torch.autograd.grad(losses.sum() / batch, wrt, allow_unused=True)
+            with torch.no_grad():
+                # This draw's ĝ into g (the first draw) or the spare buffer (later draws).
+                draw = g if k == 0 else self._product
+                views = self._g_views if k == 0 else self._spare_views
+                for out, grad in zip(views, grads):
+                    out.zero_() if grad is None else out.copy_(grad)
+                for out, grad in zip(g_hidden, grads[len(views) :]):
+                    if grad is None:
+                        if k == 0:
+                            out.zero_()
+                    elif k == 0:
+                        out.copy_(grad)
+                    else:
+                        out.add_(grad)
+                if k > 0:
+                    g.add_(draw)
+                # ĥ of this draw: ĝ ε/σ.
+                if k == 0:
+                    torch.mul(draw, noise, out=h).div_(scale)
+                else:
+                    h.addcdiv_(draw.mul_(noise), scale)
+            nlls.append(nll)
+        if self.num_particles > 1:
+            torch._foreach_div_(self.estimates, float(self.num_particles))
+        return nlls, batch
+
+    # -- the update ----------------------------------------------------------------------------
+
+    def _hyperparameters(self) -> IVONHyperparameters:
+        assert self.prior is not None
+        ess, prior = self.effective_size, self.prior
+        return IVONHyperparameters(
+            lr=self.optimizer.lr,
+            betas=self.optimizer.betas,
+            weight_decay=prior.tilde(1.0, ess),
+            prior_mean=prior.mean,
+            hidden_weight_decay=prior.mean_precision / ess,
+        )
+
+    def _update(self) -> NaturalGradientState:
+        assert self.state is not None
+        g_hat, (h_hat,) = self._split()
+        return ivon_update(self.state, g_hat, h_hat, self._hyperparameters())
+
+    def _write_scale(self, tau: float, scale: torch.Tensor, log_scale: torch.Tensor) -> None:
+        """σ = 1/√(λ(h + δ)) (IVON has no temperature: ``tau`` is 1)."""
+        assert self.state is not None and self.prior is not None
+        h, ess = self.state.curvature, self.effective_size
+        decay = self.prior.tilde(1.0, ess)
+        for block in blocks(h.numel()):  # in cache: one pass over memory instead of four
+            d = decay[block] if isinstance(decay, torch.Tensor) else decay
+            ivon_scale(h[block], effective_size=ess, weight_decay=d, out=scale[block])
+            torch.log(scale[block], out=log_scale[block])
+
+
+@dataclass(frozen=True)
+class IVONHyperparameters:
+    r"""The numbers one IVON update reads.
+
+    :ivar float lr: α.
+    :ivar tuple betas: (β₁, β₂); β₁ averages ĝ, β₂ averages ĥ (both weight the *old* value).
+    :ivar weight_decay: δ = prior precision / ess, a number or a ``(D,)`` tensor.
+    :ivar prior_mean: μ₀, a ``(D,)`` tensor, or ``None`` for zero.
+    :ivar float hidden_weight_decay: the δ that damps the hidden parameters' step.
+    """
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float | torch.Tensor
+    prior_mean: torch.Tensor | None = None
+    hidden_weight_decay: float = 0.0
+
+
+@torch.no_grad()
+def ivon_update(
+    state: NaturalGradientState,
+    g_hat: Sequence[torch.Tensor],
+    h_hat: torch.Tensor,
+    hyper: IVONHyperparameters,
+) -> NaturalGradientState:
+    r"""One IVON update: returns the state after the step.
+
+    ``g_hat`` holds ĝ of the mean first, then of each hidden parameter; ``h_hat`` is ĥ of the
+    mean. As in :func:`~pyro_bdl.infer.natural_gradient.vogn.vogn_update`, the state's tensors
+    are updated **in place** and the returned state holds them with ``step + 1``; nothing else is
+    read or written.
+    """
+    params = [state.mean, *state.hidden]
+    if len(g_hat) != len(params) or h_hat.shape != state.curvature.shape:
+        raise ValueError(
+            f"ivon_update needs ĝ for the mean and each of the {len(state.hidden)} hidden "
+            f"parameters ({len(params)}) and ĥ of shape {tuple(state.curvature.shape)}; got "
+            f"{len(g_hat)} and {tuple(h_hat.shape)}."
+        )
+    beta1, beta2 = hyper.betas
+    t = state.step + 1
+    debias, c = 1.0 / (1.0 - beta1**t), 1.0 - beta2
+    delta, mu0 = hyper.weight_decay, hyper.prior_mean
+    # Block by block, so that the dozen element-wise operations of a block run in cache and
+    # their temporaries are small (a D-sized temporary costs more in page faults than the
+    # arithmetic); each block is one slice of every vector.
+    for block in blocks(state.mean.numel()):
+        m, g, h = state.mean[block], state.momentum[block], state.curvature[block]
+        gh, hh = g_hat[0][block], h_hat[block]
+        d = delta[block] if isinstance(delta, torch.Tensor) else delta
+        g.lerp_(gh, 1.0 - beta1)  # β₁g + (1−β₁)ĝ
+        # β₂h + (1−β₂)ĥ + ½(1−β₂)²(h−ĥ)²/(h+δ) = h + r(c + ½c² r/(h+δ)), r = ĥ − h, c = 1 − β₂.
+        a = torch.add(h, d)
+        r = torch.sub(hh, h)
+        factor = torch.div(r, a).mul_(0.5 * c * c).add_(c)
+        h.addcmul_(r, factor)
+        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new h.
+        offset = m if mu0 is None else torch.sub(m, mu0[block], out=r)
+        numerator = torch.mul(offset, d, out=factor).add_(g, alpha=debias)
+        m.addcdiv_(numerator, torch.add(h, d, out=a), value=-hyper.lr)
+    if state.hidden:
+        torch._foreach_lerp_(state.hidden_momentum, list(g_hat[1:]), 1.0 - beta1)
+        denominator = torch._foreach_add(state.hidden_curvature, hyper.hidden_weight_decay)
+        step_size = -hyper.lr * debias
+        torch._foreach_addcdiv_(state.hidden, state.hidden_momentum, denominator, value=step_size)
+    return dataclasses.replace(state, step=t)
+
+
+#: Elements per block of :func:`ivon_update`: 512 KiB of float32 per vector, so that a block's
+#: vectors and temporaries stay in cache while the Python overhead per block stays small.
+BLOCK = 1 << 17
+
+
+def blocks(n: int) -> list[slice]:
+    """Slices of ``range(n)`` of :data:`BLOCK` elements (the last one shorter)."""
+    return [slice(i, min(i + BLOCK, n)) for i in range(0, n, BLOCK)]
+
+
+@torch.no_grad()
+def ivon_scale(
+    h: torch.Tensor,
+    *,
+    effective_size: float,
+    weight_decay: float | torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r""":math:`\sigma = 1/\sqrt{\lambda (h + \delta)}`: the posterior precision is
+    :math:`\lambda h` plus the prior precision :math:`\lambda\delta`. ``out`` receives it."""
+    out = torch.add(h, weight_decay, out=out)
+    return out.mul_(effective_size).rsqrt_()

@@ -1,0 +1,338 @@
+r"""VOGN: Variational Online Gauss-Newton, natural-gradient VI that trains like Adam.
+
+VOGN fits a diagonal Gaussian :math:`q = \mathcal N(\mu, \operatorname{diag}\sigma^2)` over a lifted
+network's weights, under the Gaussian prior
+:math:`\mathcal N(\mu_0, \operatorname{diag}\delta^{-1})` declared in
+:func:`~pyro_bdl.bayesianize`, with the update
+
+.. math::
+
+    m &\leftarrow \beta_1 m + \hat g + \tilde\delta(\mu - \mu_0), \qquad
+    s \leftarrow (1-\beta_2) s + \beta_2 \hat h, \qquad
+    \mu \leftarrow \mu - \alpha\, m / (s + \tilde\delta + \gamma), \\
+    \sigma &= \sqrt{\tau / (\tilde N (s + \tilde\delta))}, \qquad
+    \tilde\delta = \tau\delta/\tilde N, \qquad \tilde N = \rho N,
+
+where :math:`\hat g` averages the per-example gradients of the negative log-likelihood at a
+weight sample :math:`w \sim q` and :math:`\hat h` averages their **squares** (the Gauss-Newton /
+empirical-Fisher diagonal, from :class:`~pyro_bdl.curvature.PerExampleGradients`); :math:`\delta`
+is elementwise when the prior precision differs between weights. Note the convention
+(docs/design/vogn.md): :math:`\beta_2` weights the *new* estimate :math:`\hat h`. Hidden
+parameters (point estimates) take the same step without the prior term. The first step
+initialises :math:`s` with :math:`\hat h` of its minibatch at :math:`w = \mu` (Algorithm 1, line 1).
+
+This module holds only VOGN's mathematics: its hyperparameters, its estimate of ĝ and ĥ, and the
+pure update :func:`vogn_update`. The set-up, the step template, refusals and rollback, the prior,
+the state and its state_dict are the natural-gradient driver's
+(:mod:`pyro_bdl.infer.natural_gradient.driver`).
+
+References:
+
+- Khan, Nielsen, Tangkaratt, Lin, Gal, Srivastava, "Fast and Scalable Bayesian Deep Learning by
+  Weight-Perturbation in Adam", ICML 2018.
+- Osawa, Swaroop, Jain, Eschenhagen, Turner, Yokota, Khan, "Practical Deep Learning with Bayesian
+  Principles", NeurIPS 2019 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pyro_bdl._validation import check_positive
+from pyro_bdl.curvature.per_example import PerExampleGradients
+from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, as_float
+from pyro_bdl.infer.natural_gradient.model import Prepared, per_example_nll
+from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
+
+__all__ = ["VOGN", "VOGNHyperparameters", "vogn_scale", "vogn_update"]
+
+
+class VOGN(NaturalGradientVI):
+    r"""Natural-gradient variational inference over a lifted network, shaped like ``SVI``.
+
+    Each :meth:`step` draws ``num_particles`` weight samples from N(μ, σ²), runs the model
+    conditioned on them, reads the per-example negative log-likelihoods of the observed sites
+    inside ``pyro.plate("data", N, subsample_size=B)`` (without the plate's N/B scaling; any other
+    ``poutine.scale`` is kept), forms ĝ and ĥ with hooks, and applies
+    :func:`vogn_update`.
+
+    The first step (or :meth:`setup`) reads the model's structure (its weight sites, observed
+    sites and layers, checked there) and its prior, and initialises s from the first minibatch at
+    w = μ; later steps write the weight sample straight onto the lifted layers and record only the
+    observations (see :mod:`pyro_bdl.infer.natural_gradient.model`), so the model must have the
+    same sample sites at every step; a latent site that appears later is refused.
+
+    **Prior.** By default the Gaussian prior declared in :func:`~pyro_bdl.bayesianize` (per-weight
+    mean μ₀ and precision δ); a non-Gaussian one raises
+    :class:`~pyro_bdl.priors.NonGaussianPriorError` at the first step, before anything changes.
+    ``prior_precision=δ`` replaces it by N(0, δ⁻¹ I).
+
+    **Hidden parameters** (the ``pyro.param`` sites of the network, BatchNorm's affine parameters
+    by default) are point estimates: they are used as they are (no noise) and updated with the
+    same preconditioned momentum step but without the prior term (δ̃, from the mean prior
+    precision, only damps their step). BatchNorm running statistics are updated by every forward
+    pass, as in training with Adam, and put back if the step is refused (see :meth:`step`).
+
+    Learning-rate schedulers: pass :attr:`optimizer` (a ``torch.optim.Optimizer`` holding ``lr``
+    and ``betas``) to any ``torch.optim.lr_scheduler``. Temperature: a number, or a callable
+    ``step -> τ`` (step counts from 1), or set :attr:`temperature` between steps.
+
+    Usage::
+
+        vogn = bdl.infer.VOGN(model, dataset_size=N, lr=1e-3)
+        for x, y in loader:
+            loss = vogn.step(x, y)
+        probs = Predictive(model, guide=vogn.guide, num_samples=32)(x_test)
+
+    :param callable model: a Pyro model over a :func:`~pyro_bdl.bayesianize` -d network whose only
+        latent sites are its weights and whose observations lie in the data plate.
+    :param int dataset_size: N, the number of training examples (must equal the data plate's size).
+    :param float lr: learning rate α (> 0).
+    :param tuple betas: (β₁, β₂), momentum and curvature averaging rates, each in [0, 1).
+    :param float prior_precision: δ (> 0) of an N(0, δ⁻¹ I) prior instead of the lifted one.
+    :param temperature: τ (> 0; τ = 1 is standard Bayes), or a callable ``step -> τ``.
+    :param int num_particles: K, weight samples per step.
+    :param float augmentation_factor: ρ (> 0); effective dataset size Ñ = ρN.
+    :param float damping: γ ≥ 0 added to the mean step's denominator (not to the precision).
+    :param int chunk_size: examples per chunk of the per-example gradients (default automatic).
+    :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on the list
+        ``[ĝ, ĥ, ĝ and ĥ of each hidden parameter...]``, to average them in place across
+        data-parallel ranks (``dist.all_reduce`` then division by the world size), so every rank
+        applies the same update (docs/design/distributed.md). The first step calls it once more,
+        before drawing the weights, on the initial s of μ and of each hidden parameter, so every
+        rank draws with the σ one process would use on the concatenated batch.
+
+    References: Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019.
+    """
+
+    name = "VOGN"
+    state_format = StateFormat(
+        method="VOGN",
+        name="pyro_bdl.infer.VOGN",
+        version=2,
+        temperature=True,
+        # The layout VOGN wrote when its state was spread over a guide and an optimizer.
+        earlier_keys=frozenset({"step", "sites", "hidden", "guide", "optimizer"}),
+    )
+    reading_pass_trains = True
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        dataset_size: int,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        prior_precision: float | None = None,
+        temperature: float | Callable[[int], float] = 1.0,
+        num_particles: int = 1,
+        augmentation_factor: float = 1.0,
+        damping: float = 0.0,
+        chunk_size: int | None = None,
+        reduce_fn: Callable[[list[torch.Tensor]], None] | None = None,
+    ):
+        super().__init__(
+            model,
+            dataset_size=dataset_size,
+            lr=lr,
+            betas=betas,
+            prior_precision=prior_precision,
+            num_particles=num_particles,
+            chunk_size=chunk_size,
+            reduce_fn=reduce_fn,
+        )
+        if not callable(temperature):
+            check_positive("temperature", temperature, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
+        check_positive("augmentation_factor", augmentation_factor, fix="Pass ρ > 0, e.g. 1.0.")
+        if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
+            raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
+        self.effective_size = float(augmentation_factor) * dataset_size
+        self.damping = float(damping)
+        self._schedule = temperature if callable(temperature) else None
+        self._temperature = 1.0 if callable(temperature) else float(temperature)
+
+    # -- the temperature -----------------------------------------------------------------------
+
+    @property
+    def temperature(self) -> float:
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        check_positive("temperature", value, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
+        self._schedule = None
+        self._temperature = float(value)
+
+    def _next_temperature(self, step: int) -> float:
+        if self._schedule is None:
+            return self._temperature
+        value = self._schedule(step)
+        tau = as_float(value)
+        if tau is None or not math.isfinite(tau) or tau <= 0:
+            raise ValueError(
+                f"VOGN step {step}: the temperature schedule returned {value!r}; it must return "
+                "a finite number > 0 (τ = 1 is standard Bayes). Nothing was updated."
+            )
+        return tau
+
+    # -- ĝ and ĥ: per-example gradients and their squares ---------------------------------------
+
+    def _allocate(self, ready: Prepared) -> None:
+        assert self.state is not None and self.layout is not None
+        mean, hidden = self.state.mean, self._hidden
+        g, h = torch.empty_like(mean), torch.empty_like(mean)
+        g_hidden = [torch.empty_like(hp.param) for hp in hidden]
+        h_hidden = [torch.empty_like(hp.param) for hp in hidden]
+        #: [ĝ, ĥ, ĝ of each hidden parameter..., ĥ of each...], the list ``reduce_fn`` receives.
+        self.estimates = [g, h, *g_hidden, *h_hidden]
+        self._out = {
+            (spec.module, spec.param_name): (gs, hs)
+            for spec, gs, hs in zip(self._specs, self.layout.split(g), self.layout.split(h))
+        }
+        for hp, gp, hh in zip(hidden, g_hidden, h_hidden):
+            self._out[(hp.module, hp.param_name)] = (gp, hh)
+        # The layers to hook: those the first pass called.
+        self._tape = PerExampleGradients(layers=list(ready.tape.calls), chunk_size=self.chunk_size)
+
+    def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        k, e = len(self._hidden), self.estimates
+        return [e[0], *e[2 : 2 + k]], [e[1], *e[2 + k :]]
+
+    def _initialise(self, ready: Prepared) -> None:
+        """s from ĥ of the first minibatch at w = μ (Algorithm 1, line 1)."""
+        assert self.state is not None
+        losses, batch, _ = per_example_nll(ready.observed, "VOGN step 1")
+        self._gradients(ready.tape, losses, self._out, add=False)
+        self._check_finite(1)
+        _, h = self._split()
+        self.state.curvature = h[0] / batch
+        self.state.hidden_curvature = [t / batch for t in h[1:]]
+        if self.reduce_fn is not None:  # averaged across ranks by the first step
+            self._unreduced = [self.state.curvature, *self.state.hidden_curvature]
+        self._refresh_scale(self._temperature)
+
+    def _estimate_gradients(self, args, kwargs, step: int) -> tuple[list[float], int]:
+        nlls, batch = [], 0
+        for k in range(self.num_particles):
+            self._sample()
+            with self._tape:
+                losses, batch, nll = self._run(self._values, args, kwargs, step)
+            self._gradients(self._tape, losses, self._out, add=k > 0)
+            nlls.append(nll)
+        torch._foreach_div_(self.estimates, float(self.num_particles * batch))
+        return nlls, batch
+
+    # -- the update ----------------------------------------------------------------------------
+
+    def _hyperparameters(self) -> VOGNHyperparameters:
+        assert self.prior is not None
+        tau, n_tilde, prior = self._temperature, self.effective_size, self.prior
+        return VOGNHyperparameters(
+            lr=self.optimizer.lr,
+            betas=self.optimizer.betas,
+            prior_precision_tilde=prior.tilde(tau, n_tilde),
+            prior_mean=prior.mean,
+            hidden_precision_tilde=tau * prior.mean_precision / n_tilde,
+            damping=self.damping,
+        )
+
+    def _update(self) -> NaturalGradientState:
+        assert self.state is not None
+        return vogn_update(self.state, *self._split(), self._hyperparameters())
+
+    def _write_scale(self, tau: float, scale: torch.Tensor, log_scale: torch.Tensor) -> None:
+        assert self.state is not None and self.prior is not None
+        vogn_scale(
+            self.state.curvature,
+            temperature=tau,
+            effective_size=self.effective_size,
+            prior_precision_tilde=self.prior.tilde(tau, self.effective_size),
+            out=scale,
+        )
+        torch.log(scale, out=log_scale)
+
+
+@dataclass(frozen=True)
+class VOGNHyperparameters:
+    r"""The numbers one update reads.
+
+    :ivar float lr: α.
+    :ivar tuple betas: (β₁, β₂); β₂ weights the new ĥ.
+    :ivar prior_precision_tilde: δ̃ = τδ/Ñ, a number or a ``(D,)`` tensor.
+    :ivar prior_mean: μ₀, a ``(D,)`` tensor, or ``None`` for zero.
+    :ivar float hidden_precision_tilde: the δ̃ that damps the hidden parameters' step.
+    :ivar float damping: γ, added to the denominator of the step only.
+    """
+
+    lr: float
+    betas: tuple[float, float]
+    prior_precision_tilde: float | torch.Tensor
+    prior_mean: torch.Tensor | None = None
+    hidden_precision_tilde: float = 0.0
+    damping: float = 0.0
+
+
+@torch.no_grad()
+def vogn_update(
+    state: NaturalGradientState,
+    g_hat: Sequence[torch.Tensor],
+    h_hat: Sequence[torch.Tensor],
+    hyper: VOGNHyperparameters,
+) -> NaturalGradientState:
+    r"""One VOGN update: returns the state after the step.
+
+    ``g_hat`` and ``h_hat`` hold ĝ and ĥ of μ first, then of each hidden parameter. For speed the
+    state's tensors are updated **in place** (``torch._foreach_*`` calls over all of them) and the
+    returned state holds the same tensors with ``step + 1``; the function reads nothing but its
+    arguments and writes nothing but the state's tensors.
+    """
+    params = [state.mean, *state.hidden]
+    m = [state.momentum, *state.hidden_momentum]
+    s = [state.curvature, *state.hidden_curvature]
+    if not len(g_hat) == len(h_hat) == len(params):
+        raise ValueError(
+            f"vogn_update needs ĝ and ĥ for μ and each of the {len(state.hidden)} hidden "
+            f"parameters ({len(params)} each); got {len(g_hat)} and {len(h_hat)}."
+        )
+    beta1, beta2 = hyper.betas
+    d_tilde = hyper.prior_precision_tilde
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, list(g_hat))
+    # The prior's gradient δ̃(μ − μ₀), on μ only.
+    offset = state.mean if hyper.prior_mean is None else state.mean - hyper.prior_mean
+    if isinstance(d_tilde, torch.Tensor):
+        state.momentum.addcmul_(d_tilde, offset)
+    else:
+        torch._foreach_add_([state.momentum], [offset], alpha=d_tilde)
+    torch._foreach_mul_(s, 1.0 - beta2)
+    torch._foreach_add_(s, list(h_hat), alpha=beta2)
+    if isinstance(d_tilde, torch.Tensor) or d_tilde != hyper.hidden_precision_tilde:
+        denominator = [torch.add(state.curvature, d_tilde).add_(hyper.damping)]
+        if state.hidden_curvature:
+            denominator += torch._foreach_add(
+                state.hidden_curvature, hyper.hidden_precision_tilde + hyper.damping
+            )
+    else:
+        denominator = list(torch._foreach_add(s, d_tilde + hyper.damping))
+    torch._foreach_addcdiv_(params, m, denominator, value=-hyper.lr)
+    return dataclasses.replace(state, step=state.step + 1)
+
+
+@torch.no_grad()
+def vogn_scale(
+    s: torch.Tensor,
+    *,
+    temperature: float,
+    effective_size: float,
+    prior_precision_tilde: float | torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r""":math:`\sigma = \sqrt{\tau / (\tilde N (s + \tilde\delta))}`; the posterior precision is
+    :math:`\tilde N s/\tau + \delta`. ``out`` receives the result if given."""
+    out = torch.add(s, prior_precision_tilde, out=out)
+    return out.mul_(effective_size / temperature).sqrt_().reciprocal_()
