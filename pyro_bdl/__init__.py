@@ -3,7 +3,8 @@
 Lift any PyTorch network with :func:`bayesianize`, write the model with ``pyro.sample``, and pick
 an inference method; every method ends in an ordinary Pyro guide.
 
-``pyro_bdl.compare`` (the application behind ``pyro-bdl compare``) loads on first access, and the
+The ``pyro-bdl`` command, its datasets and its registry of methods live apart, in
+:mod:`pyro_bdl.app`, which the library never imports (``bdl.app`` loads it on first access). The
 diagnostics load ArviZ and matplotlib only when exporting or plotting.
 """
 
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from pyro_bdl import (
     checkpoint,
     curvature,
-    data,
     diagnostics,
     distributed,
     distributions,
@@ -27,27 +27,29 @@ from pyro_bdl import (
     predictive,
     priors,
 )
+from pyro_bdl._version import __version__
 from pyro_bdl.nn import bayesianize, init_to_network, sites
 
 if TYPE_CHECKING:
-    from pyro_bdl import compare
+    from pyro_bdl import app
 
-__version__ = "0.1.0"
+#: Loaded on first access: the application, and the deprecated shims of its old paths (which
+#: warn when they load).
+_LAZY = ("app", "cli", "compare", "data", "metrics_binary")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "compare":
-        return importlib.import_module("pyro_bdl.compare")
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "__version__",
+    "app",
     "bayesianize",
     "checkpoint",
-    "compare",
     "curvature",
-    "data",
     "diagnostics",
     "distributed",
     "distributions",

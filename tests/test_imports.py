@@ -1,4 +1,4 @@
-"""``import pyro_bdl`` loads the library only: the application (``pyro_bdl.compare``), ArviZ,
+"""``import pyro_bdl`` loads the library only: the application (``pyro_bdl.app.compare``), ArviZ,
 xarray, matplotlib and scipy load when used. Each check runs a fresh interpreter, since this
 test process has usually imported them already."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 #: Never loaded by ``import pyro_bdl`` itself.
-HEAVY = ("matplotlib", "arviz", "xarray", "scipy", "sklearn", "pandas", "pyro_bdl.compare")
+HEAVY = ("matplotlib", "arviz", "xarray", "scipy", "sklearn", "pandas", "pyro_bdl.app.compare")
 
 
 def _loaded_after(statement: str, names=(*HEAVY, "tqdm")) -> dict[str, bool]:
@@ -45,9 +45,9 @@ def test_public_names_still_resolve():
         "assert callable(bdl.diagnostics.plot_reliability)\n"
         "assert callable(bdl.diagnostics.psis_khat)\n"
         "assert bdl.diagnostics.plots.plot_entropy is bdl.diagnostics.plot_entropy\n"
-        "assert 'map' in bdl.compare.METHODS"
+        "assert 'map' in bdl.app.compare.METHODS"
     )
-    assert state["after"]["matplotlib"] and state["after"]["pyro_bdl.compare"]
+    assert state["after"]["matplotlib"] and state["after"]["pyro_bdl.app.compare"]
 
 
 def test_unknown_attribute_raises():
@@ -62,7 +62,7 @@ def test_unknown_attribute_raises():
 def test_cli_help_does_not_load_plotting():
     state = _loaded_after(
         "import contextlib, io\n"
-        "from pyro_bdl.cli import build_parser\n"
+        "from pyro_bdl.app.cli import build_parser\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    try:\n"
         "        build_parser().parse_args(['--help'])\n"

@@ -22,7 +22,7 @@ Anything else a block uses it must import or define itself, as a reader's copy w
 
 Shell blocks (```bash) are not executed; every command in them is checked to exist: ``make``
 targets in the Makefile, ``pip install`` extras in pyproject.toml, ``pyro-bdl`` /
-``python -m pyro_bdl`` command lines parsed by :func:`pyro_bdl.cli.build_parser`, ``python -m
+``python -m pyro_bdl`` command lines parsed by :func:`pyro_bdl.app.cli.build_parser`, ``python -m
 benchmarks.<name>`` modules imported with each option found in their source, and scripts run by
 ``python`` / ``torchrun`` present with their options parsed. Values that depend on the reader's
 machine are replaced by :data:`MACHINE_DEPENDENT` (each with its reason).
@@ -353,13 +353,13 @@ def _make_targets() -> set[str]:
 
 
 def _compare_parser():
-    from pyro_bdl.cli import build_parser
+    from pyro_bdl.app.cli import build_parser
 
     return build_parser()
 
 
 def _check_pyro_bdl(args: list[str]) -> None:
-    from pyro_bdl.cli import UsageError
+    from pyro_bdl.app.cli import UsageError
 
     try:
         _compare_parser().parse_args(args)
@@ -412,7 +412,7 @@ def _check_command(tokens: list[str]) -> None:
     elif head == "pip" and args[:1] == ["install"]:
         _check_pip(args[1:])
     elif head == "pyro-bdl":
-        assert _pyproject()["project"]["scripts"]["pyro-bdl"] == "pyro_bdl.cli:main"
+        assert _pyproject()["project"]["scripts"]["pyro-bdl"] == "pyro_bdl.app.cli:main"
         _check_pyro_bdl(args)
     elif head == "python" and args[:2] == ["-m", "pyro_bdl"]:
         assert (ROOT / "pyro_bdl" / "__main__.py").is_file()

@@ -7,11 +7,11 @@ import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_bdl.cli import _ood_data, main
-from pyro_bdl.compare import METHODS, Problem
-from pyro_bdl.compare.evaluate import evaluate, format_table, run
-from pyro_bdl.compare.problem import attach_posterior
-from pyro_bdl.data import hold_out_classes, load_digits, load_ood
+from pyro_bdl.app.cli import _ood_data, main
+from pyro_bdl.app.compare import METHODS, Problem
+from pyro_bdl.app.compare.evaluate import evaluate, format_table, run
+from pyro_bdl.app.compare.problem import attach_posterior
+from pyro_bdl.app.data import hold_out_classes, load_digits, load_ood
 from pyro_bdl.diagnostics import load_inference_data
 
 PNG = b"\x89PNG\r\n\x1a\n"

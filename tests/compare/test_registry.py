@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from benchmarks import uci
-from pyro_bdl.compare import COMPARE_METHODS, METHODS, Problem, run
-from pyro_bdl.compare.problem import train_loop
-from pyro_bdl.data import Dataset
+from pyro_bdl.app.compare import COMPARE_METHODS, METHODS, Problem, run
+from pyro_bdl.app.compare.problem import train_loop
+from pyro_bdl.app.data import Dataset
 
 
 def _regression(n: int = 48, seed: int = 0) -> Dataset:

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyro_bdl import cli
-from pyro_bdl.cli import main
-from pyro_bdl.compare import METHODS
-from pyro_bdl.compare.evaluate import run, write_text_atomic
-from pyro_bdl.compare.problem import train_loop
+from pyro_bdl.app import cli
+from pyro_bdl.app.cli import main
+from pyro_bdl.app.compare import METHODS
+from pyro_bdl.app.compare.evaluate import run, write_text_atomic
+from pyro_bdl.app.compare.problem import train_loop
 from tests.faults.common import assert_same, rng_states
 
 FAST = ["--epochs", "1", "--batch-size", "512", "--num-samples", "2", "--no-progress"]
@@ -296,8 +296,8 @@ def test_diverging_real_method_is_reported(tmp_path, capsys):
 
 
 def test_non_finite_loss_stops_training_with_the_fix():
-    from pyro_bdl.compare import Problem
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.compare import Problem
+    from pyro_bdl.app.data import load_digits
 
     problem = Problem(load_digits(), epochs=2, batch_size=512, progress=False)
     losses = iter([1.0, float("nan")])
@@ -306,7 +306,7 @@ def test_non_finite_loss_stops_training_with_the_fix():
 
 
 def _problem_kwargs():
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.data import load_digits
 
     return {"dataset": load_digits(), "progress": False}
 
@@ -330,7 +330,7 @@ def _problem_kwargs():
     ],
 )
 def test_problem_refuses_bad_settings(field, value, text):
-    from pyro_bdl.compare import Problem
+    from pyro_bdl.app.compare import Problem
 
     with pytest.raises(ValueError) as info:
         Problem(**_problem_kwargs(), **{field: value})
@@ -338,7 +338,7 @@ def test_problem_refuses_bad_settings(field, value, text):
 
 
 def test_problem_cuda_without_cuda(monkeypatch):
-    from pyro_bdl.compare import Problem
+    from pyro_bdl.app.compare import Problem
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"CUDA is not available.*device='cpu'"):
@@ -363,8 +363,8 @@ def test_interrupted_run_keeps_the_finished_methods(tmp_path, capsys, monkeypatc
 
 
 def test_run_raises_by_default_and_keeps_going_on_request(monkeypatch):
-    from pyro_bdl.compare import Problem
-    from pyro_bdl.data import hold_out_classes, load_digits
+    from pyro_bdl.app.compare import Problem
+    from pyro_bdl.app.data import hold_out_classes, load_digits
 
     def boom(problem):
         raise RuntimeError("boom")

@@ -1,6 +1,6 @@
 """The methods of ``pyro-bdl compare`` and of the benchmarks: one line each (name -> fit function).
 
-A fit function takes a :class:`~pyro_bdl.compare.problem.Problem`, trains, and returns a
+A fit function takes a :class:`~pyro_bdl.app.compare.problem.Problem`, trains, and returns a
 predictor (mean class probabilities for classification, the predictive distribution for
 regression; see ``Problem.predictor``). A method that needs settings other than compare's takes
 them as keyword arguments (the UCI regression benchmark passes its own). To add a method, write
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pyro_bdl.compare.ensemble import fit_ensemble, fit_multiswag
-from pyro_bdl.compare.full_laplace import fit_laplace
-from pyro_bdl.compare.laplace import fit_subnet_laplace
-from pyro_bdl.compare.map import fit_map
-from pyro_bdl.compare.problem import Predictor
-from pyro_bdl.compare.swag import fit_swag, fit_swag_diag
-from pyro_bdl.compare.temperature import fit_map_ts
-from pyro_bdl.compare.variational import fit_meanfield, fit_radial
-from pyro_bdl.compare.vogn_fit import fit_vogn
+from pyro_bdl.app.compare.ensemble import fit_ensemble, fit_multiswag
+from pyro_bdl.app.compare.laplace import fit_laplace
+from pyro_bdl.app.compare.subnet_laplace import fit_subnet_laplace
+from pyro_bdl.app.compare.map import fit_map
+from pyro_bdl.app.compare.problem import Predictor
+from pyro_bdl.app.compare.swag import fit_swag, fit_swag_diag
+from pyro_bdl.app.compare.temperature import fit_map_ts
+from pyro_bdl.app.compare.variational import fit_meanfield, fit_radial
+from pyro_bdl.app.compare.vogn_fit import fit_vogn
 
 __all__ = ["COMPARE_METHODS", "METHODS"]
 

@@ -1,5 +1,5 @@
 """VOGN's settings for ``pyro-bdl compare`` (docs/design/vogn.md); the registry's entry that
-trains it is :func:`pyro_bdl.compare.vogn_fit.fit_vogn`.
+trains it is :func:`pyro_bdl.app.compare.vogn_fit.fit_vogn`.
 
 VOGN reads its prior from the problem's lifted network and takes the problem's learning rate.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from pyro_bdl.compare.problem import Problem
+from pyro_bdl.app.compare.problem import Problem
 from pyro_bdl.infer.vogn import VOGN
 
 __all__ = ["damping", "make_vogn"]

@@ -1,6 +1,6 @@
 """The registry's VOGN entry: :class:`~pyro_bdl.infer.VOGN` trained by :func:`train_loop`.
 
-By default VOGN has compare's settings (:func:`pyro_bdl.compare.vogn.make_vogn`); a problem
+By default VOGN has compare's settings (:func:`pyro_bdl.app.compare.vogn.make_vogn`); a problem
 that needs others (the UCI regression benchmark) passes them as ``settings``, the keyword
 arguments of :class:`~pyro_bdl.infer.VOGN` other than the model, the dataset size and the rate
 (``problem.lr``); the prior is the one declared in ``bayesianize``. With ``problem.lr_decay`` the
@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pyro_bdl.compare.problem import Predictor, Problem, train_loop
-from pyro_bdl.compare.vogn import make_vogn
+from pyro_bdl.app.compare.problem import Predictor, Problem, train_loop
+from pyro_bdl.app.compare.vogn import make_vogn
 from pyro_bdl.infer.vogn import VOGN
 
 __all__ = ["fit_vogn"]

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from pyro_bdl.compare import tuning
-from pyro_bdl.compare.problem import Problem, record_posteriors, seed_everything
-from pyro_bdl.compare.registry import METHODS
+from pyro_bdl.app.compare import tuning
+from pyro_bdl.app.compare.problem import Problem, record_posteriors, seed_everything
+from pyro_bdl.app.compare.registry import METHODS
 from pyro_bdl.diagnostics import metrics, ood
 
 __all__ = [
@@ -145,7 +145,7 @@ def run(
     :param on_row: called with the rows so far after each method, failed ones included (how
         ``pyro-bdl compare`` saves every finished result as soon as it exists).
     :param bool tune: choose each method's settings first by the fair-tuning protocol
-        (:mod:`pyro_bdl.compare.tuning`: the same grid size and validation rows for every method,
+        (:mod:`pyro_bdl.app.compare.tuning`: the same grid size and validation rows for every method,
         carved from the training split); the row gets ``"tuned"`` (the chosen setting),
         ``"tuning"`` (every setting's validation NLL) and ``"tune_seconds"``.
     """
@@ -287,7 +287,7 @@ def write_json(
         "ood_score": "predictive entropy",
         "tune": (
             {
-                "protocol": "pyro_bdl.compare.tuning: validation NLL on "
+                "protocol": "pyro_bdl.app.compare.tuning: validation NLL on "
                 f"{tuning.VALIDATION_FRACTION:g} of the training split, the best setting then "
                 "trained on the whole training split",
                 "grids": tuning.GRIDS,

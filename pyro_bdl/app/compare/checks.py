@@ -1,4 +1,4 @@
-"""The checks of a :class:`~pyro_bdl.compare.problem.Problem`'s settings, run when it is built
+"""The checks of a :class:`~pyro_bdl.app.compare.problem.Problem`'s settings, run when it is built
 (and again by ``dataclasses.replace``), so that a bad setting fails with its name before any
 method trains instead of as a NaN deep inside the first one."""
 
@@ -12,7 +12,7 @@ import torch
 from pyro_bdl._validation import check_choice, check_positive
 
 if TYPE_CHECKING:
-    from pyro_bdl.compare.problem import Problem
+    from pyro_bdl.app.compare.problem import Problem
 
 __all__ = ["SIGMA_RULES", "check_problem"]
 
@@ -49,7 +49,7 @@ def _device(device: str) -> None:
 
 def check_problem(problem: Problem) -> None:
     """Refuse a setting that no method can train with, naming the field, the value and a fix."""
-    from pyro_bdl.compare.problem import NETWORKS
+    from pyro_bdl.app.compare.problem import NETWORKS
 
     for name in ("epochs", "batch_size", "num_samples", "num_kl_samples"):
         _whole(name, getattr(problem, name), 1)
