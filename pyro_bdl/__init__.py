@@ -3,9 +3,10 @@
 Lift any PyTorch network with :func:`bayesianize`, write the model with ``pyro.sample``, and pick
 an inference method; every method ends in an ordinary Pyro guide.
 
-The ``pyro-bdl`` command, its datasets and its registry of methods live apart, in
-:mod:`pyro_bdl.app`, which the library never imports (``bdl.app`` loads it on first access). The
-diagnostics load ArviZ and matplotlib only when exporting or plotting.
+The subpackages load on first access (``bdl.guides``, ``from pyro_bdl import bayesianize``). The
+``pyro-bdl`` command, its datasets and its registry of methods live apart, in
+:mod:`pyro_bdl.app`, which the library never imports. The diagnostics load ArviZ and matplotlib
+only when exporting or plotting.
 """
 
 from __future__ import annotations
@@ -13,35 +14,64 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pyro_bdl import (
-    checkpoint,
-    curvature,
-    diagnostics,
-    distributed,
-    distributions,
-    guides,
-    infer,
-    layout,
-    models,
-    nn,
-    predictive,
-    priors,
-)
 from pyro_bdl._version import __version__
-from pyro_bdl.nn import bayesianize, init_to_network, sites
 
 if TYPE_CHECKING:
-    from pyro_bdl import app
+    from pyro_bdl import (
+        app,
+        checkpoint,
+        curvature,
+        diagnostics,
+        distributed,
+        distributions,
+        guides,
+        infer,
+        layout,
+        models,
+        nn,
+        predictive,
+        priors,
+    )
+    from pyro_bdl.nn import bayesianize, init_to_network, sites
 
-#: Loaded on first access: the application, and the deprecated shims of its old paths (which
-#: warn when they load).
-_LAZY = ("app", "cli", "compare", "data", "metrics_binary")
+#: The subpackages, loaded on first access so that ``import pyro_bdl`` alone (and so the
+#: ``pyro-bdl`` command before it has parsed its arguments) loads neither torch nor Pyro. The
+#: application and the shims of its old paths (which warn when they load) are among them.
+_SUBMODULES = (
+    "app",
+    "checkpoint",
+    "curvature",
+    "diagnostics",
+    "distributed",
+    "distributions",
+    "guides",
+    "infer",
+    "layout",
+    "models",
+    "nn",
+    "predictive",
+    "priors",
+    "cli",
+    "compare",
+    "data",
+    "metrics_binary",
+)
+#: Names re-exported from a subpackage: name -> subpackage.
+_FROM = {"bayesianize": "nn", "init_to_network": "nn", "sites": "nn"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _FROM:
+        value = getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

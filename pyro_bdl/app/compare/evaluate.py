@@ -77,8 +77,10 @@ def export_method(
     probs_ood: torch.Tensor | None,
     problem: Problem,
     output: Path,
+    notes: list[str] | None = None,
 ) -> list[Path]:
-    """Write ``<name>.nc`` and the plots of one method into ``output``; returns the paths."""
+    """Write ``<name>.nc`` and the plots of one method into ``output``; returns the paths.
+    Plots left out, and why, are appended to ``notes``."""
     import arviz as az  # local: ArviZ and matplotlib load only when a run writes files
 
     from pyro_bdl.diagnostics import export, plots
@@ -112,11 +114,35 @@ def export_method(
     )
     written.append(_save(fig, output / f"{name}-entropy.png"))
     if isinstance(data, az.InferenceData) and "posterior" in data.groups():
+        if is_point_mass(data):
+            # Every draw is the same weights (a point estimate such as map or map_ts): the
+            # importance ratios of PSIS-LOO are all 1, so its k̂ plot would be blank and the
+            # forest plot a set of dots.
+            data = az.InferenceData(
+                **{g: data[g] for g in data.groups() if g not in ("posterior", "log_likelihood")}
+            )
+            if notes is not None:
+                notes.append(POINT_MASS_NOTE)
         try:
             written += plots.save_arviz_plots(data, output, prefix=f"{name}-")
         except Exception as err:  # an optional figure must not lose the run's results
             warnings.warn(f"ArviZ plots for {name!r} failed: {err}", RuntimeWarning, stacklevel=2)
     return written
+
+
+#: Why a point method's row has no LOO-k̂ or forest plot.
+POINT_MASS_NOTE = (
+    "no LOO-k̂ or forest plot: the posterior is a point mass (every draw the same weights), so "
+    "PSIS-LOO's importance ratios are all 1 and the plots would be blank"
+)
+
+
+def is_point_mass(data) -> bool:
+    """Whether every posterior draw in ArviZ ``data`` holds the same values."""
+    return all(
+        float(abs(data.posterior[v] - data.posterior[v].isel(chain=0, draw=0)).max()) == 0.0
+        for v in data.posterior.data_vars
+    )
 
 
 def _save(fig, path: Path) -> Path:
@@ -145,8 +171,8 @@ def run(
     :param on_row: called with the rows so far after each method, failed ones included (how
         ``pyro-bdl compare`` saves every finished result as soon as it exists).
     :param bool tune: choose each method's settings first by the fair-tuning protocol
-        (:mod:`pyro_bdl.app.compare.tuning`: the same grid size and validation rows for every method,
-        carved from the training split); the row gets ``"tuned"`` (the chosen setting),
+        (:mod:`pyro_bdl.app.compare.tuning`: the same grid size and validation rows for every
+        method, carved from the training split); the row gets ``"tuned"`` (the chosen setting),
         ``"tuning"`` (every setting's validation NLL) and ``"tune_seconds"``.
     """
     if problem.is_regression:
@@ -191,6 +217,7 @@ def _run_one(name, problem, row, x_test, y_test, x_ood, output, tune=False) -> N
         row["tuned"] = record["setting"]
         row["tuning"] = record
         row["tune_seconds"] = time.perf_counter() - start
+    row["lr"] = problem.lr  # the rate it trains with (chosen by --tune when tuned)
     seed_everything(problem.seed)
     start = time.perf_counter()
     predict = METHODS[name](problem, **keywords)
@@ -202,8 +229,11 @@ def _run_one(name, problem, row, x_test, y_test, x_ood, output, tune=False) -> N
     row["fit_seconds"] = fit_seconds
     row["reliability"] = metrics.reliability(probs, y_test).to_dict()
     if output is not None:
-        files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output))
+        notes: list[str] = []
+        files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output), notes)
         row["files"] = [str(f) for f in files]
+        if notes:
+            row["notes"] = notes
 
 
 def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -272,7 +302,8 @@ def write_json(
         "network": problem.network,
         "epochs": problem.epochs,
         "batch_size": problem.batch_size,
-        "lr": problem.lr,
+        # Under --tune each method trains with the rate its grid chose: each result's "lr".
+        "lr": "per method (see each result's lr)" if tune else problem.lr,
         "seed": problem.seed,
         "device": problem.device,
         "num_samples": problem.num_samples,

@@ -4,43 +4,63 @@ A fit function takes a :class:`~pyro_bdl.app.compare.problem.Problem`, trains, a
 predictor (mean class probabilities for classification, the predictive distribution for
 regression; see ``Problem.predictor``). A method that needs settings other than compare's takes
 them as keyword arguments (the UCI regression benchmark passes its own). To add a method, write
-its fit function in a module of this package and add one line here.
+its fit function in a module of this package and add one line to :data:`ENTRIES`.
+
+Each fit function's module loads when the method is first looked up, so that the command can
+list and check the names (``pyro-bdl --help``) before torch or Pyro load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from pyro_bdl.app.compare.ensemble import fit_ensemble, fit_multiswag
-from pyro_bdl.app.compare.laplace import fit_laplace
-from pyro_bdl.app.compare.subnet_laplace import fit_subnet_laplace
-from pyro_bdl.app.compare.map import fit_map
-from pyro_bdl.app.compare.problem import Predictor
-from pyro_bdl.app.compare.swag import fit_swag, fit_swag_diag
-from pyro_bdl.app.compare.temperature import fit_map_ts
-from pyro_bdl.app.compare.variational import fit_meanfield, fit_radial
-from pyro_bdl.app.compare.vogn_fit import fit_vogn
+if TYPE_CHECKING:
+    from pyro_bdl.app.compare.problem import Predictor
 
-__all__ = ["COMPARE_METHODS", "METHODS"]
+__all__ = ["COMPARE_METHODS", "ENTRIES", "METHODS"]
 
-METHODS: dict[str, Callable[..., Predictor]] = {
-    "map": fit_map,
-    "map_ts": fit_map_ts,
-    "swag": fit_swag,
-    "swag_diag": fit_swag_diag,
-    "meanfield": fit_meanfield,
-    "radial": fit_radial,
-    "subnet_laplace": fit_subnet_laplace,
-    "vogn": fit_vogn,
-    "laplace": fit_laplace,
-    "ensemble": fit_ensemble,
-    "multiswag": fit_multiswag,
+#: Method name -> "module of this package:fit function".
+ENTRIES: dict[str, str] = {
+    "map": "map:fit_map",
+    "map_ts": "temperature:fit_map_ts",
+    "swag": "swag:fit_swag",
+    "swag_diag": "swag:fit_swag_diag",
+    "meanfield": "variational:fit_meanfield",
+    "radial": "variational:fit_radial",
+    # The GGN Laplace over a subnetwork of at most 1,000 weights chosen by SWAG variances.
+    "subnet_laplace": "subnet_laplace:fit_subnet_laplace",
+    "vogn": "vogn:fit_vogn",
+    "ivon": "ivon:fit_ivon",
+    # The GGN Laplace over every lifted weight (dense D × D posterior).
+    "laplace": "laplace:fit_laplace",
+    "ensemble": "ensemble:fit_ensemble",
+    "multiswag": "ensemble:fit_multiswag",
 }
+
+
+class _Registry(Mapping[str, Callable[..., "Predictor"]]):
+    """:data:`ENTRIES` as a mapping of names to fit functions, each imported on first lookup;
+    iterating gives the current names only."""
+
+    def __getitem__(self, name: str) -> Callable[..., Predictor]:
+        module, function = ENTRIES[name].split(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ENTRIES)
+
+    def __len__(self) -> int:
+        return len(ENTRIES)
+
+
+METHODS: Mapping[str, Callable[..., Predictor]] = _Registry()
 
 #: What ``pyro-bdl compare`` runs by default: every method but the full-network ``laplace``,
 #: whose dense D × D posterior outgrows compare's networks (``subnet_laplace`` is its scalable
 #: form), and the ensembles, which train M = 5 networks each (M times ``map`` / ``swag``);
 #: ask for them with ``--methods laplace,ensemble,multiswag``.
 COMPARE_METHODS: tuple[str, ...] = tuple(
-    name for name in METHODS if name not in ("laplace", "ensemble", "multiswag")
+    name for name in ENTRIES if name not in ("laplace", "ensemble", "multiswag")
 )

@@ -57,6 +57,8 @@ GRIDS: dict[str, dict[str, tuple]] = {
     "meanfield": _LR_PRIOR,
     "radial": _LR_PRIOR,
     "vogn": _LR_PRIOR,
+    # IVON's own rate (not Problem.lr: see app.compare.ivon) times its tempering.
+    "ivon": {"ivon_lr": (0.1, 0.3, 1.0), "ess_factor": (1.0, 10.0)},
     "subnet_laplace": _LR_PRIOR,  # λ is then tuned on its own held-out rows, as untuned
     "laplace": _LR_PRIOR,
     "swag": {"swa_lr": SWA_LR_GRID, "prior_scale": PRIOR_SCALES},
