@@ -20,21 +20,18 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# Only the light modules load before the arguments are parsed (no torch, no Pyro), so that
+# `pyro-bdl --help` and a refused option answer at once; the rest loads in `compare`.
+from pyro_bdl.app.compare.networks import NETWORKS
+from pyro_bdl.app.compare.registry import COMPARE_METHODS, METHODS
+from pyro_bdl.app.data import DATA_ENV, DATASETS, hold_out_classes, load_dataset, load_ood
 
-from pyro_bdl.app.compare import (
-    COMPARE_METHODS,
-    METHODS,
-    NETWORKS,
-    Problem,
-    format_table,
-    run,
-    write_json,
-)
-from pyro_bdl.app.compare.evaluate import write_text_atomic
-from pyro_bdl.app.data import DATASETS, hold_out_classes, load_dataset, load_ood
+if TYPE_CHECKING:
+    from pyro_bdl.app.compare.problem import Problem
 
 #: Classes held out as OOD data by default (``--ood held-out``).
 DEFAULT_OOD_CLASSES = "8,9"
@@ -88,14 +85,18 @@ def _positive_float(example: float):
 
 
 def _device(text: str) -> str:
-    """An argparse ``type``: a device this machine has."""
+    """An argparse ``type``: ``auto`` or a device this machine has."""
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
         device = None
     if device is None or device.type not in ("cpu", "cuda", "mps"):
         raise argparse.ArgumentTypeError(
-            f"expected cpu, cuda, cuda:N or mps, got {text!r}; pass --device cpu"
+            f"expected auto, cpu, cuda, cuda:N or mps, got {text!r}; pass --device cpu"
         )
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -166,7 +167,9 @@ def _ood(text: str) -> str:
 
 def check_output(text: str) -> Path:
     """The ``--output`` folder, refused (:class:`UsageError`) unless it is a folder this process
-    can write into, or can be created as one; nothing is created or written here."""
+    can write into, or can be created as one. Whether it can is tried (a folder created and a
+    file written, then removed), since permission bits alone miss read-only and virtual file
+    systems (``/proc``) and say nothing for root; nothing is left behind."""
     path = Path(text).expanduser()
     fix = "pass another folder, e.g. --output results"
     if path.exists() and not path.is_dir():
@@ -181,42 +184,85 @@ def check_output(text: str) -> Path:
             f"argument --output: expected a folder that can be created, got {text!r}, but "
             f"{str(parent)!r} is a file; {fix}"
         )
+    where = "it" if parent == path else f"its nearest existing parent {str(parent)!r}"
     if not os.access(parent, os.W_OK | os.X_OK):
-        where = "it" if parent == path else f"its nearest existing parent {str(parent)!r}"
         raise UsageError(
             f"argument --output: expected a writable folder, got {text!r}, but {where} is not "
             f"writable (permissions or a read-only file system); {fix}"
         )
+    try:
+        _try_writing(path, parent)
+    except OSError as err:
+        raise UsageError(
+            f"argument --output: expected a writable folder, got {text!r}, but {where} is not "
+            f"writable ({err.strerror or err}); {fix}"
+        ) from None
     return path
 
 
+def _try_writing(path: Path, existing: Path) -> None:
+    """Create ``path`` (below its existing ancestor ``existing``) and a file in it, then remove
+    both: raises ``OSError`` where either cannot be done."""
+    created = [p for p in [path, *path.parents] if p != existing and existing in p.parents]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    finally:
+        for folder in created:  # deepest first
+            if folder.is_dir():
+                folder.rmdir()
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default after its help."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pyro-bdl", description=__doc__)
+    parser = _Parser(prog="pyro-bdl", description=__doc__, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="train MAP and every method on one dataset; print a table")
+    c = sub.add_parser(
+        "compare",
+        help="train MAP and every method on one dataset; print a table",
+        description=__doc__,
+        formatter_class=_HelpFormatter,
+    )
     c.add_argument(
         "--dataset",
         default="digits",
         choices=sorted(DATASETS),
-        help="digits (bundled with scikit-learn, default) or mnist (needs --data-dir)",
+        help="digits (bundled with scikit-learn) or mnist (the MNIST test set, read from "
+        f"--data-dir or ${DATA_ENV})",
     )
     c.add_argument(
         "--data-dir",
         type=_folder,
         default=None,
-        help="folder with data on disk (default: $PYRO_BDL_DATA)",
+        help=f"folder with data on disk; None reads ${DATA_ENV}",
     )
     c.add_argument(
         "--methods",
         type=_methods,
         default=",".join(COMPARE_METHODS),
-        help=f"comma-separated subset of: {', '.join(METHODS)} (default: all but the "
+        help=f"comma-separated subset of: {', '.join(METHODS)} (the default leaves out the "
         "full-network laplace and the five-member ensemble and multiswag)",
     )
-    c.add_argument("--network", default="mlp", choices=sorted(NETWORKS))
-    c.add_argument("--epochs", type=_int_option(1, 30), default=30)
-    c.add_argument("--batch-size", type=_int_option(1, 64), default=64)
-    c.add_argument("--lr", type=_positive_float(1e-3), default=1e-3)
+    c.add_argument(
+        "--network", default="mlp", choices=sorted(NETWORKS), help="the network every method fits"
+    )
+    c.add_argument(
+        "--epochs", type=_int_option(1, 30), default=30, help="passes over the training split"
+    )
+    c.add_argument(
+        "--batch-size", type=_int_option(1, 64), default=64, help="training rows per step"
+    )
+    c.add_argument(
+        "--lr",
+        type=_positive_float(1e-3),
+        default=1e-3,
+        help="Adam's learning rate, shared by the methods that train with Adam or VOGN (IVON "
+        "and SWAG's constant phase keep their own; --tune chooses each from a grid)",
+    )
     c.add_argument(
         "--num-samples",
         type=_int_option(1, 32),
@@ -229,32 +275,50 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="Monte Carlo samples of the KL term for the variational methods",
     )
-    c.add_argument("--seed", type=_int_option(0, 0, _MAX_SEED), default=0)
-    c.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    c.add_argument(
+        "--seed",
+        type=_int_option(0, 0, _MAX_SEED),
+        default=0,
+        help="seed of the data split, the initial weights and every sample",
+    )
+    c.add_argument(
+        "--device",
+        type=_device,
+        default="auto",
+        help="cpu, cuda, cuda:N or mps; auto: cuda when available, else cpu",
+    )
+    c.add_argument(
+        "--threads",
+        type=_int_option(1, 1),
+        default=1,
+        help="CPU threads for torch (torch.set_num_threads). One is the default: the networks "
+        "are small, and with torch's own default, runs sharing a machine were 4-11x slower",
+    )
     c.add_argument(
         "--ood",
         type=_ood,
         default="held-out",
-        help="out-of-distribution data: 'held-out' (default: the classes of --ood-classes are "
-        "left out of training and testing and serve as OOD inputs), 'none', or a path to a "
+        help="out-of-distribution data: 'held-out' (the classes of --ood-classes are left out "
+        "of training and testing and serve as OOD inputs), 'none', or a path to a "
         ".npy/.npz/.pt file of inputs scaled like the training data",
     )
     c.add_argument(
         "--ood-classes",
         default=DEFAULT_OOD_CLASSES,
-        help="comma-separated classes held out with --ood held-out (default: %(default)s)",
+        help="comma-separated classes held out with --ood held-out",
     )
     c.add_argument(
         "--output",
         default="results",
-        help="folder for results.json, results.txt, the ArviZ data (<method>.nc) and the plots",
+        help="folder for results.json, results.txt, the ArviZ data (<method>.nc) and the plots; "
+        "checked to be writable before any data loads",
     )
     c.add_argument(
         "--tune",
         action="store_true",
         help="fair tuning first: each method tries the same number of settings (its learning "
-        "rate x its key hyperparameter, pyro_bdl.app.compare.tuning.GRIDS) scored on 10%% of the "
-        "training split; about 7x slower",
+        "rate x its key hyperparameter, pyro_bdl.app.compare.tuning.GRIDS) scored on 10%% of "
+        "the training split; about 7x slower",
     )
     c.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
@@ -281,6 +345,8 @@ def _problem(args: argparse.Namespace) -> Problem:
 
 
 def _build_problem(args: argparse.Namespace, dataset, ood_x, ood_name: str) -> Problem:
+    from pyro_bdl.app.compare.problem import Problem
+
     return Problem(
         dataset,
         network=args.network,
@@ -301,17 +367,21 @@ def compare(args: argparse.Namespace) -> int:
     """Run ``pyro-bdl compare``: 0 when every method finished, 1 when any failed (its row says
     why; the others are saved), 130 when interrupted (Ctrl-C; the finished ones are saved),
     :class:`UsageError` before anything is written."""
+    output = check_output(args.output)
     import matplotlib
+    import torch
+
+    from pyro_bdl.app.compare.evaluate import format_table, run, write_json, write_text_atomic
 
     matplotlib.use("Agg")  # files only, never a window (the command may run headless)
+    torch.set_num_threads(args.threads)
     methods = args.methods
-    output = check_output(args.output)
     problem = _problem(args)
     dataset = problem.dataset
     print(
         f"dataset {dataset.name}: {problem.num_train} train / {len(dataset.y_test)} test, "
         f"{dataset.num_classes} classes, network {args.network}, {args.epochs} epochs, "
-        f"device {args.device}"
+        f"device {args.device}, {args.threads} thread(s)"
         + (", fair tuning on a validation split (--tune)" if args.tune else "")
     )
     if problem.ood_x is not None:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DATASETS",
+    "DATA_ENV",
+    "MNIST_FILES",
     "Dataset",
     "UCIFolder",
     "hold_out_classes",

@@ -13,7 +13,7 @@ list and check the names (``pyro-bdl --help``) before torch or Pyro load.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,22 +40,34 @@ ENTRIES: dict[str, str] = {
 }
 
 
-class _Registry(Mapping[str, Callable[..., "Predictor"]]):
-    """:data:`ENTRIES` as a mapping of names to fit functions, each imported on first lookup;
-    iterating gives the current names only."""
+class _Registry(MutableMapping[str, Callable[..., "Predictor"]]):
+    """Names to fit functions, each given as ``"module:function"`` (:data:`ENTRIES`) and
+    imported on first lookup; a callable may be set directly (a test's stand-in method)."""
+
+    def __init__(self, entries: Mapping[str, str]):
+        self._entries: dict[str, str | Callable[..., Predictor]] = dict(entries)
 
     def __getitem__(self, name: str) -> Callable[..., Predictor]:
-        module, function = ENTRIES[name].split(":")
-        return getattr(importlib.import_module(f"{__package__}.{module}"), function)
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            module, function = entry.split(":")
+            entry = getattr(importlib.import_module(f"{__package__}.{module}"), function)
+        return entry
+
+    def __setitem__(self, name: str, fit: Callable[..., Predictor]) -> None:
+        self._entries[name] = fit
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(ENTRIES)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(ENTRIES)
+        return len(self._entries)
 
 
-METHODS: Mapping[str, Callable[..., Predictor]] = _Registry()
+METHODS: MutableMapping[str, Callable[..., Predictor]] = _Registry(ENTRIES)
 
 #: What ``pyro-bdl compare`` runs by default: every method but the full-network ``laplace``,
 #: whose dense D × D posterior outgrows compare's networks (``subnet_laplace`` is its scalable
