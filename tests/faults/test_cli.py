@@ -23,8 +23,7 @@ import torch
 
 from pyro_bdl.app import cli
 from pyro_bdl.app.cli import main
-from pyro_bdl.app.compare import METHODS
-from pyro_bdl.app.compare import evaluate
+from pyro_bdl.app.compare import METHODS, evaluate
 from pyro_bdl.app.compare.evaluate import run, write_text_atomic
 from pyro_bdl.app.compare.problem import train_loop
 from tests.faults.common import assert_same, rng_states

@@ -116,11 +116,8 @@ def export_method(
     if isinstance(data, az.InferenceData) and "posterior" in data.groups():
         if is_point_mass(data):
             # Every draw is the same weights (a point estimate such as map or map_ts): the
-            # importance ratios of PSIS-LOO are all 1, so its k̂ plot would be blank and the
-            # forest plot a set of dots.
-            data = az.InferenceData(
-                **{g: data[g] for g in data.groups() if g not in ("posterior", "log_likelihood")}
-            )
+            # importance ratios of PSIS-LOO are all 1, so its k̂ plot would be blank.
+            data = az.InferenceData(**{g: data[g] for g in data.groups() if g != "log_likelihood"})
             if notes is not None:
                 notes.append(POINT_MASS_NOTE)
         try:
@@ -130,10 +127,10 @@ def export_method(
     return written
 
 
-#: Why a point method's row has no LOO-k̂ or forest plot.
+#: Why a point method's row has no LOO-k̂ plot.
 POINT_MASS_NOTE = (
-    "no LOO-k̂ or forest plot: the posterior is a point mass (every draw the same weights), so "
-    "PSIS-LOO's importance ratios are all 1 and the plots would be blank"
+    "no LOO-k̂ plot: the posterior is a point mass (every draw the same weights), so PSIS-LOO's "
+    "importance ratios are all 1 and the plot would be blank"
 )
 
 
@@ -331,6 +328,7 @@ def write_json(
         "python": platform.python_version(),
         "torch": torch.__version__,
         "processor": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
     }
     failed = [row["method"] for row in rows if "error" in row]
     status = (
