@@ -45,7 +45,7 @@ def test_every_option_has_help_with_its_default(capsys):
         text = formatter._expand_help(action)
         assert text.endswith(f"(default: {action.default})"), (name, text)
     assert main(["compare", "--help"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # undo the line wrapping
     for option in ("--network", "--epochs", "--batch-size", "--lr", "--seed", "--device"):
         assert option in out
     assert "(default: 30)" in out and "(default: 0.001)" in out and "(default: auto)" in out

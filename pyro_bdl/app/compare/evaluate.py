@@ -214,10 +214,12 @@ def _run_one(name, problem, row, x_test, y_test, x_ood, output, tune=False) -> N
         row["tuned"] = record["setting"]
         row["tuning"] = record
         row["tune_seconds"] = time.perf_counter() - start
-    row["lr"] = problem.lr  # the rate it trains with (chosen by --tune when tuned)
     seed_everything(problem.seed)
     start = time.perf_counter()
     predict = METHODS[name](problem, **keywords)
+    # The rate it trained with (chosen by --tune when tuned): the problem's, unless the method
+    # has its own and its predictor says so (ivon).
+    row["lr"] = getattr(predict, "lr", problem.lr)
     fit_seconds = time.perf_counter() - start
     with record_posteriors() as seen:
         probs = _probs(predict, x_test)

@@ -33,7 +33,8 @@ def fit_ivon(
     problem: Problem, *, ivon_lr: float = RATE, ess_factor: float = ESS_FACTOR
 ) -> Predictor:
     """Train IVON for ``problem.epochs`` epochs, one MC sample a step, the rate decaying linearly
-    from ``ivon_lr`` to zero; predictions average ``problem.num_samples`` draws of its guide.
+    from ``ivon_lr`` to zero; predictions average ``problem.num_samples`` draws of its guide, and
+    the predictor's ``lr`` is ``ivon_lr``.
 
     :param float ivon_lr: IVON's rate (not ``problem.lr``; see the module docstring).
     :param float ess_factor: the effective sample size as a multiple of the training rows.
@@ -54,4 +55,6 @@ def fit_ivon(
     net.train()
     train_loop(problem, ivon.step, "ivon", on_step=on_step)
     net.eval()
-    return problem.predictor(model, ivon.guide)
+    predict = problem.predictor(model, ivon.guide)
+    predict.lr = ivon_lr  # type: ignore[attr-defined]  # compare records the rate used
+    return predict
