@@ -44,8 +44,8 @@ from pyro.infer import SVI, Trace_ELBO
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.app.compare import problem as compare_networks
-from pyro_bdl.curvature import subnet_jacobian
 from pyro_bdl.app.data import Dataset, load_digits, load_mnist
+from pyro_bdl.curvature import subnet_jacobian
 from pyro_bdl.guides import AutoSubnetLaplace
 from pyro_bdl.guides.laplace_model import eval_mode, forward_fn, leaf_slots
 from pyro_bdl.guides.laplace_posterior import linearized_predictive

@@ -48,8 +48,8 @@ from torchvision.transforms.functional import rotate
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.app.compare import problem as compare_networks
-from pyro_bdl.curvature import diagonal_ggn, output_hessian_factor, subnet_jacobian
 from pyro_bdl.app.data import Dataset, load_digits, load_mnist
+from pyro_bdl.curvature import diagonal_ggn, output_hessian_factor, subnet_jacobian
 from pyro_bdl.diagnostics.metrics import ece, nll
 from pyro_bdl.guides import AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.guides.laplace_model import eval_mode, forward_fn, leaf_slots
