@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = [
@@ -77,6 +76,8 @@ def resolve_data_dir(data_dir: str | os.PathLike | None, subdir: str = "") -> Pa
 
 
 def _split(n: int, test_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    import numpy as np
+
     perm = np.random.default_rng(seed).permutation(n)
     return perm[test_size:], perm[:test_size]
 
@@ -102,6 +103,8 @@ def _read_idx(path: Path) -> np.ndarray:
         raw = f.read()
     ndim = raw[3]
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    import numpy as np
+
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
@@ -117,7 +120,8 @@ def load_mnist(
     Reads ``t10k-images-idx3-ubyte.gz`` and ``t10k-labels-idx1-ubyte.gz`` from ``data_dir`` (or
     its ``mnist-test`` subfolder, or ``$PYRO_BDL_DATA``).
     """
-    import torch  # here, not at the top: `pyro-bdl --help` loads no torch
+    import numpy as np  # here, not at the top: `pyro-bdl --help` loads neither
+    import torch
 
     dtype = dtype or torch.float32
     folder = resolve_data_dir(data_dir, "mnist-test")
@@ -247,7 +251,8 @@ def load_uci(
     standardised with the training split's statistics; ``info`` holds ``y_mean``/``y_std`` to map
     predictions back to original units, and ``n_hidden`` and ``n_splits`` (see :class:`UCIFolder`).
     """
-    import torch  # here, not at the top: `pyro-bdl --help` loads no torch
+    import numpy as np  # here, not at the top: `pyro-bdl --help` loads neither
+    import torch
 
     dtype = dtype or torch.float32
     spec = uci_folder(name, data_dir)
@@ -363,7 +368,8 @@ def load_ood(
     (a tensor, or a dict with ``x``), with values already scaled like the training inputs
     (digits and MNIST use [0, 1]).
     """
-    import torch  # here, not at the top: `pyro-bdl --help` loads no torch
+    import numpy as np  # here, not at the top: `pyro-bdl --help` loads neither
+    import torch
 
     dtype = dtype or torch.float32
     path = Path(path)
