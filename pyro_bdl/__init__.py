@@ -18,7 +18,7 @@ from pyro_bdl._version import __version__
 
 if TYPE_CHECKING:
     from pyro_bdl import (
-        app,
+        app,  # noqa: F401  (not in __all__: a star import loads the library only)
         checkpoint,
         curvature,
         diagnostics,
@@ -71,12 +71,11 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"app"})
 
 
 __all__ = [
     "__version__",
-    "app",
     "bayesianize",
     "checkpoint",
     "curvature",
