@@ -34,39 +34,22 @@ if TYPE_CHECKING:
     )
     from pyro_bdl.nn import bayesianize, init_to_network, sites
 
-#: The subpackages, loaded on first access so that ``import pyro_bdl`` alone (and so the
-#: ``pyro-bdl`` command before it has parsed its arguments) loads neither torch nor Pyro. The
-#: application and the shims of its old paths (which warn when they load) are among them.
-_SUBMODULES = (
-    "app",
-    "checkpoint",
-    "curvature",
-    "diagnostics",
-    "distributed",
-    "distributions",
-    "guides",
-    "infer",
-    "layout",
-    "models",
-    "nn",
-    "predictive",
-    "priors",
-    "cli",
-    "compare",
-    "data",
-    "metrics_binary",
-)
+#: Besides the library's subpackages (those in ``__all__``), loaded on first access: the
+#: application and the shims of its old paths (which warn when they load).
+_APPLICATION = ("app", "cli", "compare", "data", "metrics_binary")
 #: Names re-exported from a subpackage: name -> subpackage.
 _FROM = {"bayesianize": "nn", "init_to_network": "nn", "sites": "nn"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    # The subpackages load on first access, so that ``import pyro_bdl`` alone (and so the
+    # ``pyro-bdl`` command before it has parsed its arguments) loads neither torch nor Pyro.
     if name in _FROM:
         value = getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)
         globals()[name] = value
         return value
+    if name in __all__ or name in _APPLICATION:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
