@@ -77,6 +77,7 @@ def test_public_names_still_resolve():
         "assert 'pyro_bdl.app' not in sys.modules\n"
         "assert 'ivon' in bdl.app.compare.METHODS\n"
         "assert callable(bdl.app.data.load_digits)\n"
+        "assert callable(bdl.app.compare.vogn.damping)\n"
         "print(json.dumps(bdl.__version__))",
         "-W",
         "error::DeprecationWarning",

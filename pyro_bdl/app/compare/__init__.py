@@ -1,7 +1,8 @@
 """``pyro-bdl compare``: every inference method on the same data and network, side by side.
 
-The names below load on first access, so that the command parses its arguments (with the
-registry's names, :mod:`~pyro_bdl.app.compare.registry`) before torch or Pyro load.
+The names below and the submodules load on first access, so that the command parses its
+arguments (with the registry's names, :mod:`~pyro_bdl.app.compare.registry`) before torch or
+Pyro load.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule, e.g. ``bdl.app.compare.vogn``
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise  # a submodule that exists but lacks a dependency
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
