@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
+# One torch thread (the command's default, stated here): the networks are small, and runs with
+# torch's default thread count were 4-11x slower when several shared a machine.
 run: $(STAMP)
-	$(BIN)/pyro-bdl compare --output $(OUTPUT)
+	$(BIN)/pyro-bdl compare --threads 1 --output $(OUTPUT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)

@@ -31,7 +31,7 @@ from torch import nn
 import pyro_bdl as bdl
 from benchmarks import resnet
 from benchmarks.common import write
-from pyro_bdl.compare.problem import cnn
+from pyro_bdl.app.compare.problem import cnn
 
 LR_IVON = 0.1
 TARGET = 1.15

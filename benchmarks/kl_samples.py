@@ -32,8 +32,8 @@ from pyro import poutine
 
 from benchmarks.common import cpu_times, write
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.compare.problem import cnn, mlp
-from pyro_bdl.data import load_digits
+from pyro_bdl.app.compare.problem import cnn, mlp
+from pyro_bdl.app.data import load_digits
 from pyro_bdl.diagnostics import metrics
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 from pyro_bdl.infer import TraceSuffStat_ELBO

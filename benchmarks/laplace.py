@@ -30,7 +30,7 @@ from torch import nn
 
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors, sites
-from pyro_bdl.compare import problem as compare_networks
+from pyro_bdl.app.compare import problem as compare_networks
 from pyro_bdl.curvature.memory import TensorMemoryTracker
 from pyro_bdl.guides import AutoSubnetLaplace
 

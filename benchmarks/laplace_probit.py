@@ -4,7 +4,7 @@ Protocol:
 
 1. Data: scikit-learn's ``load_digits`` (1,437 train / 360 test) and, when ``--data-dir`` or
    ``$PYRO_BDL_DATA`` holds ``mnist-test``, the MNIST test set split 8,000 / 2,000
-   (``pyro_bdl.data.load_mnist``).
+   (``pyro_bdl.app.data.load_mnist``).
 2. Network: an MLP with two hidden ReLU layers of ``--hidden`` units (default 50: digits
    64-50-50-10, D = 6,310; with 100 units, D = 17,610 makes the full GGN, its inversion and
    laplace-torch's a half hour each on a 2-core machine), trained as a MAP point estimate by
@@ -43,9 +43,9 @@ from pyro.infer import SVI, Trace_ELBO
 
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.compare import problem as compare_networks
+from pyro_bdl.app.compare import problem as compare_networks
+from pyro_bdl.app.data import Dataset, load_digits, load_mnist
 from pyro_bdl.curvature import subnet_jacobian
-from pyro_bdl.data import Dataset, load_digits, load_mnist
 from pyro_bdl.guides import AutoSubnetLaplace
 from pyro_bdl.guides.laplace_model import eval_mode, forward_fn, leaf_slots
 from pyro_bdl.guides.laplace_posterior import linearized_predictive

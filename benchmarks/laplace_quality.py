@@ -3,7 +3,7 @@
 Protocol, fixed before any figure and the same for every method:
 
 1. Data: scikit-learn's ``load_digits`` (default: 1,437 train / 360 test) or, with
-   ``--data-dir``, the MNIST test set split 8,000 / 2,000 (``pyro_bdl.data.load_mnist``). 15% of
+   ``--data-dir``, the MNIST test set split 8,000 / 2,000 (``pyro_bdl.app.data.load_mnist``). 15% of
    the training split (fixed seed) is held out as in-distribution validation data; everything
    else trains on the other 85%. The test digits are rotated by 0°, 30°, …, 180°.
 2. Network: an MLP with two hidden ReLU layers of 100, trained as a MAP point estimate
@@ -47,9 +47,9 @@ from torchvision.transforms.functional import rotate
 
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.compare import problem as compare_networks
+from pyro_bdl.app.compare import problem as compare_networks
+from pyro_bdl.app.data import Dataset, load_digits, load_mnist
 from pyro_bdl.curvature import diagonal_ggn, output_hessian_factor, subnet_jacobian
-from pyro_bdl.data import Dataset, load_digits, load_mnist
 from pyro_bdl.diagnostics.metrics import ece, nll
 from pyro_bdl.guides import AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.guides.laplace_model import eval_mode, forward_fn, leaf_slots

@@ -39,8 +39,8 @@ from torchvision.transforms.functional import rotate
 
 from benchmarks.common import write
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.compare import problem as compare_networks
-from pyro_bdl.data import Dataset, load_digits, load_mnist
+from pyro_bdl.app.compare import problem as compare_networks
+from pyro_bdl.app.data import Dataset, load_digits, load_mnist
 from pyro_bdl.diagnostics.metrics import ece, nll
 from pyro_bdl.guides import AutoSubnetLaplace
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from benchmarks.common import RESULTS, write
 from pyro_bdl import bayesianize, models, priors, sites
-from pyro_bdl.data import load_digits
+from pyro_bdl.app.data import load_digits
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 
 

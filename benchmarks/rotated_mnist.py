@@ -2,12 +2,12 @@
 
 Protocol (the split and rotations of :mod:`benchmarks.laplace_quality`, imported from it):
 
-1. Data: the MNIST test set split 8,000 / 2,000 (``pyro_bdl.data.load_mnist``; ``--data-dir``
+1. Data: the MNIST test set split 8,000 / 2,000 (``pyro_bdl.app.data.load_mnist``; ``--data-dir``
    or ``$PYRO_BDL_DATA``); the 15% validation part of :func:`benchmarks.laplace_quality.holdout`
    is left out, and the methods train on (a subsample of, ``--n-train``) the other 85%,
    unrotated. Methods that tune something carve their own validation rows from these.
 2. Every method of ``compare``'s default set plus ``ensemble`` and ``multiswag`` (M = 5), each
-   with ``compare``'s settings (:class:`~pyro_bdl.compare.Problem`: the MLP with two hidden
+   with ``compare``'s settings (:class:`~pyro_bdl.app.compare.Problem`: the MLP with two hidden
    layers of 100, Adam at 1e-3, batches of 64, prior N(0, 1), 32 predictive draws) and the
    same seed; 30 epochs (compare's default; ``--epochs`` changes it). The whole run takes about
    5 minutes of one CPU core (6,800 training rows, 2,000 test digits).
@@ -32,9 +32,9 @@ import torch
 
 from benchmarks import common
 from benchmarks.laplace_quality import ANGLES, holdout, rotated
-from pyro_bdl.compare import COMPARE_METHODS, METHODS, Problem
-from pyro_bdl.compare.problem import seed_everything
-from pyro_bdl.data import Dataset, load_digits, load_mnist
+from pyro_bdl.app.compare import COMPARE_METHODS, METHODS, Problem
+from pyro_bdl.app.compare.problem import seed_everything
+from pyro_bdl.app.data import Dataset, load_digits, load_mnist
 from pyro_bdl.diagnostics.metrics import accuracy, ece, nll
 
 #: Every default compare method, then the ensembles (when the default set leaves them out).

@@ -25,8 +25,8 @@ from torch import nn
 
 from benchmarks.common import cpu_times, gpu_times, write
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.compare import problem as compare_networks
-from pyro_bdl.data import load_digits
+from pyro_bdl.app.compare import problem as compare_networks
+from pyro_bdl.app.data import load_digits
 from pyro_bdl.guides import AutoSWAG
 
 RANK = 20

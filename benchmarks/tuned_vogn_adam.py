@@ -2,7 +2,7 @@
 
 The untuned comparison ran Adam (compare's ``map``: Adam on the MAP objective, prior N(0, 1)) at
 lr 1e-3 against VOGN at its chosen settings. Here every method gets the same grid (learning rate
-1e-3 / 3e-3 / 1e-2 times prior scale 0.3 / 1, :mod:`pyro_bdl.compare.tuning`) scored by the NLL
+1e-3 / 3e-3 / 1e-2 times prior scale 0.3 / 1, :mod:`pyro_bdl.app.compare.tuning`) scored by the NLL
 on 10% of the training split, then trains on the whole training split and is scored once on the
 test split; ``map_ts`` (the tuned MAP with a validation temperature) is the stronger baseline.
 The untuned rows (compare's defaults) are run beside them for reference.
@@ -21,8 +21,8 @@ import sys
 import torch
 
 from benchmarks.common import write
-from pyro_bdl.compare import Problem, run
-from pyro_bdl.data import hold_out_classes, load_digits
+from pyro_bdl.app.compare import Problem, run
+from pyro_bdl.app.data import hold_out_classes, load_digits
 
 METHODS = ["map", "map_ts", "vogn"]
 KEYS = ("accuracy", "nll", "ece", "brier", "ood_auroc", "fit_seconds", "tune_seconds", "tuned")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                 "dataset": "digits, classes 8-9 held out",
                 "epochs": epochs,
                 "seeds_done": args.seeds[: args.seeds.index(seed) + 1],
-                "protocol": "pyro_bdl.compare.tuning (pyro-bdl compare --tune)",
+                "protocol": "pyro_bdl.app.compare.tuning (pyro-bdl compare --tune)",
             }
             write("vogn_vs_adam_tuned", config, out)
 

@@ -11,14 +11,14 @@ source).
 
 Any folder in the standard UCI split format runs the same way (``--dataset NAME``): ``data.txt``,
 ``index_features.txt``, ``index_target.txt``, ``index_train_K.txt``/``index_test_K.txt`` per
-split K and ``n_splits.txt`` (see :func:`pyro_bdl.data.uci_folder`). ``n_hidden.txt``, when
+split K and ``n_splits.txt`` (see :func:`pyro_bdl.app.data.uci_folder`). ``n_hidden.txt``, when
 present, sets the hidden width (protein uses 100 in the MC-dropout folders); ``n_epochs.txt``,
 ``dropout_rates.txt`` and ``tau_values.txt`` are MC dropout's training settings and are ignored:
 every method here trains with this benchmark's own settings. A dataset without published
 anchors prints none.
 
-Every method is the registry's (``pyro_bdl.compare.METHODS``, the methods of ``pyro-bdl
-compare``) trained by its one loop on a regression :class:`~pyro_bdl.compare.Problem`: the
+Every method is the registry's (``pyro_bdl.app.compare.METHODS``, the methods of ``pyro-bdl
+compare``) trained by its one loop on a regression :class:`~pyro_bdl.app.compare.Problem`: the
 ``nn.Sequential`` is lifted with :func:`~pyro_bdl.bayesianize` (Normal(0, 1) prior) and wrapped in
 :func:`~pyro_bdl.models.regressor`. A homoscedastic σ is first fitted per split on a validation
 split carved from the training split (20%, seeded by the split number): a MAP network is trained
@@ -87,13 +87,13 @@ from torch import nn
 
 import pyro_bdl as bdl
 from benchmarks.common import write
-from pyro_bdl.compare import METHODS, Problem
-from pyro_bdl.compare.problem import seed_everything
-from pyro_bdl.compare.swag import RANK as SWAG_RANK
-from pyro_bdl.data import DATA_ENV, UCI_DEFAULT_HIDDEN, Dataset, load_uci, uci_folder
+from pyro_bdl.app.compare import METHODS, Problem
+from pyro_bdl.app.compare.problem import seed_everything
+from pyro_bdl.app.compare.swag import RANK as SWAG_RANK
+from pyro_bdl.app.data import DATA_ENV, UCI_DEFAULT_HIDDEN, Dataset, load_uci, uci_folder
 
 DATASETS = ("wine-quality-red", "concrete", "energy", "yacht")
-#: The registry's methods this benchmark runs (``pyro_bdl.compare.METHODS``).
+#: The registry's methods this benchmark runs (``pyro_bdl.app.compare.METHODS``).
 UCI_METHODS = ("map", "meanfield", "swag", "laplace", "vogn")
 
 
@@ -239,7 +239,7 @@ def network(hidden: int):
 
 @dataclasses.dataclass
 class UCIProblem(Problem):
-    """The registry's :class:`~pyro_bdl.compare.Problem` with this benchmark's row order.
+    """The registry's :class:`~pyro_bdl.app.compare.Problem` with this benchmark's row order.
 
     A full batch is the training rows in their stored order: shuffling it changes nothing but
     the order of the float sum, and the noise fit amplifies that rounding (a MAP warm-started at
@@ -287,7 +287,7 @@ def method_settings(name: str, problem: Problem, cfg: Config) -> tuple[dict, dic
     if name == "swag" and cfg.swag_rank != SWAG_RANK:
         raise ValueError(
             f"Config.swag_rank={cfg.swag_rank}, but the registry's swag has rank {SWAG_RANK} "
-            "(pyro_bdl.compare.swag.RANK) and takes no rank keyword; keep swag_rank at "
+            "(pyro_bdl.app.compare.swag.RANK) and takes no rank keyword; keep swag_rank at "
             f"{SWAG_RANK}."
         )
     full = {"batch_size": problem.num_train}

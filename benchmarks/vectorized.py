@@ -29,8 +29,9 @@ import torch
 from pyro.infer import Trace_ELBO
 
 from benchmarks.common import cpu_times, write
-from pyro_bdl import bayesianize, data, models
-from pyro_bdl.compare.problem import cnn, mlp
+from pyro_bdl import bayesianize, models
+from pyro_bdl.app import data
+from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField
 from pyro_bdl.predictive import sample_outputs
 

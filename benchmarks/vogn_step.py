@@ -51,7 +51,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from benchmarks.common import gpu_times, write
 from pyro_bdl import bayesianize, models, priors
-from pyro_bdl.compare.problem import cnn, mlp
+from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.curvature import PerExampleGradients, substitute, vmap_squared_gradients
 from pyro_bdl.infer import VOGN
 from pyro_bdl.nn import init_to_network

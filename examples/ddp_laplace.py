@@ -49,7 +49,7 @@ def main(argv=None) -> None:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
     pyro.set_rng_seed(args.seed)
-    data = bdl.data.load_digits(seed=args.seed)
+    data = bdl.app.data.load_digits(seed=args.seed)
     x, y = data.x_train.double(), data.y_train
     net = nn.Sequential(
         nn.Flatten(), nn.Linear(64, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 10)

@@ -23,7 +23,7 @@ from pyro.infer import TraceMeanField_ELBO
 from torch import nn
 
 import pyro_bdl as bdl
-from pyro_bdl.compare.problem import predictive_probs
+from pyro_bdl.app.compare.problem import predictive_probs
 from pyro_bdl.distributed import DataParallelSVI, get_world_size, is_main_process, shard_indices
 
 
@@ -109,7 +109,7 @@ def prepare(args):
     """Join the process group; the digits data, the device and the model (the same on every
     rank: the same seed builds the same network)."""
     device = setup_distributed()
-    data = bdl.data.load_digits(seed=args.seed)
+    data = bdl.app.data.load_digits(seed=args.seed)
     x_train, y_train = data.x_train.to(device), data.y_train.to(device)
     return data, device, x_train, y_train, build(args, device, len(y_train))
 

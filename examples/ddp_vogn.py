@@ -45,7 +45,7 @@ def main(argv=None) -> None:
         model,
         dataset_size=len(y_train),
         lr=args.lr,
-        betas=(0.9, 0.01),  # the curvature follows the data quickly (as in pyro_bdl.compare.vogn)
+        betas=(0.9, 0.01),  # the curvature follows the data quickly (as in app.compare.vogn)
         damping=3e-2,
         temperature=0.03,  # a cold posterior trains in a few epochs (compare.vogn uses 0.03)
         reduce_fn=agreement.wrap(allreduce_mean()),

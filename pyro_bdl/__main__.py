@@ -1,5 +1,5 @@
 import sys
 
-from pyro_bdl.cli import main
+from pyro_bdl.app.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyro_bdl import data
+from pyro_bdl.app import data
 
 
 def test_digits_split_is_fixed_and_disjoint():

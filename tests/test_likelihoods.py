@@ -14,9 +14,9 @@ from torch import nn
 
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.curvature.ggn import output_hessian_factor
+from pyro_bdl.diagnostics.metrics_binary import binary_brier, binary_ece, binary_nll
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.infer import VOGN, TraceSuffStat_ELBO
-from pyro_bdl.metrics_binary import binary_brier, binary_ece, binary_nll
 
 
 def _train(model, guide, x, y, steps, lr):

@@ -6,7 +6,7 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_bdl import bayesianize, infer, models
-from pyro_bdl.compare.problem import cnn, mlp
+from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.predictive import sample_outputs
 

@@ -23,7 +23,7 @@ Anything else a block uses it must import or define itself, as a reader's copy w
 
 Shell blocks (```bash) are not executed; every command in them is checked to exist: ``make``
 targets in the Makefile, ``pip install`` extras in pyproject.toml, ``pyro-bdl`` /
-``python -m pyro_bdl`` command lines parsed by the command's ``build_parser``, ``python -m
+``python -m pyro_bdl`` command lines parsed by :func:`pyro_bdl.app.cli.build_parser`, ``python -m
 benchmarks.<name>`` modules imported with each option found in their source, and scripts run by
 ``python`` / ``torchrun`` present with their options parsed. Values that depend on the reader's
 machine are replaced by :data:`MACHINE_DEPENDENT` (each with its reason).
@@ -392,26 +392,15 @@ def _make_targets() -> set[str]:
     return set(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, re.M))
 
 
-#: Where the ``pyro-bdl`` command's module lives, newest first: the application package, and the
-#: path it had before the library was regrouped by idea.
-CLI_MODULES = ("pyro_bdl.app.cli", "pyro_bdl.cli")
-
-
-def _cli():
-    """The command's module, imported from where it lives now (an old path left as a warning shim
-    is never imported: the new one is tried first)."""
-    for name in CLI_MODULES:
-        if importlib.util.find_spec(name.rsplit(".", 1)[0]) and importlib.util.find_spec(name):
-            return importlib.import_module(name)
-    pytest.fail(f"the pyro-bdl command's module is in none of {CLI_MODULES}")
-
-
 def _compare_parser():
-    return _cli().build_parser()
+    from pyro_bdl.app.cli import build_parser
+
+    return build_parser()
 
 
 def _check_pyro_bdl(args: list[str]) -> None:
-    UsageError = _cli().UsageError
+    from pyro_bdl.app.cli import UsageError
+
     try:
         _compare_parser().parse_args(args)
     except UsageError as err:
@@ -463,7 +452,7 @@ def _check_command(tokens: list[str]) -> None:
     elif head == "pip" and args[:1] == ["install"]:
         _check_pip(args[1:])
     elif head == "pyro-bdl":
-        assert _pyproject()["project"]["scripts"]["pyro-bdl"] == f"{_cli().__name__}:main"
+        assert _pyproject()["project"]["scripts"]["pyro-bdl"] == "pyro_bdl.app.cli:main"
         _check_pyro_bdl(args)
     elif head == "python" and args[:2] == ["-m", "pyro_bdl"]:
         assert (ROOT / "pyro_bdl" / "__main__.py").is_file()

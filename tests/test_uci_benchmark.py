@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks import uci
-from pyro_bdl import data
+from pyro_bdl.app import data
 
 
 def make_folder(root, name="toy", *, rows=24, splits=3, n_hidden=8, n_splits_file=True):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pyro_bdl.diagnostics import metrics, ood
+from pyro_bdl.diagnostics import metrics, metrics_binary, ood
 from pyro_bdl.diagnostics.metrics import (
     Reliability,
     accuracy,
@@ -96,6 +96,7 @@ __all__ = [
     "load_inference_data",
     "loo",
     "metrics",
+    "metrics_binary",
     "nll",
     "ood",
     "ood_auroc",

@@ -44,6 +44,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_bdl._validation import check_positive_int
+from pyro_bdl._version import __version__
 from pyro_bdl.diagnostics.metrics import as_tensor, check_probs
 from pyro_bdl.nn import site_spec
 
@@ -215,15 +216,13 @@ def _flush(variables: list[_Variable], start: int) -> None:
 
 
 def _attrs(guide) -> dict[str, str]:
-    import pyro_bdl
-
     return {
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "arviz_version": az.__version__,
         "inference_library": "pyro",
         "inference_library_version": pyro.__version__,
         "creation_library": "pyro_bdl",
-        "creation_library_version": pyro_bdl.__version__,
+        "creation_library_version": __version__,
         "guide": type(guide).__name__,
     }
 

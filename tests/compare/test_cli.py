@@ -7,11 +7,11 @@ import pytest
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_bdl.cli import _ood_data, main
-from pyro_bdl.compare import METHODS, Problem
-from pyro_bdl.compare.evaluate import evaluate, format_table, run
-from pyro_bdl.compare.problem import attach_posterior
-from pyro_bdl.data import hold_out_classes, load_digits, load_ood
+from pyro_bdl.app.cli import _ood_data, main
+from pyro_bdl.app.compare import METHODS, Problem
+from pyro_bdl.app.compare.evaluate import POINT_MASS_NOTE, evaluate, format_table, run
+from pyro_bdl.app.compare.problem import attach_posterior
+from pyro_bdl.app.data import hold_out_classes, load_digits, load_ood
 from pyro_bdl.diagnostics import load_inference_data
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -41,12 +41,15 @@ def test_compare_map_writes_table_json_netcdf_and_plots(tmp_path, capsys):
     data = load_inference_data(nc)
     assert set(data.groups()) >= {"posterior", "posterior_predictive", "log_likelihood"}
     assert data.log_likelihood["y"].shape == (1, 4, payload["config"]["n_test"])
-    names = {"map-reliability.png", "map-entropy.png", "map-ppc.png", "map-loo-khat.png"}
-    names |= {"map-forest.png"}
+    names = {"map-reliability.png", "map-entropy.png", "map-ppc.png", "map-forest.png"}
     for name in names:
         assert (tmp_path / name).read_bytes()[:8] == PNG
         assert name in out
     assert sorted(row["files"]) == sorted([str(nc)] + [str(tmp_path / n) for n in names])
+    # A point estimate's LOO-k̂ plot would be blank: it is left out, and the row says why.
+    assert not (tmp_path / "map-loo-khat.png").exists()
+    assert row["notes"] == [POINT_MASS_NOTE]
+    assert row["lr"] == payload["config"]["lr"] == 1e-3
     assert len(row["reliability"]["counts"]) == 15 and row["reliability"]["ece"] == row["ece"]
 
 

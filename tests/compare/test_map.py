@@ -1,6 +1,6 @@
-from pyro_bdl.compare import Problem
-from pyro_bdl.compare.map import fit_map
-from pyro_bdl.data import load_digits
+from pyro_bdl.app.compare import Problem
+from pyro_bdl.app.compare.map import fit_map
+from pyro_bdl.app.data import load_digits
 from pyro_bdl.diagnostics import metrics
 
 

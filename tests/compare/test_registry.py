@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from benchmarks import uci
-from pyro_bdl.compare import COMPARE_METHODS, METHODS, Problem, run
-from pyro_bdl.compare.problem import train_loop
-from pyro_bdl.data import Dataset
+from pyro_bdl.app.compare import COMPARE_METHODS, METHODS, Problem, run
+from pyro_bdl.app.compare.problem import train_loop
+from pyro_bdl.app.data import Dataset
 
 
 def _regression(n: int = 48, seed: int = 0) -> Dataset:
@@ -41,8 +41,8 @@ def test_train_loop_calls_the_hooks_once_per_epoch_and_step():
     assert losses == [1.0] * 4  # Σ len(batch) / N
 
 
-def test_compare_default_is_every_method_but_the_full_laplace_and_the_ensembles():
-    assert set(COMPARE_METHODS) == set(METHODS) - {"laplace", "ensemble", "multiswag"}
+def test_compare_default_is_every_method_but_the_full_laplace_the_ensembles_and_ivon():
+    assert set(COMPARE_METHODS) == set(METHODS) - {"laplace", "ensemble", "multiswag", "ivon"}
 
 
 def test_lr_decay_decays_the_rate_by_its_factor_over_the_run():
@@ -143,3 +143,24 @@ def test_uci_problem_keeps_the_benchmark_row_order():
     for epoch in range(3):
         got = torch.cat([b[1] for b in mini.batches(epoch)])
         assert torch.equal(got, y[orders[epoch]])
+
+
+def test_every_entry_resolves_to_its_fit_function():
+    for name in METHODS:
+        fit = METHODS[name]
+        assert callable(fit) and fit.__name__.startswith("fit_"), name
+
+
+def test_ivon_entry_learns_a_linear_boundary_and_reports_its_rate():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 2, generator=g)
+    y = (x[:, 0] > 0).long()
+    data = Dataset("halves", x[:200], y[:200], x[200:], y[200:], num_classes=2)
+    problem = Problem(data, network=_net, epochs=30, batch_size=50, progress=False)
+    predict = METHODS["ivon"](problem, ivon_lr=0.3)
+    probs = predict(data.x_test)
+    assert probs.shape == (100, 2) and torch.allclose(probs.sum(-1), torch.ones(100))
+    # Chance is 0.5 with a binomial sd of 0.05 over 100 test points; a learned boundary sits
+    # 6 sd above it at 0.8 (the Bayes classifier, x₀ > 0, scores 1).
+    assert (probs.argmax(-1) == data.y_test).float().mean() >= 0.8
+    assert predict.lr == 0.3 and predict.guide is not None

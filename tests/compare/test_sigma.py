@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pyro_bdl.compare import METHODS, Problem
-from pyro_bdl.data import Dataset
+from pyro_bdl.app.compare import METHODS, Problem
+from pyro_bdl.app.data import Dataset
 
 
 def _linear_data(n: int = 400, noise: float = 0.3, seed: int = 0) -> Dataset:

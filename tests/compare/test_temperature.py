@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from pyro_bdl.compare import METHODS, Problem
-from pyro_bdl.compare.map import train_map
-from pyro_bdl.compare.problem import predictive_probs, seed_everything, split_validation
-from pyro_bdl.compare.temperature import validation_temperature
-from pyro_bdl.data import load_digits
+from pyro_bdl.app.compare import METHODS, Problem
+from pyro_bdl.app.compare.map import train_map
+from pyro_bdl.app.compare.problem import predictive_probs, seed_everything, split_validation
+from pyro_bdl.app.compare.temperature import validation_temperature
+from pyro_bdl.app.data import load_digits
 from pyro_bdl.diagnostics import fit_temperature, metrics
 
 

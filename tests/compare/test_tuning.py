@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from pyro_bdl.cli import main
-from pyro_bdl.compare import METHODS, Problem, format_table, run, tuning, write_json
-from pyro_bdl.data import Dataset, load_digits
+from pyro_bdl.app.cli import main
+from pyro_bdl.app.compare import METHODS, Problem, format_table, run, tuning, write_json
+from pyro_bdl.app.data import Dataset, load_digits
 
 
 def _classes(n_train: int = 60, n_test: int = 20) -> Dataset:

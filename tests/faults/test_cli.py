@@ -18,15 +18,18 @@ import os
 from pathlib import Path
 
 import pytest
+import sklearn.datasets  # noqa: F401  (see below)
 import torch
 
-from pyro_bdl import cli
-from pyro_bdl.cli import main
-from pyro_bdl.compare import METHODS
-from pyro_bdl.compare.evaluate import run, write_text_atomic
-from pyro_bdl.compare.problem import train_loop
+from pyro_bdl.app import cli
+from pyro_bdl.app.cli import main
+from pyro_bdl.app.compare import METHODS, evaluate
+from pyro_bdl.app.compare.evaluate import run, write_text_atomic
+from pyro_bdl.app.compare.problem import train_loop
 from tests.faults.common import assert_same, rng_states
 
+# sklearn is imported above, not first by `--dataset digits` inside a test: importing it draws
+# from Python's global RNG, which the refusal tests check a refused command leaves alone.
 FAST = ["--epochs", "1", "--batch-size", "512", "--num-samples", "2", "--no-progress"]
 
 
@@ -64,7 +67,7 @@ def no_training(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a refused command must not train")
 
-    monkeypatch.setattr(cli, "run", must_not_run)
+    monkeypatch.setattr(evaluate, "run", must_not_run)
 
 
 # (argv, option named, text that must appear: the actual value or the expected form)
@@ -296,8 +299,8 @@ def test_diverging_real_method_is_reported(tmp_path, capsys):
 
 
 def test_non_finite_loss_stops_training_with_the_fix():
-    from pyro_bdl.compare import Problem
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.compare import Problem
+    from pyro_bdl.app.data import load_digits
 
     problem = Problem(load_digits(), epochs=2, batch_size=512, progress=False)
     losses = iter([1.0, float("nan")])
@@ -306,7 +309,7 @@ def test_non_finite_loss_stops_training_with_the_fix():
 
 
 def _problem_kwargs():
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.data import load_digits
 
     return {"dataset": load_digits(), "progress": False}
 
@@ -330,7 +333,7 @@ def _problem_kwargs():
     ],
 )
 def test_problem_refuses_bad_settings(field, value, text):
-    from pyro_bdl.compare import Problem
+    from pyro_bdl.app.compare import Problem
 
     with pytest.raises(ValueError) as info:
         Problem(**_problem_kwargs(), **{field: value})
@@ -338,7 +341,7 @@ def test_problem_refuses_bad_settings(field, value, text):
 
 
 def test_problem_cuda_without_cuda(monkeypatch):
-    from pyro_bdl.compare import Problem
+    from pyro_bdl.app.compare import Problem
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"CUDA is not available.*device='cpu'"):
@@ -363,8 +366,8 @@ def test_interrupted_run_keeps_the_finished_methods(tmp_path, capsys, monkeypatc
 
 
 def test_run_raises_by_default_and_keeps_going_on_request(monkeypatch):
-    from pyro_bdl.compare import Problem
-    from pyro_bdl.data import hold_out_classes, load_digits
+    from pyro_bdl.app.compare import Problem
+    from pyro_bdl.app.data import hold_out_classes, load_digits
 
     def boom(problem):
         raise RuntimeError("boom")

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from pyro_bdl.compare import METHODS, Problem
-from pyro_bdl.compare.ensemble import fit_ensemble, fit_multiswag
-from pyro_bdl.compare.map import fit_map
-from pyro_bdl.compare.problem import seed_everything
-from pyro_bdl.compare.swag import BN_FRACTION
-from pyro_bdl.data import load_digits
+from pyro_bdl.app.compare import METHODS, Problem
+from pyro_bdl.app.compare.ensemble import fit_ensemble, fit_multiswag
+from pyro_bdl.app.compare.map import fit_map
+from pyro_bdl.app.compare.problem import seed_everything
+from pyro_bdl.app.compare.swag import BN_FRACTION
+from pyro_bdl.app.data import load_digits
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from tests.common import assert_close
 from tests.compare.test_registry import _problem as regression_problem

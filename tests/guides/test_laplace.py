@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import pyro_bdl as bdl
-from pyro_bdl.compare.problem import cnn as compare_cnn
+from pyro_bdl.app.compare.problem import cnn as compare_cnn
 from pyro_bdl.curvature.memory import TensorMemoryTracker
 from pyro_bdl.guides import AutoSubnetLaplace, NotFittedError
 from pyro_bdl.guides.laplace_posterior import log_marginal
@@ -576,7 +576,7 @@ def test_digits_under_rotation_subnetwork_beats_map_diagonal_and_random():
     rotated 0°–180°, subnetwork Laplace with the largest SWAG-diag variances has a lower mean NLL
     and ECE than MAP, than diagonal Laplace, and than random subnetworks of the same size."""
     from benchmarks.laplace_quality import run
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.data import load_digits
 
     # The benchmark's settings (the fixture restores both): one thread, as on the shared CI
     # cores, and no argument validation, which the tests above cover.

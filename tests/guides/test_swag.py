@@ -517,9 +517,9 @@ def test_predict_with_bn_refresh_is_the_average_over_refreshed_draws():
 
 
 def test_compare_fit_functions_run():
-    from pyro_bdl.compare.problem import Problem
-    from pyro_bdl.compare.registry import METHODS
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.compare.problem import Problem
+    from pyro_bdl.app.compare.registry import METHODS
+    from pyro_bdl.app.data import load_digits
 
     ds = load_digits(seed=0)
     ds.x_train, ds.y_train = ds.x_train[:128], ds.y_train[:128]
@@ -539,12 +539,12 @@ SEEDS = tuple(range(10))
 def sgd_vs_swag(ds, seed: int) -> dict[str, tuple[float, float, float]]:
     """(accuracy, NLL, ECE with 15 bins) on ``ds``'s test split of the SGD point estimate and of
     SWAG from the same run, trained exactly as ``pyro-bdl compare --methods swag`` trains (its
-    MLP, the N(0, 1) prior, :func:`~pyro_bdl.compare.swag.train_swag` with its defaults) for 40
+    MLP, the N(0, 1) prior, :func:`~pyro_bdl.app.compare.swag.train_swag` with its defaults) for 40
     epochs: 30 of SGD with momentum, then 10 at the constant SWAG rate with ~40 snapshots. The
     SGD point estimate is the network where the SWAG phase starts; SWAG averages 32 draws at the
     default scale 0.5."""
-    from pyro_bdl.compare import swag as compare_swag
-    from pyro_bdl.compare.problem import Problem, seed_everything
+    from pyro_bdl.app.compare import swag as compare_swag
+    from pyro_bdl.app.compare.problem import Problem, seed_everything
     from pyro_bdl.diagnostics import metrics
 
     problem = Problem(ds, epochs=40, progress=False, seed=seed)
@@ -618,7 +618,7 @@ def mnist_or_skip():
     import os
     from pathlib import Path
 
-    from pyro_bdl.data import load_mnist
+    from pyro_bdl.app.data import load_mnist
 
     root = (
         os.environ.get("PYRO_BDL_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -672,7 +672,7 @@ def test_digits_swag_beats_the_sgd_point_estimate_of_the_same_run():
     longer or decayed SGD, SWAG-phase rates 0.02–0.2, one snapshot per epoch, cyclical
     rates, scales 0.25–1) lowered ECE in every seed.
     """
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.data import load_digits
 
     torch.set_num_threads(1)  # as in the MNIST check
     # Seeds 0–4 suffice for the strict xfail: its NLL claim already fails in three of them.

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import pyro_bdl as bdl
-from pyro_bdl.compare.problem import cnn
-from pyro_bdl.compare.vogn import BETAS, TEMPERATURE, damping
-from pyro_bdl.data import load_digits
+from pyro_bdl.app.compare.problem import cnn
+from pyro_bdl.app.compare.vogn import BETAS, TEMPERATURE, damping
+from pyro_bdl.app.data import load_digits
 from pyro_bdl.diagnostics.metrics import accuracy, ece, nll
 
 #: Training epochs per data set (MNIST has 5.6× the rows and 12× the pixels of digits).

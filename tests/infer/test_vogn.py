@@ -546,9 +546,9 @@ def test_a_model_whose_sites_change_after_the_first_step_is_refused():
 
 def digits_vogn_vs_adam(seed: int, epochs: int = 20) -> dict[str, dict[str, float]]:
     """The compare CNN on load_digits: VOGN (compare's settings) vs Adam, same batches, epochs."""
-    from pyro_bdl.compare.problem import Problem, predictive_probs
-    from pyro_bdl.compare.vogn import make_vogn
-    from pyro_bdl.data import load_digits
+    from pyro_bdl.app.compare.problem import Problem, predictive_probs
+    from pyro_bdl.app.compare.vogn import make_vogn
+    from pyro_bdl.app.data import load_digits
     from pyro_bdl.diagnostics import metrics
 
     problem = Problem(load_digits(), network="cnn", epochs=epochs, seed=seed, progress=False)
@@ -604,7 +604,7 @@ def test_digits_cnn_matches_adam_accuracy_with_better_calibration():
 
 
 def test_compare_damping_grows_as_the_root_of_the_number_of_steps():
-    from pyro_bdl.compare.vogn import DAMPING, DAMPING_STEPS, damping
+    from pyro_bdl.app.compare.vogn import DAMPING, DAMPING_STEPS, damping
 
     # Exact by construction: γ(T) = DAMPING · sqrt(T / DAMPING_STEPS).
     assert damping(DAMPING_STEPS) == pytest.approx(DAMPING, rel=1e-12)

@@ -11,7 +11,7 @@ from pyro.infer import Trace_ELBO
 from torch import nn
 
 from pyro_bdl import bayesianize, models
-from pyro_bdl.compare.problem import cnn, mlp
+from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField
 from pyro_bdl.infer import TraceSuffStat_ELBO
 from pyro_bdl.nn.vectorize import batched_forward

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from pyro_bdl.compare import tuning
-from pyro_bdl.compare.problem import Problem, record_posteriors, seed_everything
-from pyro_bdl.compare.registry import METHODS
+from pyro_bdl.app.compare import tuning
+from pyro_bdl.app.compare.problem import Problem, record_posteriors, seed_everything
+from pyro_bdl.app.compare.registry import METHODS
 from pyro_bdl.diagnostics import metrics, ood
 
 __all__ = [
@@ -77,8 +77,10 @@ def export_method(
     probs_ood: torch.Tensor | None,
     problem: Problem,
     output: Path,
+    notes: list[str] | None = None,
 ) -> list[Path]:
-    """Write ``<name>.nc`` and the plots of one method into ``output``; returns the paths."""
+    """Write ``<name>.nc`` and the plots of one method into ``output``; returns the paths.
+    Plots left out, and why, are appended to ``notes``."""
     import arviz as az  # local: ArviZ and matplotlib load only when a run writes files
 
     from pyro_bdl.diagnostics import export, plots
@@ -112,11 +114,32 @@ def export_method(
     )
     written.append(_save(fig, output / f"{name}-entropy.png"))
     if isinstance(data, az.InferenceData) and "posterior" in data.groups():
+        if is_point_mass(data):
+            # Every draw is the same weights (a point estimate such as map or map_ts): the
+            # importance ratios of PSIS-LOO are all 1, so its k̂ plot would be blank.
+            data = az.InferenceData(**{g: data[g] for g in data.groups() if g != "log_likelihood"})
+            if notes is not None:
+                notes.append(POINT_MASS_NOTE)
         try:
             written += plots.save_arviz_plots(data, output, prefix=f"{name}-")
         except Exception as err:  # an optional figure must not lose the run's results
             warnings.warn(f"ArviZ plots for {name!r} failed: {err}", RuntimeWarning, stacklevel=2)
     return written
+
+
+#: Why a point method's row has no LOO-k̂ plot.
+POINT_MASS_NOTE = (
+    "no LOO-k̂ plot: the posterior is a point mass (every draw the same weights), so PSIS-LOO's "
+    "importance ratios are all 1 and the plot would be blank"
+)
+
+
+def is_point_mass(data) -> bool:
+    """Whether every posterior draw in ArviZ ``data`` holds the same values."""
+    return all(
+        float(abs(data.posterior[v] - data.posterior[v].isel(chain=0, draw=0)).max()) == 0.0
+        for v in data.posterior.data_vars
+    )
 
 
 def _save(fig, path: Path) -> Path:
@@ -145,8 +168,8 @@ def run(
     :param on_row: called with the rows so far after each method, failed ones included (how
         ``pyro-bdl compare`` saves every finished result as soon as it exists).
     :param bool tune: choose each method's settings first by the fair-tuning protocol
-        (:mod:`pyro_bdl.compare.tuning`: the same grid size and validation rows for every method,
-        carved from the training split); the row gets ``"tuned"`` (the chosen setting),
+        (:mod:`pyro_bdl.app.compare.tuning`: the same grid size and validation rows for every
+        method, carved from the training split); the row gets ``"tuned"`` (the chosen setting),
         ``"tuning"`` (every setting's validation NLL) and ``"tune_seconds"``.
     """
     if problem.is_regression:
@@ -194,6 +217,9 @@ def _run_one(name, problem, row, x_test, y_test, x_ood, output, tune=False) -> N
     seed_everything(problem.seed)
     start = time.perf_counter()
     predict = METHODS[name](problem, **keywords)
+    # The rate it trained with (chosen by --tune when tuned): the problem's, unless the method
+    # has its own and its predictor says so (ivon).
+    row["lr"] = getattr(predict, "lr", problem.lr)
     fit_seconds = time.perf_counter() - start
     with record_posteriors() as seen:
         probs = _probs(predict, x_test)
@@ -202,8 +228,11 @@ def _run_one(name, problem, row, x_test, y_test, x_ood, output, tune=False) -> N
     row["fit_seconds"] = fit_seconds
     row["reliability"] = metrics.reliability(probs, y_test).to_dict()
     if output is not None:
-        files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output))
+        notes: list[str] = []
+        files = export_method(name, predict, seen, probs, probs_ood, problem, Path(output), notes)
         row["files"] = [str(f) for f in files]
+        if notes:
+            row["notes"] = notes
 
 
 def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -272,7 +301,8 @@ def write_json(
         "network": problem.network,
         "epochs": problem.epochs,
         "batch_size": problem.batch_size,
-        "lr": problem.lr,
+        # Under --tune each method trains with the rate its grid chose: each result's "lr".
+        "lr": "per method (see each result's lr)" if tune else problem.lr,
         "seed": problem.seed,
         "device": problem.device,
         "num_samples": problem.num_samples,
@@ -287,7 +317,7 @@ def write_json(
         "ood_score": "predictive entropy",
         "tune": (
             {
-                "protocol": "pyro_bdl.compare.tuning: validation NLL on "
+                "protocol": "pyro_bdl.app.compare.tuning: validation NLL on "
                 f"{tuning.VALIDATION_FRACTION:g} of the training split, the best setting then "
                 "trained on the whole training split",
                 "grids": tuning.GRIDS,
@@ -300,6 +330,7 @@ def write_json(
         "python": platform.python_version(),
         "torch": torch.__version__,
         "processor": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
     }
     failed = [row["method"] for row in rows if "error" in row]
     status = (

@@ -24,7 +24,7 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_bdl._validation import check_choice, check_positive_int
-from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior, train_loop
+from pyro_bdl.app.compare.problem import Predictor, Problem, attach_posterior, train_loop
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from pyro_bdl.guides.swag import AutoSWAG
 

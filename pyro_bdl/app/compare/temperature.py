@@ -26,8 +26,8 @@ from pyro.infer import Predictive
 from torch import nn
 
 from pyro_bdl import models
-from pyro_bdl.compare.map import train_map
-from pyro_bdl.compare.problem import Predictor, Problem, predictive_probs, split_validation
+from pyro_bdl.app.compare.map import train_map
+from pyro_bdl.app.compare.problem import Predictor, Problem, predictive_probs, split_validation
 from pyro_bdl.diagnostics.temperature import fit_temperature
 
 __all__ = ["VALIDATION_FRACTION", "fit_map_ts", "validation_temperature"]

@@ -1,26 +1,44 @@
-"""The checks of a :class:`~pyro_bdl.compare.problem.Problem`'s settings, run when it is built
+"""The checks of a :class:`~pyro_bdl.app.compare.problem.Problem`'s settings, run when it is built
 (and again by ``dataclasses.replace``), so that a bad setting fails with its name before any
 method trains instead of as a NaN deep inside the first one."""
 
 from __future__ import annotations
 
 from numbers import Integral
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from pyro_bdl._validation import check_choice, check_positive
+from pyro_bdl.app.compare.networks import NETWORKS
 
-if TYPE_CHECKING:
-    from pyro_bdl.compare.problem import Problem
-
-__all__ = ["SIGMA_RULES", "check_problem"]
+__all__ = ["SIGMA_RULES", "ProblemSettings", "check_problem"]
 
 #: ``Problem.sigma``: every method takes σ as known, or each learns it its own way.
 SIGMA_RULES = ("fixed", "own")
 
 #: Seeds numpy accepts (``pyro.set_rng_seed`` seeds numpy too).
 MAX_SEED = 2**32 - 1
+
+
+class ProblemSettings(Protocol):
+    """The settings :func:`check_problem` reads: the fields of
+    :class:`~pyro_bdl.app.compare.problem.Problem`, named here so that this module need not
+    import the one that calls it."""
+
+    dataset: Any
+    network: Any
+    epochs: int
+    batch_size: int
+    lr: float
+    lr_decay: float | None
+    seed: int
+    device: str
+    num_samples: int
+    num_kl_samples: int
+    noise: float | None
+    sigma: str
+    ood_x: torch.Tensor | None
 
 
 def _whole(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
@@ -47,10 +65,8 @@ def _device(device: str) -> None:
         )
 
 
-def check_problem(problem: Problem) -> None:
+def check_problem(problem: ProblemSettings) -> None:
     """Refuse a setting that no method can train with, naming the field, the value and a fix."""
-    from pyro_bdl.compare.problem import NETWORKS
-
     for name in ("epochs", "batch_size", "num_samples", "num_kl_samples"):
         _whole(name, getattr(problem, name), 1)
     _whole("seed", problem.seed, 0, MAX_SEED)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 
-from pyro_bdl.compare.problem import Predictor, Problem, train_svi
+from pyro_bdl.app.compare.problem import Predictor, Problem, train_svi
 
 __all__ = ["fit_map", "train_map"]
 

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["NETWORKS", "cnn", "mlp"]
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 100) -> nn.Module:
     """Two hidden ReLU layers."""
+    from torch import nn  # here, not at the top: `pyro-bdl --help` loads no torch
+
     d = 1
     for s in input_shape:
         d *= s
@@ -25,6 +30,8 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 100) -> nn
 
 def cnn(input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
     """Two 3×3 convolutions with BatchNorm, global average pooling and a linear head."""
+    from torch import nn
+
     c = input_shape[0]
     return nn.Sequential(
         nn.Conv2d(c, width, 3, padding=1),

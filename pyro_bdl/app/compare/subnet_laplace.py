@@ -19,7 +19,7 @@ import pyro
 import torch
 from pyro.infer import SVI, Trace_ELBO
 
-from pyro_bdl.compare.problem import (
+from pyro_bdl.app.compare.problem import (
     Predictor,
     Problem,
     attach_posterior,

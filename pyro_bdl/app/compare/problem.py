@@ -32,9 +32,9 @@ from tqdm.auto import tqdm
 
 from pyro_bdl import models
 from pyro_bdl._validation import check_probability
-from pyro_bdl.compare.checks import check_problem
-from pyro_bdl.compare.networks import NETWORKS, cnn, mlp
-from pyro_bdl.data import Dataset
+from pyro_bdl.app.compare.checks import check_problem
+from pyro_bdl.app.compare.networks import NETWORKS, cnn, mlp
+from pyro_bdl.app.data import Dataset
 from pyro_bdl.nn import bayesianize, init_to_network
 from pyro_bdl.priors import Normal, Prior
 

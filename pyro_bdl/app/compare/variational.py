@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pyro.infer import SVI
 
-from pyro_bdl.compare.problem import Predictor, Problem, train_svi
+from pyro_bdl.app.compare.problem import Predictor, Problem, train_svi
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 from pyro_bdl.infer import TraceSuffStat_ELBO
 

@@ -21,8 +21,8 @@ from functools import partial
 
 import torch
 
-from pyro_bdl.compare.map import train_map
-from pyro_bdl.compare.problem import Predictor, Problem, attach_posterior
+from pyro_bdl.app.compare.map import train_map
+from pyro_bdl.app.compare.problem import Predictor, Problem, attach_posterior
 from pyro_bdl.guides.laplace import AutoSubnetLaplace
 
 __all__ = ["fit_laplace"]

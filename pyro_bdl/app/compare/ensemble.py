@@ -26,16 +26,16 @@ import torch
 from pyro.infer import Predictive
 
 from pyro_bdl._validation import check_positive_int
-from pyro_bdl.compare.checks import MAX_SEED
-from pyro_bdl.compare.map import train_map
-from pyro_bdl.compare.problem import (
+from pyro_bdl.app.compare.checks import MAX_SEED
+from pyro_bdl.app.compare.map import train_map
+from pyro_bdl.app.compare.problem import (
     Predictor,
     Problem,
     attach_posterior,
     predictive_probs,
     seed_everything,
 )
-from pyro_bdl.compare.swag import BN_FRACTION, RANK, SWA_LR, train_swag
+from pyro_bdl.app.compare.swag import BN_FRACTION, RANK, SWA_LR, train_swag
 from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from pyro_bdl.guides.ensemble import MemberGuide

@@ -2,7 +2,7 @@
 grid of its learning rate times its own key hyperparameter, scored on the same validation rows
 carved from the training split; the test split is never an input.
 
-For each method: :func:`~pyro_bdl.compare.problem.split_validation` holds out
+For each method: :func:`~pyro_bdl.app.compare.problem.split_validation` holds out
 ``VALIDATION_FRACTION`` of the training rows (the same rows for every method, drawn with the
 problem's seed); each setting of :data:`GRIDS` trains on the other rows and is scored by its
 validation NLL (mean negative log predictive density: of the labels for a classifier, of the
@@ -10,7 +10,7 @@ targets for a regressor); the best setting is then trained on the whole training
 scored on the test split as usual. A setting whose training diverges scores ``inf``.
 
 By construction the search cannot see the test rows: :func:`select` receives a
-:class:`~pyro_bdl.data.Dataset` built from the training and validation arrays only (the
+:class:`~pyro_bdl.app.data.Dataset` built from the training and validation arrays only (the
 validation rows stand in its test slot) and no OOD inputs.
 
 Why a grid per method and not one shared setting: the methods' rates live on different scales
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from pyro_bdl.compare.problem import Problem, seed_everything, split_validation
-from pyro_bdl.data import Dataset
+from pyro_bdl.app.compare.problem import Problem, seed_everything, split_validation
+from pyro_bdl.app.data import Dataset
 from pyro_bdl.diagnostics import metrics
 from pyro_bdl.priors import Normal
 
@@ -57,6 +57,8 @@ GRIDS: dict[str, dict[str, tuple]] = {
     "meanfield": _LR_PRIOR,
     "radial": _LR_PRIOR,
     "vogn": _LR_PRIOR,
+    # IVON's own rate (not Problem.lr: see app.compare.ivon) times its tempering.
+    "ivon": {"ivon_lr": (0.1, 0.3, 1.0), "ess_factor": (1.0, 10.0)},
     "subnet_laplace": _LR_PRIOR,  # λ is then tuned on its own held-out rows, as untuned
     "laplace": _LR_PRIOR,
     "swag": {"swa_lr": SWA_LR_GRID, "prior_scale": PRIOR_SCALES},
@@ -125,7 +127,7 @@ def tune(name: str, fit: Callable, problem: Problem) -> tuple[Problem, dict, dic
     if name not in GRIDS:
         raise ValueError(
             f"no tuning grid for method {name!r}; expected one of {', '.join(map(repr, GRIDS))} "
-            "(add its grid to pyro_bdl.compare.tuning.GRIDS)."
+            "(add its grid to pyro_bdl.app.compare.tuning.GRIDS)."
         )
     train, x_val, y_val = split_validation(problem, VALIDATION_FRACTION)
     data = train.dataset
