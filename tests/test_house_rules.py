@@ -39,17 +39,8 @@ KNOWN_TO_FIX: frozenset[str] = frozenset(
     {
         # nn/lift.py reads spec.py's prefix of initial-value sites (owner: nn).
         "private name: pyro_bdl.nn.lift uses pyro_bdl.nn.spec._INIT_PREFIX",
-        # distributed/refusal.py reuses comm.py's bucketing of gradients (owner: distributed).
-        "private name: pyro_bdl.distributed.refusal uses pyro_bdl.distributed.comm._buckets",
         # tied.py annotates with spec.SiteSpec under TYPE_CHECKING (owner: nn).
         "import cycle: pyro_bdl.nn.spec <-> pyro_bdl.nn.tied",
-        # checks.py annotates with problem.Problem under TYPE_CHECKING (owner: compare).
-        "import cycle: pyro_bdl.compare.checks <-> pyro_bdl.compare.problem",
-        # Found by this test, not yet assigned: pyro_bdl/__init__.py names compare under
-        # TYPE_CHECKING, compare/evaluate.py imports diagnostics.export in a function, and
-        # export.py imports pyro_bdl in a function to read __version__.
-        "import cycle: pyro_bdl <-> pyro_bdl.compare <-> pyro_bdl.compare.evaluate <-> "
-        "pyro_bdl.diagnostics <-> pyro_bdl.diagnostics.export",
     }
 )
 
