@@ -38,8 +38,7 @@ class LayerNotLiftable(TypeError):
 def _new(module_class: type) -> Any:
     """Unpickling helper: an empty instance of the converted ``module_class`` (rebuilding the
     class in a fresh process, where no conversion has run yet)."""
-    converted = pyro_class(module_class)
-    return converted.__new__(converted)
+    return object.__new__(pyro_class(module_class))
 
 
 def _reduce(self: nn.Module) -> tuple:
