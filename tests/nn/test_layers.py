@@ -205,7 +205,7 @@ def test_lora_rule_with_a_head_glob_and_refusals():
         "2.weight",
         "2.bias",
     }
-    with pytest.raises(ValueError, match="no LoRA parameter.*get_peft_model"):
+    with pytest.raises(ValueError, match=r"no LoRA parameter.*get_peft_model"):
         bayesianize(nn.Linear(2, 2), expose=lora_and_head)
     with pytest.raises(TypeError, match="pass it as expose="):
         bayesianize(_adapted(), hide=[lora])
