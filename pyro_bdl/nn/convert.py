@@ -93,8 +93,9 @@ def _refusal(name: str, layer: nn.Module) -> str | None:
     if layer.__dict__.get("gradient_checkpointing") is True:
         return (
             f"{what} has gradient checkpointing on: its forward pass runs again during the "
-            "backward pass, outside the Pyro trace, and would read freshly drawn weights. Call "
-            "model.gradient_checkpointing_disable() before bayesianize."
+            "backward pass, outside the Pyro trace, and would read freshly drawn weights. Turn it "
+            "off before bayesianize (Hugging Face: model.activation_checkpointing_disable(), "
+            "formerly gradient_checkpointing_disable())."
         )
     return None
 
