@@ -65,9 +65,12 @@ def test_bert_lifts_and_the_classifier_reads_its_model_output():
     expected = net(**batch).logits
     bdl.bayesianize(net)
     assert_close(_at_init(net, batch), expected)
-    trace = poutine.trace(bdl.models.classifier(net, N)).get_trace(batch, y)
+    model = bdl.models.classifier(net, N)
+    trace = poutine.trace(model).get_trace(batch, y)
     assert trace.nodes["_RETURN"]["value"].shape == (4, CLASSES)
     assert trace.nodes["y"]["scale"] == pytest.approx(N / 4)
+    parallel = Predictive(model, num_samples=3, parallel=True, return_sites=["_RETURN"])(batch)
+    assert parallel["_RETURN"].shape == (3, 4, CLASSES)
 
 
 def test_lora_only_random_base_shared_and_matches_at_init():
@@ -148,6 +151,17 @@ def test_ivon_over_lora_steps_predicts_and_round_trips_its_state():
     for name, value in ivon.state_dict().items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(again.state_dict()[name], value), name
+
+
+def test_vogn_over_lora_steps():
+    model = bdl.models.classifier(bdl.bayesianize(_lora(), expose=bdl.nn.lora), N)
+    batch, y = _batch()
+    vogn = bdl.infer.VOGN(model, dataset_size=N, lr=0.05)
+    curvature = None
+    for _ in range(2):
+        assert torch.isfinite(torch.tensor(vogn.step(batch, y)))
+        previous, curvature = curvature, vogn.state_dict()["curvature"].clone()
+    assert previous is not None and not torch.equal(previous, curvature)
 
 
 def test_swag_over_lora_collects_and_predicts():
