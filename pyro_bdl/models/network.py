@@ -255,8 +255,14 @@ class NetworkModel:
         self._first = False
         return out
 
+    def network_output(self, x: Batch) -> torch.Tensor:
+        """The tensor the likelihood reads: the network called on the batch ``x`` (a tensor,
+        mapping or tuple), its output reduced by :attr:`output` (no checks, no sites of its
+        own; a method that replays the network alone calls this)."""
+        return select_output(call_network(self.net, x), self.output)
+
     def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
-        out = select_output(call_network(self.net, x), self.output)
+        out = self.network_output(x)
         if self.likelihood == "categorical":
             fn, value = self._categorical(out, y, rows)
         elif self.likelihood == "tokens":

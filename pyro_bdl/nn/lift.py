@@ -237,6 +237,15 @@ def bayesianize(
     :class:`~pyro.nn.PyroSample`/:class:`~pyro.nn.PyroParam` attributes the user declared are
     left as they are.
 
+    **Any layer** lifts: recurrent layers, attention, embeddings, Hugging Face models and PEFT
+    adapters (layer classes with their own metaclass included; :mod:`pyro_bdl.nn.convert`).
+    A layer that cannot be lifted (TorchScript, gradient checkpointing on) raises
+    :class:`~pyro_bdl.nn.LayerNotLiftable` naming it and the way out; every check runs before
+    the network changes, so a refused call leaves it as it was. To make only a PEFT model's
+    LoRA matrices random, pass ``expose=bdl.nn.lora`` (or ``bdl.nn.lora_and_head``): an
+    :class:`~pyro_bdl.nn.ExposeOnly` rule, which hides every parameter no ``expose`` rule
+    matches. docs/methods/layers.md says which method supports which layer.
+
     When the weights carry leading sample dims (``Trace_ELBO(vectorize_particles=True)``,
     ``Predictive(parallel=True)``), the network runs once on the batched weights under
     ``torch.func.vmap`` and its output gets the sample dims in front
