@@ -201,3 +201,149 @@ def test_check_batch_binary_and_multilabel():
     models.check_batch(x, torch.tensor([[0.0, 1.0]] * 3), task="multilabel", num_classes=2)
     with pytest.raises(ValueError, match=r"3 label column\(s\) but the network has 2"):
         models.check_batch(x, torch.zeros(3, 3), task="multilabel", num_classes=2)
+
+
+class _TokenClassifier(nn.Module):
+    """A network taking a tokenized batch as keyword arguments and returning a dict."""
+
+    def __init__(self, vocab=10, classes=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 4)
+        self.head = nn.Linear(4, classes)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids) * attention_mask.unsqueeze(-1)
+        pooled = h.sum(-2) / attention_mask.sum(-1, keepdim=True)
+        return {"hidden": h, "logits": self.head(pooled)}
+
+
+class _PairNet(nn.Module):
+    """A network of two positional inputs returning a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, a, b):
+        out = self.fc(a + b)
+        return out, out.sum(-1)
+
+
+class _TokenLM(nn.Module):
+    def __init__(self, vocab=7):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 4)
+        self.head = nn.Linear(4, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        return {"logits": self.head(self.embed(input_ids))}
+
+
+def _tokens(rows=4, length=5, vocab=10):
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[0, 3:] = 0
+    return {"input_ids": torch.randint(0, vocab, (rows, length)), "attention_mask": mask}
+
+
+def test_classifier_takes_a_mapping_batch_and_reads_the_logits():
+    net = bayesianize(_TokenClassifier())
+    model = models.classifier(net, dataset_size=40)
+    batch, y = _tokens(), torch.tensor([0, 1, 2, 0])
+    tr = poutine.trace(model).get_trace(batch, y)
+    assert tr.nodes["y"]["scale"] == pytest.approx(10.0)
+    weights = {n: s["value"] for n, s in tr.nodes.items() if s["type"] == "sample"}
+    expected = poutine.condition(net, data=weights)(**batch)
+    assert torch.equal(tr.nodes["_RETURN"]["value"], expected["logits"])
+    with pytest.raises(ValueError, match=r"class labels must lie in \[0, 3\)"):
+        model(batch, torch.tensor([0, 1, 2, 3]))
+
+
+def test_output_selector_by_index_name_and_callable():
+    net = bayesianize(_PairNet())
+    a, b = torch.randn(5, 3), torch.randn(5, 3)
+    first = models.classifier(net, 10)((a, b))
+    assert first.shape == (5, 2)
+    summed = models.regressor(net, 10, noise_scale=1.0, output=1)((a, b), torch.randn(5))
+    assert summed.shape == (5,)
+    picked = models.classifier(net, 10, output=lambda out: out[0] * 2)((a, b))
+    assert picked.shape == (5, 2)
+    hidden = models.classifier(bayesianize(_TokenClassifier()), 10, output="hidden")
+    with pytest.raises(ValueError, match=r"shape \(4, C\)"):
+        hidden(_tokens())
+
+
+@pytest.mark.parametrize(
+    "batch, output, error, match",
+    [
+        (
+            {**_tokens(), "input_ids": torch.zeros(3, 5, dtype=torch.long)},
+            None,
+            ValueError,
+            "same number of rows",
+        ),
+        (
+            {**_tokens(), "labels": torch.zeros(4, dtype=torch.long)},
+            None,
+            ValueError,
+            r"batch.pop\('labels'\)",
+        ),
+        ({**_tokens(), "attention_mask": None}, None, TypeError, r"x\['attention_mask'\] must be"),
+        ({}, None, ValueError, "empty dict"),
+        ("text", None, TypeError, "mapping of tensors"),
+        (_tokens(), "pooled", TypeError, r"dict with keys \['hidden', 'logits'\]"),
+        (_tokens(), 1.5, TypeError, "output must be None"),
+    ],
+)
+def test_structured_batch_and_output_mismatches_are_refused(batch, output, error, match):
+    pyro.clear_param_store()
+    with pytest.raises(error, match=match):
+        model = models.classifier(bayesianize(_TokenClassifier()), 10, output=output)
+        model(batch, torch.tensor([0, 1, 2, 0]))
+    assert not list(pyro.get_param_store().keys())
+
+
+def test_non_finite_entry_of_a_structured_batch_is_refused():
+    model = models.classifier(bayesianize(_PairNet()), 10)
+    a = torch.randn(2, 3)
+    a[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"x\[0\] contains 1 non-finite"):
+        model((a, torch.randn(2, 3)))
+
+
+def _token_log_prob(logits, labels, scored):
+    lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (lp * scored).sum(-1)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_language_model_scores_next_tokens_under_the_mask_and_ignore_index(shift):
+    net = bayesianize(_TokenLM())
+    model = models.language_model(net, dataset_size=8, shift=shift)
+    batch = _tokens(vocab=7)
+    y = batch["input_ids"].clone()
+    y[1, 1] = -100
+    tr = poutine.trace(model).get_trace(batch, y)
+    tr.compute_log_prob()
+    site = tr.nodes["y"]
+    assert site["scale"] == pytest.approx(2.0)
+    logits = tr.nodes["_RETURN"]["value"]
+    assert logits.shape == (4, 5, 7)
+    scored = (batch["attention_mask"] == 1) & (y != -100)
+    if shift:
+        logits, y, scored = logits[:, :-1], y[:, 1:], scored[:, 1:]
+    torch.testing.assert_close(site["unscaled_log_prob"], _token_log_prob(logits, y, scored))
+
+
+def test_language_model_refuses_mismatched_labels_and_runs_vectorized():
+    model = models.language_model(bayesianize(_TokenLM()), dataset_size=8)
+    batch = _tokens(vocab=7)
+    with pytest.raises(ValueError, match=r"y has 4 positions but the network gives logits for 5"):
+        model(batch, batch["input_ids"][:, :4])
+    with pytest.raises(ValueError, match=r"token labels must lie in \[0, 7\) or be -100"):
+        model(batch, batch["input_ids"] + 7)
+    with pytest.raises(ValueError, match=r"integer token labels of shape \(B, T\)"):
+        model(batch, batch["input_ids"].float())
+    with pyro.plate("particles", 3, dim=-2):
+        tr = poutine.trace(model).get_trace(batch, batch["input_ids"])
+    tr.compute_log_prob()
+    assert tr.nodes["y"]["log_prob"].shape == (3, 4)

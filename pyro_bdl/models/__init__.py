@@ -10,6 +10,11 @@ through the data plate (:func:`data_plate`), checks each batch before the networ
 - :func:`multilabel_classifier`: K independent Bernoulli logits; 0/1 labels ``(B, K)``.
 - :func:`regressor`: ``Normal(f(x), σ)`` with σ fixed, learned or a point estimate; ``(B,)``.
 - :func:`heteroscedastic_regressor`: ``Normal(μ(x), σ(x))``, both from the network; ``(B,)``.
+- :func:`language_model`: a categorical per token (next-token or masked); token ids ``(B, T)``.
+
+Every one takes a batch ``x`` that is a tensor, a mapping of tensors (passed as keyword
+arguments: a tokenizer's output) or a tuple of tensors, and a network that returns a tensor, a
+``ModelOutput``, a dict or a tuple (``output=`` picks the tensor; :mod:`.structured`).
 
 Usage::
 
@@ -22,6 +27,7 @@ from pyro_bdl.models.factories import (
     binary_classifier,
     classifier,
     heteroscedastic_regressor,
+    language_model,
     multilabel_classifier,
     regressor,
 )
@@ -39,6 +45,7 @@ __all__ = [
     "classifier",
     "data_plate",
     "heteroscedastic_regressor",
+    "language_model",
     "mean_log_variance",
     "multilabel_classifier",
     "regressor",

@@ -10,7 +10,8 @@ output shape is not yet known, runs under :func:`rollback`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pyro
 import torch
@@ -19,9 +20,19 @@ from torch.nn.modules import activation
 
 from pyro_bdl._validation import check_finite
 
-__all__ = ["NetworkShape", "check_batch", "check_binary_labels", "label_range", "rollback"]
+__all__ = [
+    "IGNORE_INDEX",
+    "NetworkShape",
+    "batch_tensors",
+    "check_batch",
+    "check_binary_labels",
+    "label_range",
+    "rollback",
+]
 
-TASKS = ("classification", "binary", "multilabel", "regression")
+TASKS = ("classification", "binary", "multilabel", "regression", "tokens")
+#: The label of a token that the token-level likelihood skips (Hugging Face's convention).
+IGNORE_INDEX = -100
 
 # Layers that keep the shape of their input, so the width seen past them is the one before.
 _SHAPE_KEEPING: tuple[type, ...] = (nn.Identity, nn.modules.dropout._DropoutNd)
@@ -53,33 +64,77 @@ def check_binary_labels(y: torch.Tensor) -> None:
         )
 
 
-def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
+def batch_tensors(x: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a batch by the name errors give them (``x``, ``x['input_ids']``, ``x[0]``):
+    one tensor, a mapping of tensors or a tuple of tensors (:mod:`pyro_bdl.models.structured`);
+    refuses anything else, and a ``labels`` entry, which belongs in ``y``."""
+    if isinstance(x, torch.Tensor):
+        return {"x": x}
+    if isinstance(x, Mapping):
+        if "labels" in x:
+            raise ValueError(
+                "x has a 'labels' entry, which the network would receive as an argument; the "
+                "model takes the labels as y. Pass y = batch.pop('labels')."
+            )
+        items = {f"x[{k!r}]": v for k, v in x.items()}
+    elif isinstance(x, (tuple, list)):
+        items = {f"x[{i}]": v for i, v in enumerate(x)}
+    else:
+        raise TypeError(
+            f"x must be a torch.Tensor, a mapping of tensors (passed to the network as keyword "
+            f"arguments) or a tuple of tensors (positional arguments); got {type(x).__name__}."
+        )
+    if not items:
+        raise ValueError(f"x is an empty {type(x).__name__}; pass the network's inputs.")
+    for name, t in items.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor with the examples along dim 0; got "
+                f"{type(t).__name__}. Bind other arguments of the network with a wrapper module "
+                "or functools.partial."
+            )
+    return items
+
+
+def check_batch(x: Any, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
     """Refuse a malformed batch (type, empty, non-finite, shape, label dtype and range) with an
     error that says what to do.
 
+    :param x: a tensor, a mapping of tensors or a tuple of tensors, each with the examples along
+        dim 0.
     :param str task: ``"classification"`` (integer labels ``(B,)``), ``"binary"`` (labels 0/1
-        ``(B,)``), ``"multilabel"`` (labels 0/1 ``(B, K)``) or ``"regression"`` (floats).
-    :param int num_classes: C, the number of classes (``"classification"``) or of label columns
-        (``"multilabel"``), when known.
+        ``(B,)``), ``"multilabel"`` (labels 0/1 ``(B, K)``), ``"regression"`` (floats) or
+        ``"tokens"`` (integer token labels ``(B, T)``, :data:`IGNORE_INDEX` where skipped).
+    :param int num_classes: C, the number of classes (``"classification"``), of label columns
+        (``"multilabel"``) or the vocabulary size (``"tokens"``), when known.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
-    if x.dim() == 0 or x.shape[0] == 0:
-        raise ValueError(f"x must have at least one row; got shape {tuple(x.shape)}.")
-    check_finite("x", x)
+    tensors = batch_tensors(x)
+    for name, t in tensors.items():
+        if t.dim() == 0 or t.shape[0] == 0:
+            raise ValueError(f"{name} must have at least one row; got shape {tuple(t.shape)}.")
+        check_finite(name, t)
+    counts = {name: t.shape[0] for name, t in tensors.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"every tensor of the batch needs the same number of rows (examples); got {counts}. "
+            "Pass matching slices of the data."
+        )
+    rows = next(iter(counts.values()))
     if y is None:
         return
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"y must be a torch.Tensor or None; got {type(y).__name__}.")
-    if y.dim() == 0 or y.shape[0] != x.shape[0]:
+    if y.dim() == 0 or y.shape[0] != rows:
         raise ValueError(
-            f"x and y must have the same number of rows; got x {tuple(x.shape)} and y "
+            f"x and y must have the same number of rows; got {rows} rows of x and y "
             f"{tuple(y.shape)}. Pass matching slices of the data."
         )
-    if task == "classification":
+    if task == "tokens":
+        _check_token_labels(y, num_classes)
+    elif task == "classification":
         if y.dim() != 1:
             raise ValueError(
-                f"y must have shape ({x.shape[0]},) of class labels; got {tuple(y.shape)}. "
+                f"y must have shape ({rows},) of class labels; got {tuple(y.shape)}. "
                 "Use y.reshape(-1) (or y.argmax(-1) for one-hot labels)."
             )
         if y.is_floating_point() or y.dtype == torch.bool:
@@ -97,7 +152,7 @@ def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_class
     elif task in ("binary", "multilabel"):
         want = 1 if task == "binary" else 2
         if y.dim() != want:
-            shape = f"({x.shape[0]},)" if task == "binary" else f"({x.shape[0]}, K)"
+            shape = f"({rows},)" if task == "binary" else f"({rows}, K)"
             fix = (
                 "Use y.reshape(-1), or models.multilabel_classifier for several labels per row."
                 if task == "binary"
@@ -122,6 +177,30 @@ def check_batch(x: torch.Tensor, y: torch.Tensor | None, *, task: str, num_class
                 "Use y.float() (or a classifier for class labels)."
             )
         check_finite("y", y)
+
+
+def _check_token_labels(y: torch.Tensor, vocab: int | None) -> None:
+    if y.dim() != 2 or y.is_floating_point() or y.dtype == torch.bool:
+        raise ValueError(
+            f"y must hold integer token labels of shape (B, T) for a token-level likelihood; got "
+            f"{y.dtype} of shape {tuple(y.shape)}. Pass the token ids (y = batch['input_ids'], "
+            f"with {IGNORE_INDEX} where a token is not scored)."
+        )
+    check_token_range(y, vocab)
+
+
+def check_token_range(y: torch.Tensor, vocab: int | None) -> None:
+    """Refuse token labels outside [0, vocab) other than :data:`IGNORE_INDEX`."""
+    scored = y[y != IGNORE_INDEX]
+    if not scored.numel():
+        return
+    lo, hi = label_range(scored)
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        raise ValueError(
+            f"token labels must lie in [0, {vocab if vocab is not None else 'V'}) or be "
+            f"{IGNORE_INDEX} (skipped); got min {lo}, max {hi}. Check the tokenizer against the "
+            "network's vocabulary."
+        )
 
 
 def _leaves(net: nn.Module) -> list[nn.Module]:

@@ -21,32 +21,70 @@ from torch import nn
 from torch.distributions import Distribution
 
 from pyro_bdl.models.network import NetworkModel
+from pyro_bdl.models.structured import Output
 
 __all__ = [
     "binary_classifier",
     "classifier",
     "heteroscedastic_regressor",
+    "language_model",
     "multilabel_classifier",
     "regressor",
 ]
 
+# Every factory takes output=: which tensor of the network's output the likelihood reads, for a
+# network returning a ModelOutput, dict or tuple (pyro_bdl.models.structured).
 
-def classifier(net: nn.Module, dataset_size: int) -> NetworkModel:
+
+def classifier(net: nn.Module, dataset_size: int, *, output: Output = None) -> NetworkModel:
     """A categorical-likelihood model ``model(x, y=None) -> logits`` over ``net``'s outputs
-    ``(B, C)``; labels are integer classes ``(B,)``."""
-    return NetworkModel(net, likelihood="categorical", dataset_size=dataset_size)
+    ``(B, C)``; labels are integer classes ``(B,)``.
+
+    Sequence classification with a Hugging Face model is this model over a tokenized batch::
+
+        model = bdl.models.classifier(bnn, N)   # reads .logits of the ModelOutput
+        svi.step(tokenizer(texts, padding=True, return_tensors="pt"), labels)
+    """
+    return NetworkModel(net, likelihood="categorical", dataset_size=dataset_size, output=output)
 
 
-def binary_classifier(net: nn.Module, dataset_size: int) -> NetworkModel:
+def binary_classifier(net: nn.Module, dataset_size: int, *, output: Output = None) -> NetworkModel:
     """A Bernoulli-likelihood model ``model(x, y=None) -> logits`` over one logit per example
     (``net`` outputs ``(B,)`` or ``(B, 1)``); labels ``(B,)`` are 0 or 1, of any dtype."""
-    return NetworkModel(net, likelihood="bernoulli", dataset_size=dataset_size)
+    return NetworkModel(net, likelihood="bernoulli", dataset_size=dataset_size, output=output)
 
 
-def multilabel_classifier(net: nn.Module, dataset_size: int) -> NetworkModel:
+def multilabel_classifier(
+    net: nn.Module, dataset_size: int, *, output: Output = None
+) -> NetworkModel:
     """K independent Bernoulli labels per example: ``model(x, y=None) -> logits`` with ``net``
     outputting ``(B, K)`` and labels ``(B, K)`` of 0 or 1."""
-    return NetworkModel(net, likelihood="bernoulli", dataset_size=dataset_size, multilabel=True)
+    return NetworkModel(
+        net, likelihood="bernoulli", dataset_size=dataset_size, multilabel=True, output=output
+    )
+
+
+def language_model(
+    net: nn.Module, dataset_size: int, *, output: Output = None, shift: bool = True
+) -> NetworkModel:
+    """A token-level categorical likelihood ``model(x, y=None) -> logits`` over ``net``'s
+    outputs ``(B, T, V)``: one term of the data plate per sequence (N counts sequences), the
+    sum of the log-probabilities of its scored tokens.
+
+    A token is scored unless its label is ``-100`` or the batch's ``attention_mask`` is 0 there.
+    With ``shift=True`` (next-token prediction, as Hugging Face's causal language models
+    compute their loss) the logits at position t predict the label at t+1, and the labels are
+    the input ids; ``shift=False`` scores each position's own label (masked language modelling,
+    labels ``-100`` except at the masked positions).
+
+    Usage::
+
+        model = bdl.models.language_model(bnn, N)
+        svi.step(batch, batch["input_ids"])    # batch: input_ids, attention_mask
+    """
+    return NetworkModel(
+        net, likelihood="tokens", dataset_size=dataset_size, output=output, shift=shift
+    )
 
 
 def regressor(
@@ -56,6 +94,7 @@ def regressor(
     *,
     noise: str = "fixed",
     noise_prior: Distribution | None = None,
+    output: Output = None,
 ) -> NetworkModel:
     r"""A Gaussian-likelihood model ``model(x, y=None) -> mean``, :math:`y \sim N(f(x), σ^2)`.
 
@@ -82,6 +121,7 @@ def regressor(
         noise_scale=noise_scale,
         noise=noise,
         noise_prior=noise_prior,
+        output=output,
     )
 
 
@@ -90,6 +130,7 @@ def heteroscedastic_regressor(
     dataset_size: int,
     *,
     split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    output: Output = None,
 ) -> NetworkModel:
     r"""A Gaussian likelihood whose noise depends on the input: :math:`y \sim N(\mu(x),
     \exp s(x))` with the mean :math:`\mu` and the log-variance :math:`s` both from ``net``.
@@ -101,5 +142,10 @@ def heteroscedastic_regressor(
         the mean in column 0 and the log-variance in column 1).
     """
     return NetworkModel(
-        net, likelihood="gaussian", dataset_size=dataset_size, noise="heteroscedastic", split=split
+        net,
+        likelihood="gaussian",
+        dataset_size=dataset_size,
+        noise="heteroscedastic",
+        split=split,
+        output=output,
     )

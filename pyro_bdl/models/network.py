@@ -3,7 +3,7 @@ data plate and its likelihoods."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pyro
 import pyro.distributions as dist
@@ -12,8 +12,17 @@ from torch import nn
 from torch.distributions import Distribution as TorchDistribution
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
-from pyro_bdl.models.checks import NetworkShape, check_batch, label_range, rollback
+from pyro_bdl.models.checks import (
+    IGNORE_INDEX,
+    NetworkShape,
+    batch_tensors,
+    check_batch,
+    check_token_range,
+    label_range,
+    rollback,
+)
 from pyro_bdl.models.noise import NOISES, NoiseSite, check_noise_prior, default_noise_prior
+from pyro_bdl.models.structured import Batch, Output, call_network, check_output, select_output
 from pyro_bdl.nn.vectorize import under_plate
 
 __all__ = ["DATA_PLATE", "NetworkModel", "data_plate", "mean_log_variance"]
@@ -73,13 +82,18 @@ class NetworkModel:
 
     Calling it runs ``model(x, y=None) -> network output``: the checks of
     :mod:`~pyro_bdl.models.checks`, the network's forward pass and one observation site ``"y"``
-    inside :func:`data_plate` (plus the site ``"sigma"`` of a learned noise). Laplace (its GGN
+    inside :func:`data_plate` (plus the site ``"sigma"`` of a learned noise). ``x`` may be a
+    tensor, a mapping of tensors passed as keyword arguments or a tuple of tensors passed as
+    positional arguments, and the network may return a ``ModelOutput``, a dict or a tuple, of
+    which the likelihood reads the tensor that ``output`` selects
+    (:mod:`~pyro_bdl.models.structured`); the model returns that tensor. Laplace (its GGN
     and predictive), VOGN, data-parallel training and checkpoints read :attr:`net`,
     :attr:`likelihood`, :attr:`dataset_size`, :attr:`noise` and :attr:`noise_scale` from here;
     a hand-written model has none of them, and those methods then ask for what they need.
 
     :ivar net: the (lifted) network.
-    :ivar str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
+    :ivar str likelihood: ``"categorical"``, ``"bernoulli"``, ``"gaussian"`` or ``"tokens"``
+        (a categorical per token of a sequence, :meth:`_tokens`).
     :ivar int dataset_size: N, for the data plate's N/B scaling.
     :ivar str noise: the Gaussian noise model (``None`` otherwise): ``"fixed"``, ``"learned"``
         (a latent site ``"sigma"``), ``"point"`` (a ``pyro.param("sigma")``) or
@@ -89,11 +103,15 @@ class NetworkModel:
         rather than one (labels ``(B,)``).
     :ivar split: ``out -> (mean, log-variance)`` of a heteroscedastic regressor.
     :ivar NetworkShape shape: the input dtype/width and output width read from the layers.
+    :ivar output: which tensor of the network's output the likelihood reads (``None``: the
+        tensor itself, ``.logits``/``"logits"`` or the first element of a tuple).
+    :ivar bool shift: for ``"tokens"``, score the logits at position t against the label at t+1
+        (next-token prediction, labels = the input ids) rather than at t (masked tokens).
     :ivar bool check_inputs: check x's dtype and width against the first layer (default); set it
         to ``False`` for a network that converts its inputs itself.
     """
 
-    LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
+    LIKELIHOODS = ("categorical", "bernoulli", "gaussian", "tokens")
 
     def __init__(
         self,
@@ -106,6 +124,8 @@ class NetworkModel:
         noise_prior: TorchDistribution | None = None,
         multilabel: bool = False,
         split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        output: Output = None,
+        shift: bool = True,
     ):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module; got {type(net).__name__}.")
@@ -160,6 +180,8 @@ class NetworkModel:
         self.noise_prior = noise_prior
         self.multilabel = bool(multilabel)
         self.split = split
+        self.output = check_output(output)
+        self.shift = bool(shift)
         self.check_inputs = True
         self._fixed = float(noise_scale) if noise == "fixed" else None  # type: ignore[arg-type]
         self._sigma = (
@@ -171,6 +193,7 @@ class NetworkModel:
             "categorical": "classification",
             "bernoulli": "multilabel" if multilabel else "binary",
             "gaussian": "regression",
+            "tokens": "tokens",
         }[likelihood]
         # The output width: read from the last layer, else learnt on the first call (which runs
         # under rollback, since its outputs are checked only after the forward pass).
@@ -188,6 +211,11 @@ class NetworkModel:
                 f"a heteroscedastic regressor needs 2 outputs per example (mean, log-variance); "
                 f"the network's last layer gives {k}. Give the last layer 2 outputs, or pass "
                 "split=lambda out: (mean, log_var)."
+            )
+        if likelihood == "tokens" and k is not None and k < 2:
+            raise ValueError(
+                f"a token-level likelihood needs one logit per vocabulary entry; the network's "
+                f"last layer gives {k}."
             )
         if likelihood == "bernoulli" and not multilabel and k != 1:
             raise ValueError(
@@ -207,38 +235,86 @@ class NetworkModel:
             return self._sigma.current()
         return None
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        width = self._width if self._task in ("classification", "multilabel") else None
+    def __call__(self, x: Batch, y: torch.Tensor | None = None) -> torch.Tensor:
+        width = self._width if self._task in ("classification", "multilabel", "tokens") else None
         check_batch(x, y, task=self._task, num_classes=width)
-        if y is not None and x.shape[0] > self.dataset_size:
+        first = next(iter(batch_tensors(x).values()))
+        rows, device = first.shape[0], first.device
+        if y is not None and rows > self.dataset_size:
             raise ValueError(
-                f"the batch has {x.shape[0]} rows but dataset_size is {self.dataset_size}: the "
+                f"the batch has {rows} rows but dataset_size is {self.dataset_size}: the "
                 "likelihood is scaled by N/B, which needs B <= N. Pass dataset_size = the number "
                 "of training examples, or smaller batches (y=None predicts on any number of rows)."
             )
-        if self.check_inputs:
+        if self.check_inputs and isinstance(x, torch.Tensor):
             self.shape.check_inputs(x)
         if not self._first:
-            return self._run(x, y)
-        with rollback(self.net, x.device):
-            out = self._run(x, y)
+            return self._run(x, y, rows, device)
+        with rollback(self.net, device):
+            out = self._run(x, y, rows, device)
         self._first = False
         return out
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        out = self.net(x)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"the network must return a tensor; got {type(out).__name__}.")
-        rows = x.shape[0]
+    def network_output(self, x: Batch) -> torch.Tensor:
+        """The tensor the likelihood reads: the network called on the batch ``x`` (a tensor,
+        mapping or tuple), its output reduced by :attr:`output` (no checks, no sites of its
+        own; a method that replays the network alone calls this)."""
+        return select_output(call_network(self.net, x), self.output)
+
+    def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
+        out = self.network_output(x)
         if self.likelihood == "categorical":
             fn, value = self._categorical(out, y, rows)
+        elif self.likelihood == "tokens":
+            fn, value = self._tokens(out, y, rows, x)
         elif self.likelihood == "bernoulli":
             fn, value, out = self._bernoulli(out, y, rows)
         else:
             fn, value, out = self._gaussian(out, y, rows)
-        with data_plate(self.dataset_size, rows, x.device):
+        with data_plate(self.dataset_size, rows, device):
             pyro.sample("y", fn, obs=value)
         return out
+
+    def _tokens(self, logits, y, rows, x):
+        """A categorical per scored token, summed over the sequence: one term of the data plate
+        per sequence. A token is scored where its label is not :data:`IGNORE_INDEX` and the
+        batch's ``attention_mask`` (if any) is 1; with :attr:`shift`, logits at t predict the
+        label at t+1."""
+        if not _rows_at(logits, rows, core=3):
+            raise ValueError(
+                f"a token-level likelihood needs network outputs of shape ({rows}, T, V), one "
+                f"logit per vocabulary entry at every position; got {tuple(logits.shape)}. Pass "
+                "output= selecting the language-model logits."
+            )
+        length = logits.shape[-2]
+        if y is not None and y.shape[1] != length:
+            raise ValueError(
+                f"y has {y.shape[1]} positions but the network gives logits for {length}; pass "
+                f"labels of shape ({rows}, {length}) (y = batch['input_ids'] for next-token "
+                "prediction)."
+            )
+        mask = x.get("attention_mask") if isinstance(x, Mapping) else None
+        if mask is not None and tuple(mask.shape) != (rows, length):
+            raise ValueError(
+                f"x['attention_mask'] has shape {tuple(mask.shape)}; expected ({rows}, {length}), "
+                "one entry per position of the logits."
+            )
+        if y is not None and self._width is None:
+            check_token_range(y, logits.shape[-1])
+        self._width = logits.shape[-1]
+        if self.shift:
+            logits = logits[..., :-1, :]
+            y = None if y is None else y[:, 1:]
+            mask = None if mask is None else mask[:, 1:]
+        scored = torch.ones(logits.shape[-3:-1], dtype=torch.bool, device=logits.device)
+        if mask is not None:
+            scored = scored & mask.bool()
+        value = None
+        if y is not None:
+            scored = scored & (y != IGNORE_INDEX)
+            value = y.masked_fill(~scored, 0)
+        fn = _LogSoftmaxCategorical(logits).mask(scored).to_event(1)
+        return fn, value
 
     def _categorical(self, logits, y, rows):
         if not _rows_at(logits, rows, core=2):

@@ -12,21 +12,21 @@ from typing import Any
 
 import torch
 from pyro.nn import PyroModule, PyroSample
-from pyro.nn.module import to_pyro_module_
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pyro_bdl.nn import tied
+from pyro_bdl.nn.convert import convert_, pyro_classes, set_weight
 from pyro_bdl.nn.lift_rules import (
     DEFAULT_HIDE,
     Rule,
     check_prior_value,
     check_rules,
+    check_unmatched,
     exposed,
     same_prior,
-    warn_unmatched_globs,
 )
-from pyro_bdl.nn.spec import _INIT_PREFIX, PriorFn, SiteSpec, Use, init_to_network, site_spec
+from pyro_bdl.nn.spec import INIT_PREFIX, PriorFn, SiteSpec, Use, init_to_network, site_spec
 from pyro_bdl.nn.vectorize import install_batched_forward
 from pyro_bdl.priors import Normal, Prior
 
@@ -161,11 +161,11 @@ def _lift(module, prior, param, uses, inits, registry) -> None:
         sub._parameters.pop(attr, None)
         sub._buffers.pop(attr, None)
         if sub is owner and attr == pname:
-            sub.register_buffer(_INIT_PREFIX + attr, inits[name], persistent=False)
+            sub.register_buffer(INIT_PREFIX + attr, inits[name], persistent=False)
         else:
             tied.install_alias(sub, attr, spec, full)
-            spec._alias_uses.append((full, sub, attr))
-        setattr(sub, attr, PyroSample(spec))
+            spec.alias_uses.append((full, sub, attr))
+        set_weight(sub, attr, PyroSample(spec))
     module.__dict__.get(_FROZEN_ATTR, {}).pop(name, None)
     registry[name] = spec
     if isinstance(param, nn.Parameter):
@@ -185,13 +185,13 @@ def _unlift(module, spec: SiteSpec, registry: dict) -> None:
     """Make a lifted site an ordinary parameter again, at its current initial location."""
     value = spec.init_value.detach().clone()
     param = nn.Parameter(value, requires_grad=spec.trainable)
-    uses: list[Use] = [(spec.name, spec.module, spec.param_name), *spec._alias_uses]
+    uses: list[Use] = [(spec.name, spec.module, spec.param_name), *spec.alias_uses]
     for _, sub, attr in uses:
         delattr(sub, attr)
         tied.remove_alias(sub, attr)
-    delattr(spec.module, _INIT_PREFIX + spec.param_name)
+    delattr(spec.module, INIT_PREFIX + spec.param_name)
     for _, sub, attr in uses:
-        setattr(sub, attr, param)
+        set_weight(sub, attr, param)
     registry.pop(spec.name, None)
     if not spec.trainable:
         _freeze(module, param, uses)
@@ -237,6 +237,15 @@ def bayesianize(
     :class:`~pyro.nn.PyroSample`/:class:`~pyro.nn.PyroParam` attributes the user declared are
     left as they are.
 
+    **Any layer** lifts: recurrent layers, attention, embeddings, Hugging Face models and PEFT
+    adapters (layer classes with their own metaclass included; :mod:`pyro_bdl.nn.convert`).
+    A layer that cannot be lifted (TorchScript, gradient checkpointing on) raises
+    :class:`~pyro_bdl.nn.LayerNotLiftable` naming it and the way out; every check runs before
+    the network changes, so a refused call leaves it as it was. To make only a PEFT model's
+    LoRA matrices random, pass ``expose=bdl.nn.lora`` (or ``bdl.nn.lora_and_head``): an
+    :class:`~pyro_bdl.nn.ExposeOnly` rule, which hides every parameter no ``expose`` rule
+    matches. docs/methods/layers.md says which method supports which layer.
+
     When the weights carry leading sample dims (``Trace_ELBO(vectorize_particles=True)``,
     ``Predictive(parallel=True)``), the network runs once on the batched weights under
     ``torch.func.vmap`` and its output gets the sample dims in front
@@ -275,7 +284,9 @@ def bayesianize(
     existing = _existing_sites(module)
     names = [u[0] for _, uses in groups for u in uses]
     names += [n for name, spec, _ in existing for n in (name, *spec.aliases)]
-    warn_unmatched_globs(rules, names)
+    uses = [(*u, p) for p, us in groups for u in us]
+    uses += [(n, spec.module, spec.param_name, spec.init_value) for n, spec, _ in existing]
+    check_unmatched(rules, names, uses)
     lift, freeze = _decide(rules, groups)
     reprior = [n for n, spec, _ in existing if not same_prior(spec.prior, prior)]
     dropped = [
@@ -294,20 +305,20 @@ def bayesianize(
             check_prior_value(name, prior(spec.module, spec.param_name, like), like)
     for param, (name, sub, pname) in ((p, uses[0]) for p, uses in lift):
         check_prior_value(name, prior(sub, pname, param.detach()), param)
+    pyro_classes(module)  # refuses a layer that cannot become a PyroModule
     # Last: an initial location drawn from the prior moves the RNG.
     inits = {}
     for param, (name, sub, pname) in ((p, uses[0]) for p, uses in lift):
         inits[name] = _init_location(prior, name, sub, pname, param)
 
-    to_pyro_module_(module)
+    convert_(module)
     tied.install_first_path_naming(module)
     registry: dict[str, SiteSpec] = dict(module.__dict__.get(_SITES_ATTR, {}))
     for _, spec, holder in dropped:
         _unlift(module, spec, registry if holder is module.__dict__.get(_SITES_ATTR) else holder)
     for name, spec in kept:
         if name in reprior:
-            spec.prior = prior
-            spec._cache.clear()
+            spec.set_prior(prior)
     for param, uses in freeze:
         _freeze(module, param, uses)
     for param, uses in lift:

@@ -14,7 +14,17 @@ from torch import nn
 
 from pyro_bdl.priors import Prior
 
-__all__ = ["DEFAULT_HIDE", "Rule", "check_prior_value", "check_rules", "exposed", "same_prior"]
+__all__ = [
+    "DEFAULT_HIDE",
+    "ExposeOnly",
+    "Rule",
+    "check_prior_value",
+    "check_rules",
+    "exposed",
+    "lora",
+    "lora_and_head",
+    "same_prior",
+]
 
 Predicate = Callable[[nn.Module, str, torch.Tensor], bool]
 Rule = type | str | Predicate
@@ -22,6 +32,54 @@ Rule = type | str | Predicate
 #: Normalisation layers stay deterministic unless exposed: their parameters are few and the
 #: posterior over them is poorly identified. ``_NormBase`` covers BatchNorm and InstanceNorm.
 DEFAULT_HIDE: tuple[Rule, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+
+class ExposeOnly:
+    """An ``expose`` rule that also hides every parameter that no ``expose`` rule matches, so
+    that ``expose=[rule]`` reads "only these are random" (the rest, frozen or trainable, stays a
+    point estimate). Further ``expose`` rules add to it: ``expose=[bdl.nn.lora, "classifier.*"]``.
+
+    :param str name: how errors and ``repr`` name the rule.
+    :param predicate: ``(module, name, param) -> bool`` on the dotted parameter name.
+    :param str missing: what to tell a user whose network has no matching parameter.
+    """
+
+    def __init__(self, name: str, predicate: Predicate, missing: str):
+        self.name, self.predicate, self.missing = name, predicate, missing
+
+    def __call__(self, module: nn.Module, name: str, param: torch.Tensor) -> bool:
+        return bool(self.predicate(module, name, param))
+
+    def __repr__(self) -> str:
+        return f"pyro_bdl.nn.{self.name}"
+
+
+def _is_lora(module: nn.Module, name: str, param: torch.Tensor) -> bool:
+    # PEFT names every LoRA tensor under a lora_* container (lora_A, lora_B, lora_embedding_A,
+    # lora_magnitude_vector), whatever the adapter's name; the base layer's weights are not.
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
+def _is_head(module: nn.Module, name: str, param: torch.Tensor) -> bool:
+    # PEFT trains a copy of the task head under modules_to_save (the original stays frozen).
+    return "modules_to_save" in name.split(".")
+
+
+_NO_LORA = (
+    "the network has no LoRA parameter (no name with a lora_* part); add the adapters first "
+    "(peft.get_peft_model(model, peft.LoraConfig(...))), or pass the parameters to make random "
+    "as expose= globs."
+)
+
+#: Only the LoRA matrices are random; the base network (and the task head) stay fixed point
+#: estimates: ``bayesianize(peft_model, expose=bdl.nn.lora)``.
+lora = ExposeOnly("lora", _is_lora, _NO_LORA)
+
+#: The LoRA matrices and the task head that PEFT trains (``modules_to_save``) are random; the
+#: base network stays a fixed point estimate.
+lora_and_head = ExposeOnly(
+    "lora_and_head", lambda m, n, p: _is_lora(m, n, p) or _is_head(m, n, p), _NO_LORA
+)
 
 
 def _rule_matches(rule: Rule, module: nn.Module, name: str, param: torch.Tensor) -> bool:
@@ -38,6 +96,11 @@ def check_rules(argument: str, rules: Iterable[Rule]) -> tuple[Rule, ...]:
         rules = (rules,)  # type: ignore[assignment]
     rules = tuple(rules)
     for rule in rules:
+        if isinstance(rule, ExposeOnly) and argument != "expose":
+            raise TypeError(
+                f"{rule!r} selects the parameters to make random: pass it as expose={rule!r}, "
+                f"not as {argument}=."
+            )
         if isinstance(rule, type):
             if not issubclass(rule, nn.Module):
                 raise TypeError(
@@ -61,16 +124,24 @@ def exposed(
     trainable: bool,
 ) -> bool:
     """The verdict for one parameter: the last matching rule wins; with no match a trainable
-    parameter is exposed and a frozen one (``requires_grad=False``) stays hidden."""
-    verdict = trainable
+    parameter is exposed and a frozen one (``requires_grad=False``) stays hidden, unless an
+    :class:`ExposeOnly` rule is given: then it stays hidden."""
+    verdict = trainable and not any(isinstance(rule, ExposeOnly) for _, rule in rules)
     for expose, rule in rules:
         if _rule_matches(rule, module, name, param):
             verdict = expose
     return verdict
 
 
-def warn_unmatched_globs(rules: Sequence[tuple[bool, Rule]], names: Sequence[str]) -> None:
-    """Warn about every name glob that matches no parameter name (most likely a typo)."""
+def check_unmatched(
+    rules: Sequence[tuple[bool, Rule]], names: Sequence[str], uses: Sequence[tuple]
+) -> None:
+    """Refuse an :class:`ExposeOnly` rule that matches no parameter (``uses``: ``(name, layer,
+    attribute, tensor)``) and warn about every name glob that matches no parameter name (most
+    likely a typo)."""
+    for _, rule in rules:
+        if isinstance(rule, ExposeOnly) and not any(rule(m, n, t) for n, m, _, t in uses):
+            raise ValueError(f"expose={rule!r}: {rule.missing}")
     for expose, rule in rules:
         if isinstance(rule, str) and not any(fnmatch.fnmatchcase(n, rule) for n in names):
             argument = "expose" if expose else "hide"

@@ -18,9 +18,10 @@ from torch import nn
 
 from pyro_bdl.nn import tied
 
-__all__ = ["SiteSpec", "init_to_network", "site_spec"]
+__all__ = ["INIT_PREFIX", "PriorFn", "SiteSpec", "Use", "init_to_network", "site_spec"]
 
-_INIT_PREFIX = "_bdl_init_"
+#: The prefix of the buffer holding a lifted weight's initial location on its layer.
+INIT_PREFIX = "_bdl_init_"
 
 PriorFn = Callable[[nn.Module, str, torch.Tensor], dist.Distribution]
 Use = tuple[str, nn.Module, str]  # (dotted name, layer, attribute name)
@@ -38,6 +39,8 @@ class SiteSpec:
         reachable under several paths); every one of them reads this one site.
     :ivar bool trainable: the parameter's ``requires_grad`` before lifting (``False``: a frozen
         parameter exposed explicitly).
+    :ivar list alias_uses: ``(dotted name, layer, attribute)`` of every layer other than
+        :attr:`module` that reads this site.
     """
 
     name: str
@@ -46,24 +49,29 @@ class SiteSpec:
     prior: PriorFn
     aliases: tuple[str, ...] = ()
     trainable: bool = True
-    _alias_uses: list[Use] = field(default_factory=list, repr=False)
+    alias_uses: list[Use] = field(default_factory=list, repr=False)
     _cache: dict[Any, dist.Distribution] = field(default_factory=dict, repr=False)
 
     @property
     def init_value(self) -> torch.Tensor:
         """The initial posterior location (a buffer that follows ``module.to(...)``)."""
-        return getattr(self.module, _INIT_PREFIX + self.param_name)
+        return getattr(self.module, INIT_PREFIX + self.param_name)
 
     @property
     def alias_layers(self) -> tuple[tuple[nn.Module, str], ...]:
         """``(layer, attribute)`` of every layer other than :attr:`module` that reads this site
         (tied weights; empty when one layer instance holds it, even one reachable under several
         paths). A method that writes a weight value or hooks layers must serve these too."""
-        return tuple((sub, attr) for _, sub, attr in self._alias_uses)
+        return tuple((sub, attr) for _, sub, attr in self.alias_uses)
 
     @property
     def shape(self) -> torch.Size:
         return self.init_value.shape
+
+    def set_prior(self, prior: PriorFn) -> None:
+        """Replace the prior (the distribution is built afresh on the next read)."""
+        self.prior = prior
+        self._cache.clear()
 
     def __call__(self, module: nn.Module) -> dist.Distribution:
         """The prior distribution, built once per device and dtype (``PyroSample`` calls this,

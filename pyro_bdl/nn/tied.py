@@ -25,15 +25,28 @@ See docs/design/lifting.md.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pyro.nn import PyroModule
 from torch import nn
 
-if TYPE_CHECKING:
-    from pyro_bdl.nn.spec import SiteSpec
+__all__ = [
+    "TiedSite",
+    "TiedWeightsError",
+    "check_alias_read",
+    "install_alias",
+    "name_by_first_path",
+]
 
-__all__ = ["TiedWeightsError", "check_alias_read", "install_alias", "name_by_first_path"]
+
+class TiedSite(Protocol):
+    """What this module reads of a lifted site (:class:`~pyro_bdl.nn.SiteSpec` has it); a
+    protocol, so that the site's own module can import this one and not the other way round."""
+
+    name: str
+    module: nn.Module
+    param_name: str
+
 
 _ALIASES_ATTR = "_bdl_aliases"
 
@@ -56,7 +69,7 @@ def aliased_fullname(module: PyroModule, name: str) -> str:
     return type(module)._pyro_get_fullname(module, name)
 
 
-def install_alias(module: nn.Module, param_name: str, spec: SiteSpec, alias: str) -> None:
+def install_alias(module: nn.Module, param_name: str, spec: TiedSite, alias: str) -> None:
     """Record that ``module.<param_name>`` (dotted name ``alias``) is ``spec``'s site."""
     aliases = module.__dict__.get(_ALIASES_ATTR)
     if aliases is None:
@@ -75,7 +88,7 @@ def remove_alias(module: nn.Module, param_name: str) -> None:
         module.__dict__.pop("_pyro_get_fullname", None)
 
 
-def check_alias_read(spec: SiteSpec, module: nn.Module) -> None:
+def check_alias_read(spec: TiedSite, module: nn.Module) -> None:
     """Refuse an alias layer's read while a value sits on the owner's instance dict only (the
     owner reads that value, the alias would draw a new one from the prior)."""
     if module is spec.module or spec.param_name not in spec.module.__dict__:

@@ -21,6 +21,8 @@ Conventions:
   which K batched forwards cannot update at once (a clear error says so).
 - Every lifted site is drawn before the forward, including those of layers the forward does not
   use.
+- A network with a lifted recurrent layer (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) runs its forward
+  once per sample in a loop instead: PyTorch's fused recurrent kernels have no ``vmap`` rule.
 
 See docs/design/lifting.md.
 """
@@ -85,6 +87,10 @@ def _check_batchnorm_eval(module: nn.Module) -> None:
             )
 
 
+def _stack(first: Any, *rest: Any) -> Any:
+    return torch.stack((first, *rest)) if isinstance(first, torch.Tensor) else first
+
+
 def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The lifted module's forward: the class's own forward, vectorized over sample dims of the
     weights when there are any (see this module's docstring)."""
@@ -140,7 +146,16 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 cache[key] = weight
             return forward(*args, **kwargs)
 
-        out = torch.func.vmap(one, in_dims=(tuple(in_dims),), randomness="different")(tuple(flat))
+        if any(isinstance(spec.module, nn.RNNBase) for spec in specs):
+            outs = [
+                one(tuple(w if d is None else w[i] for w, d in zip(flat, in_dims)))
+                for i in range(num)
+            ]
+            out = tree_map(_stack, outs[0], *outs[1:])
+        else:
+            out = torch.func.vmap(one, in_dims=(tuple(in_dims),), randomness="different")(
+                tuple(flat)
+            )
     finally:
         cache.update(saved)
     return tree_map(
