@@ -16,7 +16,7 @@ from torch import nn
 
 import pyro_bdl as bdl
 from pyro_bdl.guides import AutoSubnetLaplace, AutoSWAG
-from pyro_bdl.guides.laplace_posterior import MATERIAL_JITTER, RoundOffWarning
+from pyro_bdl.guides.laplace.posterior import MATERIAL_JITTER, RoundOffWarning
 from tests.faults.common import assert_same, rng_states
 
 F32, F64 = torch.float32, torch.float64

@@ -9,8 +9,7 @@ from torch import nn
 
 import pyro_bdl as bdl
 from pyro_bdl.guides import AutoLaplace, AutoSubnetLaplace, NotFittedError
-from pyro_bdl.guides.laplace_kron import check_blockwise
-from pyro_bdl.guides.laplace_structures import StructuredNormal
+from pyro_bdl.guides.laplace.posterior import StructuredNormal, check_blockwise
 from tests.common import assert_close
 
 F64 = torch.float64

@@ -11,10 +11,12 @@ with λ_S the prior precision of each included weight (laplace-torch's meaning; 
 MAP value. λ is read from the prior declared in :func:`~pyro_bdl.bayesianize` (one precision
 per weight) unless ``prior_precision=`` gives one.
 The guide orchestrates: the :class:`~pyro_bdl.layout.SiteLayout` says where each weight sits,
-:mod:`~pyro_bdl.guides.subnetwork` chooses S, :mod:`~pyro_bdl.guides.laplace_model` reads the
-model, :mod:`pyro_bdl.curvature` computes :math:`J_S` (never over all D weights) and its GGN
-within the budgets of :mod:`~pyro_bdl.curvature.memory`, and
-:mod:`~pyro_bdl.guides.laplace_posterior` turns the GGN into the posterior and predictive.
+:mod:`~pyro_bdl.guides.laplace.subnetwork` chooses S, the passes of
+:mod:`~pyro_bdl.guides.laplace.model` read the model and compute the curvature with
+:mod:`pyro_bdl.curvature` (:math:`J_S`, never over all D weights, within the budgets of
+:mod:`~pyro_bdl.curvature.memory`), :mod:`~pyro_bdl.guides.laplace.posterior` turns it into the
+posterior and the predictive, and :mod:`~pyro_bdl.guides.laplace.evidence` gives the marginal
+likelihood and the search over λ and σ.
 
 After ``fit`` the guide samples :math:`\theta = \theta^* + \mathrm{scatter}_S(L z)` so
 ``Predictive`` works, and :meth:`~AutoSubnetLaplace.predict` gives the linearized predictive.
@@ -27,6 +29,7 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pyro.distributions as dist
@@ -37,29 +40,48 @@ from torch import nn
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.curvature.memory import check_memory
 from pyro_bdl.guides.access import SiteAccess
-from pyro_bdl.guides.laplace_fit import check_reduce_fn, fit_diag, fit_full, fit_kron
-from pyro_bdl.guides.laplace_kron import KronPosterior, check_blockwise
-from pyro_bdl.guides.laplace_model import (
+from pyro_bdl.guides.laplace.evidence import (
+    PRIOR_STRUCTURES,
+    SEARCHES,
+    default_grid,
+    eigenbasis,
+    evidence,
+    layer_groups,
+    marglik_score,
+    optimize_marglik,
+    structure_val_ll_score,
+    tune_grid,
+    val_ll_score,
+)
+from pyro_bdl.guides.laplace.model import (
     Observation,
+    check_reduce_fn,
     check_supported,
     declared_precision,
     eval_mode,
-    forward_fn,
+    fit_diag,
+    fit_full,
+    fit_kron,
     head,
     iter_batches,
+    jacobians,
     leaf_slots,
     observe,
 )
-from pyro_bdl.guides.laplace_posterior import (
+from pyro_bdl.guides.laplace.posterior import (
+    LINKS,
+    DiagPosterior,
+    FullPosterior,
+    KronPosterior,
+    StructuredNormal,
     SubnetNormal,
     accumulation_dtype,
+    check_blockwise,
     posterior_factor,
+    predictive,
 )
-from pyro_bdl.guides.laplace_structures import DiagPosterior, FullPosterior, StructuredNormal
-from pyro_bdl.guides.laplace_tune import LaplaceTuning
-from pyro_bdl.guides.laplace_use import LaplacePredicting
-from pyro_bdl.guides.state_checks import SubnetLaplaceState
-from pyro_bdl.guides.subnetwork import parse_subnetwork
+from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
+from pyro_bdl.guides.state_checks import CheckedLoad, shape_of
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
@@ -74,7 +96,7 @@ __all__ = [
 
 #: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
 PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
-#: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace_structures`).
+#: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace.posterior`).
 HESSIAN_STRUCTURES = ("full", "kron", "diag")
 
 
@@ -82,9 +104,7 @@ class NotFittedError(RuntimeError):
     """Raised when a post-hoc posterior is used before it was fitted."""
 
 
-class AutoSubnetLaplace(
-    LaplacePredicting, LaplaceTuning, SubnetLaplaceState, SiteAccess, AutoContinuous
-):
+class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
     r"""Subnetwork linearized Laplace: a MAP guide while training, then a GGN Laplace posterior
     over a subnetwork S after :meth:`fit`, full-covariance by default, or Kronecker-factored or
     diagonal (``hessian_structure``); :class:`AutoLaplace` is the same family with
@@ -100,7 +120,7 @@ class AutoSubnetLaplace(
     :param callable model: a Pyro model whose weights are latent sites and with one observed
         site; a :class:`~pyro_bdl.models.NetworkModel` (:func:`pyro_bdl.models.classifier`,
         :func:`~pyro_bdl.models.regressor`) declares its network and likelihood, a hand-written
-        model is read as :mod:`~pyro_bdl.guides.laplace_model` describes.
+        model is read as :mod:`~pyro_bdl.guides.laplace.model` describes.
     :param subnetwork: ``"all"``, ``"last_layer"``, ``"random"``, ``"largest_variance"``, a list
         of site names or globs, or a list/LongTensor of packed weight indices.
     :param str hessian_structure: ``"full"`` (dense S × S, the default), ``"kron"`` (KFAC per
@@ -130,7 +150,8 @@ class AutoSubnetLaplace(
         4 MiB), the size of the S-dependent part, so that the peak memory of :meth:`fit` hardly
         grows with the network. Raise it for speed on a network with large activations.
     :param accumulate_dtype: dtype of H_S and the covariance (default float64, which a small
-        prior precision needs; see ``laplace_posterior.accumulation_dtype``).
+        prior precision needs; see
+        :func:`~pyro_bdl.guides.laplace.posterior.accumulation_dtype`).
     :param int max_memory: bytes :meth:`fit` may use for the S × S matrices and one Jacobian
         chunk (default: the memory available on the device).
     :param callable init_loc_fn: initial MAP values (default: the network's own weights).
@@ -138,6 +159,8 @@ class AutoSubnetLaplace(
 
     #: Where each weight site sits in the packed vector (set by the first call of the guide).
     layout: SiteLayout
+    #: The buffers ``fit`` sizes: a state's shapes replace the empty ones of an unfitted guide.
+    _resizable_state = ("map_loc", "subnet_index", "ggn", "scale_tril", "prior_precision")
 
     def __init__(
         self,
@@ -231,7 +254,7 @@ class AutoSubnetLaplace(
     @property
     def posterior(self):
         """The fitted posterior structure over the subnetwork
-        (:mod:`~pyro_bdl.guides.laplace_structures`): ``variances()``, ``apply_scale``,
+        (:mod:`~pyro_bdl.guides.laplace.posterior`): ``variances()``, ``apply_scale``,
         ``sample``, ``logdet``."""
         self._check_fitted("posterior")
         if self.hessian_structure == "full":
@@ -269,7 +292,7 @@ class AutoSubnetLaplace(
         self._user_model = None  # a model is often a closure, which cannot be pickled
         return super().__getstate__()
 
-    # ---- evaluating the network ----------------------------------------------------------
+    # ---- reading the model -------------------------------------------------------------------
 
     def _check_fitted(self, what: str) -> None:
         if not self.fitted:
@@ -284,11 +307,6 @@ class AutoSubnetLaplace(
         # unobserved, and a user's init_loc_fn need only know the weight sites.
         return self._user_model[0] if self._user_model else self.model
 
-    def _forward(self, flat: torch.Tensor, args: tuple, obs: Observation):
-        """(forward function, slots) of the network with the weights at the packed ``flat``."""
-        values, slots = leaf_slots(self.layout, flat)
-        return forward_fn(self._raw_model, values, args, obs.name), slots
-
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
         with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
             values = leaf_slots(self.layout, self.loc)[0]
@@ -299,9 +317,6 @@ class AutoSubnetLaplace(
                 without_targets=without_targets,
                 values=values,
             )
-
-    def _batches(self, data: Any, rows: int | None = None):
-        return iter_batches(data, rows or self.batch_size)
 
     # ---- fitting ---------------------------------------------------------------------------
 
@@ -323,7 +338,16 @@ class AutoSubnetLaplace(
         external = self.rule.external_variances(self.layout)
         if external is not None or not self.rule.needs_diagonal_laplace:
             return external
-        diag, _ = fit_diag(self, data, obs, reduce_fn=reduce_fn, stats=False)
+        diag, _ = fit_diag(
+            self._raw_model,
+            self.layout,
+            self.loc,
+            data,
+            obs,
+            batch_size=self.batch_size,
+            reduce_fn=reduce_fn,
+            stats=False,
+        )
         return 1.0 / (diag + lam)
 
     def fit(self, data: Any, *, reduce_fn=None) -> AutoSubnetLaplace:
@@ -333,13 +357,13 @@ class AutoSubnetLaplace(
             ``(x, y)`` batches (the model's positional arguments).
         :param reduce_fn: for data-parallel fitting, a callable that sums a tensor over ranks
             (an all-reduce); each rank passes its own rows and every curvature statistic is
-            summed once per block before it is factorised (:mod:`~pyro_bdl.guides.laplace_fit`).
+            summed once per block before it is factorised (:mod:`~pyro_bdl.guides.laplace.model`).
         :returns: ``self``.
         :raises NonGaussianPriorError: when no ``prior_precision`` was given and a weight's
             declared prior is not Gaussian (before anything changes).
         """
         check_reduce_fn(reduce_fn)
-        first = next(self._batches(data))
+        first = next(iter_batches(data, self.batch_size))
         if self.prototype_trace is None:
             self._setup_prototype(*first)
         obs = self._observe(first)
@@ -360,14 +384,31 @@ class AutoSubnetLaplace(
         prior = self._prior_s(lam_s, index.numel(), self.layout.size)
         prior_t = torch.as_tensor(prior, dtype=torch.float64, device=self.loc.device)
         ggn, scale_tril, structure = torch.zeros(0), torch.zeros(0), None
+        net = (self._raw_model, self.layout, self.loc)
         if self.hessian_structure == "full":
-            ggn, stats = fit_full(self, data, first, obs, index, dtype, reduce_fn)
+            ggn, stats = fit_full(
+                *net,
+                data,
+                first,
+                obs,
+                index,
+                dtype,
+                batch_size=self.batch_size,
+                chunk_memory=self.chunk_memory,
+                reduce_fn=reduce_fn,
+            )
             scale_tril = posterior_factor(ggn, prior)
         elif self.hessian_structure == "diag":
-            diag, stats = fit_diag(self, data, obs, index, reduce_fn)
+            diag, diag_stats = fit_diag(
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+            )
+            assert diag_stats is not None  # fit_diag gives them unless told not to
+            stats = diag_stats
             structure = DiagPosterior(diag, prior_t)
         else:
-            blocks, a_sums, g_sums, stats = fit_kron(self, data, obs, index, reduce_fn)
+            blocks, a_sums, g_sums, stats = fit_kron(
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+            )
             check_blockwise(prior_t, blocks)
             rows = float(stats[0])
             structure = KronPosterior.from_factors(
@@ -385,6 +426,261 @@ class AutoSubnetLaplace(
     def _prior_s(self, lam, count: int, total: int):
         """λ_S from λ (one value or one per subnetwork weight)."""
         return lam * count / total if self.prior_scaling == "subnetwork_fraction" else lam
+
+    # ---- predicting ------------------------------------------------------------------------
+
+    def _jacobians(self, data: Any, obs: Observation):
+        """``(outputs, J_S, batch)`` at the MAP values (:func:`~.model.jacobians`)."""
+        return jacobians(
+            self._raw_model,
+            self.layout,
+            self.map_loc,
+            data,
+            obs,
+            self.subnet_index,
+            batch_size=self.batch_size,
+        )
+
+    def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
+        r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
+
+        Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
+        closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
+        ``link``: ``"probit"`` (per logit), ``"bridge"`` (Laplace bridge) or ``"mc"``
+        (``num_samples`` draws):
+        :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
+
+        :param torch.Tensor x: inputs, the model's first argument.
+        """
+        check_choice("link", link, LINKS)
+        check_positive_int("num_samples", num_samples)
+        self._check_fitted("predict")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
+        obs = self._observe((x,), without_targets=True)
+        posterior = self.posterior
+        chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in self._jacobians((x,), obs))
+        noise = obs.noise if self._noise is None else self._noise
+        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+
+    # ---- the evidence and the prior precision ----------------------------------------------
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The Gaussian observation noise σ the posterior and :meth:`predict` use: the tuned one
+        (``tune_prior_precision(tune_noise=True)``), else the model's (``None`` unless the
+        likelihood is Gaussian)."""
+        return self._noise if self._noise is not None else self._noise0
+
+    def _noise_scale(self) -> float:
+        """c = σ₀²/σ², the factor from the GGN at the model's σ₀ to the tuned σ."""
+        if self._noise is None:
+            return 1.0
+        assert self._noise0 is not None  # σ is tuned only under a Gaussian likelihood's σ₀
+        return (self._noise0 / self._noise) ** 2
+
+    def _sigma(self) -> torch.Tensor | None:
+        """The tuned σ as a float64 tensor (``None``: the model's)."""
+        return None if self._noise is None else torch.tensor(self._noise, dtype=torch.float64)
+
+    def _set_prior(self, lam_s: torch.Tensor, sigma: float | None) -> None:
+        """Hold λ_S (one per subnetwork weight) and σ, and refactor the posterior."""
+        s, total = self.subnet_index.numel(), self.map_loc.numel()
+        lam = lam_s / self._prior_s(1.0, s, total)
+        same = bool(torch.all(lam == lam.reshape(-1)[0]))
+        self.prior_precision = lam.reshape(-1)[0].clone() if same else lam.clone()
+        self._noise = sigma if sigma is not None else self._noise
+        c = self._noise_scale()
+        prior: float | torch.Tensor = float(lam_s.reshape(-1)[0]) if same else lam_s
+        if self.hessian_structure == "full":
+            self.scale_tril = posterior_factor(c * self.ggn, prior)
+        else:
+            self._structure = self._structure.with_prior(lam_s, c)
+
+    def marginal_likelihood(self) -> float:
+        r"""The Laplace log marginal likelihood :math:`\log p(\mathcal D)` at the held prior
+        precision and σ (:func:`~pyro_bdl.guides.laplace.evidence.evidence`)."""
+        self._check_fitted("marginal_likelihood")
+        post = self.posterior
+        theta = self.map_loc[self.subnet_index]
+        lam = torch.as_tensor(post.lam, dtype=torch.float64)
+        stats = self._fit_stats()
+        value = evidence(post, theta, lam, stats, self._likelihood, self._noise0, self._sigma())
+        return float(value)
+
+    def _fit_stats(self) -> torch.Tensor:
+        if self._stats is None:
+            raise ValueError(
+                "the marginal likelihood needs the fit statistics, which state_dict does not "
+                "keep; call guide.fit(data) again."
+            )
+        return self._stats
+
+    def tune_prior_precision(
+        self,
+        data: Any = None,
+        *,
+        method: str = "marglik",
+        search: str | None = None,
+        grid: torch.Tensor | None = None,
+        refine: bool = True,
+        prior_structure: str = "scalar",
+        tune_noise: bool = False,
+        max_iter: int = 200,
+    ) -> float | torch.Tensor:
+        r"""Choose the prior precision by the Laplace marginal likelihood or the validation
+        log-likelihood, update the posterior and return λ (a float for one value, else one per
+        subnetwork weight).
+
+        ``search="gradient"`` (the default for ``"marglik"`` without a ``grid``) maximises the
+        evidence over log λ (``prior_structure``: ``"scalar"``, ``"layerwise"`` or
+        ``"diagonal"``, the last not with ``"kron"``) and, with ``tune_noise`` (Gaussian
+        likelihood), log σ, by L-BFGS (Immer et al. 2021). ``search="grid"`` searches one λ on
+        a log grid (default :math:`10^{-4} … 10^{4}`, 17 values), then a finer grid between the
+        best value's neighbours; it warns when the best value sits at the grid's edge (a
+        one-value grid just sets λ, silently). The searches are those of
+        :mod:`~pyro_bdl.guides.laplace.evidence`.
+
+        :param data: validation ``(x, y)`` (or a DataLoader) for ``method="val_ll"``.
+        :param str method: ``"marglik"`` or ``"val_ll"`` (probit predictive log-likelihood).
+        """
+        check_choice("method", method, ("marglik", "val_ll"))
+        search = search or ("grid" if grid is not None or method == "val_ll" else "gradient")
+        check_choice("search", search, SEARCHES)
+        check_choice("prior_structure", prior_structure, PRIOR_STRUCTURES)
+        check_positive_int("max_iter", max_iter)
+        self._check_fitted("tune_prior_precision")
+        if method == "val_ll" and data is None:
+            raise ValueError("method='val_ll' needs validation data (x, y); pass data=.")
+        if search == "gradient" and method != "marglik":
+            raise ValueError(
+                "search='gradient' optimises the marginal likelihood; use "
+                "method='marglik', or search='grid' for method='val_ll'."
+            )
+        if search == "grid" and (prior_structure != "scalar" or tune_noise):
+            raise ValueError(
+                "search='grid' tunes one prior precision; use search='gradient' for "
+                f"prior_structure={prior_structure!r} or tune_noise=True."
+            )
+        if tune_noise and self._likelihood != "gaussian":
+            raise ValueError(
+                "tune_noise=True needs a Gaussian likelihood; this model's is "
+                f"{self._likelihood!r}."
+            )
+        if prior_structure == "diagonal" and self.hessian_structure == "kron":
+            raise ValueError(
+                "prior_structure='diagonal' cannot be added exactly to Kronecker factors; use "
+                "'scalar' or 'layerwise', or hessian_structure='diag' or 'full'."
+            )
+        if search == "gradient":
+            return self._tune_gradient(prior_structure, tune_noise, max_iter)
+        return self._tune_grid(data, method, grid, refine)
+
+    def _tune_gradient(self, prior_structure: str, tune_noise: bool, max_iter: int):
+        stats = self._fit_stats()
+        index = self.subnet_index
+        post = self.posterior
+        theta = self.map_loc[index].double()
+        lam0 = torch.as_tensor(post.lam, dtype=torch.float64).expand(theta.shape)
+        groups = layer_groups(self.layout, index)
+        # The evidence rescales the GGN as computed (at σ₀) by (σ₀/σ)² itself.
+        lam_s, sigma, _ = optimize_marglik(
+            post,
+            theta,
+            groups.to(theta.device),
+            lam0,
+            stats,
+            self._likelihood,
+            self._noise0,
+            prior_structure=prior_structure,
+            tune_noise=tune_noise,
+            max_iter=max_iter,
+        )
+        self._set_prior(lam_s, sigma)
+        lam = self.prior_precision
+        return float(lam) if lam.dim() == 0 else lam
+
+    def _tune_grid(self, data: Any, method: str, grid, refine: bool) -> float:
+        index = self.subnet_index
+        s, total = index.numel(), self.map_loc.numel()
+        ratio = self._prior_s(1.0, s, total)
+        theta = self.map_loc[index]
+        grid = default_grid(grid)
+        if method == "val_ll":
+            first = next(iter_batches(data, self.batch_size))
+            if len(first) < 2:
+                raise ValueError("validation data must be (x, y).")
+            obs = self._observe(first)
+            parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs))
+        if self.hessian_structure == "full" and self._noise is None:
+            # In the GGN's eigenbasis every isotropic λ of the grid costs O(S).
+            evals, evecs = eigenbasis(self.ggn)
+            if method == "marglik":
+                score = marglik_score(DiagPosterior(evals, evals.new_zeros(())), theta, ratio)
+            else:
+                score = val_ll_score(parts, obs.likelihood, obs.noise, evals, evecs, ratio)
+        elif method == "marglik":
+            score = marglik_score(
+                self.posterior,
+                theta,
+                ratio,
+                stats=self._fit_stats(),
+                likelihood=self._likelihood,
+                noise=self._noise0,
+                sigma=self._sigma(),
+            )
+        else:
+            noise = obs.noise if self._noise is None else self._noise
+            c = self._noise_scale()
+            score = structure_val_ll_score(self.posterior, parts, obs.likelihood, noise, c, ratio)
+        best = tune_grid(score, grid, refine=refine)
+        self._set_prior(torch.full((s,), best * ratio, dtype=torch.float64), None)
+        return best
+
+    # ---- the state -------------------------------------------------------------------------
+
+    def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
+        """The buffers ``fit`` sizes must describe one subnetwork of the size this guide's rule
+        selects on this model."""
+        get = lambda name: state_dict.get(prefix + name)  # noqa: E731
+        index, loc = get("subnet_index"), getattr(self, "loc", None)
+        if not isinstance(index, torch.Tensor) or index.numel() == 0:
+            return []  # an unfitted state: nothing sized
+        errors, count = [], index.numel()
+        if index.dtype != torch.long or index.dim() != 1:
+            errors.append(f"{prefix}subnet_index: expected a 1-d LongTensor; got {index.dtype}")
+        elif isinstance(loc, torch.Tensor) and not 0 <= int(index.min()) <= int(index.max()) < len(
+            loc
+        ):
+            errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
+        expected: dict[str, tuple[int, ...]] = {"ggn": (count, count), "scale_tril": (count, count)}
+        if isinstance(loc, torch.Tensor):
+            expected["map_loc"] = tuple(loc.shape)
+        for name, shape in expected.items():
+            value = get(name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                errors.append(
+                    f"{prefix + name!r}: a subnetwork of {count} weights needs shape {shape}; "
+                    f"the state has {shape_of(value)}"
+                )
+        precision = get("prior_precision")
+        if isinstance(precision, torch.Tensor) and tuple(precision.shape) not in ((), (count,)):
+            errors.append(
+                f"{prefix}prior_precision: expected shape () or ({count},); got "
+                f"{shape_of(precision)}"
+            )
+        rule, layout = getattr(self, "rule", None), getattr(self, "layout", None)
+        if rule is not None and layout is not None:
+            try:
+                size = rule.size_of(layout)
+            except ValueError:
+                size = None
+            if size is not None and size != count:
+                errors.append(
+                    f"{prefix + 'subnet_index'!r}: the state was fitted on a subnetwork of {count} "
+                    f"weights; this guide's rule (subnetwork={rule.kind!r}) selects {size}"
+                )
+        return errors
 
 
 class AutoLaplace(AutoSubnetLaplace):

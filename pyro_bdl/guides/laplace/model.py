@@ -1,11 +1,13 @@
-r"""How :class:`~pyro_bdl.guides.AutoSubnetLaplace` reads a model: its likelihood, its network
-outputs with the weights held at given values, and the data in row chunks.
+r"""The passes of the Laplace guide family over the network: how a model is read (its
+likelihood, its network outputs with the weights held at given values, the data in row chunks),
+and the curvature passes of ``fit`` and the Jacobian pass of ``predict``, each a function of
+explicit arguments (docs/design/laplace.md).
 
 The linearized Laplace needs the network outputs :math:`f(x, \theta)` per example and the
-Hessian of the negative log-likelihood with respect to them (docs/design/laplace.md). The model
-is run with its weight sites conditioned on the given values, and the outputs are read from the
-observed site's distribution (``logits`` of a ``Categorical`` or ``Bernoulli``, ``loc`` of a
-``Normal``), so any model that computes its likelihood from the network works.
+Hessian of the negative log-likelihood with respect to them. The model is run with its weight
+sites conditioned on the given values, and the outputs are read from the observed site's
+distribution (``logits`` of a ``Categorical`` or ``Bernoulli``, ``loc`` of a ``Normal``), so any
+model that computes its likelihood from the network works.
 
 The contract is explicit for a :class:`~pyro_bdl.models.NetworkModel` (what the factories of
 :mod:`pyro_bdl.models` return): the likelihood and the noise σ are the ones it declares (a point
@@ -15,6 +17,13 @@ while ``fit`` and ``predict`` evaluate it, because the examples must be independ
 weights (BatchNorm then uses its running statistics). A hand-written model declares neither:
 the likelihood and σ are read from its one observed site's distribution, and its layers are
 left in the mode they are in, so put any BatchNorm in eval mode before ``fit`` and ``predict``.
+
+The fit passes (:func:`fit_full`, :func:`fit_diag`, :func:`fit_kron`) return the curvature of
+one Hessian structure with the fit statistics of the data at the MAP
+(:func:`~pyro_bdl.guides.laplace.evidence.fit_statistics`). Every statistic is a sum over
+examples, so data-parallel ranks each pass their own rows and a ``reduce_fn`` (a sum over ranks,
+such as an all-reduce) adds them before anything is divided or factorised: one call per
+curvature block (the GGN, the diagonal, each Kronecker factor) and one for the statistics.
 """
 
 from __future__ import annotations
@@ -31,24 +40,44 @@ from pyro.poutine.util import site_is_subsample
 from torch import nn
 
 from pyro_bdl._validation import check_finite
-from pyro_bdl.curvature.jacobian import ParamSlot
+from pyro_bdl.curvature.ggn import (
+    diagonal_ggn,
+    linear_layer_ggn,
+    output_hessian_factor,
+    subnet_ggn,
+)
+from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian
+from pyro_bdl.curvature.kfac import kfac_sums
+from pyro_bdl.curvature.memory import chunk_budget, chunk_rows, forward_rows
+from pyro_bdl.guides.laplace.evidence import fit_statistics
+from pyro_bdl.guides.laplace.posterior import KronBlock, kron_blocks
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.models import NetworkModel
 from pyro_bdl.priors import NonGaussianPriorError, gaussian_prior
 
 __all__ = [
     "Observation",
+    "ReduceFn",
+    "check_reduce_fn",
     "check_supported",
     "declared_precision",
     "eval_mode",
+    "fit_diag",
+    "fit_full",
+    "fit_kron",
+    "forward_at",
     "forward_fn",
     "head",
     "iter_batches",
+    "jacobians",
     "leaf_slots",
     "network",
     "observe",
     "read_outputs",
 ]
+
+#: Sums a tensor over data-parallel ranks and returns the sum (same shape and dtype).
+ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -279,3 +308,203 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
             )
     if empty:
         raise ValueError("data is empty; fit needs at least one example.")
+
+
+# ---- the passes ----------------------------------------------------------------------------
+
+
+def forward_at(model, layout: SiteLayout, flat: torch.Tensor, args: tuple, obs: Observation):
+    """``(forward function, slots)`` of the network of ``model`` with the weights at the packed
+    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`)."""
+    values, slots = leaf_slots(layout, flat)
+    return forward_fn(model, values, args, obs.name), slots
+
+
+def check_reduce_fn(reduce_fn: Any) -> None:
+    if reduce_fn is not None and not callable(reduce_fn):
+        raise TypeError(
+            f"reduce_fn must be a callable summing a tensor over ranks (for example "
+            f"pyro_bdl.distributed's all-reduce) or None; got {type(reduce_fn).__name__}."
+        )
+
+
+def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor) -> torch.Tensor:
+    if reduce_fn is None:
+        return t
+    out = reduce_fn(t)
+    if not isinstance(out, torch.Tensor) or out.shape != t.shape:
+        raise ValueError(
+            f"reduce_fn must return a tensor of the shape it was given {tuple(t.shape)}; got "
+            f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}."
+        )
+    return out
+
+
+def _stats(out: torch.Tensor, batch: tuple, obs: Observation) -> torch.Tensor:
+    if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
+        raise ValueError("fit needs the targets: pass data as (x, y) or a DataLoader of (x, y).")
+    return fit_statistics(out, batch[1], obs.likelihood, obs.noise)
+
+
+def _factor(obs: Observation):
+    return lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
+
+
+def single_linear(layout: SiteLayout, index: torch.Tensor) -> KronBlock | None:
+    """The block of the subnetwork when it is exactly one whole ``Linear`` layer (weight, and
+    bias if it has one), else ``None``."""
+    try:
+        blocks = kron_blocks(layout, index)
+    except ValueError:
+        return None
+    if len(blocks) != 1 or blocks[0].layer.kind != "linear":
+        return None
+    return blocks[0] if blocks[0].positions.numel() == index.numel() else None
+
+
+def fit_full(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    first: tuple,
+    obs: Observation,
+    index: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    batch_size: int,
+    chunk_memory: int | None = None,
+    reduce_fn: ReduceFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(GGN over index (S × S, in dtype), statistics)`` of ``model`` at the packed weights
+    ``loc``, from :math:`J_S` in row chunks sized by the memory budget
+    (:mod:`~pyro_bdl.curvature.memory`: ``chunk_memory`` bytes, at most ``batch_size`` rows);
+    when the subnetwork is one whole ``Linear`` layer (the last layer), from its inputs without
+    :math:`J_S` (:func:`~pyro_bdl.curvature.ggn.linear_layer_ggn`). The memory of a chunk is
+    measured on ``first``, the first batch of ``data``."""
+    item = torch.finfo(dtype).bits // 8
+    count = index.numel()
+    budget = chunk_budget(count, obs.outputs, batch_size, item, chunk_memory)
+    # Measured on the first rows; the weights and the data are not the chunk's memory.
+    tensors = [t for t in first if isinstance(t, torch.Tensor)]
+    net = network(model)
+    owned = [*net.parameters(), *net.buffers()] if net is not None else []
+    exclude = [loc, *tensors, *owned]
+    layer = single_linear(layout, index)
+    with eval_mode(model):
+        at = lambda n: forward_at(model, layout, loc, head(first, n), obs)  # noqa: E731
+        if layer is not None:
+            # Per row: the forward graph, one row of the O·k products, the layer input, the
+            # gradients at the layer's output (O × C) and their products (O × O).
+            o = layer.positions.shape[0]
+            width = 2 * count + layer.positions.shape[1] + o * (o + obs.outputs)
+            rows = forward_rows(
+                at, budget, batch_size, width * item, available=len(tensors[0]), exclude=exclude
+            )
+            select_numbers = budget // 4 // (3 * item)
+        else:
+            rows, select_numbers = chunk_rows(
+                at, index, budget, batch_size, item, available=len(tensors[0]), exclude=exclude
+            )
+    ggn = torch.zeros(count, count, dtype=dtype, device=loc.device)
+    stats = torch.zeros(4, dtype=torch.float64)
+    with eval_mode(model):
+        for batch in iter_batches(data, rows):
+            forward, slots = forward_at(model, layout, loc, batch, obs)
+            out = None
+            if layer is not None:
+                module, bias = layer.layer.module, layer.layer.bias
+                out = linear_layer_ggn(forward, module, bias, layer.positions, _factor(obs), ggn)
+            if out is None:
+                jac, out = subnet_jacobian(
+                    forward, slots, index, return_outputs=True, select_numbers=select_numbers
+                )
+                subnet_ggn(jac, output_hessian_factor(out, obs.likelihood, obs.noise), out=ggn)
+                del jac
+            stats += _stats(out, batch, obs).cpu()
+            del out, forward, slots
+    return _reduce(reduce_fn, ggn), _reduce(reduce_fn, stats)
+
+
+def fit_diag(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    obs: Observation,
+    index: torch.Tensor | None = None,
+    *,
+    batch_size: int,
+    reduce_fn: ReduceFn | None = None,
+    stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(diagonal of the GGN over index (all D weights when None), statistics or None)`` of
+    ``model`` at the packed weights ``loc``: exact, from per-example gradients of
+    :math:`L^\\top f` (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`)."""
+    diag = torch.zeros(loc.numel(), dtype=torch.float64, device=loc.device)
+    total = torch.zeros(4, dtype=torch.float64)
+    factor = _factor(obs)
+    with eval_mode(model):
+        for batch in iter_batches(data, batch_size):
+            forward, slots = forward_at(model, layout, loc, batch, obs)
+            seen: list[torch.Tensor] = []
+
+            def record(f, seen=seen):
+                seen.append(f.detach())
+                return factor(f)
+
+            diag += diagonal_ggn(forward, slots, record).double()
+            if stats:
+                total += _stats(seen[0], batch, obs).cpu()
+    diag = _reduce(reduce_fn, diag if index is None else diag[index.to(diag.device)])
+    return diag, (_reduce(reduce_fn, total) if stats else None)
+
+
+def fit_kron(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    obs: Observation,
+    index: torch.Tensor,
+    *,
+    batch_size: int,
+    reduce_fn: ReduceFn | None = None,
+):
+    """``(blocks, A sums, G sums, statistics)`` of the layers in the subnetwork ``index``
+    (:func:`~pyro_bdl.guides.laplace.posterior.kron_blocks`,
+    :func:`~pyro_bdl.curvature.kfac.kfac_sums`) of ``model`` at the packed weights ``loc``, in
+    float64."""
+    blocks = kron_blocks(layout, index)
+    kw: dict[str, Any] = dict(dtype=torch.float64, device=loc.device)
+    a_sums = [torch.zeros(b.positions.shape[1], b.positions.shape[1], **kw) for b in blocks]
+    g_sums = [torch.zeros(b.positions.shape[0], b.positions.shape[0], **kw) for b in blocks]
+    stats = torch.zeros(4, dtype=torch.float64)
+    layers = [b.layer for b in blocks]
+    with eval_mode(model):
+        for batch in iter_batches(data, batch_size):
+            forward, _ = forward_at(model, layout, loc, batch, obs)
+            out = kfac_sums(forward, layers, _factor(obs), a_sums, g_sums)
+            stats += _stats(out, batch, obs).cpu()
+    a_sums = [_reduce(reduce_fn, a) for a in a_sums]
+    g_sums = [_reduce(reduce_fn, g) for g in g_sums]
+    return blocks, a_sums, g_sums, _reduce(reduce_fn, stats)
+
+
+def jacobians(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    obs: Observation,
+    index: torch.Tensor,
+    *,
+    batch_size: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple]]:
+    """``(outputs (b, C), J_S (b, C, S), batch)`` of ``model`` at the packed weights ``loc``,
+    ``batch_size`` rows at a time; the model gets the batch's first tensor (the inputs)."""
+    with eval_mode(model):
+        for batch in iter_batches(data, batch_size):
+            forward, slots = forward_at(model, layout, loc, batch[:1], obs)
+            jac, out = subnet_jacobian(forward, slots, index, return_outputs=True)
+            yield out, jac, batch
