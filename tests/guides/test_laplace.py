@@ -25,6 +25,10 @@ from tests.scenarios import BayesianLinearRegression
 
 F64 = torch.float64
 
+#: These tests check the curvature and posterior algebra at fixed weights that are not trained to a
+#: MAP estimate, where fit rightly warns (NotAtModeWarning); that warning has its own test.
+pytestmark = pytest.mark.filterwarnings("ignore::pyro_bdl.guides.laplace.model.NotAtModeWarning")
+
 
 def _data(n=40, d=3, classes=3, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -14,6 +14,10 @@ from tests.common import assert_close
 
 F64 = torch.float64
 
+#: These tests check the curvature and posterior algebra at fixed weights that are not trained to a
+#: MAP estimate, where fit rightly warns (NotAtModeWarning); that warning has its own test.
+pytestmark = pytest.mark.filterwarnings("ignore::pyro_bdl.guides.laplace.model.NotAtModeWarning")
+
 
 def _classification(n=40, d=3, seed=0):
     g = torch.Generator().manual_seed(seed)

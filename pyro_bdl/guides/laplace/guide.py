@@ -67,6 +67,8 @@ from pyro_bdl.guides.laplace.model import (
     jacobians,
     leaf_slots,
     observe,
+    training_loss_gradient,
+    warn_if_not_at_mode,
 )
 from pyro_bdl.guides.laplace.posterior import (
     LINKS,
@@ -350,7 +352,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         )
         return 1.0 / (diag + lam)
 
-    def fit(self, data: Any, *, reduce_fn=None) -> AutoSubnetLaplace:
+    def fit(self, data: Any, *, reduce_fn=None, check_mode: bool = True) -> AutoSubnetLaplace:
         r"""Compute the GGN Laplace posterior over the subnetwork at the current MAP values.
 
         :param data: the training data, a tuple ``(x, y)`` of tensors or a DataLoader yielding
@@ -358,6 +360,11 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         :param reduce_fn: for data-parallel fitting, a callable that sums a tensor over ranks
             (an all-reduce); each rank passes its own rows and every curvature statistic is
             summed once per block before it is factorised (:mod:`~pyro_bdl.guides.laplace.model`).
+        :param bool check_mode: check that the weights are at a mode of the training loss
+            (one more pass over the data) and warn with
+            :class:`~pyro_bdl.guides.laplace.model.NotAtModeWarning` when they are far from it
+            (:func:`~pyro_bdl.guides.laplace.model.warn_if_not_at_mode`); ``False`` fits at
+            any weights silently.
         :returns: ``self``.
         :raises NonGaussianPriorError: when no ``prior_precision`` was given and a weight's
             declared prior is not Gaussian (before anything changes).
@@ -421,6 +428,12 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         self._likelihood, self._noise0 = obs.likelihood, obs.noise
         if not isinstance(lam_s, float):
             self.prior_precision = lam_s
+        if check_mode:
+            gradient = training_loss_gradient(
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+            )
+            theta = self.map_loc[index].double()
+            warn_if_not_at_mode(gradient + prior_t.to(theta) * theta, self.posterior)
         return self
 
     def _prior_s(self, lam, count: int, total: int):
