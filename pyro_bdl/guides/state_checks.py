@@ -55,7 +55,8 @@ def state_dict_errors(
     errors = []
     for key, live in own.items():
         if key not in state_dict:
-            if strict:
+            # A module's extra state may postdate the state; its _upgrade_state fills it in.
+            if strict and not key.endswith("_extra_state"):
                 errors.append(f"{key!r}: missing from the state (this module has {shape_of(live)})")
             continue
         value = state_dict[key]

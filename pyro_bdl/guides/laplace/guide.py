@@ -29,6 +29,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +80,7 @@ from pyro_bdl.guides.laplace.posterior import (
     SubnetNormal,
     accumulation_dtype,
     check_blockwise,
+    kron_blocks,
     posterior_factor,
     predictive,
 )
@@ -100,6 +102,8 @@ __all__ = [
 PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
 #: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace.posterior`).
 HESSIAN_STRUCTURES = ("full", "kron", "diag")
+#: The likelihoods a fit reads ("" before any fit), in the order the packed state codes them.
+_LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian")
 
 
 class NotFittedError(RuntimeError):
@@ -127,8 +131,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         of site names or globs, or a list/LongTensor of packed weight indices.
     :param str hessian_structure: ``"full"`` (dense S × S, the default), ``"kron"`` (KFAC per
         ``Linear``/``Conv2d`` layer, bias folded in; the subnetwork must hold whole layers) or
-        ``"diag"`` (the exact diagonal of the GGN). Only ``"full"`` keeps its posterior in
-        ``state_dict``; refit the others after loading.
+        ``"diag"`` (the exact diagonal of the GGN). Every structure keeps its posterior, the
+        tuned σ and the fit statistics in ``state_dict``.
     :param size: S for ``"random"``/``"largest_variance"``: a count or a fraction in (0, 1].
     :param variances: marginal variances for ``"largest_variance"``: ``"diagonal_laplace"``
         (computed in :meth:`fit`), a mapping site name -> tensor, or an
@@ -207,6 +211,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         self.prior_scaling = prior_scaling
         self.hessian_structure = hessian_structure
         self._structure: Any = None  # the kron/diag posterior (full lives in the buffers)
+        self._saved_state: torch.Tensor | None = None  # get_extra_state of a loaded state
         self._stats: torch.Tensor | None = None  # fit statistics for the marginal likelihood
         self._noise: float | None = None  # a tuned Gaussian σ (None: the model's)
         self._noise0: float | None = None  # the model's σ, at which the GGN was computed
@@ -264,10 +269,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             lam = torch.as_tensor(lam, dtype=torch.float64, device=self.ggn.device)
             return FullPosterior(self.ggn, lam, self._noise_scale(), self.scale_tril)
         if self._structure is None:
-            raise NotFittedError(
-                f"the {self.hessian_structure!r} posterior is not kept in state_dict; call "
-                "guide.fit(data) again after loading."
-            )
+            self._structure = self._structure_from_state()
         return self._structure
 
     def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,6 +427,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         self.subnet_index = index
         self.ggn, self.scale_tril = ggn, scale_tril
         self._structure, self._stats, self._noise = structure, stats, None
+        self._saved_state = None
         self._likelihood, self._noise0 = obs.likelihood, obs.noise
         if not isinstance(lam_s, float):
             self.prior_precision = lam_s
@@ -652,6 +655,78 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
 
     # ---- the state -------------------------------------------------------------------------
 
+    def get_extra_state(self) -> torch.Tensor:
+        """What ``fit`` and the tuning hold beside the buffers, packed into one float64 tensor
+        (so that a state stays a dict of tensors): the Hessian structure, the likelihood, σ
+        (the model's and a tuned one; 0 for none, as σ > 0), the fit statistics (zeros for
+        none, as a fit sees at least one row), and for a ``kron`` or
+        ``diag`` posterior its GGN scale c, its prior precisions and its diagonal or
+        eigendecompositions (a ``full`` one lives in the buffers ``ggn`` and ``scale_tril``)."""
+        if self._structure is None and self._saved_state is not None:
+            return self._saved_state
+        stats = self._stats if self._stats is not None else torch.zeros(4)
+        head = [
+            float(HESSIAN_STRUCTURES.index(self.hessian_structure)),
+            float(_LIKELIHOODS.index(self._likelihood)),
+            0.0 if self._noise is None else self._noise,
+            0.0 if self._noise0 is None else self._noise0,
+        ]
+        parts = [torch.tensor(head, dtype=torch.float64), stats.double().cpu()]
+        post = self._structure
+        if post is not None:
+            lam = torch.as_tensor(post.lam, dtype=torch.float64).reshape(-1).cpu()
+            body = [post.diag] if isinstance(post, DiagPosterior) else [*sum(post.eigen, ())]
+            meta = torch.tensor([float(post.c), float(lam.numel())], dtype=torch.float64)
+            parts += [meta, lam, *(t.double().reshape(-1).cpu() for t in body)]
+        return torch.cat(parts)
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None:  # a state saved before the extra state existed: nothing to restore
+            return
+        values = state.tolist()[:8]
+        self._likelihood = _LIKELIHOODS[int(values[1])]
+        self._noise = values[2] or None
+        self._noise0 = values[3] or None
+        stats = state[4:8].clone()
+        self._stats = stats if values[4] > 0 else None
+        self._structure = None  # rebuilt from the state on first use (it needs the layout)
+        self._saved_state = state.clone()
+
+    def _structure_from_state(self):
+        """The ``kron``/``diag`` posterior from a loaded state (:meth:`set_extra_state`)."""
+        state = self._saved_state
+        if state is None or state.numel() <= 8:
+            raise NotFittedError(
+                f"the {self.hessian_structure!r} posterior is missing from the loaded state "
+                "(saved by an older version); call guide.fit(data) again."
+            )
+        device = self.map_loc.device
+        c, count = float(state[8]), int(state[9])
+        lam = state[10 : 10 + count].to(device)
+        lam = lam.reshape(()) if count == 1 else lam
+        rest = state[10 + count :].to(device)
+        if self.hessian_structure == "diag":
+            return DiagPosterior(rest, lam, c)
+        blocks = kron_blocks(self.layout, self.subnet_index)
+        eigen, start = [], 0
+        for block in blocks:
+            out, k = block.positions.shape
+            sizes = [(k,), (k, k), (out,), (out, out)]
+            tensors = []
+            for shape in sizes:
+                n = math.prod(shape)
+                t = rest[start : start + n].reshape(shape)
+                # Column-major, as torch.linalg.eigh returns its eigenvectors: the products
+                # then round as they did before saving.
+                tensors.append(t.T.contiguous().T if t.dim() == 2 else t)
+                start += n
+            eigen.append(tuple(tensors))
+        return KronPosterior(blocks, eigen, self.subnet_index.numel(), lam, c)
+
+    def _upgrade_state(self, state_dict: dict, prefix: str) -> None:
+        # A state saved before the extra state existed loads as before (a full posterior only).
+        state_dict.setdefault(prefix + "_extra_state", None)
+
     def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
         """The buffers ``fit`` sizes must describe one subnetwork of the size this guide's rule
         selects on this model."""
@@ -666,7 +741,19 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             loc
         ):
             errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
-        expected: dict[str, tuple[int, ...]] = {"ggn": (count, count), "scale_tril": (count, count)}
+        extra = get("_extra_state")
+        structure = "full"  # a state saved before the packed extra state held only "full"
+        if isinstance(extra, torch.Tensor) and extra.numel() >= 8:
+            code = float(extra[0])
+            known = code in range(len(HESSIAN_STRUCTURES))
+            structure = HESSIAN_STRUCTURES[int(code)] if known else f"unknown (code {code:g})"
+        if structure != self.hessian_structure:
+            errors.append(
+                f"{prefix}_extra_state: the state holds a {structure!r} posterior; this guide "
+                f"has hessian_structure={self.hessian_structure!r}"
+            )
+        dense = (count, count) if self.hessian_structure == "full" else (0,)
+        expected: dict[str, tuple[int, ...]] = {"ggn": dense, "scale_tril": dense}
         if isinstance(loc, torch.Tensor):
             expected["map_loc"] = tuple(loc.shape)
         for name, shape in expected.items():
