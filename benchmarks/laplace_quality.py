@@ -52,8 +52,9 @@ from pyro_bdl.app.data import Dataset, load_digits, load_mnist
 from pyro_bdl.curvature import diagonal_ggn, output_hessian_factor, subnet_jacobian
 from pyro_bdl.diagnostics.metrics import ece, nll
 from pyro_bdl.guides import AutoSubnetLaplace, AutoSWAG
-from pyro_bdl.guides.laplace_model import eval_mode, forward_fn, leaf_slots
-from pyro_bdl.guides.laplace_posterior import log_marginal, tune_grid
+from pyro_bdl.guides.laplace.evidence import evidence, tune_grid
+from pyro_bdl.guides.laplace.model import eval_mode, forward_fn, leaf_slots
+from pyro_bdl.guides.laplace.posterior import DiagPosterior
 
 #: Random subnetworks are drawn with this many seeds; their mean ± standard error is the
 #: baseline that a selection rule must beat.
@@ -86,7 +87,7 @@ def rotated(x: torch.Tensor, angle: float) -> torch.Tensor:
 def _probit(f: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """Probit predictive from MAP logits (n, C) and pairwise-difference variances (n, L):
     (L, n, C) probabilities, as in
-    :func:`~pyro_bdl.guides.laplace_posterior.linearized_predictive`."""
+    :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`."""
     kappa = (1 + math.pi / 8 * var.T).rsqrt().unsqueeze(-1)
     return (f.double().unsqueeze(0) * kappa).softmax(-1)
 
@@ -224,7 +225,8 @@ class RotationStudy:
             return {"diag_laplace": 1.0, **dict.fromkeys(self.guides, 1.0)}
         out = {}
         if setting == "marglik":
-            score = lambda lam: log_marginal(self.diag, self.theta.double(), lam)  # noqa: E731
+            diag, theta = DiagPosterior(self.diag, self.diag.new_zeros(())), self.theta.double()
+            score = lambda lam: evidence(diag, theta, lam)  # noqa: E731
             out["diag_laplace"] = tune_grid(score, GRID)
             for name, guide in self.guides.items():
                 out[name] = guide.tune_prior_precision(method="marglik")

@@ -247,7 +247,8 @@ def test_multilabel_val_ll_score_is_the_log_likelihood_of_the_probit_predictive(
     # The score that val_ll tuning maximises must be the log-likelihood of the predictive that
     # predict() returns: each label's logit scaled by its own variance (summing the variances
     # over the labels scores a different predictive). Checked exactly on random inputs.
-    from pyro_bdl.guides.laplace_posterior import linearized_predictive, val_ll_score
+    from pyro_bdl.guides.laplace.evidence import val_ll_score
+    from pyro_bdl.guides.laplace.posterior import linearized_predictive
 
     g = torch.Generator().manual_seed(0)
     b, c, s = 7, 3, 5

@@ -20,14 +20,15 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["CheckedLoad", "StateDictMismatchError", "SubnetLaplaceState", "state_dict_errors"]
+__all__ = ["CheckedLoad", "StateDictMismatchError", "shape_of", "state_dict_errors"]
 
 
 class StateDictMismatchError(RuntimeError):
     """A ``state_dict`` that does not fit the module it is loaded into; nothing was loaded."""
 
 
-def _shape(value: Any) -> str:
+def shape_of(value: Any) -> str:
+    """The shape of a state entry for a message: its tuple, or its type when not a tensor."""
     return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
@@ -54,8 +55,9 @@ def state_dict_errors(
     errors = []
     for key, live in own.items():
         if key not in state_dict:
-            if strict:
-                errors.append(f"{key!r}: missing from the state (this module has {_shape(live)})")
+            # A module's extra state may postdate the state; its _upgrade_state fills it in.
+            if strict and not key.endswith("_extra_state"):
+                errors.append(f"{key!r}: missing from the state (this module has {shape_of(live)})")
             continue
         value = state_dict[key]
         if key.endswith("_extra_state"):
@@ -64,7 +66,7 @@ def state_dict_errors(
             errors.append(f"{key!r}: the state holds a {type(value).__name__}, not a tensor")
         elif key not in resizable and not is_lazy(live) and value.shape != live.shape:
             errors.append(
-                f"{key!r}: the state has shape {_shape(value)}, this module {_shape(live)}"
+                f"{key!r}: the state has shape {shape_of(value)}, this module {shape_of(live)}"
             )
     if strict:
         errors += [
@@ -135,51 +137,3 @@ class CheckedLoad(_Module):
                 "a guide of the same model and options (rank, subnetwork and size), set up on the "
                 "same model (call the guide once first)."
             )
-
-
-class SubnetLaplaceState(CheckedLoad):
-    """The state rules of :class:`~pyro_bdl.guides.AutoSubnetLaplace`: the buffers ``fit`` sizes
-    take the stored shapes, which must describe one subnetwork of the size this guide's rule
-    selects on this model."""
-
-    _resizable_state = ("map_loc", "subnet_index", "ggn", "scale_tril", "prior_precision")
-
-    def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
-        get = lambda name: state_dict.get(prefix + name)  # noqa: E731
-        index, loc = get("subnet_index"), getattr(self, "loc", None)
-        if not isinstance(index, torch.Tensor) or index.numel() == 0:
-            return []  # an unfitted state: nothing sized
-        errors, count = [], index.numel()
-        if index.dtype != torch.long or index.dim() != 1:
-            errors.append(f"{prefix}subnet_index: expected a 1-d LongTensor; got {index.dtype}")
-        elif isinstance(loc, torch.Tensor) and not 0 <= int(index.min()) <= int(index.max()) < len(
-            loc
-        ):
-            errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
-        expected: dict[str, tuple[int, ...]] = {"ggn": (count, count), "scale_tril": (count, count)}
-        if isinstance(loc, torch.Tensor):
-            expected["map_loc"] = tuple(loc.shape)
-        for name, shape in expected.items():
-            value = get(name)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                errors.append(
-                    f"{prefix + name!r}: a subnetwork of {count} weights needs shape {shape}; "
-                    f"the state has {_shape(value)}"
-                )
-        precision = get("prior_precision")
-        if isinstance(precision, torch.Tensor) and tuple(precision.shape) not in ((), (count,)):
-            errors.append(
-                f"{prefix}prior_precision: expected shape () or ({count},); got {_shape(precision)}"
-            )
-        rule, layout = getattr(self, "rule", None), getattr(self, "layout", None)
-        if rule is not None and layout is not None:
-            try:
-                size = rule.size_of(layout)
-            except ValueError:
-                size = None
-            if size is not None and size != count:
-                errors.append(
-                    f"{prefix + 'subnet_index'!r}: the state was fitted on a subnetwork of {count} "
-                    f"weights; this guide's rule (subnetwork={rule.kind!r}) selects {size}"
-                )
-        return errors

@@ -30,9 +30,27 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x[:, 0]) + 0.2 * torch.randn(N, generator=g, dtype=torch.float64)
 
 
-def _fit(structure: str, data, reduce_fn=None) -> dict:
+def _map_network() -> nn.Module:
+    """The network trained to the MAP of all the data (every rank trains on all of it, so that the
+    ranks and the one process fit at the same weights)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1), nn.Flatten(0)).double()
+    x, y = _data()
+    optim = torch.optim.LBFGS(net.parameters(), max_iter=500, line_search_fn="strong_wolfe")
+
+    def closure():
+        optim.zero_grad()
+        prior = sum(p.square().sum() for p in net.parameters()) / 2
+        loss = (net(x) - y).square().sum() / (2 * 0.3**2) + prior
+        loss.backward()
+        return loss
+
+    optim.step(closure)
+    return net
+
+
+def _fit(structure: str, data, reduce_fn=None) -> dict:
+    net = _map_network()
     model = models.regressor(bayesianize(net, Normal(scale=1.0)), N, 0.3)
     guide = AutoSubnetLaplace(model, subnetwork="all", hessian_structure=structure)
     guide(*data)

@@ -9,12 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pyro_bdl.guides.laplace_posterior import (
-    laplace_bridge,
-    linearized_predictive,
-    probit_logits,
-    val_ll_score,
-)
+from pyro_bdl.guides.laplace.evidence import val_ll_score
+from pyro_bdl.guides.laplace.posterior import laplace_bridge, linearized_predictive, probit_logits
 from tests.common import assert_close
 from tests.guides.test_laplace import _trained
 

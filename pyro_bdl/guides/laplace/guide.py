@@ -1,0 +1,791 @@
+r"""Subnetwork linearized Laplace as a Pyro guide (docs/design/laplace.md).
+
+While the network trains, :class:`AutoSubnetLaplace` is a MAP point estimate (a ``Delta`` over
+the packed weights, like Pyro's ``AutoLaplaceApproximation``). :meth:`~AutoSubnetLaplace.fit`
+then computes the full-covariance GGN Laplace posterior over a subnetwork S of the weights,
+
+.. math:: H_S = \sum_n J_S(x_n)^\top \Lambda(x_n) J_S(x_n) + \mathrm{diag}\,\lambda_S,
+
+with λ_S the prior precision of each included weight (laplace-torch's meaning; the rule
+``prior_scaling="subnetwork_fraction"`` uses λ·S/D instead), keeping every other weight at its
+MAP value. λ is read from the prior declared in :func:`~pyro_bdl.bayesianize` (one precision
+per weight) unless ``prior_precision=`` gives one.
+The guide orchestrates: the :class:`~pyro_bdl.layout.SiteLayout` says where each weight sits,
+:mod:`~pyro_bdl.guides.laplace.subnetwork` chooses S, the passes of
+:mod:`~pyro_bdl.guides.laplace.model` read the model and compute the curvature with
+:mod:`pyro_bdl.curvature` (:math:`J_S`, never over all D weights, within the budgets of
+:mod:`~pyro_bdl.curvature.memory`), :mod:`~pyro_bdl.guides.laplace.posterior` turns it into the
+posterior and the predictive, and :mod:`~pyro_bdl.guides.laplace.evidence` gives the marginal
+likelihood and the search over λ and σ.
+
+After ``fit`` the guide samples :math:`\theta = \theta^* + \mathrm{scatter}_S(L z)` so
+``Predictive`` works, and :meth:`~AutoSubnetLaplace.predict` gives the linearized predictive.
+
+References:
+    Daxberger et al., "Bayesian Deep Learning via Subnetwork Inference", ICML 2021.
+    Immer et al., "Improving predictions of Bayesian neural nets via local linearization",
+    AISTATS 2021.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import pyro.distributions as dist
+import torch
+from pyro.infer.autoguide import AutoContinuous
+from torch import nn
+
+from pyro_bdl._validation import check_choice, check_positive, check_positive_int
+from pyro_bdl.curvature.memory import check_memory
+from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.laplace.evidence import (
+    PRIOR_STRUCTURES,
+    SEARCHES,
+    default_grid,
+    eigenbasis,
+    evidence,
+    layer_groups,
+    marglik_score,
+    optimize_marglik,
+    structure_val_ll_score,
+    tune_grid,
+    val_ll_score,
+)
+from pyro_bdl.guides.laplace.model import (
+    Observation,
+    check_reduce_fn,
+    check_supported,
+    declared_precision,
+    eval_mode,
+    fit_diag,
+    fit_full,
+    fit_kron,
+    head,
+    iter_batches,
+    jacobians,
+    leaf_slots,
+    observe,
+    training_loss_gradient,
+    warn_if_not_at_mode,
+)
+from pyro_bdl.guides.laplace.posterior import (
+    LINKS,
+    DiagPosterior,
+    FullPosterior,
+    KronPosterior,
+    StructuredNormal,
+    SubnetNormal,
+    accumulation_dtype,
+    check_blockwise,
+    kron_blocks,
+    posterior_factor,
+    predictive,
+)
+from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
+from pyro_bdl.guides.state_checks import CheckedLoad, shape_of
+from pyro_bdl.layout import SiteLayout
+from pyro_bdl.nn.lift import init_to_network
+
+__all__ = [
+    "HESSIAN_STRUCTURES",
+    "PRIOR_SCALINGS",
+    "AutoLaplace",
+    "AutoSubnetLaplace",
+    "NotFittedError",
+    "SubnetNormal",
+]
+
+#: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
+PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
+#: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace.posterior`).
+HESSIAN_STRUCTURES = ("full", "kron", "diag")
+#: The likelihoods a fit reads ("" before any fit), in the order the packed state codes them.
+_LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian")
+
+
+class NotFittedError(RuntimeError):
+    """Raised when a post-hoc posterior is used before it was fitted."""
+
+
+class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
+    r"""Subnetwork linearized Laplace: a MAP guide while training, then a GGN Laplace posterior
+    over a subnetwork S after :meth:`fit`, full-covariance by default, or Kronecker-factored or
+    diagonal (``hessian_structure``); :class:`AutoLaplace` is the same family with
+    laplace-torch's defaults.
+
+    Usage::
+
+        guide = AutoSubnetLaplace(model, subnetwork="largest_variance", size=1000)
+        # ... train with SVI(model, guide, optim, Trace_ELBO()) as a MAP estimate ...
+        guide.fit((x_train, y_train))
+        probs = guide.predict(x_test, link="probit")
+
+    :param callable model: a Pyro model whose weights are latent sites and with one observed
+        site; a :class:`~pyro_bdl.models.NetworkModel` (:func:`pyro_bdl.models.classifier`,
+        :func:`~pyro_bdl.models.regressor`) declares its network and likelihood, a hand-written
+        model is read as :mod:`~pyro_bdl.guides.laplace.model` describes.
+    :param subnetwork: ``"all"``, ``"last_layer"``, ``"random"``, ``"largest_variance"``, a list
+        of site names or globs, or a list/LongTensor of packed weight indices.
+    :param str hessian_structure: ``"full"`` (dense S × S, the default), ``"kron"`` (KFAC per
+        ``Linear``/``Conv2d`` layer, bias folded in; the subnetwork must hold whole layers) or
+        ``"diag"`` (the exact diagonal of the GGN). Every structure keeps its posterior, the
+        tuned σ and the fit statistics in ``state_dict``.
+    :param size: S for ``"random"``/``"largest_variance"``: a count or a fraction in (0, 1].
+    :param variances: marginal variances for ``"largest_variance"``: ``"diagonal_laplace"``
+        (computed in :meth:`fit`), a mapping site name -> tensor, or an
+        :class:`~pyro_bdl.guides.AutoSWAG` guide (its ``marginal_variances()``, SWAG-diag).
+    :param float prior_precision: λ of an isotropic Gaussian prior over all D weights, instead
+        of the prior declared in :func:`~pyro_bdl.bayesianize` (default: that prior, one
+        precision 1/s² per weight; :meth:`fit` raises
+        :class:`~pyro_bdl.priors.NonGaussianPriorError` when it is not Gaussian). The buffer
+        ``prior_precision`` holds λ: 0-dim when one value holds for every weight (given or
+        tuned), else, after :meth:`fit`, the declared precision of each subnetwork weight.
+    :param str prior_scaling: ``"per_weight"`` (default): λ is the prior precision of each
+        included weight, λ_S = λ (laplace-torch's meaning); ``"subnetwork_fraction"``:
+        λ_S = λ·S/D, the rule of Daxberger et al. (appendix C), which keeps the size of the
+        linearised kernel of the D-weight prior when only S weights are kept.
+    :param int seed: seed of the ``"random"`` rule.
+    :param int batch_size: rows per Jacobian chunk in :meth:`predict`, and at most that many in
+        :meth:`fit`.
+    :param int chunk_memory: bytes one Jacobian chunk of :meth:`fit` may use for the network's
+        forward graph, its layer-output gradients and temporaries; :meth:`fit` takes as many
+        rows (≤ ``batch_size``) as fit. Default: ``max(2·S², batch_size·C·S)`` numbers (at least
+        4 MiB), the size of the S-dependent part, so that the peak memory of :meth:`fit` hardly
+        grows with the network. Raise it for speed on a network with large activations.
+    :param accumulate_dtype: dtype of H_S and the covariance (default float64, which a small
+        prior precision needs; see
+        :func:`~pyro_bdl.guides.laplace.posterior.accumulation_dtype`).
+    :param int max_memory: bytes :meth:`fit` may use for the S × S matrices and one Jacobian
+        chunk (default: the memory available on the device).
+    :param callable init_loc_fn: initial MAP values (default: the network's own weights).
+    """
+
+    #: Where each weight site sits in the packed vector (set by the first call of the guide).
+    layout: SiteLayout
+    #: The buffers ``fit`` sizes: a state's shapes replace the empty ones of an unfitted guide.
+    _resizable_state = ("map_loc", "subnet_index", "ggn", "scale_tril", "prior_precision")
+
+    def __init__(
+        self,
+        model,
+        *,
+        subnetwork: Any,
+        hessian_structure: str = "full",
+        size: int | float | None = None,
+        variances: Any = "diagonal_laplace",
+        prior_precision: float | None = None,
+        prior_scaling: str = "per_weight",
+        seed: int = 0,
+        batch_size: int = 64,
+        accumulate_dtype: torch.dtype | None = None,
+        max_memory: int | None = None,
+        chunk_memory: int | None = None,
+        init_loc_fn=init_to_network,
+    ):
+        self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
+        if prior_precision is not None:
+            check_positive("prior_precision", prior_precision, fix="Pass λ = 1/prior_scale² > 0.")
+        check_choice("prior_scaling", prior_scaling, PRIOR_SCALINGS)
+        check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
+        if hessian_structure == "kron" and self.rule.kind in ("random", "largest_variance"):
+            raise ValueError(
+                f"hessian_structure='kron' needs whole layers; subnetwork={self.rule.kind!r} picks "
+                "single weights. Use subnetwork='all', 'last_layer' or a list of layer site names, "
+                "or hessian_structure='full' or 'diag'."
+            )
+        check_positive_int("batch_size", batch_size)
+        if max_memory is not None:
+            check_positive_int("max_memory", max_memory)
+        if chunk_memory is not None:
+            check_positive_int("chunk_memory", chunk_memory)
+        if accumulate_dtype is not None and not (
+            isinstance(accumulate_dtype, torch.dtype) and accumulate_dtype.is_floating_point
+        ):
+            raise TypeError(f"accumulate_dtype must be a float dtype; got {accumulate_dtype!r}.")
+        check_supported(model)  # a NetworkModel's likelihood, before the MAP phase trains it
+        super().__init__(model, init_loc_fn=init_loc_fn)
+        self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
+        self.prior_scaling = prior_scaling
+        self.hessian_structure = hessian_structure
+        self._structure: Any = None  # the kron/diag posterior (full lives in the buffers)
+        self._saved_state: torch.Tensor | None = None  # get_extra_state of a loaded state
+        self._stats: torch.Tensor | None = None  # fit statistics for the marginal likelihood
+        self._noise: float | None = None  # a tuned Gaussian σ (None: the model's)
+        self._noise0: float | None = None  # the model's σ, at which the GGN was computed
+        self._likelihood = ""
+        self.batch_size = batch_size
+        self.accumulate_dtype = accumulate_dtype
+        self.max_memory = max_memory
+        self.chunk_memory = chunk_memory
+        self.prior_precision: torch.Tensor
+        # Empty until fit reads the declared prior, unless one value is given.
+        given: list | float = [] if prior_precision is None else float(prior_precision)
+        self.register_buffer("prior_precision", torch.tensor(given, dtype=torch.float64))
+        for name in ("map_loc", "subnet_index", "ggn", "scale_tril"):
+            self.register_buffer(name, torch.zeros(0))
+
+    # ---- Pyro guide protocol -------------------------------------------------------------
+
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        # AutoContinuous keeps the subsampled sizes of plates, so the layout does too.
+        self.layout, loc = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
+        self.loc = nn.Parameter(loc)
+
+    def _ensure_setup(self) -> None:
+        if self.prototype_trace is None:
+            raise RuntimeError(
+                "AutoSubnetLaplace has not seen the model yet; call the guide once with the "
+                "model's arguments (for example guide(x, y) or one svi.step(x, y)) first."
+            )
+
+    def _unpack_latent(self, latent):
+        nodes = self.prototype_trace.nodes
+        for site, value in zip(self.layout, self.layout.split(latent)):
+            yield nodes[site.name], value
+
+    @property
+    def fitted(self) -> bool:
+        return self.subnet_index.numel() > 0
+
+    def get_posterior(self, *args, **kwargs):
+        if not self.fitted:
+            return dist.Delta(self.loc, event_dim=1)
+        if self.hessian_structure == "full":
+            return SubnetNormal(self.map_loc, self.subnet_index, self.scale_tril)
+        return StructuredNormal(self.map_loc, self.subnet_index, self.posterior)
+
+    @property
+    def posterior(self):
+        """The fitted posterior structure over the subnetwork
+        (:mod:`~pyro_bdl.guides.laplace.posterior`): ``variances()``, ``apply_scale``,
+        ``sample``, ``logdet``."""
+        self._check_fitted("posterior")
+        if self.hessian_structure == "full":
+            lam = self._prior_s(self._precision_s(), self.subnet_index.numel(), self.layout.size)
+            lam = torch.as_tensor(lam, dtype=torch.float64, device=self.ggn.device)
+            return FullPosterior(self.ggn, lam, self._noise_scale(), self.scale_tril)
+        if self._structure is None:
+            self._structure = self._structure_from_state()
+        return self._structure
+
+    def flat_loc_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fitted:
+            return self.loc, torch.zeros_like(self.loc)
+        scale = torch.zeros_like(self.map_loc)
+        scale[self.subnet_index] = self.posterior.variances().sqrt().to(scale.dtype)
+        return self.map_loc, scale
+
+    @property
+    def covariance(self) -> torch.Tensor:
+        """Σ_S (S × S), the posterior covariance of the subnetwork weights (``"full"`` only; the
+        other structures give ``posterior.variances()``)."""
+        self._check_fitted("covariance")
+        if self.hessian_structure != "full":
+            raise ValueError(
+                f"covariance is the dense S × S matrix, which hessian_structure="
+                f"{self.hessian_structure!r} never forms; use guide.posterior.variances() for "
+                "the marginal variances."
+            )
+        return self.scale_tril @ self.scale_tril.T
+
+    def __getstate__(self):
+        self._user_model = None  # a model is often a closure, which cannot be pickled
+        return super().__getstate__()
+
+    # ---- reading the model -------------------------------------------------------------------
+
+    def _check_fitted(self, what: str) -> None:
+        if not self.fitted:
+            raise NotFittedError(
+                f"AutoSubnetLaplace.{what} needs the Laplace posterior; train the MAP estimate, "
+                "then call guide.fit(data) first."
+            )
+
+    @property
+    def _raw_model(self):
+        # The user's model without the guide's InitMessenger: predicting leaves the target site
+        # unobserved, and a user's init_loc_fn need only know the weight sites.
+        return self._user_model[0] if self._user_model else self.model
+
+    def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
+        with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
+            values = leaf_slots(self.layout, self.loc)[0]
+            return observe(
+                self._raw_model,
+                self.layout,
+                head(batch, 1),
+                without_targets=without_targets,
+                values=values,
+            )
+
+    # ---- fitting ---------------------------------------------------------------------------
+
+    def _precision(self, index=None, full=None) -> float | torch.Tensor:
+        """λ: the one value held (given or tuned), else the declared prior's precision (float64)
+        of the weights ``index`` (taken from ``full`` when given), or of all D weights."""
+        if self.prior_precision.dim() == 0:
+            return float(self.prior_precision)
+        if index is None:
+            return self.layout.gaussian_prior()[1].to(self.loc.device, torch.float64)
+        return full[index] if full is not None else declared_precision(self.layout, index)
+
+    def _precision_s(self) -> float | torch.Tensor:
+        """λ of the fitted subnetwork weights: one value, or one per weight."""
+        p = self.prior_precision
+        return float(p) if p.dim() == 0 else p
+
+    def _variances(self, data: Any, lam, obs: Observation, reduce_fn):
+        external = self.rule.external_variances(self.layout)
+        if external is not None or not self.rule.needs_diagonal_laplace:
+            return external
+        diag, _ = fit_diag(
+            self._raw_model,
+            self.layout,
+            self.loc,
+            data,
+            obs,
+            batch_size=self.batch_size,
+            reduce_fn=reduce_fn,
+            stats=False,
+        )
+        return 1.0 / (diag + lam)
+
+    def fit(self, data: Any, *, reduce_fn=None, check_mode: bool = True) -> AutoSubnetLaplace:
+        r"""Compute the GGN Laplace posterior over the subnetwork at the current MAP values.
+
+        :param data: the training data, a tuple ``(x, y)`` of tensors or a DataLoader yielding
+            ``(x, y)`` batches (the model's positional arguments).
+        :param reduce_fn: for data-parallel fitting, a callable that sums a tensor over ranks
+            (an all-reduce); each rank passes its own rows and every curvature statistic is
+            summed once per block before it is factorised (:mod:`~pyro_bdl.guides.laplace.model`).
+        :param bool check_mode: check that the weights are at a mode of the training loss
+            (one more pass over the data) and warn with
+            :class:`~pyro_bdl.guides.laplace.model.NotAtModeWarning` when they are far from it
+            (:func:`~pyro_bdl.guides.laplace.model.warn_if_not_at_mode`); ``False`` fits at
+            any weights silently.
+        :returns: ``self``.
+        :raises NonGaussianPriorError: when no ``prior_precision`` was given and a weight's
+            declared prior is not Gaussian (before anything changes).
+        """
+        check_reduce_fn(reduce_fn)
+        first = next(iter_batches(data, self.batch_size))
+        if self.prototype_trace is None:
+            self._setup_prototype(*first)
+        obs = self._observe(first)
+        # Checks first (nothing below changes state until the buffers are assigned).
+        dtype = accumulation_dtype(self.accumulate_dtype, self.loc.dtype)
+        count = self.rule.size_of(self.layout)
+        if self.hessian_structure == "full":
+            check_memory(
+                count, obs.outputs, self.batch_size, dtype, self.loc.device, self.max_memory
+            )
+        # The diagonal Laplace needs λ of all D weights; otherwise the subnetwork's are read
+        # site by site, so that no vector over all weights adds to the peak memory.
+        lam = self._precision() if self.rule.needs_diagonal_laplace else None
+        variances = self._variances(data, lam, obs, reduce_fn)
+        index = self.rule.select(self.layout, variances).to(self.loc.device)
+        lam_s = self._precision(index, full=lam)
+        del lam, variances
+        prior = self._prior_s(lam_s, index.numel(), self.layout.size)
+        prior_t = torch.as_tensor(prior, dtype=torch.float64, device=self.loc.device)
+        ggn, scale_tril, structure = torch.zeros(0), torch.zeros(0), None
+        net = (self._raw_model, self.layout, self.loc)
+        if self.hessian_structure == "full":
+            ggn, stats = fit_full(
+                *net,
+                data,
+                first,
+                obs,
+                index,
+                dtype,
+                batch_size=self.batch_size,
+                chunk_memory=self.chunk_memory,
+                reduce_fn=reduce_fn,
+            )
+            scale_tril = posterior_factor(ggn, prior)
+        elif self.hessian_structure == "diag":
+            diag, diag_stats = fit_diag(
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+            )
+            assert diag_stats is not None  # fit_diag gives them unless told not to
+            stats = diag_stats
+            structure = DiagPosterior(diag, prior_t)
+        else:
+            blocks, a_sums, g_sums, stats = fit_kron(
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+            )
+            check_blockwise(prior_t, blocks)
+            rows = float(stats[0])
+            structure = KronPosterior.from_factors(
+                blocks, a_sums, g_sums, rows, prior_t, index.numel()
+            )
+        self.map_loc = self.loc.detach().clone()
+        self.subnet_index = index
+        self.ggn, self.scale_tril = ggn, scale_tril
+        self._structure, self._stats, self._noise = structure, stats, None
+        self._saved_state = None
+        self._likelihood, self._noise0 = obs.likelihood, obs.noise
+        if not isinstance(lam_s, float):
+            self.prior_precision = lam_s
+        if check_mode:
+            gradient = training_loss_gradient(
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+            )
+            theta = self.map_loc[index].double()
+            warn_if_not_at_mode(gradient + prior_t.to(theta) * theta, self.posterior)
+        return self
+
+    def _prior_s(self, lam, count: int, total: int):
+        """λ_S from λ (one value or one per subnetwork weight)."""
+        return lam * count / total if self.prior_scaling == "subnetwork_fraction" else lam
+
+    # ---- predicting ------------------------------------------------------------------------
+
+    def _jacobians(self, data: Any, obs: Observation):
+        """``(outputs, J_S, batch)`` at the MAP values (:func:`~.model.jacobians`)."""
+        return jacobians(
+            self._raw_model,
+            self.layout,
+            self.map_loc,
+            data,
+            obs,
+            self.subnet_index,
+            batch_size=self.batch_size,
+        )
+
+    def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
+        r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
+
+        Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
+        closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
+        ``link``: ``"probit"`` (per logit), ``"bridge"`` (Laplace bridge) or ``"mc"``
+        (``num_samples`` draws):
+        :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
+
+        :param torch.Tensor x: inputs, the model's first argument.
+        """
+        check_choice("link", link, LINKS)
+        check_positive_int("num_samples", num_samples)
+        self._check_fitted("predict")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
+        obs = self._observe((x,), without_targets=True)
+        posterior = self.posterior
+        chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in self._jacobians((x,), obs))
+        noise = obs.noise if self._noise is None else self._noise
+        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+
+    # ---- the evidence and the prior precision ----------------------------------------------
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The Gaussian observation noise σ the posterior and :meth:`predict` use: the tuned one
+        (``tune_prior_precision(tune_noise=True)``), else the model's (``None`` unless the
+        likelihood is Gaussian)."""
+        return self._noise if self._noise is not None else self._noise0
+
+    def _noise_scale(self) -> float:
+        """c = σ₀²/σ², the factor from the GGN at the model's σ₀ to the tuned σ."""
+        if self._noise is None:
+            return 1.0
+        assert self._noise0 is not None  # σ is tuned only under a Gaussian likelihood's σ₀
+        return (self._noise0 / self._noise) ** 2
+
+    def _sigma(self) -> torch.Tensor | None:
+        """The tuned σ as a float64 tensor (``None``: the model's)."""
+        return None if self._noise is None else torch.tensor(self._noise, dtype=torch.float64)
+
+    def _set_prior(self, lam_s: torch.Tensor, sigma: float | None) -> None:
+        """Hold λ_S (one per subnetwork weight) and σ, and refactor the posterior."""
+        s, total = self.subnet_index.numel(), self.map_loc.numel()
+        lam = lam_s / self._prior_s(1.0, s, total)
+        same = bool(torch.all(lam == lam.reshape(-1)[0]))
+        self.prior_precision = lam.reshape(-1)[0].clone() if same else lam.clone()
+        self._noise = sigma if sigma is not None else self._noise
+        c = self._noise_scale()
+        prior: float | torch.Tensor = float(lam_s.reshape(-1)[0]) if same else lam_s
+        if self.hessian_structure == "full":
+            self.scale_tril = posterior_factor(c * self.ggn, prior)
+        else:
+            self._structure = self._structure.with_prior(lam_s, c)
+
+    def marginal_likelihood(self) -> float:
+        r"""The Laplace log marginal likelihood :math:`\log p(\mathcal D)` at the held prior
+        precision and σ (:func:`~pyro_bdl.guides.laplace.evidence.evidence`)."""
+        self._check_fitted("marginal_likelihood")
+        post = self.posterior
+        theta = self.map_loc[self.subnet_index]
+        lam = torch.as_tensor(post.lam, dtype=torch.float64)
+        stats = self._fit_stats()
+        value = evidence(post, theta, lam, stats, self._likelihood, self._noise0, self._sigma())
+        return float(value)
+
+    def _fit_stats(self) -> torch.Tensor:
+        if self._stats is None:
+            raise ValueError(
+                "the marginal likelihood needs the fit statistics, which state_dict does not "
+                "keep; call guide.fit(data) again."
+            )
+        return self._stats
+
+    def tune_prior_precision(
+        self,
+        data: Any = None,
+        *,
+        method: str = "marglik",
+        search: str | None = None,
+        grid: torch.Tensor | None = None,
+        refine: bool = True,
+        prior_structure: str = "scalar",
+        tune_noise: bool = False,
+        max_iter: int = 200,
+    ) -> float | torch.Tensor:
+        r"""Choose the prior precision by the Laplace marginal likelihood or the validation
+        log-likelihood, update the posterior and return λ (a float for one value, else one per
+        subnetwork weight).
+
+        ``search="gradient"`` (the default for ``"marglik"`` without a ``grid``) maximises the
+        evidence over log λ (``prior_structure``: ``"scalar"``, ``"layerwise"`` or
+        ``"diagonal"``, the last not with ``"kron"``) and, with ``tune_noise`` (Gaussian
+        likelihood), log σ, by L-BFGS (Immer et al. 2021). ``search="grid"`` searches one λ on
+        a log grid (default :math:`10^{-4} … 10^{4}`, 17 values), then a finer grid between the
+        best value's neighbours; it warns when the best value sits at the grid's edge (a
+        one-value grid just sets λ, silently). The searches are those of
+        :mod:`~pyro_bdl.guides.laplace.evidence`.
+
+        :param data: validation ``(x, y)`` (or a DataLoader) for ``method="val_ll"``.
+        :param str method: ``"marglik"`` or ``"val_ll"`` (probit predictive log-likelihood).
+        """
+        check_choice("method", method, ("marglik", "val_ll"))
+        search = search or ("grid" if grid is not None or method == "val_ll" else "gradient")
+        check_choice("search", search, SEARCHES)
+        check_choice("prior_structure", prior_structure, PRIOR_STRUCTURES)
+        check_positive_int("max_iter", max_iter)
+        self._check_fitted("tune_prior_precision")
+        if method == "val_ll" and data is None:
+            raise ValueError("method='val_ll' needs validation data (x, y); pass data=.")
+        if search == "gradient" and method != "marglik":
+            raise ValueError(
+                "search='gradient' optimises the marginal likelihood; use "
+                "method='marglik', or search='grid' for method='val_ll'."
+            )
+        if search == "grid" and (prior_structure != "scalar" or tune_noise):
+            raise ValueError(
+                "search='grid' tunes one prior precision; use search='gradient' for "
+                f"prior_structure={prior_structure!r} or tune_noise=True."
+            )
+        if tune_noise and self._likelihood != "gaussian":
+            raise ValueError(
+                "tune_noise=True needs a Gaussian likelihood; this model's is "
+                f"{self._likelihood!r}."
+            )
+        if prior_structure == "diagonal" and self.hessian_structure == "kron":
+            raise ValueError(
+                "prior_structure='diagonal' cannot be added exactly to Kronecker factors; use "
+                "'scalar' or 'layerwise', or hessian_structure='diag' or 'full'."
+            )
+        if search == "gradient":
+            return self._tune_gradient(prior_structure, tune_noise, max_iter)
+        return self._tune_grid(data, method, grid, refine)
+
+    def _tune_gradient(self, prior_structure: str, tune_noise: bool, max_iter: int):
+        stats = self._fit_stats()
+        index = self.subnet_index
+        post = self.posterior
+        theta = self.map_loc[index].double()
+        lam0 = torch.as_tensor(post.lam, dtype=torch.float64).expand(theta.shape)
+        groups = layer_groups(self.layout, index)
+        # The evidence rescales the GGN as computed (at σ₀) by (σ₀/σ)² itself.
+        lam_s, sigma, _ = optimize_marglik(
+            post,
+            theta,
+            groups.to(theta.device),
+            lam0,
+            stats,
+            self._likelihood,
+            self._noise0,
+            prior_structure=prior_structure,
+            tune_noise=tune_noise,
+            max_iter=max_iter,
+        )
+        self._set_prior(lam_s, sigma)
+        lam = self.prior_precision
+        return float(lam) if lam.dim() == 0 else lam
+
+    def _tune_grid(self, data: Any, method: str, grid, refine: bool) -> float:
+        index = self.subnet_index
+        s, total = index.numel(), self.map_loc.numel()
+        ratio = self._prior_s(1.0, s, total)
+        theta = self.map_loc[index]
+        grid = default_grid(grid)
+        if method == "val_ll":
+            first = next(iter_batches(data, self.batch_size))
+            if len(first) < 2:
+                raise ValueError("validation data must be (x, y).")
+            obs = self._observe(first)
+            parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs))
+        if self.hessian_structure == "full" and self._noise is None:
+            # In the GGN's eigenbasis every isotropic λ of the grid costs O(S).
+            evals, evecs = eigenbasis(self.ggn)
+            if method == "marglik":
+                score = marglik_score(DiagPosterior(evals, evals.new_zeros(())), theta, ratio)
+            else:
+                score = val_ll_score(parts, obs.likelihood, obs.noise, evals, evecs, ratio)
+        elif method == "marglik":
+            score = marglik_score(
+                self.posterior,
+                theta,
+                ratio,
+                stats=self._fit_stats(),
+                likelihood=self._likelihood,
+                noise=self._noise0,
+                sigma=self._sigma(),
+            )
+        else:
+            noise = obs.noise if self._noise is None else self._noise
+            c = self._noise_scale()
+            score = structure_val_ll_score(self.posterior, parts, obs.likelihood, noise, c, ratio)
+        best = tune_grid(score, grid, refine=refine)
+        self._set_prior(torch.full((s,), best * ratio, dtype=torch.float64), None)
+        return best
+
+    # ---- the state -------------------------------------------------------------------------
+
+    def get_extra_state(self) -> torch.Tensor:
+        """What ``fit`` and the tuning hold beside the buffers, packed into one float64 tensor
+        (so that a state stays a dict of tensors): the Hessian structure, the likelihood, σ
+        (the model's and a tuned one; 0 for none, as σ > 0), the fit statistics (zeros for
+        none, as a fit sees at least one row), and for a ``kron`` or
+        ``diag`` posterior its GGN scale c, its prior precisions and its diagonal or
+        eigendecompositions (a ``full`` one lives in the buffers ``ggn`` and ``scale_tril``)."""
+        if self._structure is None and self._saved_state is not None:
+            return self._saved_state
+        stats = self._stats if self._stats is not None else torch.zeros(4)
+        head = [
+            float(HESSIAN_STRUCTURES.index(self.hessian_structure)),
+            float(_LIKELIHOODS.index(self._likelihood)),
+            0.0 if self._noise is None else self._noise,
+            0.0 if self._noise0 is None else self._noise0,
+        ]
+        parts = [torch.tensor(head, dtype=torch.float64), stats.double().cpu()]
+        post = self._structure
+        if post is not None:
+            lam = torch.as_tensor(post.lam, dtype=torch.float64).reshape(-1).cpu()
+            body = [post.diag] if isinstance(post, DiagPosterior) else [*sum(post.eigen, ())]
+            meta = torch.tensor([float(post.c), float(lam.numel())], dtype=torch.float64)
+            parts += [meta, lam, *(t.double().reshape(-1).cpu() for t in body)]
+        return torch.cat(parts)
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None:  # a state saved before the extra state existed: nothing to restore
+            return
+        values = state.tolist()[:8]
+        self._likelihood = _LIKELIHOODS[int(values[1])]
+        self._noise = values[2] or None
+        self._noise0 = values[3] or None
+        stats = state[4:8].clone()
+        self._stats = stats if values[4] > 0 else None
+        self._structure = None  # rebuilt from the state on first use (it needs the layout)
+        self._saved_state = state.clone()
+
+    def _structure_from_state(self):
+        """The ``kron``/``diag`` posterior from a loaded state (:meth:`set_extra_state`)."""
+        state = self._saved_state
+        if state is None or state.numel() <= 8:
+            raise NotFittedError(
+                f"the {self.hessian_structure!r} posterior is missing from the loaded state "
+                "(saved by an older version); call guide.fit(data) again."
+            )
+        device = self.map_loc.device
+        c, count = float(state[8]), int(state[9])
+        lam = state[10 : 10 + count].to(device)
+        lam = lam.reshape(()) if count == 1 else lam
+        rest = state[10 + count :].to(device)
+        if self.hessian_structure == "diag":
+            return DiagPosterior(rest, lam, c)
+        blocks = kron_blocks(self.layout, self.subnet_index)
+        eigen, start = [], 0
+        for block in blocks:
+            out, k = block.positions.shape
+            sizes = [(k,), (k, k), (out,), (out, out)]
+            tensors = []
+            for shape in sizes:
+                n = math.prod(shape)
+                t = rest[start : start + n].reshape(shape)
+                # Column-major, as torch.linalg.eigh returns its eigenvectors: the products
+                # then round as they did before saving.
+                tensors.append(t.T.contiguous().T if t.dim() == 2 else t)
+                start += n
+            eigen.append(tuple(tensors))
+        return KronPosterior(blocks, eigen, self.subnet_index.numel(), lam, c)
+
+    def _upgrade_state(self, state_dict: dict, prefix: str) -> None:
+        # A state saved before the extra state existed loads as before (a full posterior only).
+        state_dict.setdefault(prefix + "_extra_state", None)
+
+    def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
+        """The buffers ``fit`` sizes must describe one subnetwork of the size this guide's rule
+        selects on this model."""
+        get = lambda name: state_dict.get(prefix + name)  # noqa: E731
+        index, loc = get("subnet_index"), getattr(self, "loc", None)
+        if not isinstance(index, torch.Tensor) or index.numel() == 0:
+            return []  # an unfitted state: nothing sized
+        errors, count = [], index.numel()
+        if index.dtype != torch.long or index.dim() != 1:
+            errors.append(f"{prefix}subnet_index: expected a 1-d LongTensor; got {index.dtype}")
+        elif isinstance(loc, torch.Tensor) and not 0 <= int(index.min()) <= int(index.max()) < len(
+            loc
+        ):
+            errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
+        extra = get("_extra_state")
+        structure = "full"  # a state saved before the packed extra state held only "full"
+        if isinstance(extra, torch.Tensor) and extra.numel() >= 8:
+            code = float(extra[0])
+            known = code in range(len(HESSIAN_STRUCTURES))
+            structure = HESSIAN_STRUCTURES[int(code)] if known else f"unknown (code {code:g})"
+        if structure != self.hessian_structure:
+            errors.append(
+                f"{prefix}_extra_state: the state holds a {structure!r} posterior; this guide "
+                f"has hessian_structure={self.hessian_structure!r}"
+            )
+        dense = (count, count) if self.hessian_structure == "full" else (0,)
+        expected: dict[str, tuple[int, ...]] = {"ggn": dense, "scale_tril": dense}
+        if isinstance(loc, torch.Tensor):
+            expected["map_loc"] = tuple(loc.shape)
+        for name, shape in expected.items():
+            value = get(name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                errors.append(
+                    f"{prefix + name!r}: a subnetwork of {count} weights needs shape {shape}; "
+                    f"the state has {shape_of(value)}"
+                )
+        precision = get("prior_precision")
+        if isinstance(precision, torch.Tensor) and tuple(precision.shape) not in ((), (count,)):
+            errors.append(
+                f"{prefix}prior_precision: expected shape () or ({count},); got "
+                f"{shape_of(precision)}"
+            )
+        rule, layout = getattr(self, "rule", None), getattr(self, "layout", None)
+        if rule is not None and layout is not None:
+            try:
+                size = rule.size_of(layout)
+            except ValueError:
+                size = None
+            if size is not None and size != count:
+                errors.append(
+                    f"{prefix + 'subnet_index'!r}: the state was fitted on a subnetwork of {count} "
+                    f"weights; this guide's rule (subnetwork={rule.kind!r}) selects {size}"
+                )
+        return errors
+
+
+class AutoLaplace(AutoSubnetLaplace):
+    """The Laplace guide family with laplace-torch's defaults: ``hessian_structure="kron"`` over
+    ``subnetwork="all"`` weights; every argument of :class:`AutoSubnetLaplace` is accepted."""
+
+    def __init__(self, model, *, subnetwork: Any = "all", hessian_structure: str = "kron", **kw):
+        super().__init__(model, subnetwork=subnetwork, hessian_structure=hessian_structure, **kw)

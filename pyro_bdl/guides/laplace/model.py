@@ -1,0 +1,605 @@
+r"""The passes of the Laplace guide family over the network: how a model is read (its
+likelihood, its network outputs with the weights held at given values, the data in row chunks),
+and the curvature passes of ``fit`` and the Jacobian pass of ``predict``, each a function of
+explicit arguments (docs/design/laplace.md).
+
+The linearized Laplace needs the network outputs :math:`f(x, \theta)` per example and the
+Hessian of the negative log-likelihood with respect to them. The model is run with its weight
+sites conditioned on the given values, and the outputs are read from the observed site's
+distribution (``logits`` of a ``Categorical`` or ``Bernoulli``, ``loc`` of a ``Normal``), so any
+model that computes its likelihood from the network works.
+
+The contract is explicit for a :class:`~pyro_bdl.models.NetworkModel` (what the factories of
+:mod:`pyro_bdl.models` return): the likelihood and the noise σ are the ones it declares (a point
+estimate of σ is read at its current value; a learned or heteroscedastic σ is refused by
+:func:`check_supported`), and its network is switched to eval mode
+while ``fit`` and ``predict`` evaluate it, because the examples must be independent given the
+weights (BatchNorm then uses its running statistics). A hand-written model declares neither:
+the likelihood and σ are read from its one observed site's distribution, and its layers are
+left in the mode they are in, so put any BatchNorm in eval mode before ``fit`` and ``predict``.
+
+The fit passes (:func:`fit_full`, :func:`fit_diag`, :func:`fit_kron`) return the curvature of
+one Hessian structure with the fit statistics of the data at the MAP
+(:func:`~pyro_bdl.guides.laplace.evidence.fit_statistics`). Every statistic is a sum over
+examples, so data-parallel ranks each pass their own rows and a ``reduce_fn`` (a sum over ranks,
+such as an all-reduce) adds them before anything is divided or factorised: one call per
+curvature block (the GGN, the diagonal, each Kronecker factor) and one for the statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.poutine.util import site_is_subsample
+from torch import nn
+
+from pyro_bdl._validation import check_finite
+from pyro_bdl.curvature.ggn import (
+    diagonal_ggn,
+    linear_layer_ggn,
+    output_hessian_factor,
+    subnet_ggn,
+)
+from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian
+from pyro_bdl.curvature.kfac import kfac_sums
+from pyro_bdl.curvature.memory import chunk_budget, chunk_rows, forward_rows
+from pyro_bdl.guides.laplace.evidence import fit_statistics
+from pyro_bdl.guides.laplace.posterior import KronBlock, kron_blocks
+from pyro_bdl.layout import SiteLayout
+from pyro_bdl.models import NetworkModel
+from pyro_bdl.priors import NonGaussianPriorError, gaussian_prior
+
+__all__ = [
+    "NotAtModeWarning",
+    "Observation",
+    "ReduceFn",
+    "check_reduce_fn",
+    "check_supported",
+    "declared_precision",
+    "eval_mode",
+    "fit_diag",
+    "fit_full",
+    "fit_kron",
+    "forward_at",
+    "forward_fn",
+    "head",
+    "iter_batches",
+    "jacobians",
+    "leaf_slots",
+    "network",
+    "observe",
+    "read_outputs",
+    "training_loss_gradient",
+    "warn_if_not_at_mode",
+]
+
+#: Sums a tensor over data-parallel ranks and returns the sum (same shape and dtype).
+ReduceFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The observed site of a model and what the curvature needs to know of it.
+
+    :ivar str name: the site's name.
+    :ivar str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
+    :ivar noise: the Gaussian observation noise σ (``None`` otherwise).
+    :ivar int outputs: C, the number of outputs per example.
+    :ivar bool vector: whether the model's outputs have shape ``(B,)`` rather than ``(B, C)``.
+    """
+
+    name: str
+    likelihood: str
+    noise: float | None
+    outputs: int
+    vector: bool
+
+
+def network(model) -> nn.Module | None:
+    """The network of a :class:`~pyro_bdl.models.NetworkModel`; ``None`` for any other model."""
+    return model.net if isinstance(model, NetworkModel) else None
+
+
+@contextlib.contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """The network of a :class:`~pyro_bdl.models.NetworkModel` in eval mode inside the block
+    (restored after); a hand-written model is left as it is."""
+    net = network(model)
+    was = net.training if net is not None else False
+    if net is not None:
+        net.eval()
+    try:
+        yield
+    finally:
+        if net is not None and was:
+            net.train()
+
+
+def _unwrap(fn):
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return fn
+
+
+def read_likelihood(fn) -> tuple[str, float | None]:
+    """(likelihood, noise σ) of an observed site's distribution."""
+    base = _unwrap(fn)
+    if isinstance(base, torch.distributions.Categorical):
+        return "categorical", None
+    if isinstance(base, torch.distributions.Bernoulli):
+        return "bernoulli", None
+    if isinstance(base, torch.distributions.Normal):
+        scale = torch.as_tensor(base.scale).detach()
+        if scale.numel() > 1 and not torch.allclose(scale, scale.reshape(-1)[0].expand_as(scale)):
+            raise ValueError(
+                "the Normal observation noise must be one fixed σ for the linearized Laplace; "
+                "got a scale that varies across examples. Use models.regressor(net, N, σ)."
+            )
+        return "gaussian", float(scale.reshape(-1)[0])
+    raise ValueError(
+        f"unsupported likelihood {type(base).__name__} at the observed site; expected "
+        "Categorical(logits=...), Bernoulli(logits=...) or Normal(loc, σ)."
+    )
+
+
+def read_outputs(fn) -> torch.Tensor:
+    """The network outputs, (B, C) or (B,), behind an observed site's distribution."""
+    base = _unwrap(fn)
+    if isinstance(base, (torch.distributions.Categorical, torch.distributions.Bernoulli)):
+        return base.logits
+    if isinstance(base, torch.distributions.Normal):
+        return base.loc
+    read_likelihood(fn)  # raises, naming the unsupported distribution
+    raise AssertionError("unreachable")
+
+
+def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = False, values=None):
+    """The :class:`Observation` of ``model(*args)``: its one observed site (called
+    ``without_targets``, the one sample site that is not a weight site of ``layout``), the
+    likelihood (declared by a :class:`~pyro_bdl.models.NetworkModel`, else read from the site)
+    and the outputs' shape. ``values`` (site name -> value) holds the weights where they are,
+    since weights drawn from a broad prior can overflow a deep network's outputs."""
+    if isinstance(model, NetworkModel):
+        check_supported(model)
+    run = poutine.condition(model, data=values) if values is not None else model
+    with torch.no_grad(), poutine.block():
+        trace = poutine.trace(run).get_trace(*args)
+    observed = [
+        n
+        for n, s in trace.nodes.items()
+        if s["type"] == "sample"
+        and not site_is_subsample(s)
+        and n not in layout
+        and (s["is_observed"] or without_targets)
+    ]
+    if len(observed) != 1:
+        raise ValueError(
+            f"AutoSubnetLaplace needs exactly one observed site in the model; found "
+            f"{observed or 'none'}. Pass the targets as the model's y argument."
+        )
+    fn = trace.nodes[observed[0]]["fn"]
+    if isinstance(model, NetworkModel):
+        likelihood, noise = model.likelihood, model.noise_scale
+    else:
+        likelihood, noise = read_likelihood(fn)
+    out = read_outputs(fn)
+    outputs = out.shape[-1] if out.dim() == 2 else 1
+    return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1)
+
+
+def check_supported(model) -> None:
+    """Refuse a :class:`~pyro_bdl.models.NetworkModel` whose likelihood the linearized Laplace
+    cannot take: a Gaussian whose σ is a latent site or comes from the network. The GGN and the
+    predictive treat the observation noise as one known σ. Other models pass (their likelihood
+    is read from the observed site at :meth:`fit`)."""
+    if not isinstance(model, NetworkModel):
+        return
+    if model.likelihood == "gaussian" and model.noise in ("learned", "heteroscedastic"):
+        what = (
+            "σ is a latent site (noise='learned')"
+            if model.noise == "learned"
+            else "σ(x) comes from the network (heteroscedastic_regressor)"
+        )
+        raise ValueError(
+            f"AutoSubnetLaplace with a Gaussian likelihood needs one known noise σ, but {what}; "
+            "the linearized Laplace treats σ as fixed. Use regressor(..., noise='point') (σ "
+            "fitted with the MAP weights and held at its estimate) or noise='fixed', or a "
+            "variational guide (AutoMeanField, AutoRadial) or AutoSWAG for this model."
+        )
+
+
+def leaf_slots(layout: SiteLayout, flat: torch.Tensor) -> tuple[dict, list[ParamSlot]]:
+    """Every site's value from the packed unconstrained ``flat`` (fresh leaves that require
+    grad, views of ``flat``), and the :class:`~pyro_bdl.curvature.ParamSlot` of each site."""
+    values, slots = {}, []
+    for site, block in zip(layout, layout.split(flat.detach())):
+        u = block.detach().requires_grad_(True)
+        value = site.constrain(u)
+        # The hook path needs the layer to use u itself; a constrained site (value ≠ u) takes
+        # the generic path, which differentiates through the transform.
+        # A weight tied into several layers is read by all of them: only the generic path
+        # (autograd through the whole forward) sees every use.
+        tied = site.spec is not None and bool(site.spec.alias_layers)
+        if site.module is not None and value is u and not tied:
+            slots.append(ParamSlot(u, site.module, site.param_name or ""))
+        else:
+            slots.append(ParamSlot(u, None, ""))
+        values[site.name] = value
+    return values, slots
+
+
+def forward_fn(model, values: dict, args: tuple, obs_name: str) -> Callable[[], torch.Tensor]:
+    """A function running ``model(*args)`` with the weight sites at ``values`` and returning the
+    network outputs behind the observed site ``obs_name``."""
+
+    def forward() -> torch.Tensor:
+        with poutine.block():
+            conditioned = poutine.condition(model, data=values)
+            trace = poutine.trace(conditioned).get_trace(*args)
+        if obs_name not in trace.nodes:
+            raise ValueError(f"the model has no site {obs_name!r} any more.")
+        return read_outputs(trace.nodes[obs_name]["fn"])
+
+    return forward
+
+
+def declared_precision(layout: SiteLayout, index: torch.Tensor) -> torch.Tensor:
+    """The precision (float64, on ``index``'s device) of the Gaussian prior declared in
+    :func:`~pyro_bdl.bayesianize` for the packed weights ``index`` (sorted), read site by site
+    so that no vector over all D weights is formed; every site is checked.
+
+    :raises NonGaussianPriorError: naming the first site whose prior is not Gaussian (or that is
+        not a lifted weight) and the way out, an explicit ``prior_precision=``.
+    """
+    parts = []
+    for site in layout:
+        if site.spec is None:
+            raise NonGaussianPriorError(
+                f"site {site.name!r} is not a weight lifted by pyro_bdl.bayesianize, so its "
+                "prior is unknown to this method; pass prior_precision= explicitly."
+            )
+        _, precision = gaussian_prior(site.spec)
+        local = index[(index >= site.start) & (index < site.stop)] - site.start
+        parts.append(precision.reshape(-1)[local.to(precision.device)].to(index.device))
+    return torch.cat(parts).to(torch.float64)
+
+
+def head(batch: tuple, n: int) -> tuple:
+    """The first ``n`` rows of every tensor of a batch."""
+    return tuple(t[:n] if isinstance(t, torch.Tensor) else t for t in batch)
+
+
+def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
+    """Chunks of at most ``batch_size`` rows from a tuple of tensors or a DataLoader."""
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        batches: Iterable = [tuple(data)]
+    elif isinstance(data, Iterable) and not isinstance(data, (torch.Tensor, str, dict)):
+        batches = data
+    else:
+        raise TypeError(
+            "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); got "
+            f"{type(data).__name__}."
+        )
+    empty = True
+    for batch in batches:
+        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        if not any(isinstance(t, torch.Tensor) for t in batch):
+            raise TypeError(
+                "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
+                f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
+            )
+        for i, t in enumerate(batch):
+            if isinstance(t, torch.Tensor):
+                check_finite(f"data tensor {i} (0: x, 1: y)", t)
+        rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
+        if len(rows) != 1 or 0 in rows:
+            raise ValueError(
+                f"every tensor of a batch needs the same, non-zero number of rows; got "
+                f"{sorted(rows)}. Pass matching (x, y)."
+            )
+        n = rows.pop()
+        for start in range(0, n, batch_size):
+            empty = False
+            yield tuple(
+                t[start : start + batch_size] if isinstance(t, torch.Tensor) else t for t in batch
+            )
+    if empty:
+        raise ValueError("data is empty; fit needs at least one example.")
+
+
+# ---- the passes ----------------------------------------------------------------------------
+
+
+def forward_at(model, layout: SiteLayout, flat: torch.Tensor, args: tuple, obs: Observation):
+    """``(forward function, slots)`` of the network of ``model`` with the weights at the packed
+    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`)."""
+    values, slots = leaf_slots(layout, flat)
+    return forward_fn(model, values, args, obs.name), slots
+
+
+def check_reduce_fn(reduce_fn: Any) -> None:
+    if reduce_fn is not None and not callable(reduce_fn):
+        raise TypeError(
+            f"reduce_fn must be a callable summing a tensor over ranks (for example "
+            f"pyro_bdl.distributed's all-reduce) or None; got {type(reduce_fn).__name__}."
+        )
+
+
+def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor) -> torch.Tensor:
+    if reduce_fn is None:
+        return t
+    out = reduce_fn(t)
+    if not isinstance(out, torch.Tensor) or out.shape != t.shape:
+        raise ValueError(
+            f"reduce_fn must return a tensor of the shape it was given {tuple(t.shape)}; got "
+            f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}."
+        )
+    return out
+
+
+def _stats(out: torch.Tensor, batch: tuple, obs: Observation) -> torch.Tensor:
+    if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
+        raise ValueError("fit needs the targets: pass data as (x, y) or a DataLoader of (x, y).")
+    return fit_statistics(out, batch[1], obs.likelihood, obs.noise)
+
+
+def _factor(obs: Observation):
+    return lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
+
+
+def single_linear(layout: SiteLayout, index: torch.Tensor) -> KronBlock | None:
+    """The block of the subnetwork when it is exactly one whole ``Linear`` layer (weight, and
+    bias if it has one), else ``None``."""
+    try:
+        blocks = kron_blocks(layout, index)
+    except ValueError:
+        return None
+    if len(blocks) != 1 or blocks[0].layer.kind != "linear":
+        return None
+    return blocks[0] if blocks[0].positions.numel() == index.numel() else None
+
+
+def fit_full(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    first: tuple,
+    obs: Observation,
+    index: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    batch_size: int,
+    chunk_memory: int | None = None,
+    reduce_fn: ReduceFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(GGN over index (S × S, in dtype), statistics)`` of ``model`` at the packed weights
+    ``loc``, from :math:`J_S` in row chunks sized by the memory budget
+    (:mod:`~pyro_bdl.curvature.memory`: ``chunk_memory`` bytes, at most ``batch_size`` rows);
+    when the subnetwork is one whole ``Linear`` layer (the last layer), from its inputs without
+    :math:`J_S` (:func:`~pyro_bdl.curvature.ggn.linear_layer_ggn`). The memory of a chunk is
+    measured on ``first``, the first batch of ``data``."""
+    item = torch.finfo(dtype).bits // 8
+    count = index.numel()
+    budget = chunk_budget(count, obs.outputs, batch_size, item, chunk_memory)
+    # Measured on the first rows; the weights and the data are not the chunk's memory.
+    tensors = [t for t in first if isinstance(t, torch.Tensor)]
+    net = network(model)
+    owned = [*net.parameters(), *net.buffers()] if net is not None else []
+    exclude = [loc, *tensors, *owned]
+    layer = single_linear(layout, index)
+    with eval_mode(model):
+        at = lambda n: forward_at(model, layout, loc, head(first, n), obs)  # noqa: E731
+        if layer is not None:
+            # Per row: the forward graph, one row of the O·k products, the layer input, the
+            # gradients at the layer's output (O × C) and their products (O × O).
+            o = layer.positions.shape[0]
+            width = 2 * count + layer.positions.shape[1] + o * (o + obs.outputs)
+            rows = forward_rows(
+                at, budget, batch_size, width * item, available=len(tensors[0]), exclude=exclude
+            )
+            select_numbers = budget // 4 // (3 * item)
+        else:
+            rows, select_numbers = chunk_rows(
+                at, index, budget, batch_size, item, available=len(tensors[0]), exclude=exclude
+            )
+    ggn = torch.zeros(count, count, dtype=dtype, device=loc.device)
+    stats = torch.zeros(4, dtype=torch.float64)
+    with eval_mode(model):
+        for batch in iter_batches(data, rows):
+            forward, slots = forward_at(model, layout, loc, batch, obs)
+            out = None
+            if layer is not None:
+                module, bias = layer.layer.module, layer.layer.bias
+                out = linear_layer_ggn(forward, module, bias, layer.positions, _factor(obs), ggn)
+            if out is None:
+                jac, out = subnet_jacobian(
+                    forward, slots, index, return_outputs=True, select_numbers=select_numbers
+                )
+                subnet_ggn(jac, output_hessian_factor(out, obs.likelihood, obs.noise), out=ggn)
+                del jac
+            stats += _stats(out, batch, obs).cpu()
+            del out, forward, slots
+    return _reduce(reduce_fn, ggn), _reduce(reduce_fn, stats)
+
+
+def fit_diag(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    obs: Observation,
+    index: torch.Tensor | None = None,
+    *,
+    batch_size: int,
+    reduce_fn: ReduceFn | None = None,
+    stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(diagonal of the GGN over index (all D weights when None), statistics or None)`` of
+    ``model`` at the packed weights ``loc``: exact, from per-example gradients of
+    :math:`L^\\top f` (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`)."""
+    diag = torch.zeros(loc.numel(), dtype=torch.float64, device=loc.device)
+    total = torch.zeros(4, dtype=torch.float64)
+    factor = _factor(obs)
+    with eval_mode(model):
+        for batch in iter_batches(data, batch_size):
+            forward, slots = forward_at(model, layout, loc, batch, obs)
+            seen: list[torch.Tensor] = []
+
+            def record(f, seen=seen):
+                seen.append(f.detach())
+                return factor(f)
+
+            diag += diagonal_ggn(forward, slots, record).double()
+            if stats:
+                total += _stats(seen[0], batch, obs).cpu()
+    diag = _reduce(reduce_fn, diag if index is None else diag[index.to(diag.device)])
+    return diag, (_reduce(reduce_fn, total) if stats else None)
+
+
+def fit_kron(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    obs: Observation,
+    index: torch.Tensor,
+    *,
+    batch_size: int,
+    reduce_fn: ReduceFn | None = None,
+):
+    """``(blocks, A sums, G sums, statistics)`` of the layers in the subnetwork ``index``
+    (:func:`~pyro_bdl.guides.laplace.posterior.kron_blocks`,
+    :func:`~pyro_bdl.curvature.kfac.kfac_sums`) of ``model`` at the packed weights ``loc``, in
+    float64."""
+    blocks = kron_blocks(layout, index)
+    kw: dict[str, Any] = dict(dtype=torch.float64, device=loc.device)
+    a_sums = [torch.zeros(b.positions.shape[1], b.positions.shape[1], **kw) for b in blocks]
+    g_sums = [torch.zeros(b.positions.shape[0], b.positions.shape[0], **kw) for b in blocks]
+    stats = torch.zeros(4, dtype=torch.float64)
+    layers = [b.layer for b in blocks]
+    with eval_mode(model):
+        for batch in iter_batches(data, batch_size):
+            forward, _ = forward_at(model, layout, loc, batch, obs)
+            out = kfac_sums(forward, layers, _factor(obs), a_sums, g_sums)
+            stats += _stats(out, batch, obs).cpu()
+    a_sums = [_reduce(reduce_fn, a) for a in a_sums]
+    g_sums = [_reduce(reduce_fn, g) for g in g_sums]
+    return blocks, a_sums, g_sums, _reduce(reduce_fn, stats)
+
+
+def jacobians(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    obs: Observation,
+    index: torch.Tensor,
+    *,
+    batch_size: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple]]:
+    """``(outputs (b, C), J_S (b, C, S), batch)`` of ``model`` at the packed weights ``loc``,
+    ``batch_size`` rows at a time; the model gets the batch's first tensor (the inputs)."""
+    with eval_mode(model):
+        for batch in iter_batches(data, batch_size):
+            forward, slots = forward_at(model, layout, loc, batch[:1], obs)
+            jac, out = subnet_jacobian(forward, slots, index, return_outputs=True)
+            yield out, jac, batch
+
+
+# ---- is the network at a mode? ---------------------------------------------------------------
+
+
+class NotAtModeWarning(UserWarning):
+    """The Laplace posterior was fitted at weights far from a mode of the training loss: the
+    network does not look trained to a MAP estimate."""
+
+
+def _negative_log_likelihood(out: torch.Tensor, y: torch.Tensor, obs: Observation):
+    if obs.likelihood == "gaussian":
+        assert obs.noise is not None
+        return (out - y.to(out).reshape(out.shape)).square().sum() / (2 * obs.noise**2)
+    if obs.likelihood == "bernoulli":
+        return -dist.Bernoulli(logits=out).log_prob(y.to(out).reshape(out.shape)).sum()
+    return -dist.Categorical(logits=out).log_prob(y.reshape(-1)).sum()
+
+
+def training_loss_gradient(
+    model,
+    layout: SiteLayout,
+    loc: torch.Tensor,
+    data: Any,
+    obs: Observation,
+    index: torch.Tensor,
+    *,
+    batch_size: int,
+    reduce_fn: ReduceFn | None = None,
+) -> torch.Tensor:
+    """The gradient (float64, over the subnetwork ``index``) of the negative log-likelihood of
+    ``data`` under ``model`` at the packed weights ``loc``, summed over all rows (and ranks)."""
+    grad = torch.zeros(loc.numel(), dtype=torch.float64, device=loc.device)
+    with eval_mode(model):
+        for batch in iter_batches(data, batch_size):
+            if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
+                raise ValueError(
+                    "fit needs the targets: pass data as (x, y) or a DataLoader of (x, y)."
+                )
+            forward, slots = forward_at(model, layout, loc, batch, obs)
+            leaves = [slot.value for slot in slots]
+            nll = _negative_log_likelihood(forward(), batch[1], obs)
+            grads = torch.autograd.grad(nll, leaves, allow_unused=True)
+            grad += torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(u)).reshape(-1)
+                    for g, u in zip(grads, leaves)
+                ]
+            ).double()
+    return _reduce(reduce_fn, grad[index.to(grad.device)])
+
+
+#: How many standard deviations of χ²_S above its mean S the squared Mahalanobis distance from
+#: the fitted weights to the mode of the quadratic model may lie before the fit warns.
+MODE_TOLERANCE_SD = 5.0
+
+
+def warn_if_not_at_mode(gradient: torch.Tensor, posterior) -> None:
+    r"""Warn (:class:`NotAtModeWarning`) when the fitted weights lie far from a mode.
+
+    With ``gradient`` :math:`g` of the training loss (negative log-likelihood plus the Gaussian
+    prior's :math:`\tfrac12\lambda\lVert\theta\rVert^2`) at the fitted weights and the
+    Laplace precision :math:`H` of ``posterior``, the quadratic model of the loss has its mode at
+    :math:`\delta = -H^{-1}g`, whose squared Mahalanobis distance under the posterior is
+    :math:`d^2 = g^\top H^{-1} g = \lVert L^\top g\rVert^2` (twice the Newton decrement: the
+    loss the quadratic model says one Newton step would still remove). The Laplace approximation
+    assumes :math:`g = 0`; an SGD-trained MAP sits inside its own posterior, and a draw from
+    :math:`N(\text{mode}, H^{-1})` has :math:`d^2 \sim \chi^2_S`, of mean S and standard
+    deviation :math:`\sqrt{2S}`. Past :math:`S + 5\sqrt{2S}` (:data:`MODE_TOLERANCE_SD`) the
+    fitted weights lie outside the posterior they define, so the Gaussian centred there
+    describes no posterior of the data: the network was not trained to a MAP. The bound is in
+    the loss's own units (nats scaled by the curvature), so it holds for any data size and
+    likelihood.
+    """
+    white = posterior.apply_scale(gradient.unsqueeze(0)).squeeze(0)
+    d2 = float(white.double().square().sum())
+    s = gradient.numel()
+    limit = s + MODE_TOLERANCE_SD * math.sqrt(2 * s)
+    if not d2 <= limit:
+        warnings.warn(
+            f"the network does not look trained to a MAP estimate: at the fitted weights the "
+            f"training loss's gradient puts its mode {math.sqrt(d2):.3g} posterior standard "
+            f"deviations away (squared {d2:.3g} > {limit:.3g}, {MODE_TOLERANCE_SD:g} standard "
+            f"deviations above the {s} expected of a point inside the posterior), so the Laplace "
+            "posterior is centred at the wrong place. Train the network to a MAP estimate first "
+            "(for example SVI with this guide and Trace_ELBO until the loss stops falling), then "
+            "call fit; pass check_mode=False to fit at these weights anyway.",
+            NotAtModeWarning,
+            stacklevel=3,
+        )
