@@ -207,22 +207,24 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         # step (scale, noise, sample, their gradients) is one block long, not D long. torch's
         # split gives each block, then each site, a view with ONE backward node for all of them
         # (slicing per site would make each slice's backward fill a zero tensor of full length).
-        block_sizes, site_sizes = self._blocks()
+        block_sizes, site_sizes, flat_blocks = self._blocks()
         # Fast path: draw the noise of every plate-free site in one operation per block. Under
         # an outer plate (vectorized particles, parallel Predictive) the sites are batched, so
         # each one samples for itself instead.
         flat = not _inside_plate()
         locs: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
-        values: list[torch.Tensor] | None = [] if flat else None
-        for block_loc, block_rho, sizes in zip(
-            loc.split(block_sizes), rho.split(block_sizes), site_sizes
+        values: list[torch.Tensor | None] = []
+        for block_loc, block_rho, sizes, flat_block in zip(
+            loc.split(block_sizes), rho.split(block_sizes), site_sizes, flat_blocks
         ):
             block_scale = softplus(block_rho)
             locs += block_loc.split(sizes)
             scales += block_scale.split(sizes)
-            if values is not None:
+            if flat and flat_block:
                 values += self.flat_sample(block_loc, block_scale, sizes).split(sizes)
+            else:
+                values += [None] * len(sizes)
         result = {}
         for i, site in enumerate(self.layout):
             shape = site.shape
@@ -230,9 +232,9 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             if site_loc.shape != shape:  # a 1-d site already has its shape: skip the view
                 site_loc, site_scale = site_loc.view(shape), site_scale.view(shape)
             if not site.frames:  # the common case for weights: no plate to enter
-                value = None
-                if values is not None and site.whole:
-                    value = values[i] if values[i].shape == shape else values[i].view(shape)
+                value = values[i]
+                if value is not None and value.shape != shape:
+                    value = value.view(shape)
                 fn = self._site_dist(site, site_loc, site_scale, value)
                 result[site.name] = pyro.sample(site.name, fn)
                 continue
@@ -247,20 +249,35 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
                 result[site.name] = pyro.sample(site.name, fn)
         return result
 
-    def _blocks(self) -> tuple[list[int], list[list[int]]]:
-        """(numbers per block, site sizes per block): consecutive sites grouped into blocks of
-        at most :data:`BLOCK_NUMEL` numbers (a larger site is a block of its own)."""
+    def _blocks(self) -> tuple[list[int], list[list[int]], list[bool]]:
+        """(numbers per block, site sizes per block, whether the block is drawn flat):
+        consecutive sites grouped into blocks of at most :data:`BLOCK_NUMEL` numbers (a larger
+        site is a block of its own).
+
+        A block is drawn in one flat operation only if every site in it takes that draw (no
+        plate, every dim an event dim); sites that sample for themselves form blocks of their
+        own. A flat draw that no site used would be dropped from a traced graph (JIT dead-code
+        elimination) while an eager step still consumed its random numbers, so traced and eager
+        steps would see different noise for the same seed.
+        """
         cached = self.__dict__.get("_block_cache")
         if cached is not None and cached[0] is self.layout:
-            return cached[1], cached[2]
-        blocks: list[list[int]] = [[]]
-        for size in self.layout.sizes:
-            if blocks[-1] and sum(blocks[-1]) + size > BLOCK_NUMEL:
+            return cached[1]
+        blocks: list[list[int]] = []
+        flags: list[bool] = []
+        for site in self.layout:
+            takes_flat = site.whole and not site.frames
+            if (
+                not blocks
+                or flags[-1] != takes_flat
+                or (blocks[-1] and sum(blocks[-1]) + site.numel > BLOCK_NUMEL)
+            ):
                 blocks.append([])
-            blocks[-1].append(size)
-        totals = [sum(b) for b in blocks]
-        self.__dict__["_block_cache"] = (self.layout, totals, blocks)
-        return totals, blocks
+                flags.append(takes_flat)
+            blocks[-1].append(site.numel)
+        result = [sum(b) for b in blocks], blocks, flags
+        self.__dict__["_block_cache"] = (self.layout, result)
+        return result
 
     def _site_dist(self, site: Site, loc: torch.Tensor, scale: torch.Tensor, value=None):
         fn = self.site_posterior(loc, scale, site.event_dim, value=value)

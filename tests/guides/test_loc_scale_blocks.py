@@ -22,8 +22,8 @@ def test_sites_in_several_blocks_are_drawn_and_differentiated_per_site(monkeypat
     guide = guide_cls(model)
     x, y = data()
     guide(x, y)
-    totals, blocks = guide._blocks()
-    assert blocks == [[30], [6, 18], [3]] and totals == [30, 24, 3]
+    totals, blocks, flat = guide._blocks()
+    assert blocks == [[30], [6, 18], [3]] and totals == [30, 24, 3] and all(flat)
     with torch.no_grad():
         guide.rho.uniform_(-3.0, -1.0)  # distinct scales, so a wrong pairing shows
     trace = poutine.trace(guide).get_trace(x, y)
