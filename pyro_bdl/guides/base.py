@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.functional import softplus
 
 from pyro_bdl._validation import check_positive
-from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.access import SiteAccess, check_same_sites
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.nn.lift import init_to_network
@@ -46,6 +46,10 @@ BLOCK_NUMEL = 1 << 21
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     """ρ with softplus(ρ) = x, stable for small and large x (x > 0)."""
     return x + torch.log(-torch.expm1(-x))
+
+
+#: The attribute of a packed parameter naming the sites it was made for.
+_SITES_ATTR = "_pyro_bdl_sites"
 
 
 def _inside_plate() -> bool:
@@ -133,7 +137,23 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         rho = inverse_softplus(torch.full_like(loc, self._init_scale))
         # One parameter for both halves: the optimizer (pyro.optim keeps one torch optimizer
         # per parameter) and the param store then do one update and one lookup per step.
-        self.loc_rho = nn.Parameter(torch.stack([loc, rho]))
+        packed = nn.Parameter(torch.stack([loc, rho]))
+        # The param store keeps this very tensor: its site names let a later guide of the same
+        # name, set up on a model whose sites changed, say which sites differ.
+        packed.__dict__[_SITES_ATTR] = tuple(layout.names)
+        self.loc_rho = packed
+
+    def _check_sites(self, packed: torch.Tensor) -> None:
+        """Refuse parameters (found in the param store under this guide's name) made for other
+        sites than the model's."""
+        check_same_sites(
+            type(self).__name__,
+            set_up=packed.__dict__.get(_SITES_ATTR),
+            now=self.layout.names,
+            set_up_size=packed.shape[-1],
+            now_size=self.layout.size,
+        )
+        self.__dict__["_checked"] = packed
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
@@ -188,6 +208,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_views", None)  # non-leaf views of loc_rho: rebuilt on demand
+        state.pop("_checked", None)
         return state
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -199,6 +220,8 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         else:
             plates = self._create_plates(*args, **kwargs)
         packed = self.loc_rho  # the step's one param-store lookup
+        if packed is not self.__dict__.get("_checked"):
+            self._check_sites(packed)
         # unbind: ONE backward node that stacks both gradients (two selects would each fill a
         # zero tensor of the full (2, D) size and then add them).
         loc, rho = packed.unbind(0)

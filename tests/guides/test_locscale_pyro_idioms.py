@@ -3,15 +3,17 @@ models whose sites change after the guide was set up."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import JitTrace_ELBO
+from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
 
 from pyro_bdl.guides import AutoMeanField, AutoRadial
+from pyro_bdl.guides.access import SiteSetChangedError, check_same_sites
 
 GUIDES = [AutoMeanField, AutoRadial]
 
@@ -78,3 +80,48 @@ def test_traced_guide_draws_what_the_eager_guide_draws(quiet_jit, guide_cls):
     eager = guide()["z"]
     pyro.set_rng_seed(1)
     assert torch.equal(traced()["z"], eager)
+
+
+def growing_model(names):
+    """Pyro's dynamic-model idiom: the sites are whatever ``names`` holds when the model runs."""
+
+    def model():
+        for name in names:
+            pyro.sample(name, dist.Normal(0.0, 1.0))
+
+    return model
+
+
+def svi_step(model, guide):
+    return SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO()).step()
+
+
+@pytest.mark.parametrize("guide_cls", GUIDES)
+@pytest.mark.parametrize(
+    "later, message",
+    [
+        (["x0", "x1"], "new sites 'x1'; missing sites none"),
+        (["y"], "new sites 'y'; missing sites 'x0'"),
+        (["x1", "x0"], "same sites in another order"),
+    ],
+    ids=["grown", "renamed", "reordered"],
+)
+def test_a_guide_on_a_model_whose_sites_changed_refuses_naming_them(guide_cls, later, message):
+    names = ["x0"] if later != ["x1", "x0"] else ["x0", "x1"]
+    model = growing_model(names)
+    svi_step(model, guide_cls(model))
+    names[:] = later
+    # A new guide of the same name finds the old packed parameters in the param store.
+    with pytest.raises(SiteSetChangedError, match=message) as info:
+        svi_step(model, guide_cls(model))
+    assert "AutoNormal" in str(info.value) and "clear_param_store" in str(info.value)
+    pyro.clear_param_store()  # the fix the message proposes
+    guide = guide_cls(model)
+    assert math.isfinite(svi_step(model, guide)) and guide.site_names == later
+
+
+def test_parameters_without_site_names_are_checked_by_size():
+    # Parameters restored from elsewhere carry no site names: the sizes must still agree.
+    check_same_sites("G", set_up=None, now=["a"], set_up_size=3, now_size=3)
+    with pytest.raises(SiteSetChangedError, match=r"hold 2 numbers.*\('a', 'b'\) need 5"):
+        check_same_sites("G", set_up=None, now=["a", "b"], set_up_size=2, now_size=5)
