@@ -74,7 +74,8 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
 
     :param callable model: the Pyro model.
     :param float init_scale: initial posterior standard deviation of every unconstrained
-        coordinate (> 0).
+        coordinate (> 0). Small scales suit network weights, larger ones (0.1) small models
+        with wide posteriors; see :class:`~pyro_bdl.guides.AutoMeanField`.
     :param callable init_loc_fn: per-site initialisation strategy.
     :param callable create_plates: optional, as in :class:`~pyro.infer.autoguide.AutoGuide`.
     """
