@@ -3,11 +3,13 @@ r"""Shared machinery of the per-site location-scale guides (:class:`AutoMeanFiel
 
 Every latent site gets its own location-scale distribution **on the site itself**, so an ELBO
 sees the (posterior, prior) pair and can use an exact KL. The locations and the unconstrained
-scales of all sites are packed into one ``(2, D)`` parameter ``loc_rho`` (rows ``guide.loc`` and
-``guide.rho``), as Pyro's ``AutoDiagonalNormal`` packs its sites: an optimizer then updates one
-tensor instead of two per site, and the scales go through one softplus per step. The
-:class:`~pyro_bdl.layout.SiteLayout` says where each site sits; each site reads a view of the
-flat vectors, and the noise of all plate-free sites is drawn in one flat operation
+scales of consecutive sites are packed into one ``(2, n)`` parameter per block of at most
+:data:`BLOCK_NUMEL` numbers (``loc_rho``, then ``loc_rho_1``, ... for larger models), as Pyro's
+``AutoDiagonalNormal`` packs its sites: an optimizer then updates one tensor per block instead
+of two per site, and the scales go through one softplus per block. The blocks are views of one
+``(2, D)`` tensor whose rows are ``guide.loc`` and ``guide.rho``. The
+:class:`~pyro_bdl.layout.SiteLayout` says where each site sits; each site reads a view of its
+block, and the noise of a block's plate-free sites is drawn in one flat operation
 (:meth:`flat_sample`).
 
 A subclass fills three small hooks: :meth:`AutoLocScaleGuide.site_posterior` (the distribution
@@ -37,8 +39,9 @@ from pyro_bdl.nn.lift import init_to_network
 
 __all__ = ["AutoLocScaleGuide", "inverse_softplus"]
 
-#: Sites are processed in contiguous blocks of at most this many numbers (8 MB in fp32): glibc
-#: hands every freed block above 32 MB back to the kernel, so D-long temporaries would be mapped
+#: Sites are grouped in contiguous blocks of at most this many numbers (8 MB in fp32), each with
+#: its own parameter: glibc hands every freed block above 32 MB back to the kernel, so D-long
+#: temporaries (a gradient, Pyro's zeroed gradient, Adam's sqrt and quotient) would be mapped
 #: and page-faulted in afresh at every step, while block-long ones reuse the heap.
 BLOCK_NUMEL = 1 << 21
 
@@ -136,25 +139,54 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         self.plates = {}
         self._no_plates = not self._prototype_frames and self.create_plates is None
         rho = inverse_softplus(torch.full_like(loc, self._init_scale))
-        # One parameter for both halves: the optimizer (pyro.optim keeps one torch optimizer
-        # per parameter) and the param store then do one update and one lookup per step.
-        packed = nn.Parameter(torch.stack([loc, rho]))
+        # One (2, n) parameter per block for both halves: the optimizer (pyro.optim keeps one
+        # torch optimizer per parameter) and the param store do one update and one lookup per
+        # block, and every gradient and optimizer temporary is one block long.
+        flat = torch.stack([loc, rho])
+        totals = self._blocks()[0]
+        if len(totals) == 1:
+            params = [nn.Parameter(flat)]
+        else:  # views of one (2, D) tensor, which guide.loc and guide.rho show
+            params = [nn.Parameter(part) for part in flat.split(totals, dim=1)]
+            self.__dict__["_flat"] = flat
         # The param store keeps this very tensor: its site names let a later guide of the same
         # name, set up on a model whose sites changed, say which sites differ.
-        packed.__dict__[_SITES_ATTR] = tuple(layout.names)
-        self.loc_rho = packed
+        params[0].__dict__[_SITES_ATTR] = tuple(layout.names)
+        for name, param in zip(self._param_names(), params):
+            setattr(self, name, param)
 
-    def _check_sites(self, packed: torch.Tensor) -> None:
+    def _param_names(self) -> list[str]:
+        """Names of the blocks' parameters: ``loc_rho``, then ``loc_rho_1``, ``loc_rho_2``..."""
+        count = len(self._blocks()[0])
+        return ["loc_rho"] + [f"loc_rho_{k}" for k in range(1, count)]
+
+    def _upgrade_state(self, state_dict: dict, prefix: str) -> None:
+        # A state saved when all blocks shared one (2, D) parameter ``loc_rho``: split it.
+        if self.prototype_trace is None:
+            return
+        names = self._param_names()
+        old = state_dict.get(prefix + "loc_rho")
+        if (
+            len(names) > 1
+            and prefix + names[1] not in state_dict
+            and isinstance(old, torch.Tensor)
+            and old.dim() == 2
+            and old.shape[1] == self.layout.size
+        ):
+            for name, part in zip(names, old.split(self._blocks()[0], dim=1)):
+                state_dict[prefix + name] = part
+
+    def _check_sites(self, params: list[torch.Tensor]) -> None:
         """Refuse parameters (found in the param store under this guide's name) made for other
         sites than the model's."""
         check_same_sites(
             type(self).__name__,
-            set_up=packed.__dict__.get(_SITES_ATTR),
+            set_up=params[0].__dict__.get(_SITES_ATTR),
             now=self.layout.names,
-            set_up_size=packed.shape[-1],
+            set_up_size=sum(p.shape[-1] for p in params),
             now_size=self.layout.size,
         )
-        self.__dict__["_checked"] = packed
+        self.__dict__["_checked"] = params[0]
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
@@ -167,14 +199,19 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
 
     @property
     def loc(self) -> torch.Tensor:
-        """All posterior locations, flat: row 0 of :attr:`loc_rho` (a view; writable under
-        ``torch.no_grad()``). After a call of the guide it is the very tensor that call used, so
-        ``torch.autograd.grad(loss, [guide.loc, guide.rho])`` works."""
+        """All posterior locations, flat (a view of the parameters; writable under
+        ``torch.no_grad()``).
+
+        A model of at most :data:`BLOCK_NUMEL` numbers has one parameter ``loc_rho`` and
+        ``guide.loc`` is its row 0: after a call of the guide it is the very tensor that call
+        used, so ``torch.autograd.grad(loss, [guide.loc, guide.rho])`` works. A larger model has
+        one parameter per block (``loc_rho``, ``loc_rho_1``, ...), views of one flat tensor that
+        ``guide.loc`` shows: take gradients with respect to ``guide.parameters()`` there."""
         return self._loc_rho_views()[0]
 
     @property
     def rho(self) -> torch.Tensor:
-        """All free scale parameters ρ (σ = softplus(ρ)), flat: row 1 of :attr:`loc_rho`."""
+        """All free scale parameters ρ (σ = softplus(ρ)), flat; as :attr:`loc`, row 1."""
         return self._loc_rho_views()[1]
 
     @property
@@ -185,6 +222,10 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
     def _loc_rho_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         # (loc view, rho view, version of loc_rho when they were made by unbind, else None)
         self._ensure_setup()
+        names = self._param_names()
+        if len(names) > 1:
+            flat = self._shared_flat([self._parameters[n] for n in names])
+            return flat[0], flat[1]
         packed = self._parameters["loc_rho"]
         views = self.__dict__.get("_views")
         if (
@@ -201,6 +242,28 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             self._cache_views(views[:2], None)
         return views[0], views[1]
 
+    def _shared_flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The (2, D) tensor the blocks' parameters are views of; made afresh (and the
+        parameters pointed into it) where they no longer are (after ``.to()``, ``.double()``,
+        unpickling, or a param store that was loaded)."""
+        flat = self.__dict__.get("_flat")
+        offsets = [0]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + p.shape[1])
+        if flat is not None and all(
+            p.dtype == flat.dtype
+            and p.stride() == flat.stride()
+            and p.data_ptr() == flat[:, start].data_ptr()
+            for p, start in zip(params, offsets)
+        ):
+            return flat
+        with torch.no_grad():
+            flat = torch.cat([p.detach() for p in params], dim=1)
+            for p, part in zip(params, flat.split([p.shape[1] for p in params], dim=1)):
+                p.data = part
+        self.__dict__["_flat"] = flat
+        return flat
+
     def _cache_views(self, views, version) -> None:
         # Not under inference mode: views made there cannot enter autograd later.
         if not torch.is_inference_mode_enabled():
@@ -210,6 +273,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         state = super().__getstate__()
         state.pop("_views", None)  # non-leaf views of loc_rho: rebuilt on demand
         state.pop("_checked", None)
+        state.pop("_flat", None)  # made afresh from the parameters
         return state
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -220,18 +284,14 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             plates = self.plates
         else:
             plates = self._create_plates(*args, **kwargs)
-        packed = self.loc_rho  # the step's one param-store lookup
-        if packed is not self.__dict__.get("_checked"):
-            self._check_sites(packed)
-        # unbind: ONE backward node that stacks both gradients (two selects would each fill a
-        # zero tensor of the full (2, D) size and then add them).
-        loc, rho = packed.unbind(0)
-        self._cache_views((loc, rho), packed._version)
+        params = [getattr(self, name) for name in self._param_names()]  # param-store lookups
+        if params[0] is not self.__dict__.get("_checked"):
+            self._check_sites(params)
         # Sites in contiguous blocks of about BLOCK_NUMEL numbers: every flat temporary of the
         # step (scale, noise, sample, their gradients) is one block long, not D long. torch's
-        # split gives each block, then each site, a view with ONE backward node for all of them
-        # (slicing per site would make each slice's backward fill a zero tensor of full length).
-        block_sizes, site_sizes, flat_blocks = self._blocks()
+        # split gives each site a view with ONE backward node for all of them (slicing per site
+        # would make each slice's backward fill a zero tensor of the block's length).
+        site_sizes, flat_blocks = self._blocks()[1:]
         # Fast path: draw the noise of every plate-free site in one operation per block. Under
         # an outer plate (vectorized particles, parallel Predictive) the sites are batched, so
         # each one samples for itself instead.
@@ -239,9 +299,12 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         locs: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
         values: list[torch.Tensor | None] = []
-        for block_loc, block_rho, sizes, flat_block in zip(
-            loc.split(block_sizes), rho.split(block_sizes), site_sizes, flat_blocks
-        ):
+        for param, sizes, flat_block in zip(params, site_sizes, flat_blocks):
+            # unbind: ONE backward node that stacks both gradients (two selects would each fill
+            # a zero tensor of the full (2, n) size and then add them).
+            block_loc, block_rho = param.unbind(0)
+            if len(params) == 1:
+                self._cache_views((block_loc, block_rho), param._version)
             block_scale = softplus(block_rho)
             locs += block_loc.split(sizes)
             scales += block_scale.split(sizes)

@@ -1,5 +1,6 @@
-"""The location-scale guides process their sites in blocks (pyro_bdl/guides/base.py): every site
-is still drawn from its own posterior, with gradients reaching the one (2, D) parameter."""
+"""The location-scale guides process their sites in blocks (pyro_bdl/guides/base.py), one (2, n)
+parameter per block: every site is still drawn from its own posterior, with gradients reaching
+its block's parameter, and guide.loc / guide.rho show all blocks as one flat vector."""
 
 from __future__ import annotations
 
@@ -37,8 +38,13 @@ def test_sites_in_several_blocks_are_drawn_and_differentiated_per_site(monkeypat
         # per site (distinct across sites with probability 1).
         norms = [float(p.norm()) for p in parts]
         assert len({round(n, 6) for n in norms}) == len(norms)
+    # One parameter per block, views of the flat (2, D) tensor that guide.loc/guide.rho show.
+    params = [guide.loc_rho, guide.loc_rho_1, guide.loc_rho_2]
+    assert [n for n, _ in guide.named_parameters()] == ["loc_rho", "loc_rho_1", "loc_rho_2"]
+    assert [p.shape[1] for p in params] == totals
+    assert torch.equal(torch.cat([p.detach() for p in params], 1)[1], guide.rho)
     # d(Σ values)/dμ = 1 and d(Σ values)/dρ = ξ·sigmoid(ρ), through every block.
-    g_loc, g_rho = torch.autograd.grad(values.sum(), [guide.loc, guide.rho])
+    g_loc, g_rho = torch.cat(torch.autograd.grad(values.sum(), params), dim=1)
     torch.testing.assert_close(g_loc, torch.ones_like(g_loc))
     torch.testing.assert_close(g_rho, noise.detach() * torch.sigmoid(guide.rho.detach()))
 
@@ -79,3 +85,43 @@ def test_numerics_are_pinned(monkeypatch, guide_cls):
         loc_sum = float((guide.loc.double() * weights).sum()).hex()
         rho_sum = float((guide.rho.double() * weights).sum()).hex()
     assert (losses, loc_sum, rho_sum) == PINNED[guide_cls.__name__]
+
+
+@pytest.mark.parametrize("guide_cls", [AutoMeanField, AutoRadial])
+def test_a_state_saved_with_one_packed_parameter_loads_into_blocks(monkeypatch, guide_cls):
+    # Guides saved before the split hold one (2, D) ``loc_rho``: it loads into the blocks.
+    model = small_model()
+    x, y = data()
+    old = guide_cls(model)
+    old(x, y)
+    with torch.no_grad():
+        old.loc.uniform_(-1.0, 1.0)
+        old.rho.uniform_(-3.0, -1.0)
+    state = old.state_dict()
+    assert list(state) == ["loc_rho"] and state["loc_rho"].shape == (2, 57)
+    monkeypatch.setattr(base, "BLOCK_NUMEL", 24)
+    pyro.clear_param_store()
+    new = guide_cls(model)
+    new(x, y)
+    new.load_state_dict(state)
+    assert torch.equal(new.loc, old.loc) and torch.equal(new.rho, old.rho)
+    assert torch.equal(new.loc_rho_1.detach(), state["loc_rho"][:, 30:54])
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(new.quantiles([0.3]).values(), old.quantiles([0.3]).values())
+    )
+    assert list(state) == ["loc_rho"]  # the caller's dict is left as it was
+
+
+def test_blocks_stay_one_flat_vector_after_a_dtype_change(monkeypatch):
+    monkeypatch.setattr(base, "BLOCK_NUMEL", 24)
+    model = small_model()
+    x, y = data()
+    guide = AutoMeanField(model)
+    guide(x, y)
+    before = guide.loc.clone()
+    guide.double()  # gives every parameter a storage of its own
+    assert guide.loc.dtype == torch.float64 and torch.equal(guide.loc, before.double())
+    with torch.no_grad():
+        guide.loc.zero_()  # writes reach the parameters again
+    assert not guide.loc_rho_2[0].any()
