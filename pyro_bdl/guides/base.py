@@ -20,6 +20,7 @@ draw of every site at once) and, for non-Gaussian marginals, :meth:`site_quantil
 from __future__ import annotations
 
 from contextlib import ExitStack
+from typing import Any
 
 import pyro
 import pyro.distributions as dist
@@ -160,21 +161,56 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         count = len(self._blocks()[0])
         return ["loc_rho"] + [f"loc_rho_{k}" for k in range(1, count)]
 
+    def split_packed(self, key: str, value: Any) -> dict[str, Any] | None:
+        """This guide's block entries for an entry ``key`` that an older version saved when
+        all blocks shared one ``(2, D)`` parameter ``loc_rho`` (``key`` ends in ``loc_rho``: a
+        ``state_dict`` key, a param-store name, or an optimizer's state of that parameter);
+        ``None`` where there is nothing to split.
+
+        Usage (what ``load_state_dict`` and :func:`pyro_bdl.checkpoint.load_checkpoint` do)::
+
+            blocks = guide.split_packed("AutoMeanField.loc_rho", old_tensor)
+        """
+        if self.prototype_trace is None or not key.endswith("loc_rho"):
+            return None
+        names, totals = self._param_names(), self._blocks()[0]
+        if len(names) == 1:
+            return None
+        base = key[: -len("loc_rho")]
+
+        def split(t: Any) -> list[Any] | None:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.layout.size:
+                return list(t.split(totals, dim=1))
+            return None
+
+        parts = split(value)
+        if parts is None:  # an optimizer's state_dict: split the moments, copy the rest
+            state = value.get("state") if isinstance(value, dict) else None
+            if not isinstance(state, dict) or len(state) != 1:
+                return None
+            ((index, moments),) = state.items()
+            split_moments = {k: split(m) for k, m in moments.items()}
+            if not any(split_moments.values()):
+                return None
+
+            def block_state(block: int) -> dict:
+                # Counters are cloned: an optimizer advances them in place.
+                return {
+                    k: pieces[block]
+                    if pieces
+                    else (m.clone() if isinstance(m, torch.Tensor) else m)
+                    for (k, m), pieces in zip(moments.items(), split_moments.values())
+                }
+
+            parts = [{**value, "state": {index: block_state(block)}} for block in range(len(names))]
+        return {base + name: part for name, part in zip(names, parts)}
+
     def _upgrade_state(self, state_dict: dict, prefix: str) -> None:
-        # A state saved when all blocks shared one (2, D) parameter ``loc_rho``: split it.
-        if self.prototype_trace is None:
-            return
-        names = self._param_names()
-        old = state_dict.get(prefix + "loc_rho")
-        if (
-            len(names) > 1
-            and prefix + names[1] not in state_dict
-            and isinstance(old, torch.Tensor)
-            and old.dim() == 2
-            and old.shape[1] == self.layout.size
-        ):
-            for name, part in zip(names, old.split(self._blocks()[0], dim=1)):
-                state_dict[prefix + name] = part
+        names = self._param_names() if self.prototype_trace is not None else []
+        if len(names) > 1 and prefix + names[1] not in state_dict:
+            blocks = self.split_packed(prefix + "loc_rho", state_dict.get(prefix + "loc_rho"))
+            if blocks is not None:
+                state_dict.update(blocks)
 
     def _check_sites(self, params: list[torch.Tensor]) -> None:
         """Refuse parameters (found in the param store under this guide's name) made for other

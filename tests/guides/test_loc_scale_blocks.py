@@ -125,3 +125,42 @@ def test_blocks_stay_one_flat_vector_after_a_dtype_change(monkeypatch):
     with torch.no_grad():
         guide.loc.zero_()  # writes reach the parameters again
     assert not guide.loc_rho_2[0].any()
+
+
+def test_a_checkpoint_saved_with_one_packed_parameter_resumes_in_blocks(monkeypatch, tmp_path):
+    from pyro_bdl.checkpoint import load_checkpoint, save_checkpoint
+
+    model = small_model()
+    x, y = data()
+    guide, optim = AutoMeanField(model), pyro.optim.Adam({"lr": 1e-2})
+    svi = pyro.infer.SVI(model, guide, optim, pyro.infer.TraceMeanField_ELBO())
+    for _ in range(2):
+        svi.step(x, y)
+    path = str(tmp_path / "run.ckpt")
+    save_checkpoint(path, guide=guide, optim=optim, step=2)
+    moments = optim.get_state()["AutoMeanField.loc_rho"]["state"][0]
+
+    monkeypatch.setattr(base, "BLOCK_NUMEL", 24)
+    pyro.clear_param_store()
+    new, new_optim = AutoMeanField(model), pyro.optim.Adam({"lr": 1e-2})
+    state = load_checkpoint(path, guide=new, optim=new_optim, example_args=(x, y))
+    assert state["optim_restored"]
+    assert torch.equal(new.loc, guide.loc) and torch.equal(new.rho, guide.rho)
+    assert sorted(k for k in pyro.get_param_store() if "loc_rho" in k) == [
+        "AutoMeanField.loc_rho",
+        "AutoMeanField.loc_rho_1",
+        "AutoMeanField.loc_rho_2",
+    ]
+    # The optimizer's moments are split with the parameter; the next step consumes them.
+    pyro.infer.SVI(model, new, new_optim, pyro.infer.TraceMeanField_ELBO()).step(x, y)
+    got = new_optim.get_state()
+    assert [got[f"AutoMeanField.{n}"]["state"][0]["step"] for n in new._param_names()] == [3] * 3
+    waiting = torch.cat(
+        [
+            got[f"AutoMeanField.{n}"]["state"][0]["exp_avg_sq"]
+            for n in ["loc_rho", "loc_rho_1", "loc_rho_2"]
+        ],
+        dim=1,
+    )
+    # Adam's second moment after one more step: β₂·v + (1 − β₂)·g², so at least β₂·v.
+    assert bool((waiting >= 0.999 * moments["exp_avg_sq"] * (1 - 1e-6)).all())
