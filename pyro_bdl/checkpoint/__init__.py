@@ -71,6 +71,7 @@ from pyro_bdl.checkpoint._parts import (
     set_rng_state,
 )
 from pyro_bdl.checkpoint._restore import mismatches, restore_optim, restore_params
+from pyro_bdl.checkpoint._upgrade import upgrade_payload
 
 __all__ = [
     "CheckpointError",
@@ -268,6 +269,9 @@ def load_checkpoint(
         if guide is not None:
             with poutine.block():
                 guide(*example_args, **kwargs)
+
+    if guide is not None:
+        upgrade_payload(payload, guide)  # a guide that stores its parameters in a newer form
 
     # (2) Refuse a different model or a damaged part before changing anything.
     try:

@@ -6,15 +6,20 @@ A guide that mixes in :class:`SiteAccess` provides :attr:`layout` (a
 ``quantiles``, ``locs_and_scales``, ``site_names`` and ``num_latents``. A guide whose marginals
 are not Gaussian overrides :meth:`SiteAccess.site_quantiles`; one whose median is not the
 marginal location (or exists before the marginals do) overrides :meth:`SiteAccess.flat_median`.
+
+A guide that packs its sites into fixed-size parameters covers the sites it was set up on only;
+:func:`check_same_sites` is the one check that the model still has those sites.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from pyro_bdl.layout import Site, SiteLayout
 
-__all__ = ["SiteAccess", "check_quantiles"]
+__all__ = ["SiteAccess", "SiteSetChangedError", "check_quantiles", "check_same_sites"]
 
 
 def check_quantiles(quantiles, like: torch.Tensor) -> torch.Tensor:
@@ -25,6 +30,59 @@ def check_quantiles(quantiles, like: torch.Tensor) -> torch.Tensor:
             f"quantiles must be a non-empty 1-d list of numbers in (0, 1); got {quantiles!r}."
         )
     return q
+
+
+class SiteSetChangedError(ValueError):
+    """The model's latent sites are not those a packed guide was set up on."""
+
+
+def check_same_sites(
+    guide: str,
+    *,
+    set_up: Sequence[str] | None,
+    now: Sequence[str],
+    set_up_size: int | None = None,
+    now_size: int | None = None,
+) -> None:
+    """Refuse, naming the new and missing sites, unless ``now`` are the sites ``set_up``.
+
+    A guide that packs every site into parameters of a fixed size (mean-field, Radial, SWAG,
+    Laplace) cannot follow a model that declares new sites, or drops some, after the guide was
+    set up (Pyro's idiom of a model that grows). Where the names of the set-up sites are unknown
+    (``set_up=None``: parameters restored from elsewhere), the packed sizes are compared.
+
+    :param str guide: the guide's name, for the message.
+    :param set_up: the site names the parameters were made for, in order, or ``None``.
+    :param now: the model's site names now.
+    :param int set_up_size: numbers in the parameters (compared when ``set_up`` is ``None``).
+    :param int now_size: numbers the sites need now.
+    :raises SiteSetChangedError: if they differ.
+    """
+    fix = (
+        f"{guide} packs a fixed set of sites into its parameters, so it cannot follow a model "
+        "whose sites change: build a new guide after the model is complete (and "
+        "pyro.clear_param_store(), or give the new guide another name, so that the old "
+        "parameters are not picked up), or use pyro.infer.autoguide.AutoNormal, which keeps "
+        "each site's parameters apart, for models whose sites change."
+    )
+    if set_up is not None:
+        if list(set_up) == list(now):
+            return
+        new = [n for n in now if n not in set(set_up)]
+        missing = [n for n in set_up if n not in set(now)]
+        listed = lambda names: ", ".join(map(repr, names)) or "none"  # noqa: E731
+        raise SiteSetChangedError(
+            f"the model's sites changed since {guide} was set up: new sites {listed(new)}; "
+            f"missing sites {listed(missing)}"
+            + ("; the same sites in another order" if not new and not missing else "")
+            + f". {fix}"
+        )
+    if set_up_size is not None and now_size is not None and set_up_size != now_size:
+        raise SiteSetChangedError(
+            f"the model's sites changed since {guide}'s parameters were made: they hold "
+            f"{set_up_size} numbers, the model's sites ({', '.join(map(repr, now))}) need "
+            f"{now_size}. {fix}"
+        )
 
 
 class SiteAccess:

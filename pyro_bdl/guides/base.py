@@ -3,11 +3,13 @@ r"""Shared machinery of the per-site location-scale guides (:class:`AutoMeanFiel
 
 Every latent site gets its own location-scale distribution **on the site itself**, so an ELBO
 sees the (posterior, prior) pair and can use an exact KL. The locations and the unconstrained
-scales of all sites are packed into one ``(2, D)`` parameter ``loc_rho`` (rows ``guide.loc`` and
-``guide.rho``), as Pyro's ``AutoDiagonalNormal`` packs its sites: an optimizer then updates one
-tensor instead of two per site, and the scales go through one softplus per step. The
-:class:`~pyro_bdl.layout.SiteLayout` says where each site sits; each site reads a view of the
-flat vectors, and the noise of all plate-free sites is drawn in one flat operation
+scales of consecutive sites are packed into one ``(2, n)`` parameter per block of at most
+:data:`BLOCK_NUMEL` numbers (``loc_rho``, then ``loc_rho_1``, ... for larger models), as Pyro's
+``AutoDiagonalNormal`` packs its sites: an optimizer then updates one tensor per block instead
+of two per site, and the scales go through one softplus per block. The blocks are views of one
+``(2, D)`` tensor whose rows are ``guide.loc`` and ``guide.rho``. The
+:class:`~pyro_bdl.layout.SiteLayout` says where each site sits; each site reads a view of its
+block, and the noise of a block's plate-free sites is drawn in one flat operation
 (:meth:`flat_sample`).
 
 A subclass fills three small hooks: :meth:`AutoLocScaleGuide.site_posterior` (the distribution
@@ -18,6 +20,7 @@ draw of every site at once) and, for non-Gaussian marginals, :meth:`site_quantil
 from __future__ import annotations
 
 from contextlib import ExitStack
+from typing import Any
 
 import pyro
 import pyro.distributions as dist
@@ -30,15 +33,16 @@ from torch import nn
 from torch.nn.functional import softplus
 
 from pyro_bdl._validation import check_positive
-from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.access import SiteAccess, check_same_sites
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
 __all__ = ["AutoLocScaleGuide", "inverse_softplus"]
 
-#: Sites are processed in contiguous blocks of at most this many numbers (8 MB in fp32): glibc
-#: hands every freed block above 32 MB back to the kernel, so D-long temporaries would be mapped
+#: Sites are grouped in contiguous blocks of at most this many numbers (8 MB in fp32), each with
+#: its own parameter: glibc hands every freed block above 32 MB back to the kernel, so D-long
+#: temporaries (a gradient, Pyro's zeroed gradient, Adam's sqrt and quotient) would be mapped
 #: and page-faulted in afresh at every step, while block-long ones reuse the heap.
 BLOCK_NUMEL = 1 << 21
 
@@ -46,6 +50,10 @@ BLOCK_NUMEL = 1 << 21
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     """ρ with softplus(ρ) = x, stable for small and large x (x > 0)."""
     return x + torch.log(-torch.expm1(-x))
+
+
+#: The attribute of a packed parameter naming the sites it was made for.
+_SITES_ATTR = "_pyro_bdl_sites"
 
 
 def _inside_plate() -> bool:
@@ -70,7 +78,8 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
 
     :param callable model: the Pyro model.
     :param float init_scale: initial posterior standard deviation of every unconstrained
-        coordinate (> 0).
+        coordinate (> 0). Small scales suit network weights, larger ones (0.1) small models
+        with wide posteriors; see :class:`~pyro_bdl.guides.AutoMeanField`.
     :param callable init_loc_fn: per-site initialisation strategy.
     :param callable create_plates: optional, as in :class:`~pyro.infer.autoguide.AutoGuide`.
     """
@@ -131,9 +140,89 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         self.plates = {}
         self._no_plates = not self._prototype_frames and self.create_plates is None
         rho = inverse_softplus(torch.full_like(loc, self._init_scale))
-        # One parameter for both halves: the optimizer (pyro.optim keeps one torch optimizer
-        # per parameter) and the param store then do one update and one lookup per step.
-        self.loc_rho = nn.Parameter(torch.stack([loc, rho]))
+        # One (2, n) parameter per block for both halves: the optimizer (pyro.optim keeps one
+        # torch optimizer per parameter) and the param store do one update and one lookup per
+        # block, and every gradient and optimizer temporary is one block long.
+        flat = torch.stack([loc, rho])
+        totals = self._blocks()[0]
+        if len(totals) == 1:
+            params = [nn.Parameter(flat)]
+        else:  # views of one (2, D) tensor, which guide.loc and guide.rho show
+            params = [nn.Parameter(part) for part in flat.split(totals, dim=1)]
+            self.__dict__["_flat"] = flat
+        # The param store keeps this very tensor: its site names let a later guide of the same
+        # name, set up on a model whose sites changed, say which sites differ.
+        params[0].__dict__[_SITES_ATTR] = tuple(layout.names)
+        for name, param in zip(self._param_names(), params):
+            setattr(self, name, param)
+
+    def _param_names(self) -> list[str]:
+        """Names of the blocks' parameters: ``loc_rho``, then ``loc_rho_1``, ``loc_rho_2``..."""
+        count = len(self._blocks()[0])
+        return ["loc_rho"] + [f"loc_rho_{k}" for k in range(1, count)]
+
+    def split_packed(self, key: str, value: Any) -> dict[str, Any] | None:
+        """This guide's block entries for an entry ``key`` that an older version saved when
+        all blocks shared one ``(2, D)`` parameter ``loc_rho`` (``key`` ends in ``loc_rho``: a
+        ``state_dict`` key, a param-store name, or an optimizer's state of that parameter);
+        ``None`` where there is nothing to split.
+
+        Usage (what ``load_state_dict`` and :func:`pyro_bdl.checkpoint.load_checkpoint` do)::
+
+            blocks = guide.split_packed("AutoMeanField.loc_rho", old_tensor)
+        """
+        if self.prototype_trace is None or not key.endswith("loc_rho"):
+            return None
+        names, totals = self._param_names(), self._blocks()[0]
+        if len(names) == 1:
+            return None
+        base = key[: -len("loc_rho")]
+
+        def split(t: Any) -> list[Any] | None:
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.layout.size:
+                return list(t.split(totals, dim=1))
+            return None
+
+        parts = split(value)
+        if parts is None:  # an optimizer's state_dict: split the moments, copy the rest
+            state = value.get("state") if isinstance(value, dict) else None
+            if not isinstance(state, dict) or len(state) != 1:
+                return None
+            ((index, moments),) = state.items()
+            split_moments = {k: split(m) for k, m in moments.items()}
+            if not any(split_moments.values()):
+                return None
+
+            def block_state(block: int) -> dict:
+                # Counters are cloned: an optimizer advances them in place.
+                return {
+                    k: pieces[block]
+                    if pieces
+                    else (m.clone() if isinstance(m, torch.Tensor) else m)
+                    for (k, m), pieces in zip(moments.items(), split_moments.values())
+                }
+
+            parts = [{**value, "state": {index: block_state(block)}} for block in range(len(names))]
+        return {base + name: part for name, part in zip(names, parts)}
+
+    def _upgrade_state(self, state_dict: dict, prefix: str) -> None:
+        names = self._param_names() if self.prototype_trace is not None else []
+        if len(names) > 1 and prefix + names[1] not in state_dict:
+            blocks = self.split_packed(prefix + "loc_rho", state_dict.get(prefix + "loc_rho"))
+            if blocks is not None:
+                state_dict.update(blocks)
+
+    def _check_sites(self, params: list[torch.Tensor]) -> None:
+        """Refuse parameters (found in the param store under this guide's name) made for other
+        sites than the model's."""
+        check_same_sites(
+            type(self).__name__,
+            set_up=params[0].__dict__.get(_SITES_ATTR),
+            now=self.layout.names,
+            set_up_size=sum(p.shape[-1] for p in params),
+            now_size=self.layout.size,
+        )
+        self.__dict__["_checked"] = params[0]
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
@@ -146,14 +235,19 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
 
     @property
     def loc(self) -> torch.Tensor:
-        """All posterior locations, flat: row 0 of :attr:`loc_rho` (a view; writable under
-        ``torch.no_grad()``). After a call of the guide it is the very tensor that call used, so
-        ``torch.autograd.grad(loss, [guide.loc, guide.rho])`` works."""
+        """All posterior locations, flat (a view of the parameters; writable under
+        ``torch.no_grad()``).
+
+        A model of at most :data:`BLOCK_NUMEL` numbers has one parameter ``loc_rho`` and
+        ``guide.loc`` is its row 0: after a call of the guide it is the very tensor that call
+        used, so ``torch.autograd.grad(loss, [guide.loc, guide.rho])`` works. A larger model has
+        one parameter per block (``loc_rho``, ``loc_rho_1``, ...), views of one flat tensor that
+        ``guide.loc`` shows: take gradients with respect to ``guide.parameters()`` there."""
         return self._loc_rho_views()[0]
 
     @property
     def rho(self) -> torch.Tensor:
-        """All free scale parameters ρ (σ = softplus(ρ)), flat: row 1 of :attr:`loc_rho`."""
+        """All free scale parameters ρ (σ = softplus(ρ)), flat; as :attr:`loc`, row 1."""
         return self._loc_rho_views()[1]
 
     @property
@@ -164,6 +258,10 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
     def _loc_rho_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         # (loc view, rho view, version of loc_rho when they were made by unbind, else None)
         self._ensure_setup()
+        names = self._param_names()
+        if len(names) > 1:
+            flat = self._shared_flat([self._parameters[n] for n in names])
+            return flat[0], flat[1]
         packed = self._parameters["loc_rho"]
         views = self.__dict__.get("_views")
         if (
@@ -180,6 +278,28 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             self._cache_views(views[:2], None)
         return views[0], views[1]
 
+    def _shared_flat(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The (2, D) tensor the blocks' parameters are views of; made afresh (and the
+        parameters pointed into it) where they no longer are (after ``.to()``, ``.double()``,
+        unpickling, or a param store that was loaded)."""
+        flat = self.__dict__.get("_flat")
+        offsets = [0]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + p.shape[1])
+        if flat is not None and all(
+            p.dtype == flat.dtype
+            and p.stride() == flat.stride()
+            and p.data_ptr() == flat[:, start].data_ptr()
+            for p, start in zip(params, offsets)
+        ):
+            return flat
+        with torch.no_grad():
+            flat = torch.cat([p.detach() for p in params], dim=1)
+            for p, part in zip(params, flat.split([p.shape[1] for p in params], dim=1)):
+                p.data = part
+        self.__dict__["_flat"] = flat
+        return flat
+
     def _cache_views(self, views, version) -> None:
         # Not under inference mode: views made there cannot enter autograd later.
         if not torch.is_inference_mode_enabled():
@@ -188,6 +308,8 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_views", None)  # non-leaf views of loc_rho: rebuilt on demand
+        state.pop("_checked", None)
+        state.pop("_flat", None)  # made afresh from the parameters
         return state
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -198,31 +320,34 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             plates = self.plates
         else:
             plates = self._create_plates(*args, **kwargs)
-        packed = self.loc_rho  # the step's one param-store lookup
-        # unbind: ONE backward node that stacks both gradients (two selects would each fill a
-        # zero tensor of the full (2, D) size and then add them).
-        loc, rho = packed.unbind(0)
-        self._cache_views((loc, rho), packed._version)
+        params = [getattr(self, name) for name in self._param_names()]  # param-store lookups
+        if params[0] is not self.__dict__.get("_checked"):
+            self._check_sites(params)
         # Sites in contiguous blocks of about BLOCK_NUMEL numbers: every flat temporary of the
         # step (scale, noise, sample, their gradients) is one block long, not D long. torch's
-        # split gives each block, then each site, a view with ONE backward node for all of them
-        # (slicing per site would make each slice's backward fill a zero tensor of full length).
-        block_sizes, site_sizes = self._blocks()
+        # split gives each site a view with ONE backward node for all of them (slicing per site
+        # would make each slice's backward fill a zero tensor of the block's length).
+        site_sizes, flat_blocks = self._blocks()[1:]
         # Fast path: draw the noise of every plate-free site in one operation per block. Under
         # an outer plate (vectorized particles, parallel Predictive) the sites are batched, so
         # each one samples for itself instead.
         flat = not _inside_plate()
         locs: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
-        values: list[torch.Tensor] | None = [] if flat else None
-        for block_loc, block_rho, sizes in zip(
-            loc.split(block_sizes), rho.split(block_sizes), site_sizes
-        ):
+        values: list[torch.Tensor | None] = []
+        for param, sizes, flat_block in zip(params, site_sizes, flat_blocks):
+            # unbind: ONE backward node that stacks both gradients (two selects would each fill
+            # a zero tensor of the full (2, n) size and then add them).
+            block_loc, block_rho = param.unbind(0)
+            if len(params) == 1:
+                self._cache_views((block_loc, block_rho), param._version)
             block_scale = softplus(block_rho)
             locs += block_loc.split(sizes)
             scales += block_scale.split(sizes)
-            if values is not None:
+            if flat and flat_block:
                 values += self.flat_sample(block_loc, block_scale, sizes).split(sizes)
+            else:
+                values += [None] * len(sizes)
         result = {}
         for i, site in enumerate(self.layout):
             shape = site.shape
@@ -230,9 +355,9 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             if site_loc.shape != shape:  # a 1-d site already has its shape: skip the view
                 site_loc, site_scale = site_loc.view(shape), site_scale.view(shape)
             if not site.frames:  # the common case for weights: no plate to enter
-                value = None
-                if values is not None and site.whole:
-                    value = values[i] if values[i].shape == shape else values[i].view(shape)
+                value = values[i]
+                if value is not None and value.shape != shape:
+                    value = value.view(shape)
                 fn = self._site_dist(site, site_loc, site_scale, value)
                 result[site.name] = pyro.sample(site.name, fn)
                 continue
@@ -247,20 +372,35 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
                 result[site.name] = pyro.sample(site.name, fn)
         return result
 
-    def _blocks(self) -> tuple[list[int], list[list[int]]]:
-        """(numbers per block, site sizes per block): consecutive sites grouped into blocks of
-        at most :data:`BLOCK_NUMEL` numbers (a larger site is a block of its own)."""
+    def _blocks(self) -> tuple[list[int], list[list[int]], list[bool]]:
+        """(numbers per block, site sizes per block, whether the block is drawn flat):
+        consecutive sites grouped into blocks of at most :data:`BLOCK_NUMEL` numbers (a larger
+        site is a block of its own).
+
+        A block is drawn in one flat operation only if every site in it takes that draw (no
+        plate, every dim an event dim); sites that sample for themselves form blocks of their
+        own. A flat draw that no site used would be dropped from a traced graph (JIT dead-code
+        elimination) while an eager step still consumed its random numbers, so traced and eager
+        steps would see different noise for the same seed.
+        """
         cached = self.__dict__.get("_block_cache")
         if cached is not None and cached[0] is self.layout:
-            return cached[1], cached[2]
-        blocks: list[list[int]] = [[]]
-        for size in self.layout.sizes:
-            if blocks[-1] and sum(blocks[-1]) + size > BLOCK_NUMEL:
+            return cached[1]
+        blocks: list[list[int]] = []
+        flags: list[bool] = []
+        for site in self.layout:
+            takes_flat = site.whole and not site.frames
+            if (
+                not blocks
+                or flags[-1] != takes_flat
+                or (blocks[-1] and sum(blocks[-1]) + site.numel > BLOCK_NUMEL)
+            ):
                 blocks.append([])
-            blocks[-1].append(size)
-        totals = [sum(b) for b in blocks]
-        self.__dict__["_block_cache"] = (self.layout, totals, blocks)
-        return totals, blocks
+                flags.append(takes_flat)
+            blocks[-1].append(site.numel)
+        result = [sum(b) for b in blocks], blocks, flags
+        self.__dict__["_block_cache"] = (self.layout, result)
+        return result
 
     def _site_dist(self, site: Site, loc: torch.Tensor, scale: torch.Tensor, value=None):
         fn = self.site_posterior(loc, scale, site.event_dim, value=value)

@@ -86,7 +86,15 @@ class AutoMeanField(AutoLocScaleGuide):
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), TraceMeanField_ELBO())
 
     :param callable model: the Pyro model (for example ``bdl.models.classifier(bnn, N)``).
-    :param float init_scale: initial posterior standard deviation of every weight (> 0).
+    :param float init_scale: initial posterior standard deviation of every weight (> 0). The
+        default 0.01 suits networks, whose weights are of order 1/√fan-in: on a 64-100-10 MLP
+        on sklearn's digits (20 epochs, Adam 1e-3, 3 seeds) 0.01 reached test accuracy 0.953
+        and NLL 0.18, 0.03 gave 0.944 / 0.21 and 0.1 (Pyro's ``AutoNormal`` default) only
+        0.919 / 0.52, its noise drowning the weights; a scale relative to each layer's initial
+        weights (0.1 × their RMS) did no better than 0.01. The price is on small models whose
+        posterior is wide: from 0.01 the scale of an N(0, 1) latent reaches only 0.67 within
+        Pyro's 100-step quantile test (Adam 0.05), 0.03 reaches 0.92 and 0.1 1.00. Pass
+        ``init_scale=0.1`` for such models.
     :param callable init_loc_fn: initial locations (default: the network's own weights).
     :param callable create_plates: optional, as in :class:`~pyro.infer.autoguide.AutoGuide`.
 
