@@ -336,7 +336,12 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                     "not reparameterizable, and this ELBO has no score-function term for it. Use "
                     "pyro.infer.TraceGraph_ELBO (or TraceEnum_ELBO to enumerate a discrete site)."
                 )
-            if name not in model_trace.nodes:
+            if name not in model_trace.nodes and isinstance(_unwrap(site["fn"])[0], Delta):
+                # A point-mass auxiliary site (AutoSWAG's packed point estimate): its
+                # Trace_ELBO term is exact, as for a Delta on a latent site.
+                self.kl_methods[name] = "delta"
+                terms.append(("KL", name, self._trace_elbo_term(None, site)))
+            elif name not in model_trace.nodes:
                 reason = (
                     "the guide site has no model site (an auxiliary site, as in AutoNormal's "
                     "Normal + Delta construction); for the M-sample KL use "
