@@ -653,10 +653,10 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         and moving the guide replaces them, so the key needs no read of their values."""
         count = self._num_collected
         try:
-            key = (mean._version, mean.data_ptr(), m2._version, m2.data_ptr(), count)
+            versions = (mean._version, m2._version)
         except RuntimeError:  # buffers created under torch.inference_mode keep no version
             return _in_dtype(mean, m2.dtype), swag_std(m2, count, clamp=self.var_clamp)
-        key += (self.var_clamp,)
+        key = (*versions, mean.data_ptr(), m2.data_ptr(), count, self.var_clamp)
         if self._std is None or self._std[0] != key:
             self._std = None  # free the stale copies before allocating the new ones
             std = swag_std(m2, count, clamp=self.var_clamp)

@@ -23,8 +23,8 @@ Trace_ELBO's one-sample term, with a :class:`KLFallbackWarning` naming it; a ``D
 Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``/``mask``, the
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
 ``scale * KL``). A prior masked out whole (``.mask(False)``) contributes no KL, as under Pyro's
-KL of a masked distribution. Weight sites live outside the data plate, so under a subsampled plate the KL is
-counted once per step while the likelihood is scaled by N/B.
+KL of a masked distribution. Weight sites live outside the data plate, so under a subsampled
+plate the KL is counted once per step while the likelihood is scaled by N/B.
 
 A refused step (a non-finite loss, or anything the model or guide raises) changes nothing: the
 network's buffers (BatchNorm's running statistics), torch's random state and the parameters'

@@ -102,7 +102,8 @@ def test_evaluate_loss_after_collect_scores_the_point_being_trained():
     # The point estimate is deterministic: no draw, so the random state does not move either.
     assert svi.evaluate_loss(x, y) == expected
     assert TraceSuffStat_ELBO(num_kl_samples=4).loss(model, guide, x, y) == pytest.approx(
-        expected, rel=1e-6  # the same log-densities summed in another order (float32)
+        expected,
+        rel=1e-6,  # the same log-densities summed in another order (float32)
     )
     assert_same(before, rng_states())
 
