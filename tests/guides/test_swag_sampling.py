@@ -170,7 +170,7 @@ def test_sampling_stays_on_the_gpu_without_host_device_copies(cache_std):
     def sample():
         assert guide.get_posterior().sample((2,)).device.type == "cuda"
         assert guide.sample_weights()["theta"].device.type == "cuda"
-        with torch.no_grad():
+        with torch.no_grad(), guide.sampling():
             guide()
 
     torch.cuda.synchronize()
