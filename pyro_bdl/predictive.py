@@ -42,6 +42,9 @@ def _draw(model, guide, args, kwargs, size: int | None, dim: int) -> torch.Tenso
     target = model.net if isinstance(model, NetworkModel) else model
     target_args = args[:1] if isinstance(model, NetworkModel) else args
     target_kwargs = {} if isinstance(model, NetworkModel) else kwargs
+    # The guide runs for its draws alone, as Predictive runs it: densities masked out (unused
+    # here, and a guide that draws its posterior only then, AutoSWAG, does).
+    guide = poutine.mask(guide, mask=False)
     if size is None or size == 1:  # one draw: the network's own shapes, no sample dim to add
         tr = poutine.trace(guide).get_trace(*args, **kwargs)
         out = poutine.replay(target, trace=tr)(*target_args, **target_kwargs)

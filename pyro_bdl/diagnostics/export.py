@@ -296,9 +296,12 @@ def to_inference_data(
     observed: dict[str, np.ndarray] = {}
     dims_of: dict[str, tuple[str, ...]] = {}
     start = 0
+    # The guide runs for its draws alone, as Predictive runs it: densities masked out (unused
+    # here, and a guide that draws its posterior only then, AutoSWAG, does).
+    draws_only = poutine.mask(guide, mask=False)
     with torch.no_grad():
         for draw in range(total):
-            guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+            guide_trace = poutine.trace(draws_only).get_trace(*args, **kwargs)
             model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
                 *args, **kwargs
             )

@@ -53,8 +53,12 @@ class MemberMixture(TorchDistribution):
     r"""Equal-weight mixture of ``members``, each a distribution with event shape ``(D,)`` and no
     batch shape.
 
-    Sampling draws the member indices of all ``n`` draws at once and each member only for the
-    draws that picked it (``n`` draws in all, not ``M · n``).
+    Sampling draws the member indices of all ``n`` draws at once. Which member a draw comes from
+    is data, never a shape, so a traced guide (``JitTrace_ELBO``, ``pyro.ops.jit.trace``) draws
+    other members on later calls: point masses are gathered from their stacked locations
+    (``index_select``); other members are drawn each only for the draws that picked it (``n``
+    draws in all, not ``M · n``), except under tracing, where every member is drawn for every
+    draw and the picked ones gathered (``M · n`` draws, shapes that do not depend on the index).
 
     :param members: the M component distributions (point masses, SWAG Gaussians, ...).
     :param int member: draw from this member only (``None``: pick uniformly per draw).
@@ -110,6 +114,13 @@ class MemberMixture(TorchDistribution):
             n = shape.numel()
             device = self.members[0].mean.device
             index = torch.randint(len(self.members), (n,), device=device)
+            if all(isinstance(m, dist.Delta) for m in self.members):
+                locs = torch.stack([cast(dist.Delta, m).v for m in self.members])
+                return locs.index_select(0, index).reshape(shape + self.event_shape)
+            if torch.jit.is_tracing():
+                draws = torch.stack([m.sample(torch.Size([n])) for m in self.members])
+                picked = index.view(1, n, *(1,) * len(self.event_shape)).expand(1, *draws.shape[1:])
+                return draws.gather(0, picked).reshape(shape + self.event_shape)
             out: torch.Tensor | None = None
             for k, member in enumerate(self.members):
                 rows = (index == k).nonzero().squeeze(1)
@@ -167,6 +178,32 @@ def _check_same_layout(signatures: list, what: str) -> None:
             )
 
 
+def _refuse_shared_parameters(guides: Sequence[nn.Module]) -> None:
+    """Refuse guides that hold the same parameter tensors: they are one member, not several."""
+    owner: dict[int, int] = {}
+    for k, guide in enumerate(guides):
+        for p in guide.parameters():
+            j = owner.setdefault(id(p), k)
+            if j != k:
+                raise ValueError(
+                    f"members[{j}] and members[{k}] share their parameter tensors, so they are "
+                    "the same member: Pyro's param store names the parameters of every guide of "
+                    "a kind alike, and a guide trained in a store that still holds another's "
+                    "trains that one's tensors. Call pyro.clear_param_store() before building "
+                    "and training each member (as from_training does), or pass each member's "
+                    "values (guide.median()) as soon as it is trained."
+                )
+
+
+def _release_from_param_store(guides: Sequence[nn.Module]) -> None:
+    """Remove from Pyro's param store the entries that are these guides' own parameters."""
+    own = {id(p) for guide in guides for p in guide.parameters()}
+    store = pyro.get_param_store()
+    for name, value in list(store.named_parameters()):
+        if id(value) in own:
+            del store[name]
+
+
 class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
     """Base of :class:`AutoEnsemble` and :class:`AutoMultiSWAG`: the guide of the mixture
     :class:`MemberMixture` over the packed vector. A subclass
@@ -180,11 +217,20 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         super().__init__(model, init_loc_fn=init_loc_fn)
 
     def _setup_prototype(self, *args, **kwargs):
-        super()._setup_prototype(*args, **kwargs)
-        self.layout, init = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
-        self._setup_members(init)
+        # All or nothing: a refused set-up (members of another model) leaves the guide as it
+        # was before, so the next call refuses the same way instead of meeting a half-built one.
+        try:
+            super()._setup_prototype(*args, **kwargs)
+            self.layout, init = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
+            self._setup_members(init)
+        except BaseException:
+            self.prototype_trace = None
+            self.__dict__.pop("layout", None)
+            raise
 
     def _setup_members(self, init: torch.Tensor) -> None:
+        """Check the members against the model's sites, then build them; nothing of the guide
+        changes before every check has passed."""
         raise NotImplementedError
 
     def _ensure_setup(self) -> None:
@@ -332,7 +378,11 @@ class AutoEnsemble(MemberGuide):
     :param members: the M trained members, each ``{site name: value}`` (as
         ``AutoDelta.median()`` gives) or a trained guide with a ``median()`` method; or an int
         M for an empty ensemble (every member at the network's initial weights) to load a
-        ``state_dict`` into.
+        ``state_dict`` into. A guide's values are copied now, from its own parameters (not
+        through Pyro's param store, which names every AutoDelta's parameters alike): guides each
+        trained after ``pyro.clear_param_store()`` stay distinct members. Guides that share
+        parameter tensors (trained one after the other without clearing the store, so they
+        trained the same tensors) are refused.
     :param callable init_loc_fn: initial weights of an empty ensemble's members.
 
     References:
@@ -348,6 +398,7 @@ class AutoEnsemble(MemberGuide):
         self._values: list[dict[str, torch.Tensor]] | None = None
         if count is None:
             listed = _as_list(members, "point estimates (dicts of site values or guides)")
+            _refuse_shared_parameters([m for m in listed if isinstance(m, nn.Module)])
             self._values = [self._member_values(k, m) for k, m in enumerate(listed)]
             _check_same_layout([_signature(v) for v in self._values], "ensemble member")
             count = len(self._values)
@@ -366,7 +417,11 @@ class AutoEnsemble(MemberGuide):
                     f"members[{k}] must be a dict of site values or a trained guide with a "
                     f"median() method (e.g. AutoDelta); got {type(member).__name__}."
                 )
-            member = median()
+            # The guide's own parameters, not the param store's: the store names the parameters of
+            # every guide of a kind alike (AutoDelta.<site>), so through it every member trained
+            # after pyro.clear_param_store() would read the last one's values.
+            with pyro.get_param_store().scope():  # an empty store, the user's comes back
+                member = median()
         values = {}
         for name, value in member.items():
             if not isinstance(value, torch.Tensor):
@@ -409,6 +464,18 @@ class AutoEnsemble(MemberGuide):
         }
         return self.layout.pack(unconstrained)  # names any missing site, checks every shape
 
+    def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
+        # As the constructor refuses a member with NaN or inf, so does a load.
+        locs = state_dict.get(prefix + "ensemble_locs")
+        if isinstance(locs, torch.Tensor) and locs.dim() == 2 and locs.is_floating_point():
+            bad = (~torch.isfinite(locs)).any(-1).nonzero().flatten().tolist()
+            if bad:
+                return [
+                    f"{prefix + 'ensemble_locs'!r}: members {bad} contain NaN or inf (a member "
+                    "must be finite, as the constructor requires)"
+                ]
+        return []
+
     def member_posteriors(self) -> list[dist.TorchDistribution]:
         self._ensure_setup()
         locs = self._buffers["ensemble_locs"]
@@ -431,6 +498,14 @@ class AutoMultiSWAG(MemberGuide):
         ``swag_options`` (to load a ``state_dict`` into).
     :param swag_options: keyword arguments of the fresh members' :class:`AutoSWAG` (``rank``,
         ``diag_only``, ``scale``, ...), only with an int ``members``.
+
+    Trained members become this guide's submodules: their parameters leave Pyro's param store
+    (every AutoSWAG's point estimate is named ``AutoSWAG.loc`` there, so the store can hold only
+    one of them) and live in this guide's ``state_dict``, so a checkpoint
+    (:func:`~pyro_bdl.checkpoint.save_checkpoint`) loads into a fresh ``AutoMultiSWAG(model, M,
+    **same options)`` as the plain ``state_dict`` does. Members that share parameter tensors
+    (guides trained one after the other in one param store, which trains the same tensors) are
+    refused.
 
     References:
 
@@ -465,19 +540,22 @@ class AutoMultiSWAG(MemberGuide):
                     )
                 guide.require_collected(f"join a MultiSWAG ensemble (members[{k}])")
             _check_same_layout([_signature(g.layout) for g in guides], "MultiSWAG member")
+            _refuse_shared_parameters(guides)
+            _release_from_param_store(guides)
         super().__init__(model, len(guides), init_loc_fn=init_loc_fn)
         self.members = nn.ModuleList(guides)
 
     def _setup_members(self, init: torch.Tensor) -> None:
         own = _signature(self.layout)
         for k, guide in enumerate(self.swag_members):
-            if guide.prototype_trace is None:
-                guide._setup_prototype(*self._args_kwargs[0], **self._args_kwargs[1])
-            if _signature(guide.layout) != own:
+            if guide.prototype_trace is not None and _signature(guide.layout) != own:
                 raise ValueError(
                     f"members[{k}] is a SWAG guide of another model (its sites differ from this "
                     "model's); pass AutoSWAG guides of the same lifted network."
                 )
+        for guide in self.swag_members:  # fresh members, set up on this model's arguments
+            if guide.prototype_trace is None:
+                guide._setup_prototype(*self._args_kwargs[0], **self._args_kwargs[1])
 
     def _setup_prototype(self, *args, **kwargs):
         self._args_kwargs = (args, kwargs)  # fresh members set up on the same arguments
@@ -487,12 +565,14 @@ class AutoMultiSWAG(MemberGuide):
             del self._args_kwargs
 
     def member_posteriors(self) -> list[dist.TorchDistribution]:
-        """Each member's SWAG Gaussian; a member with fewer than two snapshots (a fresh guide
-        before ``load_state_dict``) contributes its point estimate, as AutoSWAG itself does."""
+        """Each member's SWAG Gaussian, as its :attr:`~pyro_bdl.guides.AutoSWAG.mode` says: a
+        member in mode ``"point"``, or in ``"auto"`` with fewer than two snapshots (a fresh
+        guide before ``load_state_dict``), contributes its point estimate. A MultiSWAG guide has
+        no training role, so ``"auto"`` members draw SWAG wherever the guide runs."""
         self._ensure_setup()
         out: list[dist.TorchDistribution] = []
         for guide in self.swag_members:
-            if guide.num_collected >= 2:
+            if guide.mode == "swag" or (guide.mode == "auto" and guide.num_collected >= 2):
                 out.append(guide.get_posterior())
             else:
                 loc = guide._parameters["loc"]

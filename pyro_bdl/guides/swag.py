@@ -25,10 +25,13 @@ of SWAG's covariance.
 θ̄₂ − θ̄² (the mean of the squares minus the squared mean): that difference cancels
 catastrophically in float32 once the weights are ~10⁴ times larger than their movement, while
 Welford's update loses accuracy only linearly in that ratio (Chan, Golub and LeVeque's bound:
-relative error ≲ T·κ·u with κ = |θ̄|/σ, against T·κ²·u for the difference of moments). No
-float32 statistic helps once κ nears 1/u ≈ 10⁷ (weights near 10³ that move by 10⁻⁴, below
-float32's spacing of 6·10⁻⁵ there, which the float32 mean cannot follow): train such weights in
-float64.
+relative error ≲ T·κ·u with κ = |θ̄|/σ, against T·κ²·u for the difference of moments, u the
+unit round-off of the mean's dtype). So the running mean θ̄ (buffer ``swag_mean``) is kept in
+float64 whatever the weights' dtype: a float32 mean of weights near 10⁴ that move by 10⁻³ (κ ≈
+10⁷ ≈ 1/u) is off by up to half its spacing there, 5·10⁻⁴, and the deviations measured from it
+by as much as they are large; in float64 κ·u ≈ 10⁻⁹. M2 and the deviations D̂ stay in the
+weights' dtype, which holds their small values to its relative precision; the Gaussian is
+formed in the weights' dtype (:meth:`AutoSWAG.get_posterior` casts θ̄).
 
 A checkpoint that stores the running second moment θ̄₂ (key ``swag_sq_mean``) instead of M2 is
 converted on load (:func:`convert_second_moment`).
@@ -46,8 +49,8 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import pyro
 import pyro.distributions as dist
@@ -101,6 +104,9 @@ def swag_collect_(
     transient D-vector.
     """
     n = num_collected + 1
+    # The mean's own precision bounds that of δ' (see the module docstring): θ joins it in the
+    # mean's dtype (a no-op when they agree), and δ' is taken in that dtype too.
+    theta = theta.to(mean.dtype)
     # lerp_ computes mean + w (θ − mean): the running average, exact for the first snapshot.
     mean.lerp_(theta, 1.0 / n)
     rank = deviations.shape[0]
@@ -359,14 +365,19 @@ class NotCollectedError(RuntimeError):
 class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     r"""SWAG (SWA-Gaussian) as a Pyro guide over every continuous latent site, packed.
 
-    **Two roles.** While gradients are recorded (``SVI.step`` with any ELBO, or a plain PyTorch
-    loop) the guide is a point estimate, the parameter ``loc``, so SGD keeps training it. Under
-    ``torch.no_grad()`` — which is how :class:`~pyro.infer.Predictive` runs a guide — it draws
-    from the SWAG Gaussian once at least two snapshots have been collected (before that it still
-    returns the point estimate, so validation during pre-training works). Force either role with
-    ``guide.mode = "point"`` or ``"swag"`` (default ``"auto"``); :meth:`get_posterior`,
-    :meth:`sample_weights`, :meth:`marginal_variances` and ``"swag"`` mode raise
-    :class:`NotCollectedError` before two collections.
+    **Two roles.** Wherever its density is scored — every ELBO: ``SVI.step``,
+    ``SVI.evaluate_loss`` and ``loss``, with gradients or under ``torch.no_grad()`` — and in a
+    plain PyTorch loop, the guide is a point estimate, the parameter ``loc``, so SGD keeps
+    training it and a validation loss scores the point being trained. It draws from the SWAG
+    Gaussian when it runs for its draws alone: under :class:`~pyro.infer.Predictive`, which runs
+    a guide with its densities masked out (``poutine.mask(mask=False)``), once at least two
+    snapshots have been collected (before that it returns the point estimate, so validation
+    during pre-training works). Grad mode plays no part. Choose a role explicitly with
+    ``guide.mode = "point"`` or ``"swag"`` (default ``"auto"``, the rule above), or for a block
+    with ``with guide.sampling():`` (SWAG draws, for instance around
+    :func:`~pyro_bdl.predictive.sample_outputs`); :meth:`get_posterior`, :meth:`sample_weights`,
+    :meth:`marginal_variances` and ``"swag"`` mode raise :class:`NotCollectedError` before two
+    collections.
 
     :meth:`collect` adds the current ``loc`` to the running mean, the running sum of squared
     deviations (Welford's M2, stable in float32) and a ring buffer of the last ``rank``
@@ -374,7 +385,8 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     ``state_dict``/``load_state_dict`` round-trip them (call the guide once first, as for every
     Pyro autoguide; checkpoints of the older second moment are converted by
     :func:`convert_second_moment`). Memory: (rank + 2)·D numbers beyond ``loc`` (2·D for
-    SWAG-diag) plus one integer counter, and D more with ``cache_std=True``.
+    SWAG-diag; θ̄ is float64 whatever the weights' dtype) plus one integer counter, and D more
+    with ``cache_std=True`` (2·D for weights in another dtype than float64).
 
     A sample costs one normal draw of D + K numbers, one read of the K × D deviations and two
     passes over D-vectors (three more to form Σ_diag^{1/2}, which ``cache_std=True`` keeps between
@@ -406,8 +418,9 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     :param callable init_loc_fn: initial point estimate per site (default: the network's
         weights, :func:`~pyro_bdl.nn.init_to_network`).
     :param float var_clamp: ε of Σ_diag = max(M2 / T, ε) after T collections.
-    :param bool cache_std: keep Σ_diag^{1/2} (D numbers, not part of the state) from one sample
-        to the next until the statistics change: about 20% cheaper samples for D more memory.
+    :param bool cache_std: keep Σ_diag^{1/2} and θ̄ in the weights' dtype (not part of the
+        state) from one sample to the next until the statistics change: about 20% cheaper
+        samples for D more memory (2·D for weights in another dtype than float64).
 
     References:
 
@@ -452,7 +465,8 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         self.scale = float(scale)
         self.var_clamp = float(var_clamp)
         self.cache_std = cache_std
-        self._std: tuple[tuple, torch.Tensor] | None = None  # (key of the statistics, σ)
+        # (key of the statistics, θ̄ in the weights' dtype, σ)
+        self._std: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._mode = "auto"
         # A Python mirror of the counter buffer: deciding whether to sample must not read a
         # device tensor (that would be a host–device synchronisation per sample).
@@ -469,7 +483,8 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         self.loc = nn.Parameter(init)
         like = self.loc.detach()
         rows = 0 if self.diag_only else self.rank
-        self.register_buffer("swag_mean", torch.zeros_like(like))
+        # float64 whatever the weights' dtype: the module docstring says why.
+        self.register_buffer("swag_mean", torch.zeros_like(like, dtype=torch.float64))
         self.register_buffer("swag_m2", torch.zeros_like(like))
         self.register_buffer("swag_deviations", like.new_zeros(rows, like.shape[0]))
         self.register_buffer(
@@ -512,13 +527,29 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
 
     @property
     def mode(self) -> str:
-        """``"auto"`` (point estimate while gradients are recorded, SWAG under ``no_grad`` once
-        two snapshots exist), ``"point"`` or ``"swag"``."""
+        """``"auto"`` (the point estimate wherever the guide's density is scored, SWAG draws once
+        two snapshots exist when it runs with its densities masked out, as under ``Predictive``),
+        ``"point"`` or ``"swag"``."""
         return self._mode
 
     @mode.setter
     def mode(self, value: str) -> None:
         self._mode = check_choice("mode", value, MODES)
+
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Draw from the SWAG Gaussian inside the block (``mode = "swag"``), whatever runs the
+        guide; the previous mode comes back afterwards.
+
+        :raises NotCollectedError: on entry, before two snapshots (nothing changed then).
+        """
+        self.require_collected("sample its posterior")
+        previous = self._mode
+        self._mode = "swag"
+        try:
+            yield
+        finally:
+            self._mode = previous
 
     @property
     def num_collected(self) -> int:
@@ -588,7 +619,9 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
 
     def _use_point_estimate(self) -> bool:
         if self._mode == "auto":
-            return torch.is_grad_enabled() or self._num_collected < 2
+            # Predictive masks the guide's densities out: it wants draws, not a density. Every
+            # ELBO scores the guide's density, so it gets the point being trained.
+            return self._num_collected < 2 or poutine.get_mask() is not False
         return self._mode == "point"
 
     def get_posterior(self, *args, **kwargs) -> SWAGNormal:
@@ -596,8 +629,12 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         self.require_collected("build its posterior")
         mean, m2 = self._buffers["swag_mean"], self._buffers["swag_m2"]
         assert mean is not None and m2 is not None
-        if not self.cache_std:
+        std = None
+        if self.cache_std:
+            mean, std = self._cached_moments(mean, m2)
+        else:
             self._std = None  # cache_std switched off: give the memory back
+            mean = _in_dtype(mean, m2.dtype)  # the float64 θ̄ in the weights' dtype (m2's)
         return SWAGNormal.from_moments(
             mean,
             m2,
@@ -605,23 +642,26 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
             num_collected=self._num_collected,
             scale=self.scale,
             clamp=self.var_clamp,
-            std=self._cached_std(m2) if self.cache_std else None,
+            std=std,
         )
 
-    def _cached_std(self, m2: torch.Tensor) -> torch.Tensor:
-        """Σ_diag^{1/2}, recomputed only when the statistics changed: in-place writes (collect,
-        load_state_dict) bump the tensors' version counters, and moving the guide replaces them,
-        so the key needs no read of their values."""
+    def _cached_moments(
+        self, mean: torch.Tensor, m2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """θ̄ in the weights' dtype and Σ_diag^{1/2}, recomputed only when the statistics
+        changed: in-place writes (collect, load_state_dict) bump the tensors' version counters,
+        and moving the guide replaces them, so the key needs no read of their values."""
         count = self._num_collected
         try:
-            version = m2._version
+            versions = (mean._version, m2._version)
         except RuntimeError:  # buffers created under torch.inference_mode keep no version
-            return swag_std(m2, count, clamp=self.var_clamp)
-        key = (version, m2.data_ptr(), count, self.var_clamp)
+            return _in_dtype(mean, m2.dtype), swag_std(m2, count, clamp=self.var_clamp)
+        key = (*versions, mean.data_ptr(), m2.data_ptr(), count, self.var_clamp)
         if self._std is None or self._std[0] != key:
-            self._std = None  # free the stale copy before allocating the new one
-            self._std = (key, swag_std(m2, count, clamp=self.var_clamp))
-        return self._std[1]
+            self._std = None  # free the stale copies before allocating the new ones
+            std = swag_std(m2, count, clamp=self.var_clamp)
+            self._std = (key, _in_dtype(mean, m2.dtype), std)
+        return self._std[1], self._std[2]
 
     def sample_latent(self, *args, **kwargs) -> torch.Tensor:
         posterior: dist.Distribution
@@ -679,7 +719,9 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     def flat_median(self) -> torch.Tensor:
         """The SWA mean θ̄ once two snapshots exist; the point estimate ``loc`` before."""
         self._ensure_setup()
-        return self.loc.detach() if self._num_collected < 2 else self.swag_mean
+        if self._num_collected < 2:
+            return self.loc.detach()
+        return _in_dtype(self.swag_mean, self.loc.dtype)
 
     @torch.no_grad()
     def marginal_variances(self) -> dict[str, torch.Tensor]:
@@ -691,6 +733,12 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         variance = swag_variance(self.swag_m2, self._num_collected, clamp=self.var_clamp)
         variance.mul_(self.scale)
         return self.layout.unpack(variance)
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: itself if it is already, else a copy on its device (``copy_``, which
+    never reads a value back to the host)."""
+    return t if t.dtype == dtype else torch.empty_like(t, dtype=dtype).copy_(t)
 
 
 class _PointMass(dist.Delta):

@@ -22,8 +22,9 @@ Trace_ELBO's one-sample term, with a :class:`KLFallbackWarning` naming it; a ``D
 
 Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``/``mask``, the
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
-``scale * KL``). Weight sites live outside the data plate, so under a subsampled plate the KL is
-counted once per step while the likelihood is scaled by N/B.
+``scale * KL``). A prior masked out whole (``.mask(False)``) contributes no KL, as under Pyro's
+KL of a masked distribution. Weight sites live outside the data plate, so under a subsampled
+plate the KL is counted once per step while the likelihood is scaled by N/B.
 
 A refused step (a non-finite loss, or anything the model or guide raises) changes nothing: the
 network's buffers (BatchNorm's running statistics), torch's random state and the parameters'
@@ -45,7 +46,7 @@ from typing import Any
 import pyro
 import torch
 from pyro import poutine
-from pyro.distributions import Delta
+from pyro.distributions import Delta, MaskedDistribution
 from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.infer import Trace_ELBO
 from pyro.infer.util import is_validation_enabled, torch_item
@@ -90,6 +91,23 @@ def _noise_family(d: Distribution) -> NoiseFamily | None:
         if family is not None:
             return family
     return None
+
+
+def _masked_out(d: Distribution) -> bool:
+    """Whether ``d`` is masked out whole (``.mask(False)``, or a mask with no element kept),
+    through ``Independent`` and ``ExpandedDistribution`` wrappers."""
+    while True:
+        if isinstance(d, MaskedDistribution):
+            mask = d._mask
+            if mask is False or (isinstance(mask, torch.Tensor) and not bool(mask.any())):
+                return True
+            d = d.base_dist
+        elif isinstance(d, Independent) or (
+            type(d).__name__ == "ExpandedDistribution" and hasattr(d, "base_dist")
+        ):
+            d = d.base_dist  # type: ignore[attr-defined]
+        else:
+            return False
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -169,7 +187,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
     reparameterizable (no score-function term here) raise a ``ValueError`` naming the site.
     After each step :attr:`kl_methods` maps site names to the estimator used (``"exact"``,
     ``"suffstat_normal"``, ``"streaming_laplace"``, ``"trace_elbo"`` for the one-sample term,
-    ``"delta"`` for a point-mass guide site, ...).
+    ``"delta"`` for a point-mass guide site, ``"masked"`` for a prior masked out whole, ...).
 
     Usage::
 
@@ -318,7 +336,12 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                     "not reparameterizable, and this ELBO has no score-function term for it. Use "
                     "pyro.infer.TraceGraph_ELBO (or TraceEnum_ELBO to enumerate a discrete site)."
                 )
-            if name not in model_trace.nodes:
+            if name not in model_trace.nodes and isinstance(_unwrap(site["fn"])[0], Delta):
+                # A point-mass auxiliary site (AutoSWAG's packed point estimate): its
+                # Trace_ELBO term is exact, as for a Delta on a latent site.
+                self.kl_methods[name] = "delta"
+                terms.append(("KL", name, self._trace_elbo_term(None, site)))
+            elif name not in model_trace.nodes:
                 reason = (
                     "the guide site has no model site (an auxiliary site, as in AutoNormal's "
                     "Normal + Delta construction); for the M-sample KL use "
@@ -354,6 +377,11 @@ class TraceSuffStat_ELBO(Trace_ELBO):
     def _site_elbo(self, name: str, model_site, guide_site) -> torch.Tensor:
         """E_q[log p] (model scale/mask) − E_q[log q] (guide scale/mask) for one latent site."""
         q, p = guide_site["fn"], model_site["fn"]
+        if _masked_out(p):
+            # As Pyro's KL of a masked distribution: a prior masked out whole contributes
+            # nothing (and its log-density, zero everywhere, has no gradient to stream).
+            self.kl_methods[name] = "masked"
+            return guide_site["value"].new_zeros(())
         if isinstance(_unwrap(q)[0], Delta):
             # A point mass (AutoDelta; AutoNormal's Delta, whose log_density carries the
             # Jacobian): Trace_ELBO's term is exact, with no sampling variance of its own.

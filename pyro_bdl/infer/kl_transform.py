@@ -112,8 +112,10 @@ def _shape(d: Distribution) -> torch.Size:
 
 
 def _with_event_dims(d: Distribution, event_dims: int) -> Distribution | None:
+    """``d`` with ``event_dims`` event dims, or ``None`` when it has more, or too few batch dims
+    to make up the rest (a transform that adds dims, as ``CorrCholeskyTransform`` does)."""
     extra = event_dims - len(d.event_shape)
-    if extra < 0:
+    if extra < 0 or extra > len(d.batch_shape):
         return None
     return Independent(d, extra, validate_args=False) if extra else d
 

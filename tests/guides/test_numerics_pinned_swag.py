@@ -76,7 +76,7 @@ def swag_numbers() -> dict[str, list[float]]:
     out["log_prob"] = [float(posterior.log_prob(draw))]
     out["variance"] = _summary(posterior.variance)
     pyro.set_rng_seed(8)
-    with torch.no_grad():
+    with torch.no_grad(), guide.sampling():  # SWAG draws are explicit, not grad mode's
         out["guide_draw"] = _summary(guide(x, y)["0.weight"])
     return out
 

@@ -289,7 +289,7 @@ def test_variances_of_weights_that_never_move_are_clamped():
 # ----------------------------------------------------------------------------- the two roles
 
 
-def test_point_estimate_while_training_and_samples_under_no_grad():
+def test_point_estimate_while_training_and_samples_under_predictive():
     _bnn, model, guide, x, y = trained_guide(collections=0)
     # Gradients recorded: the guide is the point estimate loc, and SVI moves it.
     before = guide.loc.detach().clone()
@@ -306,10 +306,14 @@ def test_point_estimate_while_training_and_samples_under_no_grad():
     moved = guide.loc.detach().clone()
     svi.step(x, y)  # training continues after collections
     assert not torch.equal(moved, guide.loc.detach())
-    with torch.no_grad():
+    with torch.no_grad():  # grad mode plays no part: still the point estimate
+        assert torch.equal(guide(x, y)["2.bias"], guide.loc.detach()[-3:])
+    assert torch.equal(guide(x, y)["2.bias"], guide.loc[-3:])
+    with torch.no_grad(), guide.sampling():
         a, b = guide(x, y)["2.bias"], guide(x, y)["2.bias"]
     assert not torch.equal(a, b)
-    assert torch.equal(guide(x, y)["2.bias"], guide.loc[-3:])  # grad on: point estimate
+    assert guide.mode == "auto"  # sampling() gives the mode back
+    # Predictive runs the guide with its densities masked out: SWAG draws.
     logits = Predictive(model, guide=guide, num_samples=3, return_sites=["_RETURN"])(x)["_RETURN"]
     assert logits.shape == (3, 40, 3) and not torch.equal(logits[0], logits[1])
     # Forced roles.
@@ -446,7 +450,7 @@ def test_per_site_access_reads_the_swag_marginals_through_the_layout():
     assert list(locs_and_scales) == guide.site_names == guide.layout.names
     for site in guide.layout:
         loc, scale = locs_and_scales[site.name]
-        assert torch.equal(loc, guide.swag_mean[site.slice].view(site.shape))
+        assert torch.equal(loc, guide.swag_mean.to(loc.dtype)[site.slice].view(site.shape))
         assert torch.equal(scale, std[site.slice].view(site.shape))
     assert guide.num_latents() == guide.latent_dim == guide.layout.size
 

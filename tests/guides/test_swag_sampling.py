@@ -65,7 +65,7 @@ def test_sampling_reads_nothing_back_to_the_host(cache_std, diag_only, monkeypat
         guide.get_posterior().sample()
         guide.get_posterior().sample((3,))
         guide.sample_weights()
-        with torch.no_grad():
+        with torch.no_grad(), guide.sampling():
             guide(x, y)
 
     # Pyro's validation is on (conftest), as it is by default for users.
@@ -170,7 +170,7 @@ def test_sampling_stays_on_the_gpu_without_host_device_copies(cache_std):
     def sample():
         assert guide.get_posterior().sample((2,)).device.type == "cuda"
         assert guide.sample_weights()["theta"].device.type == "cuda"
-        with torch.no_grad():
+        with torch.no_grad(), guide.sampling():
             guide()
 
     torch.cuda.synchronize()
