@@ -167,7 +167,8 @@ def measure(name: str, net: nn.Module, device: torch.device) -> dict:
         return run
 
     def guide_call():
-        with torch.no_grad():
+        # One posterior draw: the guide samples the SWAG posterior only when asked to.
+        with torch.no_grad(), guide.sampling():
             guide(x_test)
 
     # The same statistics in a guide with cache_std=True (σ kept between collections: D more
