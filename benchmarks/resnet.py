@@ -449,8 +449,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--autocast", default="none", choices=sorted(AUTOCAST), help="bf16: steps under autocast"
     )
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated subset of the steps (e.g. mf_plain,meanfield,radial); default all",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args, _ = parser.parse_known_args(argv)  # run_all passes its own argv through
+    variants = [v for v in args.variants.split(",") if v] or None
+    known = (
+        "sgd",
+        "adam",
+        "mf_plain",
+        "meanfield",
+        "radial",
+        "swag",
+        "laplace_map",
+        "vogn",
+        "ivon",
+    )
+    if variants and set(variants) - set(known):
+        parser.error(
+            f"--variants: unknown {sorted(set(variants) - set(known))}; choose from {known}."
+        )
     nets = [n for n in args.nets.split(",") if n]
     unknown = [n for n in nets if n not in NETS]
     if unknown:
@@ -465,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures: dict = {}
     for net in nets:
         for batch in batches:
-            r = measure(net, batch, args.device, rounds, autocast=AUTOCAST[args.autocast])
+            r = measure(net, batch, args.device, rounds, variants, autocast=AUTOCAST[args.autocast])
             figures[f"{net}/B={batch}"] = r
             for key, v in r["ratios"].items():
                 q = v["time_quartiles_per_round"]
