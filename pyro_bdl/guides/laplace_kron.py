@@ -1,7 +1,6 @@
 """Moved to :mod:`pyro_bdl.guides.laplace.posterior`; this path goes in the next release."""
 
-import warnings
-
+from pyro_bdl._moved import warn_moved
 from pyro_bdl.guides.laplace.posterior import (  # noqa: F401
     KronBlock,
     KronPosterior,
@@ -9,9 +8,4 @@ from pyro_bdl.guides.laplace.posterior import (  # noqa: F401
     kron_blocks,
 )
 
-warnings.warn(
-    "pyro_bdl.guides.laplace_kron moved to pyro_bdl.guides.laplace.posterior; "
-    "the old path goes in the next release.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+warn_moved(__name__, "pyro_bdl.guides.laplace.posterior")

@@ -1,7 +1,6 @@
 """Moved to :mod:`pyro_bdl.guides.laplace.evidence`; this path goes in the next release."""
 
-import warnings
-
+from pyro_bdl._moved import warn_moved
 from pyro_bdl.guides.laplace.evidence import (  # noqa: F401
     PRIOR_STRUCTURES,
     evidence,
@@ -9,9 +8,4 @@ from pyro_bdl.guides.laplace.evidence import (  # noqa: F401
     optimize_marglik,
 )
 
-warnings.warn(
-    "pyro_bdl.guides.laplace_marglik moved to pyro_bdl.guides.laplace.evidence; "
-    "the old path goes in the next release.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+warn_moved(__name__, "pyro_bdl.guides.laplace.evidence")

@@ -1,7 +1,6 @@
 """Moved to :mod:`pyro_bdl.guides.laplace.posterior`; this path goes in the next release."""
 
-import warnings
-
+from pyro_bdl._moved import warn_moved
 from pyro_bdl.guides.laplace.evidence import (  # noqa: F401
     tune_grid,
     val_ll_score,
@@ -21,9 +20,4 @@ from pyro_bdl.guides.laplace.posterior import (  # noqa: F401
     probit_logits,
 )
 
-warnings.warn(
-    "pyro_bdl.guides.laplace_posterior moved to pyro_bdl.guides.laplace.posterior; "
-    "the old path goes in the next release.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+warn_moved(__name__, "pyro_bdl.guides.laplace.posterior")

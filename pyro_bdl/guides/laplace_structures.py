@@ -1,16 +1,10 @@
 """Moved to :mod:`pyro_bdl.guides.laplace.posterior`; this path goes in the next release."""
 
-import warnings
-
+from pyro_bdl._moved import warn_moved
 from pyro_bdl.guides.laplace.posterior import (  # noqa: F401
     DiagPosterior,
     FullPosterior,
     StructuredNormal,
 )
 
-warnings.warn(
-    "pyro_bdl.guides.laplace_structures moved to pyro_bdl.guides.laplace.posterior; "
-    "the old path goes in the next release.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+warn_moved(__name__, "pyro_bdl.guides.laplace.posterior")

@@ -1,8 +1,7 @@
 """Deprecated path of the noise families and KLTerms: moved to :mod:`pyro_bdl.infer.kl`;
 the old path goes in the next release."""
 
-import warnings
-
+from pyro_bdl._moved import warn_moved
 from pyro_bdl.infer.kl import (
     GAUSSIAN_NOISE,
     NOISE_FAMILIES,
@@ -23,9 +22,4 @@ __all__ = [
     "sample_gaussian_statistics",
 ]
 
-warnings.warn(
-    "pyro_bdl.infer.kl_noise moved to pyro_bdl.infer.kl; the old path goes in the next "
-    "release. Import pyro_bdl.infer.kl instead.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+warn_moved(__name__, "pyro_bdl.infer.kl")

@@ -1,8 +1,7 @@
 """Deprecated path of the streaming estimator: moved to :mod:`pyro_bdl.infer.kl`;
 the old path goes in the next release."""
 
-import warnings
-
+from pyro_bdl._moved import warn_moved
 from pyro_bdl.infer.kl import (
     ChunkSums,
     LogProbAndScore,
@@ -21,9 +20,4 @@ __all__ = [
     "scale_mixture_chunk_sums",
 ]
 
-warnings.warn(
-    "pyro_bdl.infer.kl_streaming moved to pyro_bdl.infer.kl; the old path goes in the next "
-    "release. Import pyro_bdl.infer.kl instead.",
-    DeprecationWarning,
-    stacklevel=2,
-)
+warn_moved(__name__, "pyro_bdl.infer.kl")
