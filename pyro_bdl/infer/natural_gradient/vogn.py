@@ -45,7 +45,7 @@ import torch
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.curvature.per_example import PerExampleGradients
-from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, as_float
+from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, as_float, check_range
 from pyro_bdl.infer.natural_gradient.model import Prepared, per_example_nll
 from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
 
@@ -118,6 +118,7 @@ class VOGN(NaturalGradientVI):
         temperature=True,
         # The layout VOGN wrote when its state was spread over a guide and an optimizer.
         earlier_keys=frozenset({"step", "sites", "hidden", "guide", "optimizer"}),
+        nonnegative_curvature=True,
     )
     reading_pass_trains = True
 
@@ -148,7 +149,14 @@ class VOGN(NaturalGradientVI):
         )
         if not callable(temperature):
             check_positive("temperature", temperature, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
-        check_positive("augmentation_factor", augmentation_factor, fix="Pass ρ > 0, e.g. 1.0.")
+        check_range(
+            "VOGN",
+            "augmentation_factor",
+            augmentation_factor,
+            1e-3,
+            1e6,
+            "ρ scales the dataset size (Ñ = ρN) for data augmentation; pass e.g. 1.0.",
+        )
         if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
             raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
         self.effective_size = float(augmentation_factor) * dataset_size
@@ -245,10 +253,12 @@ class VOGN(NaturalGradientVI):
         assert self.state is not None
         return vogn_update(self.state, *self._split(), self._hyperparameters())
 
-    def _write_scale(self, tau: float, scale: torch.Tensor, log_scale: torch.Tensor) -> None:
-        assert self.state is not None and self.prior is not None
+    def _write_scale(
+        self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
+    ) -> None:
+        assert self.prior is not None
         vogn_scale(
-            self.state.curvature,
+            curvature,
             temperature=tau,
             effective_size=self.effective_size,
             prior_precision_tilde=self.prior.tilde(tau, self.effective_size),
