@@ -271,7 +271,7 @@ def check_values(state: Mapping[str, Any], spec: StateFormat) -> None:
     the weights' where ``spec.nonnegative_curvature``): loaded, it would refuse every later step
     or give NaN posterior scales."""
     method = spec.method
-    named = [(key, state[key]) for key in ("mean", "momentum", "curvature")]
+    named = [(repr(key), state[key]) for key in ("mean", "momentum", "curvature")]
     for key in ("hidden", "hidden_momentum", "hidden_curvature"):
         named += [(f"{key}[{n!r}]", t) for n, t in state[key].items()]
     for key, tensor in named:
@@ -290,7 +290,7 @@ def check_values(state: Mapping[str, Any], spec: StateFormat) -> None:
             )
     floors = [(f"hidden_curvature[{n!r}]", t) for n, t in state["hidden_curvature"].items()]
     if spec.nonnegative_curvature:
-        floors.insert(0, ("curvature", state["curvature"]))
+        floors.insert(0, ("'curvature'", state["curvature"]))
     for key, tensor in floors:
         if tensor.numel() and float(tensor.min()) < 0:
             first = tuple(int(i) for i in (tensor < 0).nonzero()[0])
