@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -162,6 +163,7 @@ class VOGN(NaturalGradientVI):
         self.effective_size = float(augmentation_factor) * dataset_size
         self.damping = float(damping)
         self._schedule = temperature if callable(temperature) else None
+        self._warned_average = False
         self._temperature = 1.0 if callable(temperature) else float(temperature)
 
     # -- the temperature -----------------------------------------------------------------------
@@ -233,7 +235,28 @@ class VOGN(NaturalGradientVI):
             self._gradients(self._tape, losses, self._out, add=k > 0)
             nlls.append(nll)
         torch._foreach_div_(self.estimates, float(self.num_particles * batch))
+        self._check_average(batch, step)
         return nlls, batch
+
+    def _check_average(self, batch: int, step: int) -> None:
+        """Warn (once) when s averages fewer than two examples' squared gradients: s ← (1 − β₂)s
+        + β₂ĥ keeps about B/β₂ examples' worth, and one example's squared gradient is exactly 0
+        wherever that example does not reach, where the step α m/(s + δ̃) becomes α m/δ̃."""
+        beta2 = self.optimizer.betas[1]
+        if self._warned_average or beta2 == 0 or batch / beta2 >= 2:
+            return
+        self._warned_average = True
+        warnings.warn(
+            f"VOGN step {step}: batch size {batch} with betas[1] = {beta2}: the curvature "
+            f"s ← (1 − β₂)s + β₂ĥ holds about B/β₂ = {batch / beta2:.2g} example(s) of squared "
+            "gradients, mostly the last minibatch's. One example's squared gradient is exactly 0 "
+            "for every weight it does not reach (a ReLU unit it switches off, a zero input), and "
+            "there the step α·m/(s + δ̃) becomes α·m/δ̃ = α·Ñ·m/(τδ), so training diverges. "
+            "Average over more examples: a batch size of 16 or more, or a smaller betas[1] "
+            "(betas=(0.9, 0.01) averages over about 100 steps).",
+            UserWarning,
+            stacklevel=4,
+        )
 
     # -- the update ----------------------------------------------------------------------------
 
