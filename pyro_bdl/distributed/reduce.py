@@ -120,7 +120,7 @@ class AgreedReduce:
 
     def __call__(self, tensors: torch.Tensor | Sequence[torch.Tensor]):
         single = isinstance(tensors, torch.Tensor)
-        items = [tensors] if single else list(tensors)  # type: ignore[list-item]
+        items: list[torch.Tensor] = [tensors] if isinstance(tensors, torch.Tensor) else [*tensors]
         agree_before_reduce(items, process_group=self.process_group, what=self._what)
         finite = all_reduce_(items, self.process_group, mean=self.mean)
         return tensors if single else finite

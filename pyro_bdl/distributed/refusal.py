@@ -11,7 +11,8 @@ carry the reasons' text (as bytes, never pickles).
 
 :func:`agree_on_refusal` is the primitive (``DataParallelSVI.step`` puts its loss and checksums in
 the same all-gather, so a normal step costs no extra collective); :class:`StepAgreement` wraps
-another step function, such as ``VOGN.step`` with ``reduce_fn=``, and rolls back torch's random
+another step function with a ``reduce_fn`` (VOGN and IVON agree without it, through
+:func:`~pyro_bdl.distributed.allreduce_mean`), and rolls back torch's random
 generators and the normalisation statistics that the refused step's forward passes changed (with
 :class:`~pyro_bdl.infer.rollback.Rollback`, the one mechanism that undoes a refused step).
 
@@ -195,11 +196,14 @@ def nonfinite_refusal(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exc
 
 
 class StepAgreement:
-    r"""Make the ranks agree on refusals around a step function that is not
-    :class:`~pyro_bdl.distributed.DataParallelSVI`, such as ``VOGN.step`` with ``reduce_fn=``.
+    r"""Make the ranks agree on refusals around a step function of your own that reduces
+    through a ``reduce_fn``, and count its steps.
 
-    A VOGN step refused on one rank (its batch fails the model's checks) raises before it reaches
-    ``reduce_fn``, while the other ranks wait inside ``reduce_fn``'s all-reduce. With a
+    VOGN and IVON need none: their ranks agree on refusals through
+    :func:`~pyro_bdl.distributed.allreduce_mean` (a rank that refuses before its reduction calls
+    the reduce_fn's ``refuse``), and they roll their own state back. A step function that raises
+    before it reaches ``reduce_fn`` would leave the other ranks waiting inside ``reduce_fn``'s
+    all-reduce. With a
     :class:`StepAgreement`, every rank exchanges its status exactly once per step: a rank that
     reaches ``reduce_fn`` does so just before the reduction (:meth:`wrap`), a rank that raised
     does so when the exception leaves ``with agreement.step():``. If any rank refused, every rank

@@ -274,7 +274,10 @@ class NaturalGradientVI:
     :param int chunk_size: examples per chunk of per-example gradients (methods that take them).
     :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on
         :attr:`estimates` to average them in place across data-parallel ranks, so every rank
-        applies the same update (docs/design/distributed.md).
+        applies the same update (docs/design/distributed.md). With
+        :func:`~pyro_bdl.distributed.allreduce_mean` a rank that refuses its step makes every
+        rank refuse it with the same error; with any other function, the refusing rank passes it
+        NaN tensors (after the first step), which the other ranks refuse.
     """
 
     #: The method's name in messages (``"VOGN"``).
