@@ -6,40 +6,31 @@ lengths raises a clear error on every rank instead of aborting a process inside 
 refusing rank's ``allreduce_sum().refuse`` makes the other rank's reduction refuse (the path a
 Laplace ``fit(reduce_fn=...)`` takes).
 
-Two ``gloo`` ranks on 127.0.0.1 run every case in turn, with a timeout on every collective and a
-deadline on the ranks (a hang fails the tests instead of blocking CI), as in
-tests/faults/test_distributed.py.
+Two ``gloo`` ranks on 127.0.0.1 run every case in turn (tests/distributed's ``spawn_phases``), with
+a timeout on every collective, so a rank left waiting fails the tests instead of blocking CI.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from datetime import timedelta
+from functools import partial
 
 import pyro
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from filelock import FileLock
 from torch import nn
 
 from pyro_bdl import bayesianize, models
 from pyro_bdl.distributed import allreduce_mean, allreduce_mean_, allreduce_sum
 from pyro_bdl.infer import IVON, VOGN
 from pyro_bdl.priors import Normal
-from tests.faults.test_distributed import _clone, _loopback, _refusal, _same
+from tests.distributed.test_data_parallel import WORLD, spawn_phases
+from tests.faults.test_distributed import _clone, _refusal, _same
 
 pytestmark = pytest.mark.distributed
 
-WORLD = 2
 N = 40
 B = 4
-# As in tests/faults/test_distributed.py: generous bounds, so that only a real hang fails.
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-JOIN_TIMEOUT_S = 300
 METHODS = {"vogn": VOGN, "ivon": IVON}
 
 
@@ -127,80 +118,23 @@ def _sum_case(rank: int) -> dict:
 
 
 CASES = {
-    "ivon": lambda rank: _method_case("ivon", rank, plain=False, first=False),
-    "vogn": lambda rank: _method_case("vogn", rank, plain=False, first=False),
-    "ivon_first": lambda rank: _method_case("ivon", rank, plain=False, first=True),
-    "vogn_first": lambda rank: _method_case("vogn", rank, plain=False, first=True),
-    "vogn_plain": lambda rank: _method_case("vogn", rank, plain=True, first=False),
-    "ivon_plain": lambda rank: _method_case("ivon", rank, plain=True, first=False),
+    "ivon": partial(_method_case, "ivon", plain=False, first=False),
+    "vogn": partial(_method_case, "vogn", plain=False, first=False),
+    "ivon_first": partial(_method_case, "ivon", plain=False, first=True),
+    "vogn_first": partial(_method_case, "vogn", plain=False, first=True),
+    "vogn_plain": partial(_method_case, "vogn", plain=True, first=False),
+    "ivon_plain": partial(_method_case, "ivon", plain=True, first=False),
     "shapes": _shapes_case,
     "sum": _sum_case,
 }
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
-    if _loopback() is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback() or "")
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        for case, run in CASES.items():
-            pyro.clear_param_store()
-            pyro.set_rng_seed(0)
-            try:
-                verdict = run(rank)
-            except Exception:
-                torch.save({"crash": traceback.format_exc()}, f"{out_dir}/{case}-{rank}.pt")
-                return  # the ranks may be out of step now: run no further case
-            torch.save(verdict, f"{out_dir}/{case}-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(out_dir: str) -> str | None:
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(r, store.port, out_dir)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=JOIN_TIMEOUT_S)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        codes = [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        del store
-    if hung:
-        return f"ranks {hung} still running after {JOIN_TIMEOUT_S} s (a rank waits in a collective)"
-    return None if codes == [0] * WORLD else f"exit codes {codes}"
-
-
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory) -> dict:
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    shared = root / "faults-distributed-agreement"
-    shared.mkdir(exist_ok=True)
-    with FileLock(str(shared / "lock")):
-        status = shared / "status.json"
-        if not status.exists():
-            status.write_text(json.dumps(_spawn(str(shared))))
-    problem = json.loads(status.read_text())
-    out = {}
-    for case in CASES:
-        files = [shared / f"{case}-{r}.pt" for r in range(WORLD)]
-        found = [torch.load(f, weights_only=False) if f.exists() else None for f in files]
-        assert all(f is not None and "crash" not in f for f in found), (problem, found)
-        out[case] = found
-    return out
+    """Every case's verdicts from both ranks, in one two-rank run (spawn_phases: every collective
+    times out, so a rank left waiting fails the run instead of hanging)."""
+    ranks = spawn_phases(tmp_path_factory.mktemp("agreement"), CASES)
+    return {case: [rank[case] for rank in ranks] for case in CASES}
 
 
 @pytest.mark.parametrize("case", ["ivon", "vogn", "ivon_first", "vogn_first"])
