@@ -44,6 +44,22 @@ def snapshot(method, net: nn.Module) -> dict:
     }
 
 
+def stepped(cls, **kwargs):
+    """(net, x, y, method) after one good step of ``cls`` on :func:`regression`."""
+    net, model, x, y = regression()
+    method = cls(model, dataset_size=N, **kwargs)
+    method.step(x, y)
+    return net, x, y, method
+
+
+def assert_refused(method, net, call, error: type, match: str) -> None:
+    """``call()`` raises ``error`` matching ``match`` and changes nothing."""
+    before = snapshot(method, net)
+    with pytest.raises(error, match=match):
+        call()
+    assert_same(before, snapshot(method, net))
+
+
 @pytest.fixture(autouse=True)
 def _clear_store():
     pyro.clear_param_store()
@@ -52,18 +68,16 @@ def _clear_store():
 
 
 def test_an_ivon_update_that_would_write_inf_into_the_curvature_is_refused_and_recoverable():
-    net, model, x, y = regression()
-    ivon = IVON(model, dataset_size=N)
-    ivon.step(x, y)
-    before = snapshot(ivon, net)
+    net, x, y, ivon = stepped(IVON)
     # x·1e12 gives ĝ ~ 1e25 and ĥ ~ 1e26, finite in float32, but the update's (h − ĥ)² ~ 1e52
     # is not: before the fix the step returned a loss and wrote NaN into h.
-    with pytest.raises(
+    assert_refused(
+        ivon,
+        net,
+        lambda: ivon.step(x * 1e12, y),
         FloatingPointError,
-        match=r"IVON step 2: the update would make the curvature of weights non-finite; the step was refused and nothing was updated",
-    ):
-        ivon.step(x * 1e12, y)
-    assert_same(before, snapshot(ivon, net))
+        r"IVON step 2: the update would make the curvature of weights non-finite; the step was refused and nothing was updated",
+    )
     assert ivon.step_count == 1
     loss = ivon.step(x, y)  # the run goes on: nothing bad was written
     assert ivon.step_count == 2 and bool(torch.isfinite(ivon.state.curvature).all())
@@ -71,9 +85,7 @@ def test_an_ivon_update_that_would_write_inf_into_the_curvature_is_refused_and_r
 
 
 def test_a_vogn_update_that_would_overflow_the_mean_is_refused():
-    net, model, x, y = regression()
-    vogn = VOGN(model, dataset_size=N, lr=1e-3)
-    vogn.step(x, y)
+    net, x, y, vogn = stepped(VOGN, lr=1e-3)
     before = snapshot(vogn, net)
     # α·m/(s + δ̃) with α = 1e38 overflows float32 in μ: the candidate μ is inf.
     vogn.optimizer.param_groups[0]["lr"] = 1e38
@@ -129,60 +141,51 @@ def _broken(state: dict, key: str, value: float, index: int = 0) -> dict:
     ],
 )
 def test_a_non_finite_state_dict_is_refused_by_load_state_dict(name, key, value, match):
-    net, model, x, y = regression()
-    method = METHODS[name](model, dataset_size=N)
-    method.step(x, y)
+    net, _, _, method = stepped(METHODS[name])
     state = _broken(method.state_dict(), key, value, index=2)
-    before = snapshot(method, net)
-    with pytest.raises(ValueError, match=rf"the {name} state_dict is damaged: {match}"):
-        method.load_state_dict(state)
-    assert_same(before, snapshot(method, net))
+    damaged = rf"the {name} state_dict is damaged: {match}"
+    assert_refused(method, net, lambda: method.load_state_dict(state), ValueError, damaged)
     # Before the first step too: refused at load time, nothing held pending.
-    fresh = METHODS[name](model, dataset_size=N)
+    fresh = METHODS[name](method.model, dataset_size=N)
     with pytest.raises(ValueError, match=rf"the {name} state_dict is damaged: {match}"):
         fresh.load_state_dict(state)
     assert fresh._pending is None
 
 
-def test_a_negative_precision_is_refused():
-    net, model, x, y = regression()
-    vogn = VOGN(model, dataset_size=N)
-    vogn.step(x, y)
-    before = snapshot(vogn, net)
-    with pytest.raises(
-        ValueError,
-        match=r"the VOGN state_dict is damaged: 'curvature' must be >= 0 \(a mean of squared gradients\); got -1.0",
-    ):
-        vogn.load_state_dict(_broken(vogn.state_dict(), "curvature", -1.0))
-    assert_same(before, snapshot(vogn, net))
-    ivon = IVON(model, dataset_size=N)
-    ivon.step(x, y)
-    before = snapshot(ivon, net)
-    # IVON's h may be negative while h + δ > 0 (δ = 1/N here); -1 makes σ NaN.
-    with pytest.raises(
-        ValueError,
-        match=r"the IVON state_dict's curvature gives a posterior scale σ that is not finite and > 0 at 1 weight\(s\) \(the first at index 0, curvature -1.0\)",
-    ):
-        ivon.load_state_dict(_broken(ivon.state_dict(), "curvature", -1.0))
-    assert_same(before, snapshot(ivon, net))
+@pytest.mark.parametrize(
+    ("cls", "match"),
+    [
+        (
+            VOGN,
+            r"the VOGN state_dict is damaged: 'curvature' must be >= 0 \(a mean of squared gradients\); got -1.0",
+        ),
+        # IVON's h may be negative while h + δ > 0 (δ = 1/N here); -1 makes σ NaN.
+        (
+            IVON,
+            r"the IVON state_dict's curvature gives a posterior scale σ that is not finite and > 0 at 1 weight\(s\) \(the first at index 0, curvature -1.0\)",
+        ),
+    ],
+)
+def test_a_negative_precision_is_refused(cls, match):
+    net, _, _, method = stepped(cls)
+    state = _broken(method.state_dict(), "curvature", -1.0)
+    assert_refused(method, net, lambda: method.load_state_dict(state), ValueError, match)
 
 
 def test_load_checkpoint_refuses_a_nan_curvature(tmp_path):
-    net, model, x, y = regression()
-    ivon = IVON(model, dataset_size=N)
-    ivon.step(x, y)
+    net, _, _, ivon = stepped(IVON)
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, modules={"ivon": ivon})
     payload = torch.load(path, weights_only=True)
     payload["modules"]["ivon"]["curvature"][1] = float("nan")
     torch.save(payload, path)
-    before = snapshot(ivon, net)
-    with pytest.raises(
+    assert_refused(
+        ivon,
+        net,
+        lambda: load_checkpoint(path, modules={"ivon": ivon}),
         ValueError,
-        match=r"cannot be restored; nothing was changed:\n  - module 'ivon': the IVON state_dict is damaged: 'curvature' holds 1 non-finite value",
-    ):
-        load_checkpoint(path, modules={"ivon": ivon})
-    assert_same(before, snapshot(ivon, net))
+        r"cannot be restored; nothing was changed:\n  - module 'ivon': the IVON state_dict is damaged: 'curvature' holds 1 non-finite value",
+    )
 
 
 @pytest.mark.parametrize(
