@@ -340,6 +340,8 @@ class NaturalGradientVI:
         self._scale_temperature: float | None = None  # the τ that σ was computed for
         self._var_sums = (0.0, 0.0)
         self._unreduced: list[torch.Tensor] = []  # a first curvature that ranks must average
+        # Where the step stands with its reductions, for a refusal to tell the other ranks.
+        self._reductions_done, self._in_reduction = True, False
 
     # -- what a method provides ------------------------------------------------------------------
 
