@@ -106,6 +106,14 @@ class _Call:
     stats: tuple[torch.Tensor, torch.Tensor] | None = None  # BatchNorm's batch mean, 1/std
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-example sums are formed in: ``dtype``, raised to float32 if narrower (the
+    bf16 and fp16 tensors of autocast lose the answer in a sum of squares)."""
+    if dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+        return torch.float32
+    return dtype
+
+
 # -- the tape ----------------------------------------------------------------------------------
 
 
@@ -293,7 +301,15 @@ class PerExampleGradients:
             materialize_grads=True,
         )
         for (_, call), delta in zip(order, deltas):
-            call.delta = delta
+            # Under autocast (bf16, fp16) a layer's output gradient, and the input of a layer
+            # after the first, are in reduced precision; the sums of squares are accumulated in
+            # at least float32 (the parameters' precision), so both are raised to it here.
+            call.delta = delta.to(accumulation_dtype(delta.dtype))
+            first = call.args[0] if call.args else None
+            if isinstance(first, torch.Tensor) and first.is_floating_point():
+                wide = torch.promote_types(accumulation_dtype(first.dtype), call.delta.dtype)
+                call.delta = call.delta.to(wide)
+                call.args = (first.to(wide), *call.args[1:])
         result: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
         try:
             with torch.no_grad():

@@ -4,8 +4,6 @@ shards and the collective helpers (docs/design/distributed.md). Start with ``tor
 
 from pyro_bdl.distributed.comm import (
     all_gather_scalars,
-    allreduce_mean,
-    allreduce_mean_,
     broadcast_,
     get_rank,
     get_world_size,
@@ -14,10 +12,17 @@ from pyro_bdl.distributed.comm import (
 )
 from pyro_bdl.distributed.errors import BatchNormWarning, GuideNotInitializedError, StepRefusedError
 from pyro_bdl.distributed.metrics import shard_range, sharded_metrics
+from pyro_bdl.distributed.reduce import (
+    AgreedReduce,
+    allreduce_mean,
+    allreduce_mean_,
+    allreduce_sum,
+)
 from pyro_bdl.distributed.refusal import StepAgreement, agree_on_refusal
 from pyro_bdl.distributed.svi import DataParallelSVI
 
 __all__ = [
+    "AgreedReduce",
     "BatchNormWarning",
     "DataParallelSVI",
     "GuideNotInitializedError",
@@ -27,6 +32,7 @@ __all__ = [
     "all_gather_scalars",
     "allreduce_mean",
     "allreduce_mean_",
+    "allreduce_sum",
     "broadcast_",
     "get_rank",
     "get_world_size",

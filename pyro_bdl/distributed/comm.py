@@ -6,10 +6,12 @@ These are functions of tensors (docs/design/distributed.md);
 flattens its tensors into one bucket per (device, dtype), so that a step costs one message per
 bucket rather than one per parameter.
 
+The reductions that first agree on every rank's status and shapes are in
+:mod:`~pyro_bdl.distributed.reduce`.
+
 Usage::
 
     idx = shard_indices(len(x_train), epoch=epoch, seed=0)   # this rank's examples
-    allreduce_mean_([p.grad for p in params])                # average across ranks, in place
 
 References:
 
@@ -19,7 +21,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -29,8 +31,7 @@ from pyro_bdl._validation import check_positive_int
 
 __all__ = [
     "all_gather_scalars",
-    "allreduce_mean",
-    "allreduce_mean_",
+    "all_reduce_",
     "broadcast_",
     "device_dtype_buckets",
     "get_rank",
@@ -107,11 +108,15 @@ def _unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
             offset += n
 
 
-def allreduce_mean_(tensors: Sequence[torch.Tensor], process_group=None) -> bool:
-    """Replace every tensor by its mean over the ranks of ``process_group``, in place.
+def all_reduce_(tensors: Sequence[torch.Tensor], process_group=None, *, mean: bool = True) -> bool:
+    """Replace every tensor by its mean (or, ``mean=False``, its sum) over the ranks of
+    ``process_group``, in place, without agreeing first: for callers that have already agreed on
+    every rank's status and shapes in a collective of their own
+    (:class:`~pyro_bdl.distributed.DataParallelSVI`). Everyone else uses
+    :func:`~pyro_bdl.distributed.allreduce_mean_`, which agrees first.
 
-    Every rank must pass tensors of the same shapes, dtypes and order. The result is identical
-    (bitwise) on every rank, because the collective returns one reduced buffer to all of them.
+    The result is identical (bitwise) on every rank, because the collective returns one reduced
+    buffer to all of them.
 
     :returns: whether every averaged value is finite (checked on the flat buckets, one
         reduction each, so that a NaN on any rank is seen by all of them).
@@ -122,31 +127,11 @@ def allreduce_mean_(tensors: Sequence[torch.Tensor], process_group=None) -> bool
         flat = _flat(bucket)
         if world > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=process_group)
-            flat /= world
+            if mean:
+                flat /= world
             _unflatten_into(flat, bucket)
         finite = finite and bool(torch.isfinite(flat).all())
     return finite
-
-
-def allreduce_mean(process_group=None) -> Callable[[list[torch.Tensor]], bool]:
-    """The ``reduce_fn`` of :class:`~pyro_bdl.infer.VOGN` (and of any optimizer with the same
-    hook) for ``process_group``: a function of the list of tensors that averages them over the
-    group's ranks in place (:func:`allreduce_mean_`, one all-reduce per device and dtype).
-
-    Usage::
-
-        vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=allreduce_mean())
-    """
-    if process_group is not None and not _initialized():
-        raise RuntimeError(
-            "allreduce_mean(process_group) needs torch.distributed to be initialised; call "
-            "torch.distributed.init_process_group first (torchrun sets up the environment)."
-        )
-
-    def reduce_fn(tensors: list[torch.Tensor]) -> bool:
-        return allreduce_mean_(tensors, process_group)
-
-    return reduce_fn
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], process_group=None, *, src: int = 0) -> None:

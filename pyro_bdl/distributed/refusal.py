@@ -11,14 +11,15 @@ carry the reasons' text (as bytes, never pickles).
 
 :func:`agree_on_refusal` is the primitive (``DataParallelSVI.step`` puts its loss and checksums in
 the same all-gather, so a normal step costs no extra collective); :class:`StepAgreement` wraps
-another step function, such as ``VOGN.step`` with ``reduce_fn=``, and rolls back torch's random
+another step function with a ``reduce_fn`` (VOGN and IVON agree without it, through
+:func:`~pyro_bdl.distributed.allreduce_mean`), and rolls back torch's random
 generators and the normalisation statistics that the refused step's forward passes changed (with
 :class:`~pyro_bdl.infer.rollback.Rollback`, the one mechanism that undoes a refused step).
 
 Usage::
 
     agreement = StepAgreement(modules=[net])
-    vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=agreement.wrap(allreduce_mean_))
+    vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=agreement.wrap(allreduce_mean()))
     for x, y in batches:
         with agreement.step():
             vogn.step(x, y)
@@ -43,6 +44,7 @@ from pyro_bdl.distributed.errors import GuideNotInitializedError, StepRefusedErr
 from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
 
 __all__ = [
+    "AgreedStepReduce",
     "StepAgreement",
     "agree_on_refusal",
     "nonfinite_refusal",
@@ -89,13 +91,16 @@ def _gather_text(text: bytes, lengths: list[int], process_group) -> list[str]:
     ]
 
 
-def _agreed_error(refused: list[int], kinds: list[int], reasons: list[str], step: int) -> Exception:
+def _agreed_error(
+    refused: list[int], kinds: list[int], reasons: list[str], step: int | None
+) -> Exception:
+    at = "" if step is None else f" at step {step}"
     if len(refused) == 1:
-        what = f"rank {refused[0]} refused its batch at step {step}: {reasons[refused[0]]}"
+        what = f"rank {refused[0]} refused its batch{at}: {reasons[refused[0]]}"
     else:
         listed = "; ".join(f"rank {r}: {reasons[r]}" for r in refused)
         names = ", ".join(map(str, refused))
-        what = f"ranks {names} refused their batches at step {step}: {listed}"
+        what = f"ranks {names} refused their batches{at}: {listed}"
     agreed = _KINDS[kinds[refused[0]] - 1](
         f"{what} (every rank raised this error; no rank changed any state in this step)"
     )
@@ -153,11 +158,12 @@ def refusal_status(error: BaseException | None) -> tuple[int, int]:
 
 
 def settle_refusal(
-    error: BaseException | None, stats: torch.Tensor, *, step: int, process_group=None
+    error: BaseException | None, stats: torch.Tensor, *, step: int | None, process_group=None
 ) -> torch.Tensor:
     """The second half of :func:`agree_on_refusal`, for a caller that gathered every rank's
     ``[*refusal_status(error), *values]`` (``stats``, one row per rank) in a collective of its
-    own: returns the ``values`` rows, or raises the agreed error on every rank."""
+    own: returns the ``values`` rows, or raises the agreed error on every rank (``step`` is
+    named in its message unless ``None``)."""
     kinds = [int(k) for k in stats[:, 0].tolist()]
     if not any(kinds):
         return stats[:, 2:]
@@ -190,11 +196,14 @@ def nonfinite_refusal(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exc
 
 
 class StepAgreement:
-    r"""Make the ranks agree on refusals around a step function that is not
-    :class:`~pyro_bdl.distributed.DataParallelSVI`, such as ``VOGN.step`` with ``reduce_fn=``.
+    r"""Make the ranks agree on refusals around a step function of your own that reduces
+    through a ``reduce_fn``, and count its steps.
 
-    A VOGN step refused on one rank (its batch fails the model's checks) raises before it reaches
-    ``reduce_fn``, while the other ranks wait inside ``reduce_fn``'s all-reduce. With a
+    VOGN and IVON need none: their ranks agree on refusals through
+    :func:`~pyro_bdl.distributed.allreduce_mean` (a rank that refuses before its reduction calls
+    the reduce_fn's ``refuse``), and they roll their own state back. A step function that raises
+    before it reaches ``reduce_fn`` would leave the other ranks waiting inside ``reduce_fn``'s
+    all-reduce. With a
     :class:`StepAgreement`, every rank exchanges its status exactly once per step: a rank that
     reaches ``reduce_fn`` does so just before the reduction (:meth:`wrap`), a rank that raised
     does so when the exception leaves ``with agreement.step():``. If any rank refused, every rank
@@ -206,7 +215,7 @@ class StepAgreement:
     Usage::
 
         agreement = StepAgreement(modules=[net])
-        vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=agreement.wrap(allreduce_mean_))
+        vogn = bdl.infer.VOGN(model, dataset_size=N, reduce_fn=agreement.wrap(allreduce_mean()))
         for x, y in batches:
             with agreement.step():
                 loss = vogn.step(x, y)
@@ -231,17 +240,12 @@ class StepAgreement:
         self._agreed = False
         self._snapshot: Rollback | None = None
 
-    def wrap(self, reduce_fn: Callable[[list[torch.Tensor]], object]) -> Callable:
+    def wrap(self, reduce_fn: Callable[[list[torch.Tensor]], object]) -> AgreedStepReduce:
         """``reduce_fn`` preceded by the exchange of statuses: pass the result as VOGN's
         ``reduce_fn``. Called outside :meth:`step` it raises ``RuntimeError``."""
         if not callable(reduce_fn):
             raise TypeError(f"reduce_fn must be callable; got {type(reduce_fn).__name__}.")
-
-        def agreed_reduce(tensors: list[torch.Tensor]) -> object:
-            self.agree()
-            return reduce_fn(tensors)
-
-        return agreed_reduce
+        return AgreedStepReduce(self, reduce_fn)
 
     def agree(self, error: BaseException | None = None) -> None:
         """Exchange this rank's status now (at most once per step; later calls do nothing)."""
@@ -286,3 +290,22 @@ class StepAgreement:
                 self.agree(error)  # raises the agreed error on every rank
         finally:
             self._active = False
+
+
+class AgreedStepReduce:
+    """The ``reduce_fn`` of :meth:`StepAgreement.wrap`: the agreement's exchange, then the
+    wrapped reduction; a refusing rank takes part through :meth:`refuse` (as with
+    :class:`~pyro_bdl.distributed.AgreedReduce`)."""
+
+    def __init__(self, agreement: StepAgreement, reduce_fn: Callable[[list[torch.Tensor]], object]):
+        self.agreement, self.reduce_fn = agreement, reduce_fn
+
+    def __call__(self, tensors: list[torch.Tensor]) -> object:
+        self.agreement.agree()
+        return self.reduce_fn(tensors)
+
+    def refuse(self, error: BaseException) -> None:
+        """This rank refused before the reduction: exchange its status now (every rank raises
+        the agreed error; in one process this returns)."""
+        if get_world_size(self.agreement.process_group) > 1:
+            self.agreement.agree(error)

@@ -46,7 +46,7 @@ from torch import nn
 from pyro_bdl._validation import check_positive
 from pyro_bdl.distributed.comm import (
     all_gather_scalars,
-    allreduce_mean_,
+    all_reduce_,
     broadcast_,
     comm_device,
     get_rank,
@@ -311,7 +311,7 @@ class DataParallelSVI(SVI):
                 # (the others contribute zeros to the average).
                 device = comm_device(self.process_group)
                 mask = torch.tensor(has_grad, dtype=torch.float64, device=device)
-                allreduce_mean_([mask], self.process_group)
+                all_reduce_([mask], self.process_group)
                 has_grad = (mask > 0).tolist()
             trained = [(n, p) for (n, p), g in zip(self._params.items(), has_grad) if g]
             if buckets is not None and not bool((stats[:, 3] > 0).any()):
@@ -319,7 +319,7 @@ class DataParallelSVI(SVI):
             else:  # no overlap, or a rank ran more backward passes than its hooks expected
                 if buckets is not None:
                     buckets.wait()
-                finite = allreduce_mean_(grads(trained), self.process_group)
+                finite = all_reduce_(grads(trained), self.process_group)
             mean_loss = float(stats[:, 0].mean())
             if not finite or not torch.isfinite(torch.tensor(mean_loss)):
                 self._raise_nonfinite(mean_loss, trained)

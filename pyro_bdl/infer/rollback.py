@@ -17,7 +17,7 @@ percent of a step; the common path never copies back.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import pyro
@@ -29,7 +29,8 @@ __all__ = ["BufferRecorder", "ParamStoreRecorder", "Rollback", "norm_layer_buffe
 
 
 class Rollback:
-    """Saves and restores some buffers of some layers, and the random streams.
+    """Saves and restores some buffers of some layers, the random streams, and any tensors an
+    owner updates in place (an optimiser's state, given to :meth:`save`).
 
     :param buffers: ``(module, buffer name)`` pairs (see :meth:`BufferRecorder.written`). Buffers
         are looked up by name at every :meth:`save`, so a buffer replaced by a new tensor
@@ -42,6 +43,7 @@ class Rollback:
         self._saved: list[torch.Tensor] = []  # ... and their copies
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
+        self._state = _Copies()  # the tensors given to save(), and their copies
 
     @classmethod
     def saved(cls, buffers: Iterable[tuple[nn.Module, str]] = ()) -> Rollback:
@@ -50,8 +52,9 @@ class Rollback:
         rollback.save()
         return rollback
 
-    def save(self) -> None:
-        """Copy the buffers (into storage kept between steps) and the generator states."""
+    def save(self, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Copy the buffers and ``tensors`` (into storage kept between steps) and the generator
+        states."""
         # ``_buffers`` directly: a PyroModule's __getattr__ costs microseconds per lookup.
         buffers = [module._buffers[name] for module, name in self._entries]
         live = cast(list[torch.Tensor], buffers)  # written() lists no None buffer
@@ -61,6 +64,7 @@ class Rollback:
         else:
             self._last = live
             self._saved = [b.detach().clone() for b in live]
+        self._state.save(tensors)
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
@@ -72,10 +76,33 @@ class Rollback:
                 module._buffers[name] = tensor
         if self._saved:
             torch._foreach_copy_(self._last, self._saved)
+        self._state.restore()
         if self._cpu_rng is not None:
             torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+class _Copies:
+    """Copies of some tensors, in storage reused while the same tensors are saved again."""
+
+    def __init__(self) -> None:
+        self.live: list[torch.Tensor] = []
+        self.copies: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def save(self, tensors: Sequence[torch.Tensor]) -> None:
+        live = list(tensors)
+        if len(live) == len(self.live) and all(map(operator.is_, live, self.live)):
+            if live:
+                torch._foreach_copy_(self.copies, live)
+        else:
+            self.live, self.copies = live, [t.detach().clone() for t in live]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if self.live:
+            torch._foreach_copy_(self.live, self.copies)
 
 
 def norm_layer_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import math
 
 import pyro
@@ -335,3 +336,43 @@ def test_ivon_messages_name_ivon_not_vogn():
         IVON(with_latent, dataset_size=16).step(x, y)
     for message in (str(info.value), str(refused.value)):
         assert "VOGN" not in message
+
+
+def _autocast_run(cls, bf16: bool, steps: int = 3):
+    """μ after each of ``steps`` steps (μ₀ first), the losses, and the method, on a float32
+    classifier, under bf16 autocast or not; the same seed, so the same weight noise."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = models.classifier(bayesianize(net, priors.Normal(scale=1.0)), 32)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 3, generator=g)
+    y = (x[:, 0] > 0).long()
+    method = cls(model, dataset_size=32, lr=0.05 if cls is VOGN else 0.1)
+    method.setup(x, y)
+    means, losses = [method.state.mean.clone()], []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            losses.append(method.step(x, y))
+        means.append(method.state.mean.clone())
+    return means, losses, method
+
+
+@pytest.mark.parametrize("cls", [VOGN, IVON])
+def test_training_under_bf16_autocast_keeps_float32_state_and_follows_float32(cls):
+    means32, losses32, _ = _autocast_run(cls, bf16=False)
+    means16, losses16, method = _autocast_run(cls, bf16=True)
+    state = method.state
+    tensors = [state.mean, state.momentum, state.curvature, *method.estimates]
+    tensors += [method.guide.loc, method.guide.scale]
+    assert all(t.dtype == torch.float32 for t in tensors), [t.dtype for t in tensors]
+    # bf16 keeps 8 significant bits: unit roundoff u = 2⁻⁸. Each of the two layers rounds its
+    # input and its output (≈ 3u relative on its output and on the gradient back through it),
+    # so ĝ and ĥ carry ≈ 6u of relative error, and a step α·m/(s + δ̃) (IVON alike) ≈ 12u. Summed
+    # over the steps, |μ_bf16 − μ_f32| ≤ 12u · Σₜ‖Δμₜ‖, with a factor 2 for the errors the
+    # earlier steps feed into the later ones' gradients (measured: a twentieth of the bound).
+    u = 2.0**-8
+    path = sum(float((b - a).norm()) for a, b in itertools.pairwise(means32))
+    assert float((means16[-1] - means32[-1]).norm()) <= 2 * 12 * u * path
+    # The loss N/B Σℓᵢ + KL: each ℓᵢ within ≈ 6u relative, the KL exact (float32 state).
+    for lo, hi in zip(losses16, losses32):
+        assert abs(lo - hi) <= 6 * u * abs(hi) * 2

@@ -33,8 +33,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
-from pyro_bdl._validation import check_positive, check_positive_int, check_probability
+from pyro_bdl._validation import (
+    check_finite,
+    check_positive,
+    check_positive_int,
+    check_probability,
+)
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.natural_gradient.model import (
@@ -61,7 +67,9 @@ __all__ = [
     "NaturalGradientVI",
     "as_float",
     "check_hyperparameters",
+    "check_inputs",
     "check_loss",
+    "check_range",
 ]
 
 
@@ -199,6 +207,40 @@ def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: s
         )
 
 
+def check_range(method: str, name: str, value: object, low: float, high: float, why: str) -> float:
+    """Refuse a hyperparameter that is not a finite number in [``low``, ``high``], naming it, the
+    range, the value and ``why`` the range (what breaks outside it); returns it as a float."""
+    number = as_float(value)
+    if number is None or not math.isfinite(number) or not low <= number <= high:
+        raise ValueError(
+            f"{method}: {name} must be a finite number in [{low:g}, {high:g}]; got {value!r}. {why}"
+        )
+    return number
+
+
+def check_inputs(args: tuple, kwargs: dict, where: str) -> None:
+    """Refuse NaN or inf in any floating-point tensor among the step's arguments (also inside
+    tuples, lists and dicts), naming the argument, the count and the first index, before the
+    model sees them (Pyro's own message names a distribution's parameter instead)."""
+    stack: list[tuple[str, object]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    stack += [(f"{k}=", v) for k, v in kwargs.items()]
+    while stack:
+        label, value = stack.pop(0)
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() or value.is_complex():
+                try:
+                    check_finite(f"the argument {label}", value)
+                except ValueError as err:
+                    raise ValueError(
+                        f"{where}: {err} Nothing was updated; the batch was refused before the "
+                        "model ran."
+                    ) from None
+        elif isinstance(value, (tuple, list)):
+            stack += [(f"{label}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            stack += [(f"{label}[{k!r}]", v) for k, v in value.items()]
+
+
 def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
     """Refuse a non-finite loss, naming its term (each site's likelihood is checked earlier, so a
     non-finite total here is an overflow of the sum, or the KL)."""
@@ -232,7 +274,10 @@ class NaturalGradientVI:
     :param int chunk_size: examples per chunk of per-example gradients (methods that take them).
     :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on
         :attr:`estimates` to average them in place across data-parallel ranks, so every rank
-        applies the same update (docs/design/distributed.md).
+        applies the same update (docs/design/distributed.md). With
+        :func:`~pyro_bdl.distributed.allreduce_mean` a rank that refuses its step makes every
+        rank refuse it with the same error; with any other function, the refusing rank passes it
+        NaN tensors (after the first step), which the other ranks refuse.
     """
 
     #: The method's name in messages (``"VOGN"``).
@@ -295,6 +340,8 @@ class NaturalGradientVI:
         self._scale_temperature: float | None = None  # the τ that σ was computed for
         self._var_sums = (0.0, 0.0)
         self._unreduced: list[torch.Tensor] = []  # a first curvature that ranks must average
+        # Where the step stands with its reductions, for a refusal to tell the other ranks.
+        self._reductions_done, self._in_reduction = True, False
 
     # -- what a method provides ------------------------------------------------------------------
 
@@ -319,13 +366,23 @@ class NaturalGradientVI:
         """The method's update of :attr:`state` from :attr:`estimates`."""
         raise NotImplementedError
 
-    def _write_scale(self, tau: float, scale: torch.Tensor, log_scale: torch.Tensor) -> None:
-        """σ from the curvature into ``scale``, and log σ into ``log_scale``."""
+    def _write_scale(
+        self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
+    ) -> None:
+        """σ from ``curvature`` (the state's, or a state_dict's being checked) into ``scale``,
+        and log σ into ``log_scale``."""
         raise NotImplementedError
 
     def _next_temperature(self, step: int) -> float:
         """The temperature τ of ``step``."""
         return self._temperature
+
+    def _initial_scale_problem(self) -> str:
+        """The hyperparameters that set the initial σ, for the message that refuses it."""
+        return (
+            f"with prior_precision={self.prior_precision!r} (None: the lifted prior) and "
+            f"effective dataset size {self.effective_size!r}"
+        )
 
     # -- hyperparameters ---------------------------------------------------------------------
 
@@ -372,14 +429,26 @@ class NaturalGradientVI:
 
         try:
             prior = GaussianPrior.read(ready.layout, self.prior_precision)
-            if pending is not None:
-                check_state_dict(pending, ready.layout, ready.hidden, spec=self.state_format)
             self._install(ready, prior)
             if pending is not None:
                 self._pending = None
-                self.load_state_dict(pending)
+                try:
+                    self.load_state_dict(pending)
+                except ValueError as err:
+                    pending = None  # refused for good: the undo below must not keep it
+                    raise ValueError(
+                        f"{where}: the state_dict loaded before the first step does not fit this "
+                        f"model: {err} It was discarded, and nothing else changed: the next step "
+                        f"starts afresh, or load a matching state_dict first."
+                    ) from err
             else:
                 self._initialise(ready)
+                if not all(map(math.isfinite, self._var_sums)):
+                    raise ValueError(
+                        f"{where}: {self._initial_scale_problem()} the initial posterior scale σ "
+                        "is zero or not finite somewhere (float precision exceeded); nothing was "
+                        "set up."
+                    )
         except BaseException as err:
             refused(err, where)
             undo()
@@ -421,7 +490,8 @@ class NaturalGradientVI:
         assert self.prior is not None
         self._scale_temperature = tau
         scale = self.guide.scale
-        self._write_scale(tau, scale, self._noise)  # ε is spent once w is drawn
+        assert self.state is not None
+        self._write_scale(self.state.curvature, tau, scale, self._noise)  # ε: spent once w is drawn
         self._var_sums = self.prior.variance_sums(scale, self._noise)
 
     # -- the passes ------------------------------------------------------------------------------
@@ -453,8 +523,9 @@ class NaturalGradientVI:
                     g.zero_()
                     h.zero_()
 
-    def _check_finite(self, step: int) -> None:
-        """Refuse non-finite estimates, naming the first tensor."""
+    def _check_finite(self, step: int, reduced: bool = False) -> None:
+        """Refuse non-finite estimates, naming the first tensor (``reduced``: the ranks' mean,
+        which is non-finite if any rank's is, or if the sum overflows)."""
         # One reduction per tensor: a sum is finite only if every element is.
         if bool(torch.isfinite(torch.stack([t.sum() for t in self.estimates])).all()):
             return
@@ -463,9 +534,11 @@ class NaturalGradientVI:
         labelled = [(f"{n} (ĝ)", t) for n, t in zip(names, g_hats)]
         labelled += [(f"{n} (ĥ)", t) for n, t in zip(names, h_hats)]
         name = next(n for n, t in labelled if not bool(torch.isfinite(t).all()))
+        after = " after reduce_fn (on some rank, or by overflow of the sum)" if reduced else ""
         raise ValueError(
-            f"{self.name} step {step}: the gradient of the likelihood for {name} is not finite "
-            "(NaN or inf); nothing was updated. Lower the learning rate."
+            f"{self.name} step {step}: the gradient of the likelihood for {name} is not "
+            f"finite{after} (NaN or inf); nothing was updated. Check the batch's scale "
+            "(standardise the inputs), then lower the learning rate."
         )
 
     # -- the public step -----------------------------------------------------------------------
@@ -474,46 +547,132 @@ class NaturalGradientVI:
         """One update on a minibatch; returns the estimated (tempered) negative ELBO,
         N/B Σᵢ ℓᵢ averaged over the particles plus τ·KL(q ‖ prior), like ``SVI.step``.
 
-        A refused step (bad data or hyperparameters, a non-finite loss or gradient, an error from
-        the model or ``reduce_fn``) changes nothing: the state, τ, BatchNorm's running statistics
-        and torch's random state stay as they were, so a retry with good data continues the run
-        as if the bad batch had not come."""
+        A refused step (bad data or hyperparameters, a non-finite loss or gradient, an update
+        that would leave a non-finite state or σ, an error from the model or ``reduce_fn``)
+        changes nothing: the state, τ, σ, BatchNorm's running statistics and torch's random state
+        stay as they were, so a retry with good data continues the run as if the bad batch had
+        not come. With a ``reduce_fn``, a rank that refuses before its reduction tells the other
+        ranks (:meth:`_tell_ranks`), so every rank refuses the step together."""
         step = self.step_count + 1
-        check_hyperparameters(self.optimizer, step, self.name)
-        tau = self._next_temperature(step)
         where = f"{self.name} step {step}"
-        undo_setup = self._setup(args, kwargs, keep_statistics=True, where=where)
-        rollback, scale_tau = self._rollback, self._scale_temperature
-        rollback.save()
+        self._reductions_done = self.reduce_fn is None
+        self._in_reduction = False
+        try:
+            check_hyperparameters(self.optimizer, step, self.name)
+            check_inputs(args, kwargs, where)
+            tau = self._next_temperature(step)
+            undo_setup = self._setup(args, kwargs, keep_statistics=True, where=where)
+        except BaseException as err:
+            self._tell_ranks(err)
+            raise
+        rollback, scale_tau, before = self._rollback, self._scale_temperature, self.state
+        unreduced = self._unreduced
+        assert before is not None
+        # The state too: the update writes it in place, and is checked only once written.
+        rollback.save(self._state_tensors(before))
         try:
             loss = self._loss(args, kwargs, step, tau)
+            self.state = self._update()
+            self._refresh_scale(tau)
+            self._check_state(step)
         except BaseException as err:
             refused(err, where)
             rollback.restore()
-            if scale_tau is not None and self._scale_temperature != scale_tau:
+            self.state, self._unreduced = before, unreduced
+            if scale_tau is not None:
                 self._refresh_scale(scale_tau)  # σ back to what it was, bit for bit
             if undo_setup is not None:
                 undo_setup()
+            self._tell_ranks(err)
             raise
         self._temperature = tau
-        self.state = self._update()
         self.optimizer.step()  # marks the step for the learning-rate schedulers
-        self._refresh_scale(tau)
         return loss
+
+    def _reduce(self, tensors: list[torch.Tensor], last: bool) -> None:
+        """``reduce_fn(tensors)``, noting whether the step's reductions are done (``last``) and
+        that an error raised inside it came from the collective (the other ranks saw it)."""
+        assert self.reduce_fn is not None
+        self._in_reduction = True
+        self.reduce_fn(tensors)
+        self._in_reduction = False
+        self._reductions_done = last
+
+    def _tell_ranks(self, error: BaseException) -> None:
+        """A rank that refuses before its step's last reduction takes part in the other ranks'
+        next reduction, so that they refuse too instead of waiting in it (or pairing it with
+        this rank's next step). A ``reduce_fn`` with a ``refuse(error)`` method
+        (:func:`~pyro_bdl.distributed.allreduce_mean`, ``StepAgreement.wrap``) makes every rank
+        raise the same error naming this one; any other ``reduce_fn`` is called on NaN tensors
+        of the shapes it expects, so the other ranks refuse the non-finite mean (possible once
+        the shapes are known: after the first step's set-up)."""
+        if self._reductions_done or self._in_reduction or not isinstance(error, Exception):
+            return
+        self._reductions_done = True
+        refuse = getattr(self.reduce_fn, "refuse", None)
+        if refuse is not None:
+            refuse(error)  # raises the agreed error on every rank (returns in one process)
+            return
+        shapes = self._unreduced or self.estimates
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if several and shapes and self.reduce_fn is not None:
+            self.reduce_fn([torch.full_like(t, math.nan) for t in shapes])
+
+    def _state_tensors(self, state: NaturalGradientState) -> list[torch.Tensor]:
+        return [
+            state.mean,
+            state.momentum,
+            state.curvature,
+            *state.hidden,
+            *state.hidden_momentum,
+            *state.hidden_curvature,
+        ]
+
+    def _state_names(self) -> list[str]:
+        names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
+        out = [f"the mean of {names[0]}", f"the momentum of {names[0]}"]
+        out += [f"the curvature of {names[0]}"]
+        out += [f"{n}" for n in names[1:]]
+        out += [f"the momentum of {n}" for n in names[1:]]
+        return out + [f"the curvature of {n}" for n in names[1:]]
+
+    def _check_state(self, step: int) -> None:
+        """Refuse an update that left a non-finite state, or a σ that is not finite and > 0
+        (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
+        committed: a NaN written into the curvature would refuse every later step."""
+        assert self.state is not None
+        tensors = self._state_tensors(self.state)
+        sums = torch.stack([t.detach().sum().to(torch.float64) for t in tensors])
+        if bool(torch.isfinite(sums).all()) and all(map(math.isfinite, self._var_sums)):
+            return
+        bad = [n for n, t in zip(self._state_names(), tensors) if not bool(torch.isfinite(t).all())]
+        what = bad[0] if bad else "the posterior scale σ (zero or inf, from the curvature)"
+        g_hat = self._split()[0][0]
+        raise FloatingPointError(
+            f"{self.name} step {step}: the update would make {what} non-finite; the step was "
+            "refused and nothing was updated. The batch's gradients are too large for the "
+            f"state's float precision (largest |ĝ| {float(g_hat.abs().max()):.3g}): check the "
+            "scale of the inputs (standardise them), or lower the learning rate."
+        )
 
     def _loss(self, args, kwargs, step: int, tau: float) -> float:
         """ĝ, ĥ into :attr:`estimates` and the loss, with every check; changes only what
-        :meth:`step` rolls back on a refusal (σ, the buffers of the layers, the random state)."""
+        :meth:`step` rolls back on a refusal (σ, the buffers of the layers, the random state,
+        the state that the first reduction averages)."""
         if self._unreduced and self.reduce_fn is not None:  # the first draw's σ: from the
-            self.reduce_fn(self._unreduced)  # ranks' mean first curvature, as in one process
-            self._unreduced, self._scale_temperature = [], None
+            self._reduce(self._unreduced, last=False)  # ranks' mean first curvature, as in one
+            self._unreduced, self._scale_temperature = [], None  # process
         if self._scale_temperature != tau:  # τ or the first curvature changed since σ was set
             self._refresh_scale(tau)
         nlls, batch = self._estimate_gradients(args, kwargs, step)
         nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
-        if self.reduce_fn is not None:
-            self.reduce_fn(self.estimates)
+        # This rank's own checks come before the reduction, so that a refusal here reaches the
+        # other ranks through it (a mean of finite values can still overflow: checked again).
         self._check_finite(step)
+        check_loss(step, nll_total, 0.0, self.name)
+        if self.reduce_fn is not None:
+            self._reduce(self.estimates, last=True)
+            self._check_finite(step, reduced=True)
         kl = self._kl()
         check_loss(step, nll_total, kl, self.name)
         return nll_total + tau * kl
@@ -569,14 +728,31 @@ class NaturalGradientVI:
 
     def check_state_dict(self, state: Any) -> None:
         """Refuse (``ValueError``) a state that :meth:`load_state_dict` would not restore: not
-        this method's, an earlier format, or (once the model is known) another model's."""
+        this method's, an earlier format, non-finite values, or (once the model is known)
+        another model's, or a curvature that gives a σ that is not finite and > 0."""
         hidden = self._hidden if self.layout is not None else None
         check_state_dict(state, self.layout, hidden, spec=self.state_format)
+        if self.state is None:
+            return
+        curvature = state["curvature"].to(self.state.curvature)
+        tau = float(state["temperature"]) if self.state_format.temperature else 1.0
+        scale, log_scale = torch.empty_like(curvature), torch.empty_like(curvature)
+        self._write_scale(curvature, tau, scale, log_scale)
+        bad = ~torch.isfinite(log_scale)  # log σ is finite only where σ is finite and > 0
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"the {self.name} state_dict's curvature gives a posterior scale σ that is not "
+                f"finite and > 0 at {int(bad.sum())} weight(s) (the first at index {first}, "
+                f"curvature {float(curvature[first])!r}); it was not loaded and nothing changed. "
+                "Load a state_dict saved by this method from a healthy run."
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`, checked first (nothing changes if it is refused); before
-        the method has seen the model it is applied then (and checked against the model there),
-        and the first :meth:`step` skips the initialisation of the curvature."""
+        the method has seen the model it is checked as far as it can be without the model, and
+        applied (and checked against the model) at the first :meth:`step` or :meth:`setup`,
+        which then skips the initialisation of the curvature; refused there, it is discarded."""
         self.check_state_dict(state)
         if self.state is None:
             self._pending = dict(state)

@@ -48,8 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pyro_bdl._validation import check_positive
-from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI
+from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, check_range
 from pyro_bdl.infer.natural_gradient.model import Prepared
 from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
 
@@ -128,11 +127,32 @@ class IVON(NaturalGradientVI):
             chunk_size=None,
             reduce_fn=reduce_fn,
         )
-        check_positive("hess_init", hess_init, fix="Pass h0 > 0, e.g. hess_init=0.1.")
+        self.hess_init = check_range(
+            "IVON",
+            "hess_init",
+            hess_init,
+            1e-12,
+            1e12,
+            "h0 is the initial curvature (σ starts at 1/√(λ(h0 + δ))); pass e.g. 0.1.",
+        )
         if ess is not None:
-            check_positive("ess", ess, fix="Pass λ > 0, or leave it out to use dataset_size.")
-        self.hess_init = float(hess_init)
+            ess = check_range(
+                "IVON",
+                "ess",
+                ess,
+                1e-3,
+                1e12,
+                "ess (λ) is an effective number of examples: the weight decay δ = precision/λ and "
+                "σ = 1/√(λ(h + δ)) leave float precision far outside this range. Pass e.g. the "
+                "dataset size, or leave it out to use dataset_size.",
+            )
         self.effective_size = float(dataset_size if ess is None else ess)
+
+    def _initial_scale_problem(self) -> str:
+        return (
+            f"with ess={self.effective_size!r}, hess_init={self.hess_init!r} and "
+            f"prior_precision={self.prior_precision!r} (None: the lifted prior)"
+        )
 
     # -- ĝ by one backward pass, ĥ = ĝ ε/σ -------------------------------------------------------
 
@@ -219,10 +239,12 @@ class IVON(NaturalGradientVI):
         g_hat, (h_hat,) = self._split()
         return ivon_update(self.state, g_hat, h_hat, self._hyperparameters())
 
-    def _write_scale(self, tau: float, scale: torch.Tensor, log_scale: torch.Tensor) -> None:
+    def _write_scale(
+        self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
+    ) -> None:
         """σ = 1/√(λ(h + δ)) (IVON has no temperature: ``tau`` is 1)."""
-        assert self.state is not None and self.prior is not None
-        h, ess = self.state.curvature, self.effective_size
+        assert self.prior is not None
+        h, ess = curvature, self.effective_size
         decay = self.prior.tilde(1.0, ess)
         for block in blocks(h.numel()):  # in cache: one pass over memory instead of four
             d = decay[block] if isinstance(decay, torch.Tensor) else decay

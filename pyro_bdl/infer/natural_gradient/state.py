@@ -19,6 +19,7 @@ __all__ = [
     "NaturalGradientState",
     "StateFormat",
     "check_state_dict",
+    "check_values",
     "initial_state",
     "pack_state_dict",
     "unpack_state_dict",
@@ -91,6 +92,8 @@ class StateFormat:
     :ivar int version: the ``"version"`` entry this release reads and writes.
     :ivar bool temperature: whether the state holds a temperature.
     :ivar frozenset earlier_keys: the keys of an earlier layout to refuse by name (or empty).
+    :ivar bool nonnegative_curvature: whether the curvature of the weights is >= 0 (VOGN's, an
+        average of squares; IVON's h may dip below 0 as long as h + δ > 0).
     """
 
     method: str
@@ -98,6 +101,7 @@ class StateFormat:
     version: int
     temperature: bool
     earlier_keys: frozenset[str] = frozenset()
+    nonnegative_curvature: bool = False
 
     @property
     def keys(self) -> frozenset[str]:
@@ -237,6 +241,7 @@ def check_state_dict(
                 f"{sorted(shapes[key].items())}, its hidden parameters are "
                 f"{sorted(shapes['hidden'].items())} (name, shape)."
             )
+    check_values(state, spec)
     if layout is None or hidden is None:
         return
     ours = [(site.name, tuple(site.shape)) for site in layout]
@@ -258,6 +263,42 @@ def check_state_dict(
             + "; ".join(mismatch)
             + ". Load it into the architecture it was saved from."
         )
+
+
+def check_values(state: Mapping[str, Any], spec: StateFormat) -> None:
+    """Refuse a state_dict (of the right layout) holding NaN or inf anywhere, or a negative
+    curvature where the method's is a mean of squares (every hidden parameter's curvature, and
+    the weights' where ``spec.nonnegative_curvature``): loaded, it would refuse every later step
+    or give NaN posterior scales."""
+    method = spec.method
+    named = [(repr(key), state[key]) for key in ("mean", "momentum", "curvature")]
+    for key in ("hidden", "hidden_momentum", "hidden_curvature"):
+        named += [(f"{key}[{n!r}]", t) for n, t in state[key].items()]
+    for key, tensor in named:
+        if not tensor.is_floating_point():
+            raise ValueError(
+                f"the {method} state_dict is damaged: {key} must be floating point; got "
+                f"{tensor.dtype}. Nothing was loaded."
+            )
+        bad = ~torch.isfinite(tensor)
+        if bool(bad.any()):
+            first = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"the {method} state_dict is damaged: {key} holds {int(bad.sum())} non-finite "
+                f"value(s) (NaN or inf), the first at index {first}. Nothing was loaded; load a "
+                "checkpoint from before the run diverged."
+            )
+    floors = [(f"hidden_curvature[{n!r}]", t) for n, t in state["hidden_curvature"].items()]
+    if spec.nonnegative_curvature:
+        floors.insert(0, ("'curvature'", state["curvature"]))
+    for key, tensor in floors:
+        if tensor.numel() and float(tensor.min()) < 0:
+            first = tuple(int(i) for i in (tensor < 0).nonzero()[0])
+            raise ValueError(
+                f"the {method} state_dict is damaged: {key} must be >= 0 (a mean of squared "
+                f"gradients); got {float(tensor.min())!r} (first negative entry at index {first}). "
+                "Nothing was loaded; load a checkpoint from before the run diverged."
+            )
 
 
 def _hyperparameters_ok(lr: Any, betas: Any) -> bool:

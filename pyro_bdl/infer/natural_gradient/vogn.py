@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ import torch
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.curvature.per_example import PerExampleGradients
-from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, as_float
+from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, as_float, check_range
 from pyro_bdl.infer.natural_gradient.model import Prepared, per_example_nll
 from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
 
@@ -118,6 +119,7 @@ class VOGN(NaturalGradientVI):
         temperature=True,
         # The layout VOGN wrote when its state was spread over a guide and an optimizer.
         earlier_keys=frozenset({"step", "sites", "hidden", "guide", "optimizer"}),
+        nonnegative_curvature=True,
     )
     reading_pass_trains = True
 
@@ -148,12 +150,20 @@ class VOGN(NaturalGradientVI):
         )
         if not callable(temperature):
             check_positive("temperature", temperature, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
-        check_positive("augmentation_factor", augmentation_factor, fix="Pass ρ > 0, e.g. 1.0.")
+        check_range(
+            "VOGN",
+            "augmentation_factor",
+            augmentation_factor,
+            1e-3,
+            1e6,
+            "ρ scales the dataset size (Ñ = ρN) for data augmentation; pass e.g. 1.0.",
+        )
         if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
             raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
         self.effective_size = float(augmentation_factor) * dataset_size
         self.damping = float(damping)
         self._schedule = temperature if callable(temperature) else None
+        self._warned_average = False
         self._temperature = 1.0 if callable(temperature) else float(temperature)
 
     # -- the temperature -----------------------------------------------------------------------
@@ -225,7 +235,28 @@ class VOGN(NaturalGradientVI):
             self._gradients(self._tape, losses, self._out, add=k > 0)
             nlls.append(nll)
         torch._foreach_div_(self.estimates, float(self.num_particles * batch))
+        self._check_average(batch, step)
         return nlls, batch
+
+    def _check_average(self, batch: int, step: int) -> None:
+        """Warn (once) when s averages fewer than two examples' squared gradients: s ← (1 − β₂)s
+        + β₂ĥ keeps about B/β₂ examples' worth, and one example's squared gradient is exactly 0
+        wherever that example does not reach, where the step α m/(s + δ̃) becomes α m/δ̃."""
+        beta2 = self.optimizer.betas[1]
+        if self._warned_average or beta2 == 0 or batch / beta2 >= 2:
+            return
+        self._warned_average = True
+        warnings.warn(
+            f"VOGN step {step}: batch size {batch} with betas[1] = {beta2}: the curvature "
+            f"s ← (1 − β₂)s + β₂ĥ holds about B/β₂ = {batch / beta2:.2g} example(s) of squared "
+            "gradients, mostly the last minibatch's. One example's squared gradient is exactly 0 "
+            "for every weight it does not reach (a ReLU unit it switches off, a zero input), and "
+            "there the step α·m/(s + δ̃) becomes α·m/δ̃ = α·Ñ·m/(τδ), so training diverges. "
+            "Average over more examples: a batch size of 16 or more, or a smaller betas[1] "
+            "(betas=(0.9, 0.01) averages over about 100 steps).",
+            UserWarning,
+            stacklevel=4,
+        )
 
     # -- the update ----------------------------------------------------------------------------
 
@@ -245,10 +276,12 @@ class VOGN(NaturalGradientVI):
         assert self.state is not None
         return vogn_update(self.state, *self._split(), self._hyperparameters())
 
-    def _write_scale(self, tau: float, scale: torch.Tensor, log_scale: torch.Tensor) -> None:
-        assert self.state is not None and self.prior is not None
+    def _write_scale(
+        self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
+    ) -> None:
+        assert self.prior is not None
         vogn_scale(
-            self.state.curvature,
+            curvature,
             temperature=tau,
             effective_size=self.effective_size,
             prior_precision_tilde=self.prior.tilde(tau, self.effective_size),
