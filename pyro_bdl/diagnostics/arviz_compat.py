@@ -23,6 +23,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,19 @@ def loo_summary(result) -> LooSummary:
     )
 
 
+@contextmanager
+def _plot_warnings_off():
+    """ArviZ's plots warn about what their figures show (large k̂, few draws, class labels that
+    look discrete); ArviZ 0.23's matplotlib backend also uses an API that matplotlib 3.11
+    deprecates, which is not ours to fix."""
+    from matplotlib import MatplotlibDeprecationWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", MatplotlibDeprecationWarning)
+        yield
+
+
 def _draw_1x(make, path: Path) -> Path:
     """Run an ``arviz_plots`` function with matplotlib and save its figure to ``path``.
 
@@ -219,8 +233,8 @@ def _draw_1x(make, path: Path) -> Path:
     """
     from matplotlib import pyplot
 
-    collection = make("matplotlib")
-    figure = collection.get_viz("figure")
+    with _plot_warnings_off():
+        figure = make("matplotlib").get_viz("figure")
     try:
         figure.savefig(path, dpi=100)
     finally:
@@ -233,7 +247,8 @@ def _draw_0x(plot, path: Path, size: tuple[float, float]) -> Path:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=size, layout="constrained")
-    plot(figure.subplots())
+    with _plot_warnings_off():
+        plot(figure.subplots())
     figure.savefig(path, dpi=100)
     return path
 

@@ -20,11 +20,9 @@ References:
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
-from matplotlib import MatplotlibDeprecationWarning
 from matplotlib.figure import Figure
 
 from pyro_bdl.diagnostics import arviz_compat
@@ -162,24 +160,17 @@ def save_arviz_plots(
     folder.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     groups = set(arviz_compat.group_names(data))
-    with warnings.catch_warnings():
-        # ArviZ warns about large pointwise k̂, about few draws and (≥ 1) that class labels look
-        # discrete; the figures show all three.
-        warnings.simplefilter("ignore", UserWarning)
-        # ArviZ 0.23's matplotlib backend uses an API that matplotlib 3.11 deprecates: not ours.
-        warnings.simplefilter("ignore", MatplotlibDeprecationWarning)
-        if {"posterior_predictive", "observed_data"} <= groups:
-            predictive = arviz_compat.group(data, "posterior_predictive")
-            draws = int(predictive.sizes["chain"] * predictive.sizes["draw"])
-            path = folder / f"{prefix}ppc.png"
-            written.append(arviz_compat.plot_ppc(data, path, num_samples=min(50, draws)))
-        if "log_likelihood" in groups:
-            result = arviz_compat.loo(data, pointwise=True)
-            written.append(arviz_compat.plot_khat(result, folder / f"{prefix}loo-khat.png"))
-        if "posterior" in groups:
-            posterior = arviz_compat.group(data, "posterior")
-            names = var_names or [v for v in [_smallest_posterior_variable(posterior)] if v]
-            if names:
-                path = folder / f"{prefix}forest.png"
-                written.append(arviz_compat.plot_forest(data, names, path))
+    if {"posterior_predictive", "observed_data"} <= groups:
+        predictive = arviz_compat.group(data, "posterior_predictive")
+        draws = int(predictive.sizes["chain"] * predictive.sizes["draw"])
+        path = folder / f"{prefix}ppc.png"
+        written.append(arviz_compat.plot_ppc(data, path, num_samples=min(50, draws)))
+    if "log_likelihood" in groups:
+        result = arviz_compat.loo(data, pointwise=True)
+        written.append(arviz_compat.plot_khat(result, folder / f"{prefix}loo-khat.png"))
+    if "posterior" in groups:
+        posterior = arviz_compat.group(data, "posterior")
+        names = var_names or [v for v in [_smallest_posterior_variable(posterior)] if v]
+        if names:
+            written.append(arviz_compat.plot_forest(data, names, folder / f"{prefix}forest.png"))
     return written
