@@ -1,7 +1,9 @@
 """Diagnostics: calibration and out-of-distribution metrics, ArviZ export, Pareto k̂, plots.
 
 The metrics load with the package; the ArviZ export, PSIS and the plots (which need ArviZ,
-xarray and matplotlib) load on first use, so ``import pyro_bdl`` stays light.
+xarray and matplotlib) load on first use, so ``import pyro_bdl`` stays light. They work on
+ArviZ 0.x and 1.x alike; :mod:`~pyro_bdl.diagnostics.arviz_compat` is the one module that tells
+them apart.
 
 Usage::
 
@@ -38,7 +40,7 @@ from pyro_bdl.diagnostics.ood import (
 from pyro_bdl.diagnostics.temperature import fit_temperature, temperature_scale
 
 if TYPE_CHECKING:
-    from pyro_bdl.diagnostics import export, plots, psis
+    from pyro_bdl.diagnostics import arviz_compat, export, plots, psis
     from pyro_bdl.diagnostics.export import (
         load_inference_data,
         save_inference_data,
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 
 #: Names loaded on first access: name -> the submodule that defines it (ArviZ / matplotlib).
 _LAZY = {
+    "arviz_compat": "",
     "export": "",
     "plots": "",
     "psis": "",
@@ -84,6 +87,7 @@ __all__ = [
     "PsisResult",
     "Reliability",
     "accuracy",
+    "arviz_compat",
     "auroc",
     "brier",
     "ece",

@@ -17,7 +17,7 @@ Usage::
 
     idata = to_inference_data(model, guide, x_test, y_test, num_samples=200)
     save_inference_data(idata, "run.nc"); idata = load_inference_data("run.nc")
-    az.loo(idata)
+    loo(idata)                                  # pyro_bdl.diagnostics.loo, either ArviZ
 
 References:
     Kumar, Carroll, Hartikainen & Martin, "ArviZ a unified library for exploratory analysis of
@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import arviz as az
 import numpy as np
 import pyro
 import torch
@@ -45,11 +44,19 @@ from torch import nn
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl._version import __version__
+from pyro_bdl.diagnostics.arviz_compat import (
+    arviz_major,
+    arviz_version,
+    is_data,
+    package,
+    read_netcdf,
+)
 from pyro_bdl.diagnostics.metrics import as_tensor, check_probs
 from pyro_bdl.nn import site_spec
 
 __all__ = [
     "GROUPS",
+    "arviz_major",
     "load_inference_data",
     "mean_predictive_data",
     "package",
@@ -65,11 +72,6 @@ _SUMMARIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "std": lambda v: v.std() if v.numel() > 1 else torch.zeros((), dtype=v.dtype),
     "norm": lambda v: v.norm(),
 }
-
-
-def arviz_major() -> int:
-    """The installed ArviZ major version (0 gives ``InferenceData``, 1 gives ``DataTree``)."""
-    return int(az.__version__.split(".")[0])
 
 
 @dataclass
@@ -218,22 +220,13 @@ def _flush(variables: list[_Variable], start: int) -> None:
 def _attrs(guide) -> dict[str, str]:
     return {
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "arviz_version": az.__version__,
+        "arviz_version": arviz_version(),
         "inference_library": "pyro",
         "inference_library_version": pyro.__version__,
         "creation_library": "pyro_bdl",
         "creation_library_version": __version__,
         "guide": type(guide).__name__,
     }
-
-
-def package(datasets: dict[str, xr.Dataset], *, major: int | None = None):
-    """ArviZ 0.x ``InferenceData``, or (ArviZ ≥ 1) an ``xarray.DataTree`` with the same groups:
-    the one place where the installed ArviZ decides the container."""
-    major = arviz_major() if major is None else major
-    if major >= 1:
-        return xr.DataTree.from_dict({f"/{name}": ds for name, ds in datasets.items()})
-    return az.InferenceData(**datasets)
 
 
 def mean_predictive_data(probs: torch.Tensor, y: torch.Tensor):
@@ -350,7 +343,7 @@ def save_inference_data(data, path: str | os.PathLike) -> str:
     temporary file.
     """
     path = os.fspath(path)
-    if not isinstance(data, (az.InferenceData, xr.DataTree)):
+    if not is_data(data):
         raise TypeError(
             f"data must be arviz.InferenceData or xarray.DataTree; got {type(data).__name__}. "
             "Create it with to_inference_data."
@@ -385,12 +378,8 @@ def load_inference_data(path: str | os.PathLike, *, major: int | None = None):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no netCDF file at {path!r}.")
-    major = arviz_major() if major is None else major
     try:
-        if major >= 1:
-            with xr.open_datatree(path, engine="h5netcdf") as tree:
-                return tree.load()
-        return az.from_netcdf(path, engine="h5netcdf")
+        return read_netcdf(path, major=major)
     except OSError as err:
         raise ValueError(
             f"{path!r} is not a readable netCDF file ({err}); it is truncated or of another "

@@ -3,7 +3,9 @@ distribution, and ArviZ's own plots on exported data.
 
 Figures are built with ``matplotlib.figure.Figure`` and saved through the Agg canvas, never
 through ``pyplot``: nothing opens a window, nothing changes the user's backend, and figures are
-freed when dropped. ArviZ plots get their axes from us for the same reason.
+freed when dropped. ArviZ 0.x plots get their axes from us for the same reason; ArviZ ≥ 1
+(``arviz_plots``) makes its own figures with ``pyplot``, and each is closed once saved (see
+:mod:`~pyro_bdl.diagnostics.arviz_compat`).
 
 Usage::
 
@@ -18,14 +20,12 @@ References:
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
-import arviz as az
 import numpy as np
-from matplotlib import MatplotlibDeprecationWarning
 from matplotlib.figure import Figure
 
+from pyro_bdl.diagnostics import arviz_compat
 from pyro_bdl.diagnostics.metrics import Reliability, as_tensor, check_finite_values
 
 __all__ = ["plot_entropy", "plot_reliability", "save_arviz_plots"]
@@ -130,8 +130,7 @@ def plot_entropy(
     return fig
 
 
-def _smallest_posterior_variable(data) -> str | None:
-    posterior = data["posterior"] if not hasattr(data, "posterior") else data.posterior
+def _smallest_posterior_variable(posterior) -> str | None:
     sizes = {
         name: int(np.prod([posterior[name].sizes[d] for d in posterior[name].dims[2:]] or [1]))
         for name in posterior.data_vars
@@ -142,49 +141,36 @@ def _smallest_posterior_variable(data) -> str | None:
 def save_arviz_plots(
     data, folder: str | os.PathLike, *, prefix: str = "", var_names: list[str] | None = None
 ) -> list[Path]:
-    """ArviZ's own plots on exported data, saved as PNG into ``folder``:
+    """ArviZ's own plots on exported data (ArviZ 0.x or ≥ 1), saved as PNG into ``folder``:
 
-    - ``<prefix>ppc.png``: posterior predictive against the observed data (``plot_ppc``);
-    - ``<prefix>loo-khat.png``: pointwise PSIS-LOO k̂ (``plot_khat`` on ``az.loo``);
+    - ``<prefix>ppc.png``: posterior predictive against the observed data (``plot_ppc``, or
+      ``plot_ppc_dist`` on ArviZ ≥ 1);
+    - ``<prefix>loo-khat.png``: pointwise PSIS-LOO k̂ (``plot_khat`` on :func:`~.psis.loo`);
     - ``<prefix>forest.png``: credible intervals of ``var_names`` (default: the smallest
       posterior variable, to keep the figure readable for networks).
 
     :returns: the paths written.
     """
-    if not isinstance(data, az.InferenceData):
+    if not arviz_compat.is_data(data):
         raise TypeError(
-            f"data must be arviz.InferenceData (ArviZ 0.x); got {type(data).__name__}. With "
-            "ArviZ >= 1 (an xarray.DataTree) use the arviz_plots package on it instead."
+            f"data must be arviz.InferenceData or xarray.DataTree; got {type(data).__name__}. "
+            "Create it with to_inference_data."
         )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    groups = set(data.groups())
-    with warnings.catch_warnings():
-        # ArviZ warns about large pointwise k̂ and about few draws; the figures show both.
-        warnings.simplefilter("ignore", UserWarning)
-        # ArviZ 0.23's matplotlib backend uses an API that matplotlib 3.11 deprecates: not ours.
-        warnings.simplefilter("ignore", MatplotlibDeprecationWarning)
-        if {"posterior_predictive", "observed_data"} <= groups:
-            fig = Figure(figsize=(6, 4), layout="constrained")
-            az.plot_ppc(data, ax=fig.subplots(), num_pp_samples=min(50, _draws(data)))
-            written.append(_save(fig, folder / f"{prefix}ppc.png"))
-        if "log_likelihood" in groups:
-            fig = Figure(figsize=(6, 4), layout="constrained")
-            az.plot_khat(az.loo(data, pointwise=True), ax=fig.subplots())
-            written.append(_save(fig, folder / f"{prefix}loo-khat.png"))
-        names = var_names or [v for v in [_smallest_posterior_variable(data)] if v]
-        if names and "posterior" in groups:
-            fig = Figure(figsize=(6, 5), layout="constrained")
-            az.plot_forest(data, var_names=names, combined=True, ax=fig.subplots())
-            written.append(_save(fig, folder / f"{prefix}forest.png"))
+    groups = set(arviz_compat.group_names(data))
+    if {"posterior_predictive", "observed_data"} <= groups:
+        predictive = arviz_compat.group(data, "posterior_predictive")
+        draws = int(predictive.sizes["chain"] * predictive.sizes["draw"])
+        path = folder / f"{prefix}ppc.png"
+        written.append(arviz_compat.plot_ppc(data, path, num_samples=min(50, draws)))
+    if "log_likelihood" in groups:
+        result = arviz_compat.loo(data, pointwise=True)
+        written.append(arviz_compat.plot_khat(result, folder / f"{prefix}loo-khat.png"))
+    if "posterior" in groups:
+        posterior = arviz_compat.group(data, "posterior")
+        names = var_names or [v for v in [_smallest_posterior_variable(posterior)] if v]
+        if names:
+            written.append(arviz_compat.plot_forest(data, names, folder / f"{prefix}forest.png"))
     return written
-
-
-def _draws(data) -> int:
-    return int(data.posterior_predictive.sizes["chain"] * data.posterior_predictive.sizes["draw"])
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=100)
-    return path

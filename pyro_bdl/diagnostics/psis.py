@@ -26,16 +26,15 @@ References:
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
-import arviz as az
 import numpy as np
 import torch
 from pyro import poutine
 from pyro.infer.importance import vectorized_importance_weights
 
 from pyro_bdl._validation import check_positive_int
+from pyro_bdl.diagnostics import arviz_compat
 from pyro_bdl.diagnostics.metrics import as_tensor
 
 __all__ = ["BANDS", "PsisResult", "khat_band", "loo", "pareto_khat", "psis_khat"]
@@ -88,7 +87,8 @@ class PsisResult:
 
 
 def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]:
-    """``(k̂, ess)`` of log importance ratios, shape (S,), by ArviZ's PSIS.
+    """``(k̂, ess)`` of log importance ratios, shape (S,), by ArviZ's PSIS (``az.psislw`` on
+    ArviZ 0.x, ``arviz_stats``' on ArviZ ≥ 1, through :mod:`~pyro_bdl.diagnostics.arviz_compat`).
 
     Ratios that are equal up to rounding (spread below ``rtol`` times their magnitude; default
     1000 machine epsilons of their dtype) mean the guide *is* the posterior: the generalized
@@ -131,11 +131,7 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
     finite = a[np.isfinite(a)]
     if finite.size == a.size and np.ptp(a) <= rtol * max(1.0, float(np.abs(a).max())):
         return -math.inf, float(a.size)
-    with warnings.catch_warnings(), np.errstate(over="ignore"):
-        # ArviZ warns when k̂ is large (the band in our result says so), and its profile
-        # likelihood overflows harmlessly to weight 0 for far-off candidate shapes.
-        warnings.simplefilter("ignore", UserWarning)
-        smoothed, khat = az.psislw(a.copy())
+    smoothed, khat = arviz_compat.psislw(a)
     w = np.exp(smoothed)
     return float(khat), float(1.0 / np.sum(w**2))
 
@@ -214,18 +210,19 @@ def loo(data, *, var_name: str | None = None, pointwise: bool = True):
     """PSIS leave-one-out cross-validation through ArviZ on exported data (the
     ``log_likelihood`` group of :func:`~pyro_bdl.diagnostics.to_inference_data`).
 
-    :returns: ArviZ's ``ELPDData`` (``elpd_loo``, ``se``, ``p_loo``, pointwise ``pareto_k``).
+    :returns: the installed ArviZ's ``ELPDData``, for its own functions (``plot_khat``,
+        ``compare``); its fields are named differently on ArviZ 0.x (``elpd_loo``, ``p_loo``,
+        ``loo_i``) and ≥ 1 (``elpd``, ``p``, ``elpd_i``), so read them with
+        :func:`~pyro_bdl.diagnostics.arviz_compat.loo_summary`.
     """
-    if isinstance(data, az.InferenceData):
-        names = set(data.groups())
-    else:  # an xarray.DataTree (ArviZ >= 1): ``groups`` is a tuple of paths
-        names = {str(g).strip("/") for g in getattr(data, "groups", ())}
-    if "log_likelihood" not in names:
+    if not arviz_compat.is_data(data):
+        raise TypeError(
+            f"data must be arviz.InferenceData or xarray.DataTree; got {type(data).__name__}. "
+            "Create it with to_inference_data(model, guide, x, y)."
+        )
+    if "log_likelihood" not in arviz_compat.group_names(data):
         raise ValueError(
             "data has no log_likelihood group; export with observed data, e.g. "
             "to_inference_data(model, guide, x, y)."
         )
-    with warnings.catch_warnings():
-        # ArviZ warns about large pointwise k̂; they are in the result's ``pareto_k``.
-        warnings.simplefilter("ignore", UserWarning)
-        return az.loo(data, pointwise=pointwise, var_name=var_name)
+    return arviz_compat.loo(data, var_name=var_name, pointwise=pointwise)

@@ -13,6 +13,7 @@ from pyro_bdl.app.compare.evaluate import POINT_MASS_NOTE, evaluate, format_tabl
 from pyro_bdl.app.compare.problem import attach_posterior
 from pyro_bdl.app.data import hold_out_classes, load_digits, load_ood
 from pyro_bdl.diagnostics import load_inference_data
+from pyro_bdl.diagnostics.arviz_compat import group_names
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -39,7 +40,7 @@ def test_compare_map_writes_table_json_netcdf_and_plots(tmp_path, capsys):
     nc = tmp_path / "map.nc"
     assert str(nc) in out  # the command says where the files are
     data = load_inference_data(nc)
-    assert set(data.groups()) >= {"posterior", "posterior_predictive", "log_likelihood"}
+    assert set(group_names(data)) >= {"posterior", "posterior_predictive", "log_likelihood"}
     assert data.log_likelihood["y"].shape == (1, 4, payload["config"]["n_test"])
     names = {"map-reliability.png", "map-entropy.png", "map-ppc.png", "map-forest.png"}
     for name in names:
@@ -126,9 +127,9 @@ def test_export_uses_attached_posterior_or_falls_back_to_the_mean(tmp_path, monk
     monkeypatch.setitem(METHODS, "bare", bare)
     rows = run(_digits_problem(), ["attached", "bare"], output=tmp_path)
     full = load_inference_data(tmp_path / "attached.nc")
-    assert {"posterior", "log_likelihood"} <= set(full.groups())
+    assert {"posterior", "log_likelihood"} <= set(group_names(full))
     mean_only = load_inference_data(tmp_path / "bare.nc")
-    assert set(mean_only.groups()) == {"predictions", "observed_data"}
+    assert set(group_names(mean_only)) == {"predictions", "observed_data"}
     np.testing.assert_allclose(mean_only.predictions["probs"].values, 1 / 8)
     # Uniform predictions: chance-level OOD detection and maximal entropy everywhere.
     assert rows[1]["ood_auroc"] == 0.5 and rows[1]["ece"] == pytest.approx(

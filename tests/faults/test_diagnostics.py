@@ -14,8 +14,9 @@ import math
 import numpy as np
 import pytest
 import torch
+import xarray as xr
 
-from pyro_bdl.diagnostics import metrics, ood, psis, temperature
+from pyro_bdl.diagnostics import arviz_compat, metrics, ood, psis, temperature
 from tests.faults.common import assert_same, rng_states
 
 NAN = float("nan")
@@ -265,9 +266,8 @@ def test_psis_khat_options_refused():
 
 
 def test_loo_without_log_likelihood_names_the_fix():
-    import arviz as az
-
-    data = az.from_dict(posterior={"w": np.zeros((1, 5))})
+    posterior = xr.Dataset({"w": (("chain", "draw"), np.zeros((1, 5)))})
+    data = arviz_compat.package({"posterior": posterior})
     with pytest.raises(ValueError, match=r"to_inference_data\(model, guide, x, y\)"):
         psis.loo(data)
 

@@ -81,9 +81,8 @@ def export_method(
 ) -> list[Path]:
     """Write ``<name>.nc`` and the plots of one method into ``output``; returns the paths.
     Plots left out, and why, are appended to ``notes``."""
-    import arviz as az  # local: ArviZ and matplotlib load only when a run writes files
-
-    from pyro_bdl.diagnostics import export, plots
+    # local: ArviZ and matplotlib load only when a run writes files
+    from pyro_bdl.diagnostics import arviz_compat, export, plots
 
     output.mkdir(parents=True, exist_ok=True)
     x_test = problem.dataset.x_test.to(problem.device)
@@ -113,11 +112,11 @@ def export_method(
         + (f" (OOD: {problem.ood_name})" if problem.ood_name else ""),
     )
     written.append(_save(fig, output / f"{name}-entropy.png"))
-    if isinstance(data, az.InferenceData) and "posterior" in data.groups():
+    if "posterior" in arviz_compat.group_names(data):
         if is_point_mass(data):
             # Every draw is the same weights (a point estimate such as map or map_ts): the
             # importance ratios of PSIS-LOO are all 1, so its k̂ plot would be blank.
-            data = az.InferenceData(**{g: data[g] for g in data.groups() if g != "log_likelihood"})
+            data = arviz_compat.drop_groups(data, ["log_likelihood"])
             if notes is not None:
                 notes.append(POINT_MASS_NOTE)
         try:
