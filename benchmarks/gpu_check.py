@@ -632,12 +632,13 @@ def _attempt(probe: dict, key: str, fn: Callable[[], object]) -> None:
 
 
 def arviz_probe() -> dict:
-    """Which of ArviZ 0.x's names our code uses are there, and one export, PSIS k̂ and LOO."""
+    """Which ArviZ is installed, and one export, PSIS k̂ and LOO through our one ArviZ layer."""
     import arviz as az
 
     import pyro_bdl as bdl
     from pyro_bdl.diagnostics import psis
-    from pyro_bdl.diagnostics.export import arviz_major, to_inference_data
+    from pyro_bdl.diagnostics.arviz_compat import arviz_major
+    from pyro_bdl.diagnostics.export import to_inference_data
 
     probe: dict = {"arviz_version": az.__version__, "arviz_major": arviz_major()}
     names = ("InferenceData", "loo", "from_netcdf", "psislw")
