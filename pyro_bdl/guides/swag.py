@@ -63,7 +63,7 @@ from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
-from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.access import SiteAccess, check_same_sites
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn import init_to_network
@@ -479,7 +479,24 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
         # The sites at the prototype's shapes, as AutoContinuous packs them.
-        self.layout, init = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
+        layout, init = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
+        # A ``loc`` left in Pyro's param store under this guide's name (a model that has grown
+        # a site since) would be picked up in place of ``init``: refuse before anything is set.
+        store, name = pyro.get_param_store(), self._pyro_get_fullname("loc")
+        if name in store:
+            stored = store[name]
+            try:
+                check_same_sites(
+                    type(self).__name__,
+                    set_up=None,
+                    now=layout.names,
+                    set_up_size=stored.shape[-1],
+                    now_size=layout.size,
+                )
+            except Exception:
+                self.prototype_trace = None
+                raise
+        self.layout = layout
         self.loc = nn.Parameter(init)
         like = self.loc.detach()
         rows = 0 if self.diag_only else self.rank
