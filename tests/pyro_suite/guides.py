@@ -16,9 +16,12 @@ from typing import Any
 
 import pyro
 import pytest
+import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoNormal, init_to_sample
+from torch import nn
 
+from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import (
     AutoEnsemble,
     AutoLaplace,
@@ -31,6 +34,18 @@ from pyro_bdl.guides import (
 from pyro_bdl.infer import VOGN
 
 Args = Sequence[Any]
+
+ROWS, FEATURES, CLASSES = 12, 4, 3
+
+
+def lifted_classifier():
+    """``(model, x, y)``: a small lifted MLP classifier over ``ROWS`` examples and its data."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+    model = models.classifier(bayesianize(net, priors.Normal(scale=1.0)), ROWS)
+    x = torch.randn(ROWS, FEATURES)
+    y = torch.randint(0, CLASSES, (ROWS,))
+    return model, x, y
 
 
 def _call(guide, model, args: Args):

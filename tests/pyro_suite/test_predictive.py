@@ -19,11 +19,10 @@ import pyro.poutine as poutine
 import pytest
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO, WeighedPredictive
-from torch import nn
 
-from pyro_bdl import bayesianize, models, priors, sites
+from pyro_bdl import sites
 from tests.common import assert_close
-from tests.pyro_suite.guides import cases
+from tests.pyro_suite.guides import cases, lifted_classifier
 
 PREDICTIVES = [Predictive, WeighedPredictive]
 
@@ -111,19 +110,6 @@ def test_shapes(entry, predictive, parallel):
     assert set(actual) == set(expected)
     assert actual["x"].shape == expected["x"].shape
     assert actual["y"].shape == expected["y"].shape
-
-
-ROWS, FEATURES, CLASSES = 12, 4, 3
-
-
-def lifted_classifier():
-    """A small lifted MLP classifier and its data."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
-    model = models.classifier(bayesianize(net, priors.Normal(scale=1.0)), ROWS)
-    x = torch.randn(ROWS, FEATURES)
-    y = torch.randint(0, CLASSES, (ROWS,))
-    return model, x, y
 
 
 @pytest.mark.parametrize(
