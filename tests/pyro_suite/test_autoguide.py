@@ -41,39 +41,23 @@ from torch import nn
 from pyro_bdl import bayesianize, models
 from pyro_bdl.infer import TraceSuffStat_ELBO
 from tests.common import assert_close
-from tests.pyro_suite.guides import cases, known
+from tests.pyro_suite.guides import (
+    ENSEMBLE_JIT,
+    KL_FALLBACK_IS_DOCUMENTED,
+    TORCHSCRIPT_DEPRECATED,
+    cases,
+    known,
+    not_reparameterized,
+)
 
 ELBOS = [Trace_ELBO, TraceMeanField_ELBO, TraceEnum_ELBO, TraceSuffStat_ELBO]
 
-#: TraceSuffStat_ELBO warns and falls back to Trace_ELBO's one-sample term for sites without an
-#: M-sample KL (a Dirichlet behind a stick-breaking transform, an MVN prior, an auxiliary guide
-#: site): the documented behaviour, and the loss stays the same estimator.
-KL_FALLBACK_IS_DOCUMENTED = "ignore::pyro_bdl.infer.KLFallbackWarning"
-#: torch deprecates TorchScript; Pyro's tests trace guides and predictives all the same.
-TORCHSCRIPT_DEPRECATED = "ignore:`torch.jit:FutureWarning"
-
-#: By design, a point-mass or SWAG posterior has no reparameterized sample, so the ELBOs that
-#: need one (TraceMeanField_ELBO, TraceSuffStat_ELBO) refuse it with the fix in the message.
-_NOT_REPARAMETERIZED = "by design (refusal expected): {} is not reparameterizable"
 _SUFFSTAT_LKJ_MASKED = (
     "TraceSuffStat_ELBO with LKJCholesky at num_particles=1 and a fully masked prior "
     "(issue item): the M-sample KL reinterprets a batch dim the site lacks"
 )
 SHAPES_KNOWN = {
-    **{
-        f"{guide}-{Elbo}-{n}": known(_NOT_REPARAMETERIZED.format(what), error)
-        for guide, what in [
-            ("swag", "SWAG"),
-            ("ensemble", "an ensemble"),
-            ("multiswag", "MultiSWAG"),
-        ]
-        for Elbo, error in [
-            ("TraceMeanField_ELBO", NotImplementedError),
-            ("TraceSuffStat_ELBO", ValueError),
-        ]
-        for n in (1, 10)
-        if (guide, Elbo) != ("swag", "TraceMeanField_ELBO")
-    },
+    **not_reparameterized("TraceMeanField_ELBO", "TraceSuffStat_ELBO", suffixes=("-1", "-10")),
     "meanfield-TraceSuffStat_ELBO-1": known(_SUFFSTAT_LKJ_MASKED, ValueError),
     "radial-TraceSuffStat_ELBO-1": known(_SUFFSTAT_LKJ_MASKED, ValueError),
 }
@@ -142,12 +126,6 @@ def test_median(entry):
     assert_close(median["z"], torch.tensor(0.5), atol=0.1, rtol=0)
 
 
-_ENSEMBLE_JIT = (
-    "ensembles under JitTrace / jit.trace_module (issue item): member membership is traced "
-    "as a shape"
-)
-
-
 def serialization_model():
     pyro.sample("x", dist.Normal(0.0, 1.0))
     with pyro.plate("plate", 2):
@@ -157,7 +135,7 @@ def serialization_model():
 
 @pytest.mark.parametrize(
     ("entry", "jit"),
-    cases(over=[False, True], generic=True, xfail={"multiswag-True": known(_ENSEMBLE_JIT)}),
+    cases(over=[False, True], generic=True, xfail={"multiswag-True": known(ENSEMBLE_JIT)}),
 )
 @pytest.mark.filterwarnings(TORCHSCRIPT_DEPRECATED)
 def test_serialization(entry, jit):
@@ -317,8 +295,8 @@ def network_regression():
     "entry",
     cases(
         xfail={
-            "ensemble": known(_ENSEMBLE_JIT),
-            "multiswag": known(_ENSEMBLE_JIT),
+            "ensemble": known(ENSEMBLE_JIT),
+            "multiswag": known(ENSEMBLE_JIT),
             "laplace": known(
                 "by design (refusal expected): a Kronecker-factored Laplace needs one prior "
                 "precision per layer; Pyro's weight N(0, 1) and bias N(0, 10) differ",
