@@ -25,9 +25,10 @@ Conventions:
   once per sample in a loop instead: PyTorch's fused recurrent kernels have no ``vmap`` rule.
 - Under ``Predictive(parallel=True)`` and ``WeighedPredictive(parallel=True)`` the weights' prior
   scores a conditioned value that lacks the singleton plate dims (:class:`PlateDimsRestored`):
-  Pyro reshapes each posterior sample to ``(num_samples, *value.shape)`` without the ``1`` s of
-  the plates the site sits outside whenever the site has as many event dims as the model has
-  plates, so a ``(S, 8, 4)`` value met a ``(S, 1 | 8, 4)`` prior and scored ``(S, S)``.
+  Pyro pads a posterior sample with the ``1`` s of the plates its site sits outside only up to
+  the model's plate count minus the sample's dims, so a weight with as many dims as the model
+  has plates keeps the shape ``(S, *event_shape)``: a ``(S, 8, 4)`` value met the
+  ``(S, 1 | 8, 4)`` prior, scored ``(S, S)`` and broke the packing of ``WeighedPredictive``.
 
 See docs/design/lifting.md.
 """

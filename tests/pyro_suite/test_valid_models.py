@@ -137,10 +137,6 @@ def test_obs_mask_ok(entry, Elbo, mask, num_particles):
     assert_ok(model, guide, elbo)
 
 
-_SUBNET_PARTICLES = (
-    "AutoSubnetLaplace MAP phase under vectorize_particles (issue item): the particle dim is "
-    "added twice"
-)
 _LAPLACE_ELBO = (
     "Laplace as an ELBO guide (issue item): vectorized particles under TraceEnum_ELBO mix dtypes"
 )
@@ -232,3 +228,14 @@ def test_dynamic_model(entry):
         assert "'y'" in str(error) or '"y"' in str(error), str(error)
     else:
         assert "y" in trace.nodes, "the guide neither covers nor refuses the new site 'y'"
+
+
+@pytest.mark.parametrize("num_particles", [1, 3])
+@pytest.mark.parametrize("entry", cases(["laplace", "subnet_laplace"]))
+def test_lifted_network_map_phase_ok(entry, num_particles):
+    """``assert_ok`` for the Laplace guides before ``fit``: their MAP phase is SVI on
+    Trace_ELBO, with vectorized particles as any guide."""
+    model, x, y = lifted_classifier()
+    guide = entry.build(model)
+    elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=True)
+    assert_ok(model, guide, elbo, x=x[:4], y=y[:4])
