@@ -23,24 +23,40 @@ Conventions:
   use.
 - A network with a lifted recurrent layer (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) runs its forward
   once per sample in a loop instead: PyTorch's fused recurrent kernels have no ``vmap`` rule.
+- Under ``Predictive(parallel=True)`` and ``WeighedPredictive(parallel=True)`` the weights' prior
+  scores a conditioned value that lacks the singleton plate dims (:class:`PlateDimsRestored`):
+  Pyro pads a posterior sample with the ``1`` s of the plates its site sits outside only up to
+  the model's plate count minus the sample's dims, so a weight with as many dims as the model
+  has plates keeps the shape ``(S, *event_shape)``: a ``(S, 8, 4)`` value met the
+  ``(S, 1 | 8, 4)`` prior, scored ``(S, S)`` and broke the packing of ``WeighedPredictive``.
 
 See docs/design/lifting.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
+import pyro.distributions as dist
 import torch
+from pyro.infer.predictive import _predictive_vectorize_plate_name
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.plate_messenger import PlateMessenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["batched_forward", "install_batched_forward", "under_plate"]
+__all__ = [
+    "PlateDimsRestored",
+    "batched_forward",
+    "install_batched_forward",
+    "restore_plate_dims",
+    "under_plate",
+]
 
 _SITES_ATTR = "_bdl_sites"
 
@@ -48,6 +64,68 @@ _SITES_ATTR = "_bdl_sites"
 def under_plate() -> bool:
     """Whether any ``pyro.plate`` is active (the only case where weights can carry batch dims)."""
     return any(isinstance(m, PlateMessenger) for m in _PYRO_STACK)
+
+
+def restore_plate_dims(value: torch.Tensor, batch_shape: torch.Size, event_dim: int):
+    """``value`` reshaped to ``(*batch_shape, *event_shape)`` when its batch dims are
+    ``batch_shape`` without some singleton dims (and so would broadcast to the wrong shape);
+    otherwise ``value`` unchanged."""
+    value_batch = value.shape[: value.dim() - event_dim]
+    try:
+        if torch.broadcast_shapes(value_batch, batch_shape) == batch_shape:
+            return value
+    except RuntimeError:
+        pass
+    if [d for d in value_batch if d != 1] != [d for d in batch_shape if d != 1]:
+        return value
+    return value.reshape(*batch_shape, *value.shape[value.dim() - event_dim :])
+
+
+class PlateDimsRestored(dist.TorchDistribution):
+    """``base`` scoring a value whose batch dims lack singleton plate dims as if it had them
+    (see :func:`restore_plate_dims`); sampling, support and shapes are ``base``'s. The attribute
+    ``base_dist`` lets :func:`~pyro_bdl.nn.spec.site_spec` find the lifted site behind it."""
+
+    arg_constraints: dict = {}
+
+    def __init__(self, base: dist.TorchDistribution):
+        self.base_dist = base
+        super().__init__(base.batch_shape, base.event_shape, validate_args=False)
+
+    @property
+    def support(self):  # type: ignore[override]
+        return self.base_dist.support
+
+    @property
+    def has_rsample(self) -> bool:  # type: ignore[override]
+        return self.base_dist.has_rsample
+
+    def expand(self, batch_shape, _instance=None):
+        return PlateDimsRestored(self.base_dist.expand(batch_shape))
+
+    def sample(self, sample_shape=torch.Size()):
+        return self.base_dist.sample(sample_shape)
+
+    def rsample(self, sample_shape=torch.Size()):
+        return self.base_dist.rsample(sample_shape)
+
+    def log_prob(self, value):
+        value = restore_plate_dims(value, self.batch_shape, len(self.event_shape))
+        return self.base_dist.log_prob(value)
+
+
+class _RestorePlateDims(Messenger):
+    """Wraps every sample site's distribution in :class:`PlateDimsRestored`."""
+
+    def _pyro_sample(self, msg) -> None:
+        msg["fn"] = PlateDimsRestored(msg["fn"])
+
+
+def _under_parallel_predictive() -> bool:
+    return any(
+        isinstance(m, PlateMessenger) and m.name == _predictive_vectorize_plate_name
+        for m in _PYRO_STACK
+    )
 
 
 def install_batched_forward(module: nn.Module) -> None:
@@ -100,9 +178,13 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
 
     specs = _lifted_sites(module)
+    # Only Predictive's plate brings the mis-shaped values, and no ELBO looks for a KL there.
+    restore = _RestorePlateDims() if _under_parallel_predictive() else contextlib.nullcontext()
+    with restore:
+        # Reading a site draws it; Pyro caches the value for the rest of the call.
+        drawn = [getattr(spec.module, spec.param_name) for spec in specs]
     keys, values, batch_shapes = [], [], []
-    for spec in specs:
-        value = getattr(spec.module, spec.param_name)  # draws the site; Pyro caches it
+    for spec, value in zip(specs, drawn):
         event = spec.shape
         batch = value.shape[: value.dim() - len(event)]
         if value.dim() < len(event) or value.shape[len(batch) :] != event:
