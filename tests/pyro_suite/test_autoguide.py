@@ -42,7 +42,6 @@ from pyro_bdl import bayesianize, models
 from pyro_bdl.infer import TraceSuffStat_ELBO
 from tests.common import assert_close
 from tests.pyro_suite.guides import (
-    ENSEMBLE_JIT,
     KL_FALLBACK_IS_DOCUMENTED,
     TORCHSCRIPT_DEPRECATED,
     cases,
@@ -52,14 +51,8 @@ from tests.pyro_suite.guides import (
 
 ELBOS = [Trace_ELBO, TraceMeanField_ELBO, TraceEnum_ELBO, TraceSuffStat_ELBO]
 
-_SUFFSTAT_LKJ_MASKED = (
-    "TraceSuffStat_ELBO with LKJCholesky at num_particles=1 and a fully masked prior "
-    "(issue item): the M-sample KL reinterprets a batch dim the site lacks"
-)
 SHAPES_KNOWN = {
     **not_reparameterized("TraceMeanField_ELBO", "TraceSuffStat_ELBO", suffixes=("-1", "-10")),
-    "meanfield-TraceSuffStat_ELBO-1": known(_SUFFSTAT_LKJ_MASKED, ValueError),
-    "radial-TraceSuffStat_ELBO-1": known(_SUFFSTAT_LKJ_MASKED, ValueError),
 }
 
 
@@ -135,7 +128,7 @@ def serialization_model():
 
 @pytest.mark.parametrize(
     ("entry", "jit"),
-    cases(over=[False, True], generic=True, xfail={"multiswag-True": known(ENSEMBLE_JIT)}),
+    cases(over=[False, True], generic=True),
 )
 @pytest.mark.filterwarnings(TORCHSCRIPT_DEPRECATED)
 def test_serialization(entry, jit):
@@ -295,8 +288,6 @@ def network_regression():
     "entry",
     cases(
         xfail={
-            "ensemble": known(ENSEMBLE_JIT),
-            "multiswag": known(ENSEMBLE_JIT),
             "laplace": known(
                 "by design (refusal expected): a Kronecker-factored Laplace needs one prior "
                 "precision per layer; Pyro's weight N(0, 1) and bias N(0, 10) differ",
