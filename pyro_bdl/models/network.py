@@ -237,7 +237,7 @@ class NetworkModel:
 
     def __call__(self, x: Batch, y: torch.Tensor | None = None) -> torch.Tensor:
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
-        check_batch(x, y, task=self._task, num_classes=width)
+        check_batch(x, y, task=self._task, num_classes=width, device=self.shape.device())
         first = next(iter(batch_tensors(x).values()))
         rows, device = first.shape[0], first.device
         if y is not None and rows > self.dataset_size:
