@@ -94,3 +94,158 @@ def test_the_check_follows_the_network_moved_after_the_model_was_built():
     net.to("meta")
     with pytest.raises(ValueError, match=r"x is on device cpu but the network is on meta"):
         model(torch.randn(8, 3), torch.randn(8))
+
+
+# --------------------------------------------------------------- every method's state follows .to()
+
+
+def _state_tensors(obj, skip: set[int], path: str = "guide", out=None) -> dict[str, torch.Tensor]:
+    """Every tensor an object holds (attributes, containers, submodules), by path; objects in
+    ``skip`` (the user's model and network, which the user moves) are not entered."""
+    out = {} if out is None else out
+    if id(obj) in skip:
+        return out
+    skip.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out[path] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _state_tensors(v, skip, f"{path}[{k!r}]", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _state_tensors(v, skip, f"{path}[{i}]", out)
+    elif isinstance(obj, nn.Module) or type(obj).__module__.startswith("pyro_bdl"):
+        for k, v in vars(obj).items():
+            _state_tensors(v, skip, f"{path}.{k}", out)
+    return out
+
+
+def _assert_all_moved(guide, model, device="meta") -> None:
+    skip = {id(model), *(id(m) for m in model.net.modules())}
+    found = _state_tensors(guide, skip)
+    prefix = getattr(guide, "_pyro_name", None)
+    store = pyro.get_param_store()
+    found.update({f"param store {k!r}": v for k, v in store.items() if k.startswith(f"{prefix}.")})
+    assert found, "the scan found no state"
+    stray = sorted(k for k, v in found.items() if v.device.type != device)
+    assert not stray, f"left behind on the old device: {stray}"
+
+
+def _fit_locscale(cls):
+    from tests.guides import test_contract as contract
+
+    model = contract.small_model()
+    guide = cls(model, init_scale=0.05)
+    contract.svi_fit(model, guide)(*contract.data())
+    return model, guide
+
+
+def _fit_swag():
+    from tests.guides import test_contract as contract
+
+    case = contract.make_swag()
+    case.fit(*contract.data())
+    return case.model, case.guide
+
+
+def _fit_ensemble():
+    from tests.guides import test_ensemble
+
+    return test_ensemble.make_ensemble()
+
+
+def _fit_laplace():
+    from pyro.infer import SVI, Trace_ELBO
+
+    from pyro_bdl.guides import AutoLaplace
+    from tests.guides import test_contract as contract
+
+    model = contract.small_model()
+    guide = AutoLaplace(model)
+    x, y = contract.data()
+    SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO()).step(x, y)
+    guide.fit((x, y))
+    return model, guide
+
+
+def _fit_natural_gradient_guide():
+    from tests.guides import test_contract as contract
+
+    case = contract.make_vogn()
+    case.fit(*contract.data())
+    return case.model, case.guide
+
+
+def _moved_guides():
+    from pyro_bdl.guides import AutoMeanField, AutoRadial
+
+    return [
+        pytest.param(lambda: _fit_locscale(AutoMeanField), id="meanfield"),
+        pytest.param(lambda: _fit_locscale(AutoRadial), id="radial"),
+        pytest.param(_fit_swag, id="swag"),
+        pytest.param(_fit_natural_gradient_guide, id="natural-gradient-guide"),
+        pytest.param(
+            _fit_ensemble,
+            id="ensemble",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="AutoEnsemble keeps its members' values in a plain dict (_values) that "
+                "nn.Module.to() does not see: they stay on the old device (guides/ensemble.py).",
+            ),
+        ),
+        pytest.param(
+            _fit_laplace,
+            id="laplace",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="AutoLaplace keeps its fitted structure (_structure: positions, "
+                "eigendecompositions) and fit statistics (_stats) as plain attributes that "
+                "nn.Module.to() does not see (guides/laplace/).",
+            ),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("fit", _moved_guides())
+def test_every_state_tensor_of_a_guide_follows_to_device(fit):
+    model, guide = fit()
+    guide.to("meta")
+    _assert_all_moved(guide, model)
+
+
+@pytest.mark.parametrize("fit", _moved_guides()[:2])
+def test_a_moved_loc_scale_guide_trains_the_moved_parameters(fit):
+    # The param store is what SVI's optimizer updates: after .to(float64) a step must change the
+    # guide's own (converted) parameters, in float64.
+    from pyro.infer import SVI, TraceMeanField_ELBO
+
+    from tests.guides import test_contract as contract
+
+    model, guide = fit()
+    model.net.double()
+    guide.to(torch.float64)
+    x, y = contract.data()
+    before = guide.loc.detach().clone()
+    SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), TraceMeanField_ELBO()).step(x.double(), y)
+    assert guide.loc.dtype == torch.float64
+    assert not torch.equal(guide.loc.detach(), before)
+    _assert_all_moved(guide, model, device="cpu")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="VOGN and IVON are plain objects without .to(): their NaturalGradientState (mean, "
+    "momentum, curvature) and optimizer state stay where they were made "
+    "(infer/natural_gradient/).",
+)
+@pytest.mark.parametrize("method", ["VOGN", "IVON"])
+def test_vogn_and_ivon_state_follows_to_device(method):
+    from pyro_bdl import infer
+    from tests.guides import test_contract as contract
+
+    model = contract.small_model()
+    runner = getattr(infer, method)(model, dataset_size=contract.N, lr=1e-2)
+    x, y = contract.data()
+    runner.step(x[: contract.BATCH], y[: contract.BATCH])
+    runner.to("meta")
+    _assert_all_moved(runner, model)
