@@ -23,6 +23,7 @@ from pyro_bdl._validation import check_finite
 __all__ = [
     "IGNORE_INDEX",
     "NetworkShape",
+    "autocast_enabled",
     "batch_tensors",
     "check_batch",
     "check_binary_labels",
@@ -363,7 +364,7 @@ class NetworkShape:
                 ref is not None
                 and x.dtype != ref.dtype
                 and (strict or x.is_floating_point())
-                and not _autocast(x)
+                and not autocast_enabled(x)
             ):
                 raise TypeError(
                     f"x has dtype {x.dtype} but the network's weights are {ref.dtype}; the "
@@ -393,7 +394,8 @@ class NetworkShape:
             )
 
 
-def _autocast(x: torch.Tensor) -> bool:
+def autocast_enabled(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device type."""
     try:
         return bool(torch.is_autocast_enabled(x.device.type))
     except (TypeError, RuntimeError):  # a device type without autocast

@@ -15,6 +15,7 @@ from pyro_bdl._validation import check_choice, check_positive, check_positive_in
 from pyro_bdl.models.checks import (
     IGNORE_INDEX,
     NetworkShape,
+    autocast_enabled,
     batch_tensors,
     check_batch,
     check_token_range,
@@ -263,6 +264,10 @@ class NetworkModel:
 
     def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
         out = self.network_output(x)
+        if out.dtype in (torch.float16, torch.bfloat16) and autocast_enabled(out):
+            # Autocast runs the layers in 16 bits; the likelihood, a sum over the batch, runs in
+            # float32, as autocast does for torch's own losses (cross_entropy, nll_loss).
+            out = out.float()
         if self.likelihood == "categorical":
             fn, value = self._categorical(out, y, rows)
         elif self.likelihood == "tokens":
