@@ -5,9 +5,13 @@ needed: the ``meta`` device stands in for "another device"."""
 import pyro
 import pytest
 import torch
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from torch import nn
 
-from pyro_bdl import bayesianize, models
+from pyro_bdl import bayesianize, infer, models
+from pyro_bdl.guides import AutoLaplace, AutoMeanField, AutoRadial
+from tests.guides import test_contract as contract
+from tests.guides import test_ensemble
 
 
 class _TwoInputs(nn.Module):
@@ -132,34 +136,20 @@ def _assert_all_moved(guide, model, device="meta") -> None:
 
 
 def _fit_locscale(cls):
-    from tests.guides import test_contract as contract
-
     model = contract.small_model()
     guide = cls(model, init_scale=0.05)
     contract.svi_fit(model, guide)(*contract.data())
     return model, guide
 
 
-def _fit_swag():
-    from tests.guides import test_contract as contract
-
-    case = contract.make_swag()
+def _fit_case(make):
+    """A guide of the contract registry (``make() -> Case``), trained briefly."""
+    case = make()
     case.fit(*contract.data())
     return case.model, case.guide
 
 
-def _fit_ensemble():
-    from tests.guides import test_ensemble
-
-    return test_ensemble.make_ensemble()
-
-
 def _fit_laplace():
-    from pyro.infer import SVI, Trace_ELBO
-
-    from pyro_bdl.guides import AutoLaplace
-    from tests.guides import test_contract as contract
-
     model = contract.small_model()
     guide = AutoLaplace(model)
     x, y = contract.data()
@@ -168,24 +158,14 @@ def _fit_laplace():
     return model, guide
 
 
-def _fit_natural_gradient_guide():
-    from tests.guides import test_contract as contract
-
-    case = contract.make_vogn()
-    case.fit(*contract.data())
-    return case.model, case.guide
-
-
 def _moved_guides():
-    from pyro_bdl.guides import AutoMeanField, AutoRadial
-
     return [
         pytest.param(lambda: _fit_locscale(AutoMeanField), id="meanfield"),
         pytest.param(lambda: _fit_locscale(AutoRadial), id="radial"),
-        pytest.param(_fit_swag, id="swag"),
-        pytest.param(_fit_natural_gradient_guide, id="natural-gradient-guide"),
+        pytest.param(lambda: _fit_case(contract.make_swag), id="swag"),
+        pytest.param(lambda: _fit_case(contract.make_vogn), id="natural-gradient-guide"),
         pytest.param(
-            _fit_ensemble,
+            test_ensemble.make_ensemble,
             id="ensemble",
             marks=pytest.mark.xfail(
                 strict=True,
@@ -217,10 +197,6 @@ def test_every_state_tensor_of_a_guide_follows_to_device(fit):
 def test_a_moved_loc_scale_guide_trains_the_moved_parameters(fit):
     # The param store is what SVI's optimizer updates: after .to(float64) a step must change the
     # guide's own (converted) parameters, in float64.
-    from pyro.infer import SVI, TraceMeanField_ELBO
-
-    from tests.guides import test_contract as contract
-
     model, guide = fit()
     model.net.double()
     guide.to(torch.float64)
@@ -240,9 +216,6 @@ def test_a_moved_loc_scale_guide_trains_the_moved_parameters(fit):
 )
 @pytest.mark.parametrize("method", ["VOGN", "IVON"])
 def test_vogn_and_ivon_state_follows_to_device(method):
-    from pyro_bdl import infer
-    from tests.guides import test_contract as contract
-
     model = contract.small_model()
     runner = getattr(infer, method)(model, dataset_size=contract.N, lr=1e-2)
     x, y = contract.data()

@@ -75,13 +75,19 @@ def _assert_moved_alike(start, fp32, amp) -> None:
     assert (amp - fp32).norm() <= RELATIVE * moved, (amp - fp32).norm() / moved
 
 
-def _svi_run(guide_cls, elbo_cls, amp: bool):
+def _set_up(make_guide):
+    """A fresh model and ``make_guide(model)`` from seed 0, set up on the data."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     model = _model()
-    guide = guide_cls(model, init_scale=0.05)
+    guide = make_guide(model)
     x, y = _data()
     guide(x, y)
+    return model, guide, x, y
+
+
+def _svi_run(guide_cls, elbo_cls, amp: bool):
+    model, guide, x, y = _set_up(lambda model: guide_cls(model, init_scale=0.05))
     start = torch.cat([guide.loc, guide.rho]).detach().clone()
     optim = _optim()
     svi = SVI(model, guide, optim, elbo_cls())
@@ -125,12 +131,7 @@ def test_svi_under_bf16_autocast_follows_float32(guide_cls, elbo_cls):
 
 
 def _swag_run(amp: bool):
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    model = _model()
-    guide = AutoSWAG(model, rank=2)
-    x, y = _data()
-    guide(x, y)
+    model, guide, x, y = _set_up(lambda model: AutoSWAG(model, rank=2))
     start = guide.loc.detach().clone()
     optim = _optim()
     svi = SVI(model, guide, optim, Trace_ELBO())
