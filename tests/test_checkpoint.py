@@ -639,3 +639,81 @@ def test_a_vogn_state_it_cannot_restore_is_refused_before_any_change(tmp_path, c
         state = torch.load(path, weights_only=True)["modules"]["vogn"]
         with pytest.raises(ValueError, match="earlier layout"):
             bdl.infer.VOGN(vogn.model, dataset_size=40).load_state_dict(state)
+
+
+# map_location: a checkpoint saved on one device loads on another
+
+
+def _saved_run(tmp_path):
+    net, guide, optim, svi, x, y = _setup()
+    for _ in range(2):
+        svi.step(x, y)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim, modules={"net": net})
+    return net, guide, optim, svi, x, y
+
+
+def _param_values() -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+
+@pytest.mark.parametrize("meta", ["meta", torch.device("meta"), {"cpu": "meta"}])
+def test_map_location_meta_is_refused_before_anything_changes(tmp_path, f64, meta):
+    net, guide, optim, svi, x, y = _saved_run(tmp_path)
+    svi.step(x, y)  # the live state now differs from the file's
+    before, rng = _param_values(), torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"map_location=.*meta.*no values.*'cpu' or 'cuda:0'"):
+        load_checkpoint(
+            tmp_path / "c.ckpt", guide=guide, optim=optim, modules={"net": net}, map_location=meta
+        )
+    after = _param_values()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (3.5, TypeError, r"map_location must be a device .* got float 3\.5"),
+        ("nowhere", ValueError, r"map_location 'nowhere' is not a device"),
+        ({"cpu": 0}, TypeError, r"map_location as a dict must map .* str -> str"),
+    ],
+)
+def test_map_location_that_torch_load_cannot_use_is_refused_naming_it(tmp_path, bad, error, match):
+    pyro.param("a", torch.ones(3))
+    save_checkpoint(tmp_path / "c.ckpt")
+    with pytest.raises(error, match=match):
+        load_checkpoint(tmp_path / "c.ckpt", map_location=bad)
+
+
+def test_map_location_is_honoured_for_every_tensor_of_the_file(tmp_path, f64):
+    """torch.load calls a callable map_location once per stored tensor with the location it was
+    saved on; the loaded values are copied into the live tensors and the run resumes exactly."""
+    net, guide, optim, svi, x, y = _saved_run(tmp_path)
+    expected = [svi.step(x, y) for _ in range(2)]
+    seen: list[str] = []
+
+    def to_cpu(storage, location):
+        seen.append(location)
+        return storage
+
+    load_checkpoint(
+        tmp_path / "c.ckpt", guide=guide, optim=optim, modules={"net": net}, map_location=to_cpu
+    )
+    assert seen and set(seen) == {"cpu"}
+    assert [svi.step(x, y) for _ in range(2)] == expected
+
+
+def test_new_param_store_entries_are_created_on_map_location(tmp_path, f64):
+    """Without a guide the param store is filled from the file: its tensors are where
+    map_location put them (here a torch.device and a saved-location dict, both the CPU)."""
+    _saved_run(tmp_path)
+    saved = _param_values()
+    for where in (torch.device("cpu"), {"cpu": "cpu"}):
+        pyro.clear_param_store()
+        with pytest.warns(CheckpointWarning, match="module 'net'.*not restored"):
+            load_checkpoint(tmp_path / "c.ckpt", map_location=where)
+        loaded = _param_values()
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        assert {v.device.type for v in loaded.values()} == {"cpu"}

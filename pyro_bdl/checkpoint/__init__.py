@@ -57,6 +57,7 @@ from pyro_bdl.checkpoint._parts import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointWarning,
+    check_map_location,
     check_path,
     check_plain,
     check_targets,
@@ -220,16 +221,25 @@ def load_checkpoint(
         before that call (the guide stays set up, as after one call of its own).
     :param dict example_kwargs: keyword arguments for that call.
     :param bool rng: restore every RNG (default); warns if the file has none.
-    :param map_location: where the file's tensors are loaded (default ``"cpu"``; they are then
-        copied into the live tensors, wherever those are).
+    :param map_location: where the file's tensors are loaded, as :func:`torch.load` takes it: a
+        device (``"cpu"``, the default; ``"cuda:0"``; a :class:`torch.device`), a dict of saved
+        location -> device, or a callable ``(storage, location) -> storage``. A checkpoint saved
+        on one device loads on another: the loaded values are copied into the live tensors
+        wherever those are (the guide's parameters, the modules, the optimizer state), and
+        param-store entries that do not exist yet are created on ``map_location``; RNG states
+        always go back to the CPU tensors torch keeps them in. ``"meta"`` is refused (it loads
+        no values).
     :returns: a dict with ``step``, ``extra`` (as saved), ``rng_restored`` and
         ``optim_restored`` (bools).
     :raises FileNotFoundError: if ``path`` does not exist.
+    :raises TypeError, ValueError: if ``map_location`` is not a device, dict or callable, or is
+        the ``meta`` device.
     :raises CheckpointError: if the file is truncated, corrupt or not a checkpoint.
     :raises CheckpointMismatchError: if it belongs to a different model, guide or likelihood;
         the message lists the mismatching keys.
     """
     path = check_path(path)
+    map_location = check_map_location(map_location)
     check_targets(optim, modules, generators)
     modules, generators = dict(modules or {}), dict(generators or {})
     lazy = {

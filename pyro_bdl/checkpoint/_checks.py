@@ -46,7 +46,7 @@ def rng_errors(state: Any) -> list[str]:
         if not isinstance(keys, torch.Tensor) or keys.shape != (624,) or keys.is_floating_point():
             raise ValueError(f"keys must be 624 integers; got {keys!r:.60}")
         np.random.RandomState().set_state(
-            (npst["kind"], keys.numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+            (npst["kind"], keys.cpu().numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
              npst["cached_gaussian"])
         )  # fmt: skip
     except Exception as err:

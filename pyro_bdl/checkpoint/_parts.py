@@ -63,7 +63,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     np.random.set_state(  # noqa: NPY002
         (
             npst["kind"],
-            npst["keys"].numpy().astype(np.uint32),
+            npst["keys"].cpu().numpy().astype(np.uint32),
             npst["pos"],
             npst["has_gauss"],
             npst["cached_gaussian"],
@@ -283,6 +283,39 @@ def check_path(path) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__} {path!r}.")
     return os.fspath(path)
+
+
+def check_map_location(map_location: Any) -> Any:
+    """Refuse a ``map_location`` that :func:`torch.load` cannot use, or the ``meta`` device,
+    which would load shapes without values (nothing could be restored from them)."""
+    fix = "Pass the device the run continues on, e.g. 'cpu' or 'cuda:0' (or torch.device)."
+    if map_location is None or callable(map_location):
+        return map_location
+    if isinstance(map_location, Mapping):
+        if all(isinstance(k, str) and isinstance(v, str) for k, v in map_location.items()):
+            for device in map_location.values():
+                check_map_location(device)
+            return map_location
+        raise TypeError(
+            f"map_location as a dict must map saved locations to devices, str -> str (as "
+            f"torch.load takes it); got {dict(map_location)!r}. {fix}"
+        )
+    if not isinstance(map_location, (str, torch.device)):
+        raise TypeError(
+            f"map_location must be a device (str or torch.device), a dict str -> str or a "
+            f"callable (storage, location) -> storage; got {type(map_location).__name__} "
+            f"{map_location!r}. {fix}"
+        )
+    try:
+        device = torch.device(map_location)
+    except RuntimeError:
+        raise ValueError(f"map_location {map_location!r} is not a device. {fix}") from None
+    if device.type == "meta":
+        raise ValueError(
+            f"map_location={map_location!r} would load the checkpoint's tensors as meta tensors, "
+            f"which hold shapes but no values, so nothing could be restored from them. {fix}"
+        )
+    return map_location
 
 
 def optim_state(optim) -> Any:

@@ -13,8 +13,9 @@ A guide that packs its sites into fixed-size parameters covers the sites it was 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import pyro
 import torch
 
 from pyro_bdl.layout import Site, SiteLayout
@@ -86,10 +87,40 @@ def check_same_sites(
 
 
 class SiteAccess:
-    """Mixin: ``median``, ``quantiles`` and ``locs_and_scales`` from :meth:`flat_loc_scale`."""
+    """Mixin: ``median``, ``quantiles`` and ``locs_and_scales`` from :meth:`flat_loc_scale`;
+    and a guide whose parameters follow ``.to(device)`` / ``.to(dtype)`` into Pyro's param store
+    (see :meth:`_apply`)."""
 
     layout: SiteLayout
     prototype_trace: object
+    #: Attributes caching tensors made from the parameters (views, checked identities): dropped
+    #: when the parameters are converted, rebuilt on demand.
+    derived_caches: tuple[str, ...] = ()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        """``nn.Module._apply`` (behind ``.to()``, ``.double()``, ``.cuda()``) that keeps the
+        guide's state in one place: where torch replaces a parameter by a new tensor rather
+        than swapping its data (a move to a device whose tensors cannot share the old storage
+        type, such as ``meta``), the param store, which SVI's optimizer updates, would keep the
+        old tensor on the old device; it is pointed at the new one (with the attributes the old
+        one carried), and the cached views of the old one are dropped."""
+        before = dict(self._parameters)  # type: ignore[attr-defined]
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        for key in self.derived_caches:
+            self.__dict__.pop(key, None)
+        store = pyro.get_param_store()
+        for name, new in self._parameters.items():  # type: ignore[attr-defined]
+            old = before.get(name)
+            if new is None or old is None or new is old:
+                continue
+            for key, value in old.__dict__.items():
+                new.__dict__.setdefault(key, value)
+            fullname = self._pyro_get_fullname(name)  # type: ignore[attr-defined]
+            # Only an unconstrained entry holding the old tensor itself is this parameter.
+            if fullname in store and store[fullname] is old:
+                del store[fullname]
+                store[fullname] = new
+        return out
 
     def _ensure_setup(self) -> None:
         raise NotImplementedError

@@ -86,6 +86,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
 
     #: Where each site sits in :attr:`loc_rho` (set by the first call of the guide).
     layout: SiteLayout
+    derived_caches = ("_views", "_checked", "_flat")
 
     def __init__(
         self,

@@ -23,9 +23,11 @@ from pyro_bdl._validation import check_finite
 __all__ = [
     "IGNORE_INDEX",
     "NetworkShape",
+    "autocast_enabled",
     "batch_tensors",
     "check_batch",
     "check_binary_labels",
+    "check_device",
     "label_range",
     "rollback",
 ]
@@ -96,9 +98,50 @@ def batch_tensors(x: Any) -> dict[str, torch.Tensor]:
     return items
 
 
-def check_batch(x: Any, y: torch.Tensor | None, *, task: str, num_classes=None) -> None:
-    """Refuse a malformed batch (type, empty, non-finite, shape, label dtype and range) with an
-    error that says what to do.
+def _moved(name: str, x: Any, device: torch.device) -> str:
+    """The expression that moves the batch part ``name`` (of the batch ``x``) to ``device``."""
+    to = f".to({str(device)!r})"
+    if name == "y" or isinstance(x, torch.Tensor):
+        return f"{name}{to}"
+    if isinstance(x, Mapping):
+        return f"x = {{k: v{to} for k, v in x.items()}}"
+    return f"x = tuple(t{to} for t in x)"
+
+
+def check_device(
+    tensors: Mapping[str, torch.Tensor], device: torch.device | None, *, batch: Any = None
+) -> None:
+    """Refuse batch tensors that are not on the network's ``device``, naming the tensor, both
+    devices and the call that moves it (``None``: the network's device is unknown, nothing to
+    check). Runs before any value is read: reading a tensor of another device (a meta tensor, a
+    GPU tensor for a CPU network) fails with an error that names neither.
+
+    :param tensors: name -> tensor, as :func:`batch_tensors` gives them (and ``"y"``).
+    :param device: the network's device.
+    :param batch: the batch ``x`` the tensors come from (for the fix the message proposes).
+    """
+    if device is None:
+        return
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(
+                f"{name} is on device {t.device} but the network is on {device}; the batch must "
+                f"be on the network's device. Move it there before the call: "
+                f"{_moved(name, batch, device)} (or move the network with "
+                f"net.to({str(t.device)!r}) before creating the model and guide)."
+            )
+
+
+def check_batch(
+    x: Any,
+    y: torch.Tensor | None,
+    *,
+    task: str,
+    num_classes=None,
+    device: torch.device | None = None,
+) -> None:
+    """Refuse a malformed batch (type, device, empty, non-finite, shape, label dtype and range)
+    with an error that says what to do.
 
     :param x: a tensor, a mapping of tensors or a tuple of tensors, each with the examples along
         dim 0.
@@ -107,8 +150,13 @@ def check_batch(x: Any, y: torch.Tensor | None, *, task: str, num_classes=None) 
         ``"tokens"`` (integer token labels ``(B, T)``, :data:`IGNORE_INDEX` where skipped).
     :param int num_classes: C, the number of classes (``"classification"``), of label columns
         (``"multilabel"``) or the vocabulary size (``"tokens"``), when known.
+    :param device: the network's device (:meth:`NetworkShape.device`), checked first; ``None``
+        skips the check.
     """
     tensors = batch_tensors(x)
+    check_device(tensors, device, batch=x)
+    if isinstance(y, torch.Tensor):
+        check_device({"y": y}, device)
     for name, t in tensors.items():
         if t.dim() == 0 or t.shape[0] == 0:
             raise ValueError(f"{name} must have at least one row; got shape {tuple(t.shape)}.")
@@ -220,6 +268,14 @@ def _float_tensor(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
+def _own_tensor(module: nn.Module) -> torch.Tensor | None:
+    """The first parameter or buffer that ``module`` holds directly."""
+    for t in (*module._parameters.values(), *module._buffers.values()):
+        if t is not None:
+            return t
+    return None
+
+
 class NetworkShape:
     """What a network expects of its inputs and gives as outputs, read once from its layers.
 
@@ -231,6 +287,10 @@ class NetworkShape:
     :ivar int outputs: the output width of the last layer (``None`` when unknown).
     :ivar dtype_source: the module whose floating tensors give the expected input dtype, read on
         every call so that ``net.double()`` after construction is followed.
+    :ivar device_source: the module whose tensors give the network's device (the entry layer,
+        else any module when every tensor of the network shares one device), read on every call
+        so that ``net.to(device)`` after construction is followed; ``None`` for a network spread
+        over several devices or without tensors.
     """
 
     def __init__(self, net: nn.Module):
@@ -263,6 +323,22 @@ class NetworkShape:
         last = leaves[end]
         self.outputs: int | None = last.out_features if isinstance(last, nn.Linear) else None
         self.dtype_source = self.entry if self.entry is not None else self._uniform_dtype(net)
+        self.device_source = self._device_source(net)
+
+    def _device_source(self, net: nn.Module) -> nn.Module | None:
+        if self.entry is not None and _own_tensor(self.entry) is not None:
+            return self.entry
+        devices = {t.device for t in (*net.parameters(), *net.buffers())}
+        if len(devices) != 1:
+            return None
+        return next((m for m in net.modules() if _own_tensor(m) is not None), None)
+
+    def device(self) -> torch.device | None:
+        """The network's device now (``None`` when unknown: see :attr:`device_source`)."""
+        if self.device_source is None:
+            return None
+        t = _own_tensor(self.device_source)
+        return None if t is None else t.device
 
     @staticmethod
     def _uniform_dtype(net: nn.Module) -> nn.Module | None:
@@ -288,7 +364,7 @@ class NetworkShape:
                 ref is not None
                 and x.dtype != ref.dtype
                 and (strict or x.is_floating_point())
-                and not _autocast(x)
+                and not autocast_enabled(x)
             ):
                 raise TypeError(
                     f"x has dtype {x.dtype} but the network's weights are {ref.dtype}; the "
@@ -318,7 +394,8 @@ class NetworkShape:
             )
 
 
-def _autocast(x: torch.Tensor) -> bool:
+def autocast_enabled(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device type."""
     try:
         return bool(torch.is_autocast_enabled(x.device.type))
     except (TypeError, RuntimeError):  # a device type without autocast

@@ -15,6 +15,7 @@ from pyro_bdl._validation import check_choice, check_positive, check_positive_in
 from pyro_bdl.models.checks import (
     IGNORE_INDEX,
     NetworkShape,
+    autocast_enabled,
     batch_tensors,
     check_batch,
     check_token_range,
@@ -107,8 +108,9 @@ class NetworkModel:
         tensor itself, ``.logits``/``"logits"`` or the first element of a tuple).
     :ivar bool shift: for ``"tokens"``, score the logits at position t against the label at t+1
         (next-token prediction, labels = the input ids) rather than at t (masked tokens).
-    :ivar bool check_inputs: check x's dtype and width against the first layer (default); set it
-        to ``False`` for a network that converts its inputs itself.
+    :ivar bool check_inputs: check the batch's device against the network's, and x's dtype and
+        width against the first layer (default); set it to ``False`` for a network that moves or
+        converts its inputs itself.
     """
 
     LIKELIHOODS = ("categorical", "bernoulli", "gaussian", "tokens")
@@ -237,7 +239,8 @@ class NetworkModel:
 
     def __call__(self, x: Batch, y: torch.Tensor | None = None) -> torch.Tensor:
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
-        check_batch(x, y, task=self._task, num_classes=width)
+        expected = self.shape.device() if self.check_inputs else None
+        check_batch(x, y, task=self._task, num_classes=width, device=expected)
         first = next(iter(batch_tensors(x).values()))
         rows, device = first.shape[0], first.device
         if y is not None and rows > self.dataset_size:
@@ -263,6 +266,10 @@ class NetworkModel:
 
     def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
         out = self.network_output(x)
+        if out.dtype in (torch.float16, torch.bfloat16) and autocast_enabled(out):
+            # Autocast runs the layers in 16 bits; the likelihood, a sum over the batch, runs in
+            # float32, as autocast does for torch's own losses (cross_entropy, nll_loss).
+            out = out.float()
         if self.likelihood == "categorical":
             fn, value = self._categorical(out, y, rows)
         elif self.likelihood == "tokens":
