@@ -63,6 +63,7 @@ from pyro_bdl.checkpoint._parts import (
     constraint_spec,
     has,
     likelihood_of,
+    model_of,
     module_fingerprint,
     optim_state,
     params_fingerprint,
@@ -71,7 +72,7 @@ from pyro_bdl.checkpoint._parts import (
     set_rng_state,
 )
 from pyro_bdl.checkpoint._restore import mismatches, restore_optim, restore_params
-from pyro_bdl.checkpoint._upgrade import upgrade_payload
+from pyro_bdl.checkpoint._upgrade import rename_legacy_params, upgrade_payload
 
 __all__ = [
     "CheckpointError",
@@ -272,6 +273,7 @@ def load_checkpoint(
 
     if guide is not None:
         upgrade_payload(payload, guide)  # a guide that stores its parameters in a newer form
+    rename_legacy_params(payload, model_of(model, guide))  # a point σ saved as plain "sigma"
 
     # (2) Refuse a different model or a damaged part before changing anything.
     try:

@@ -3,6 +3,8 @@ data plate and its likelihoods."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Mapping
 
 import pyro
@@ -21,7 +23,14 @@ from pyro_bdl.models.checks import (
     label_range,
     rollback,
 )
-from pyro_bdl.models.noise import NOISES, NoiseSite, check_noise_prior, default_noise_prior
+from pyro_bdl.models.noise import (
+    NOISES,
+    SIGMA,
+    NoiseSite,
+    check_noise_prior,
+    default_noise_prior,
+    param_name,
+)
 from pyro_bdl.models.structured import Batch, Output, call_network, check_output, select_output
 from pyro_bdl.nn.vectorize import under_plate
 
@@ -29,6 +38,30 @@ __all__ = ["DATA_PLATE", "NetworkModel", "data_plate", "mean_log_variance"]
 
 #: The name of the plate over examples; VOGN and the diagnostics look for it.
 DATA_PLATE = "data"
+
+# The names of the models alive in this process (a name is the prefix of the params a model
+# creates in Pyro's global param store, so two live models must never share one), and the
+# counter of default names, never reused within a process so a stale param cannot be picked up.
+_LIVE: weakref.WeakValueDictionary[str, NetworkModel] = weakref.WeakValueDictionary()
+_DEFAULT_NAMES = itertools.count()
+
+
+def _claim_name(name: str | None, model: NetworkModel) -> str:
+    if name is None:
+        name = next(n for n in (f"model_{k}" for k in _DEFAULT_NAMES) if n not in _LIVE)
+    elif not isinstance(name, str) or not name or "." in name:
+        raise ValueError(
+            f"name must be a non-empty str without '.', the prefix of the params the model "
+            f"creates; got {name!r}. Pass e.g. name='regressor'."
+        )
+    elif name in _LIVE:
+        raise ValueError(
+            f"name {name!r} is taken by another live model ({_LIVE[name]!r}); two models with "
+            "one name would share their params in Pyro's param store. Pass another name, or "
+            "leave name out for a unique one."
+        )
+    _LIVE[name] = model
+    return name
 
 
 class _LogSoftmaxCategorical(dist.Categorical):
@@ -109,6 +142,10 @@ class NetworkModel:
         (next-token prediction, labels = the input ids) rather than at t (masked tokens).
     :ivar bool check_inputs: check x's dtype and width against the first layer (default); set it
         to ``False`` for a network that converts its inputs itself.
+    :ivar str name: the prefix of the params the model creates (:attr:`param_names`), unique
+        among the live models: ``name=`` if given, else ``"model_<k>"`` with k counting the
+        models built in this process. A checkpoint stores the params by these names, so a run
+        resumed in another program builds its models in the same order, or passes ``name=``.
     """
 
     LIKELIHOODS = ("categorical", "bernoulli", "gaussian", "tokens")
@@ -126,6 +163,7 @@ class NetworkModel:
         split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         output: Output = None,
         shift: bool = True,
+        name: str | None = None,
     ):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module; got {type(net).__name__}.")
@@ -183,9 +221,15 @@ class NetworkModel:
         self.output = check_output(output)
         self.shift = bool(shift)
         self.check_inputs = True
+        self.name = _claim_name(name, self)
         self._fixed = float(noise_scale) if noise == "fixed" else None  # type: ignore[arg-type]
         self._sigma = (
-            NoiseSite(noise, noise_prior, 1.0 if noise_scale is None else noise_scale)
+            NoiseSite(
+                noise,
+                noise_prior,
+                1.0 if noise_scale is None else noise_scale,
+                param_name(self.name, SIGMA),
+            )
             if noise in ("learned", "point")
             else None
         )
@@ -234,6 +278,12 @@ class NetworkModel:
             assert self._sigma is not None
             return self._sigma.current()
         return None
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The names of the params this model creates in Pyro's param store (a point σ's
+        ``"<name>.sigma"``; none otherwise: the network's weights are sample sites)."""
+        return (self._sigma.param,) if self.noise == "point" and self._sigma else ()
 
     def __call__(self, x: Batch, y: torch.Tensor | None = None) -> torch.Tensor:
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
@@ -391,7 +441,7 @@ class NetworkModel:
             extra += ", multilabel=True"
         return (
             f"NetworkModel({type(self.net).__name__}, likelihood={self.likelihood!r}, "
-            f"dataset_size={self.dataset_size}{extra})"
+            f"dataset_size={self.dataset_size}{extra}, name={self.name!r})"
         )
 
 

@@ -6,9 +6,18 @@ estimate.
   ``LogNormal(0, 1)``: median 1, 95% of its mass in [0.14, 7.1], for standardised targets). The
   guide infers it with the weights; the custom ELBO gives the KL of a LogNormal, HalfNormal, …
   prior in closed form or by its transform (docs/design/variational.md).
-- ``"point"``: σ is a ``pyro.param("sigma")`` constrained positive, a maximum-likelihood estimate
-  trained with the guide's parameters by SVI (no prior); methods that need a known σ (the
-  linearized Laplace) read its current value.
+- ``"point"``: σ is a param constrained positive, a maximum-likelihood estimate trained with the
+  guide's parameters by SVI (no prior); methods that need a known σ (the linearized Laplace) read
+  its current value.
+
+Names. The param of a point σ is ``"<model name>.sigma"`` (:func:`param_name`): every model has a
+name of its own (:attr:`~pyro_bdl.models.NetworkModel.name`), so two regressors in one program
+never share a σ through Pyro's global param store. The latent site of a learned σ is plain
+``"sigma"``, like the network's weight sites: a site name lives in one model's trace, and it is
+part of the model's contract (guides index their posteriors by it, ``guide.locs_and_scales()
+["sigma"]``). Two models in one program each get a guide of their own; guides of the same class
+then need distinct prefixes, as for the weights.
+
 """
 
 from __future__ import annotations
@@ -19,12 +28,24 @@ import torch
 from pyro.distributions import constraints
 from torch.distributions import Distribution
 
-__all__ = ["NOISES", "SIGMA", "NoiseSite", "check_noise_prior", "default_noise_prior"]
+__all__ = [
+    "NOISES",
+    "SIGMA",
+    "NoiseSite",
+    "check_noise_prior",
+    "default_noise_prior",
+    "param_name",
+]
 
 #: The noise models of a Gaussian likelihood (``"heteroscedastic"``: the network gives σ(x)).
 NOISES = ("fixed", "learned", "point", "heteroscedastic")
-#: The name of the latent site or param holding σ.
+#: The name of the latent site holding a learned σ, and the last part of a point σ's param name.
 SIGMA = "sigma"
+
+
+def param_name(model_name: str, short: str = SIGMA) -> str:
+    """The param-store name of the param ``short`` that the model named ``model_name`` creates."""
+    return f"{model_name}.{short}"
 
 
 def default_noise_prior() -> Distribution:
@@ -75,10 +96,12 @@ class NoiseSite:
     :param str noise: ``"learned"`` or ``"point"``.
     :param prior: the prior over σ (``"learned"``).
     :param float init: the initial value of the param (``"point"``).
+    :param str param: the param-store name of a point σ (:func:`param_name`).
     """
 
-    def __init__(self, noise: str, prior: Distribution | None, init: float):
+    def __init__(self, noise: str, prior: Distribution | None, init: float, param: str = SIGMA):
         self.noise, self.prior, self.init = noise, prior, float(init)
+        self.param = param
         self._priors: dict = {}
 
     def _prior_like(self, like: torch.Tensor) -> Distribution:
@@ -101,11 +124,12 @@ class NoiseSite:
         if self.noise == "learned":
             return pyro.sample(SIGMA, self._prior_like(like))
         init = torch.tensor(self.init, dtype=like.dtype, device=like.device)
-        return pyro.param(SIGMA, init, constraint=constraints.positive)
+        return pyro.param(self.param, init, constraint=constraints.positive)
 
     def current(self) -> float:
         """The point estimate now (its initial value before the first call)."""
         store = pyro.get_param_store()
-        if SIGMA in store:
-            return float(store[SIGMA].detach())
+        if self.param in store:
+            return float(store[self.param].detach())
         return self.init
+

@@ -1,0 +1,120 @@
+"""The ready-made models keep the promises of RELIABILITY.md under the newer features: params
+that never collide between models, a Gaussian likelihood that refuses to overflow, batch checks
+that do not depend on Pyro's validation switch, and call errors that name the fix. Every refusal
+is checked for its type, its message and that nothing changed."""
+
+from __future__ import annotations
+
+import copy
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from torch import nn
+
+import pyro_bdl as bdl
+from pyro_bdl import models
+from pyro_bdl.checkpoint import load_checkpoint, save_checkpoint
+from pyro_bdl.guides import AutoMeanField
+from tests.faults.common import assert_same, rng_states
+
+N = 16
+
+
+def _net(outputs: int = 1, batchnorm: bool = False):
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(3, 4)]
+    layers += [nn.BatchNorm1d(4)] if batchnorm else []
+    return bdl.bayesianize(nn.Sequential(*layers, nn.Tanh(), nn.Linear(4, outputs)))
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(N, 3, generator=g), torch.randn(N, generator=g)
+
+
+def _snapshot(*modules, rng: bool = True) -> dict:
+    """The param store, each module's state (buffers included) and, optionally, every RNG."""
+    state: dict = {
+        "params": {n: v.detach().clone() for n, v in pyro.get_param_store().items()},
+        "modules": [copy.deepcopy(m.state_dict()) for m in modules],
+    }
+    if rng:
+        state["rng"] = rng_states()
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Every param a model creates has a name of its own
+
+
+def test_two_point_regressors_keep_their_own_sigma():
+    x, y = _data()
+    first = models.regressor(_net(), N, 0.5, noise="point")
+    second = models.regressor(_net(), N, 3.0, noise="point")
+    first(x, y)
+    second(x, y)
+    assert (first.noise_scale, second.noise_scale) == (0.5, 3.0)
+    assert first.param_names != second.param_names
+    assert set(first.param_names + second.param_names) <= set(pyro.get_param_store().keys())
+    assert first.param_names == (f"{first.name}.sigma",)
+
+
+def test_default_names_are_never_reused_and_taken_names_are_refused():
+    first = models.regressor(_net(), N, noise="point", name="reg")
+    auto = [models.regressor(_net(), N, noise="point").name for _ in range(2)]
+    assert len(set(auto)) == 2 and "reg" not in auto
+    before = _snapshot(first.net)
+    with pytest.raises(ValueError, match=r"name 'reg' is taken by another live model.*another"):
+        models.regressor(_net(), N, noise="point", name="reg")
+    with pytest.raises(ValueError, match=r"name must be a non-empty str without '\.'.*'a\.b'"):
+        models.regressor(_net(), N, noise="point", name="a.b")
+    assert_same(before, _snapshot(first.net))
+    del first  # a name is free again once its model is gone
+    assert models.regressor(_net(), N, noise="point", name="reg").name == "reg"
+
+
+def test_a_point_sigma_round_trips_a_checkpoint_under_its_name(tmp_path):
+    x, y = _data()
+    model = models.regressor(_net(), N, 2.0, noise="point")
+    guide = AutoMeanField(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO())
+    svi.step(x, y)
+    trained = model.noise_scale
+    save_checkpoint(tmp_path / "run.ckpt", guide=guide)
+    pyro.clear_param_store()  # the same model object, with a fresh guide and store
+    load_checkpoint(tmp_path / "run.ckpt", guide=AutoMeanField(model), example_args=(x, y))
+    assert model.noise_scale == trained != 2.0
+
+
+def test_a_checkpoint_with_the_old_shared_sigma_name_still_loads(tmp_path):
+    x, y = _data()
+    model = models.regressor(_net(), N, 2.0, noise="point")
+    guide = AutoMeanField(model)
+    SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO()).step(x, y)
+    trained = model.noise_scale
+    path = tmp_path / "old.ckpt"
+    save_checkpoint(path, guide=guide)
+    # Rewrite it as a release that named the param plain "sigma" wrote it.
+    payload = torch.load(path, weights_only=True)
+    (name,) = model.param_names
+    for part in (payload["param_store"]["values"], payload["param_store"]["constraints"]):
+        part["sigma"] = part.pop(name)
+    payload["fingerprint"]["params"]["sigma"] = payload["fingerprint"]["params"].pop(name)
+    payload.pop("checksums", None)  # such a file had none either
+    torch.save(payload, path)
+    pyro.clear_param_store()
+    load_checkpoint(path, guide=AutoMeanField(model), example_args=(x, y))
+    assert model.noise_scale == trained and "sigma" not in pyro.get_param_store()
+
+
+def test_a_learned_sigma_is_the_site_sigma_of_each_model():
+    # The site name is the model's contract (guides index posteriors by it); it lives in one
+    # model's trace, so two models each have their own.
+    x, y = _data()
+    for _ in range(2):
+        model = models.regressor(_net(), N, noise="learned")
+        trace = pyro.poutine.trace(model).get_trace(x, y)
+        assert trace.nodes["sigma"]["type"] == "sample" and model.param_names == ()
+    assert "sigma" not in pyro.get_param_store()
