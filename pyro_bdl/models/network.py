@@ -27,6 +27,7 @@ from pyro_bdl.models.noise import (
     NOISES,
     SIGMA,
     NoiseSite,
+    check_likelihood_range,
     check_noise_prior,
     default_noise_prior,
     param_name,
@@ -429,7 +430,16 @@ class NetworkModel:
                 f"y must have the network output's shape {tuple(mean.shape)}; got "
                 f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
             )
+        if y is not None:
+            check_likelihood_range(y, mean, scale, self.dataset_size / rows, where=self._where())
         return dist.Normal(mean, scale), y, ret
+
+    def _where(self) -> str:
+        if self.noise == "heteroscedastic":
+            return "σ(x) from the network"
+        if self._sigma is None:
+            return "fixed"
+        return f"param {self._sigma.param!r}" if self.noise == "point" else "latent site 'sigma'"
 
     def __repr__(self) -> str:
         extra = ""

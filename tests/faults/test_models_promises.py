@@ -118,3 +118,48 @@ def test_a_learned_sigma_is_the_site_sigma_of_each_model():
         trace = pyro.poutine.trace(model).get_trace(x, y)
         assert trace.nodes["sigma"]["type"] == "sample" and model.param_names == ()
     assert "sigma" not in pyro.get_param_store()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. A Gaussian likelihood that would overflow is refused before σ changes
+
+
+def _point_run(scale: float = 1.0):
+    x, y = _data()
+    model = models.regressor(_net(), N, scale, noise="point")
+    guide = AutoMeanField(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO())
+    svi.step(x, y)
+    return model, svi, x, y
+
+
+@pytest.mark.parametrize("validation", [True, False])
+def test_targets_times_1e30_are_refused_and_sigma_stays_finite(validation):
+    model, svi, x, y = _point_run()
+    before = _snapshot(model.net, rng=False)
+    with pyro.validation_enabled(validation):
+        with pytest.raises(
+            ValueError,
+            match=r"overflows torch\.float32.*largest \|y\| = 2\.\d+e\+30.*Standardise the targets",
+        ):
+            svi.step(x, y * 1e30)
+    assert_same(before, _snapshot(model.net, rng=False))
+    assert torch.isfinite(torch.tensor(model.noise_scale))
+
+
+def test_a_non_finite_point_sigma_is_refused_naming_the_param():
+    model, svi, x, y = _point_run()
+    (name,) = model.param_names
+    with torch.no_grad():
+        pyro.param(name).unconstrained().fill_(float("inf"))
+    before = _snapshot(model.net, rng=False)
+    with pytest.raises(ValueError, match=rf"σ \(param '{name}'\) is inf; it must be finite"):
+        svi.step(x, y)
+    assert_same(before, _snapshot(model.net, rng=False))
+
+
+def test_float64_takes_targets_that_float32_refuses():
+    x, y = _data()
+    model = models.regressor(bdl.bayesianize(nn.Linear(3, 1).double()), N, 1.0)
+    out = model(x.double(), y.double() * 1e30)
+    assert torch.isfinite(out).all()
