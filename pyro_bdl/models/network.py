@@ -297,6 +297,13 @@ class NetworkModel:
                 "likelihood is scaled by N/B, which needs B <= N. Pass dataset_size = the number "
                 "of training examples, or smaller batches (y=None predicts on any number of rows)."
             )
+        if self.likelihood == "gaussian" and y is not None and y.dim() != 1:
+            # Checked again against the output after the forward pass; refused here first, so
+            # a call after the first (no rollback) leaves BatchNorm statistics alone.
+            raise ValueError(
+                f"y must have the network output's shape ({rows},); got {tuple(y.shape)}. Use "
+                f"y.reshape({rows})."
+            )
         if self.check_inputs and isinstance(x, torch.Tensor):
             self.shape.check_inputs(x)
         if not self._first:

@@ -16,7 +16,7 @@ from torch import nn
 import pyro_bdl as bdl
 from pyro_bdl import models
 from pyro_bdl.checkpoint import load_checkpoint, save_checkpoint
-from pyro_bdl.guides import AutoMeanField
+from pyro_bdl.guides import AutoLaplace, AutoMeanField, AutoRadial, AutoSWAG
 from tests.faults.common import assert_same, rng_states
 
 N = 16
@@ -163,3 +163,71 @@ def test_float64_takes_targets_that_float32_refuses():
     model = models.regressor(bdl.bayesianize(nn.Linear(3, 1).double()), N, 1.0)
     out = model(x.double(), y.double() * 1e30)
     assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The batch checks run whatever Pyro's validation switch says
+
+
+def _nan_x(x, y):
+    x = x.clone()
+    x[2, 1] = float("nan")
+    return x, y
+
+
+def _inf_y(x, y):
+    y = y.clone()
+    y[5] = float("inf")
+    return x, y
+
+
+BAD_BATCHES = {
+    "NaN in x": (_nan_x, r"x contains 1 non-finite value\(s\).*index \(2, 1\)"),
+    "inf in y": (_inf_y, r"y contains 1 non-finite value\(s\).*index \(5,\)"),
+    "y of shape (N, 1)": (
+        lambda x, y: (x, y[:, None]),
+        r"y must have the network output's shape \(16,\); got \(16, 1\)",
+    ),
+    "rows of x and y differ": (
+        lambda x, y: (x, y[:-1]),
+        r"x and y must have the same number of rows; got 16 rows of x and y \(15,\)",
+    ),
+    "labels out of range": (
+        lambda x, y: (x, torch.full((N,), 3)),
+        r"class labels must lie in \[0, 3\); got min 3, max 3",
+    ),
+    "batch larger than N": (
+        lambda x, y: (x.repeat(2, 1), y.repeat(2)),
+        r"the batch has 32 rows but dataset_size is 16",
+    ),
+}
+GUIDES = {
+    "AutoMeanField": AutoMeanField,
+    "AutoRadial": AutoRadial,
+    "AutoSWAG": lambda model: AutoSWAG(model, rank=2),
+    "AutoLaplace (MAP phase)": lambda model: AutoLaplace(model, hessian_structure="diag"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_BATCHES))
+@pytest.mark.parametrize("which", list(GUIDES))
+def test_bad_batches_are_refused_with_validation_off(which, bad):
+    edit, match = BAD_BATCHES[bad]
+    classify = bad == "labels out of range"
+    net = _net(3 if classify else 1, batchnorm=True)
+    model = models.classifier(net, N) if classify else models.regressor(net, N, 0.5)
+    x, y = _data()
+    y = torch.randint(0, 3, (N,)) if classify else y
+    guide = GUIDES[which](model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO())
+    svi.step(x, y)
+    bad_x, bad_y = edit(x, y)
+    # Pyro's Trace_ELBO runs the guide before the model, and a sampling guide (mean-field,
+    # Radial) draws its noise there: the model cannot give those random numbers back. Guides
+    # that draw nothing in training (SWAG's SGD phase, Laplace's MAP phase) leave them too.
+    draws = which in ("AutoMeanField", "AutoRadial")
+    before = _snapshot(net, guide, rng=not draws)
+    with pyro.validation_enabled(False), pytest.raises(ValueError, match=match):
+        svi.step(bad_x, bad_y)
+    assert_same(before, _snapshot(net, guide, rng=not draws))
+    assert all(torch.isfinite(v).all() for v in pyro.get_param_store().values())
