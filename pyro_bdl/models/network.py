@@ -179,7 +179,10 @@ class NetworkModel:
                 f"got them for likelihood {likelihood!r}. Drop them."
             )
         if multilabel and likelihood != "bernoulli":
-            raise ValueError("multilabel=True needs likelihood='bernoulli'.")
+            raise ValueError(
+                f"multilabel=True needs likelihood='bernoulli'; got likelihood={likelihood!r}. "
+                "Use models.multilabel_classifier, or drop multilabel."
+            )
         if noise == "fixed" and noise_scale is None:
             raise ValueError(
                 "a Gaussian likelihood needs noise_scale, the observation noise σ (or "
@@ -203,7 +206,10 @@ class NetworkModel:
                 "noise='learned', or drop noise_prior."
             )
         if split is not None and noise != "heteroscedastic":
-            raise ValueError("split belongs to a heteroscedastic regressor; drop it.")
+            raise ValueError(
+                f"split belongs to a heteroscedastic regressor; got it with noise={noise!r}. "
+                "Use models.heteroscedastic_regressor, or drop split."
+            )
         if split is not None and not callable(split):
             raise TypeError(f"split must be callable out -> (mean, log_var); got {split!r}.")
         if noise == "learned":
@@ -286,7 +292,11 @@ class NetworkModel:
         ``"<name>.sigma"``; none otherwise: the network's weights are sample sites)."""
         return (self._sigma.param,) if self.noise == "point" and self._sigma else ()
 
-    def __call__(self, x: Batch, y: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: Batch, y: torch.Tensor | None = None, *extra: object, **unexpected: object
+    ) -> torch.Tensor:
+        if extra or unexpected:
+            raise _call_error(extra, unexpected)
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
         check_batch(x, y, task=self._task, num_classes=width)
         first = next(iter(batch_tensors(x).values()))
@@ -472,6 +482,26 @@ def mean_log_variance(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             "for another layout."
         )
     return out[..., 0], out[..., 1]
+
+
+def _call_error(extra: tuple, unexpected: Mapping[str, object]) -> TypeError:
+    """The error for a call with arguments beyond ``(x, y=None)``: what came, and the fix."""
+    if extra:
+        kinds = ", ".join(
+            f"{type(a).__name__}{tuple(a.shape) if isinstance(a, torch.Tensor) else ''}"
+            for a in extra
+        )
+        return TypeError(
+            f"the model takes (x, y=None) but got {len(extra)} more positional argument(s): "
+            f"{kinds}. A data loader that yields (x, y, index) or more gives a batch to unpack "
+            f"first: `x, y, {'_' if len(extra) == 1 else '*_'} = batch; svi.step(x, y)` (for "
+            "several network inputs pass them as one tuple x=(x1, x2))."
+        )
+    return TypeError(
+        f"the model takes (x, y=None) but got keyword argument(s) {sorted(unexpected)}. Pass "
+        "the targets as y (svi.step(x, y) or svi.step(x, y=labels)); inputs the network takes "
+        "by keyword go inside x as a dict (x={'input_ids': ..., 'attention_mask': ...})."
+    )
 
 
 def _multi_output(what: str) -> str:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
 from pyro_bdl import models
@@ -231,3 +232,73 @@ def test_bad_batches_are_refused_with_validation_off(which, bad):
         svi.step(bad_x, bad_y)
     assert_same(before, _snapshot(net, guide, rng=not draws))
     assert all(torch.isfinite(v).all() for v in pyro.get_param_store().values())
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Errors at the call boundary name the arguments and the fix
+
+
+def test_a_loader_yielding_an_index_names_the_extra_argument_and_the_unpacking():
+    x, y = _data()
+    model = models.regressor(_net(), N, 0.5)
+    guide = AutoMeanField(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), Trace_ELBO())
+    batch = next(iter(DataLoader(TensorDataset(x, y, torch.arange(N)), batch_size=4)))
+    svi.step(*batch[:2])
+    # The mean-field guide runs first and draws its noise (Pyro's order), so the RNG is checked
+    # on the model's own call below.
+    before = _snapshot(model.net, guide, rng=False)
+    with pytest.raises(
+        TypeError,
+        match=r"takes \(x, y=None\) but got 1 more positional argument\(s\): Tensor\(4,\)\. "
+        r".*\(x, y, index\).*`x, y, _ = batch; svi\.step\(x, y\)`",
+    ):
+        svi.step(*batch)
+    assert_same(before, _snapshot(model.net, guide, rng=False))
+    before = _snapshot(model.net, guide)
+    with pytest.raises(TypeError, match=r"2 more positional.*int, str\. .*`x, y, \*_ = batch"):
+        model(x, y, 1, "a")
+    assert_same(before, _snapshot(model.net, guide))
+
+
+def test_unexpected_keyword_arguments_are_named_with_the_fix():
+    x, y = _data()
+    model = models.regressor(_net(), N, 0.5)
+    before = _snapshot(model.net)
+    with pytest.raises(
+        TypeError, match=r"keyword argument\(s\) \['labels'\]\. Pass the targets as y"
+    ):
+        model(x, labels=y)
+    assert_same(before, _snapshot(model.net))
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda net: models.classifier(net, N)(torch.zeros(2, 3), [0, 1]),
+            TypeError,
+            r"y must be a torch\.Tensor or None; got list\. Use torch\.as_tensor\(y\)",
+        ),
+        (
+            lambda net: models.NetworkModel(
+                net, likelihood="categorical", dataset_size=N, multilabel=True
+            ),
+            ValueError,
+            r"multilabel=True needs likelihood='bernoulli'; got likelihood='categorical'\. Use",
+        ),
+        (
+            lambda net: models.NetworkModel(
+                net, likelihood="gaussian", dataset_size=N, noise_scale=1.0, split=lambda o: (o, o)
+            ),
+            ValueError,
+            r"split belongs to a heteroscedastic regressor; got it with noise='fixed'\. Use",
+        ),
+    ],
+)
+def test_other_boundary_errors_give_what_came_and_the_fix(call, error, match):
+    net = _net(1 if "split" in match else 3)
+    before = _snapshot(net)
+    with pytest.raises(error, match=match):
+        call(net)
+    assert_same(before, _snapshot(net))
