@@ -22,6 +22,9 @@ Guarantees:
   changes nothing.
 * It is read with ``torch.load(weights_only=True)`` only: a file holding any other pickled
   object is refused without running it.
+* It holds a checksum of every tensor's bytes and of the plain values, verified on reading: a
+  file damaged after it was written (a flipped bit on disk or in a copy) is refused naming the
+  entry. Files from before checksums have none and load unchecked.
 
 **The lazy set-up rule.** Pyro's guides create their parameters the first time they run and draw
 random numbers while doing so (initialisation, the first sample). Restoring the RNG *before* that
