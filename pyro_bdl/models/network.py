@@ -310,6 +310,10 @@ class NetworkModel:
         if self.likelihood == "gaussian" and y is not None and y.dim() != 1:
             # Checked again against the output after the forward pass; refused here first, so
             # a call after the first (no rollback) leaves BatchNorm statistics alone.
+            if y.dim() == 2 and y.shape[1] > 1:
+                raise ValueError(
+                    _multi_output(f"y has {y.shape[1]} targets per example, shape {tuple(y.shape)}")
+                )
             raise ValueError(
                 f"y must have the network output's shape ({rows},); got {tuple(y.shape)}. Use "
                 f"y.reshape({rows})."

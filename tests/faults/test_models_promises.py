@@ -1,5 +1,5 @@
-"""The ready-made models keep the promises of RELIABILITY.md under the newer features: params
-that never collide between models, a Gaussian likelihood that refuses to overflow, batch checks
+"""The ready-made models keep their error promises under the newer features: params that
+never collide between models, a Gaussian likelihood that refuses to overflow, batch checks
 that do not depend on Pyro's validation switch, and call errors that name the fix. Every refusal
 is checked for its type, its message and that nothing changed."""
 
