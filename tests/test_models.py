@@ -152,7 +152,7 @@ def test_every_factory_declares_its_likelihood():
     # A point σ reads its current estimate from the param store.
     point(torch.randn(4, 3), torch.randn(4))
     with torch.no_grad():
-        pyro.param("sigma").unconstrained().fill_(0.0)
+        pyro.param(*point.param_names).unconstrained().fill_(0.0)
     assert point.noise_scale == pytest.approx(1.0)
 
 

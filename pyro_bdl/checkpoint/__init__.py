@@ -22,6 +22,9 @@ Guarantees:
   changes nothing.
 * It is read with ``torch.load(weights_only=True)`` only: a file holding any other pickled
   object is refused without running it.
+* It holds a checksum of every tensor's bytes and of the plain values, verified on reading: a
+  file damaged after it was written (a flipped bit on disk or in a copy) is refused naming the
+  entry. Files from before checksums have none and load unchecked.
 
 **The lazy set-up rule.** Pyro's guides create their parameters the first time they run and draw
 random numbers while doing so (initialisation, the first sample). Restoring the RNG *before* that
@@ -64,6 +67,7 @@ from pyro_bdl.checkpoint._parts import (
     constraint_spec,
     has,
     likelihood_of,
+    model_of,
     module_fingerprint,
     optim_state,
     params_fingerprint,
@@ -72,7 +76,7 @@ from pyro_bdl.checkpoint._parts import (
     set_rng_state,
 )
 from pyro_bdl.checkpoint._restore import mismatches, restore_optim, restore_params
-from pyro_bdl.checkpoint._upgrade import upgrade_payload
+from pyro_bdl.checkpoint._upgrade import rename_legacy_params, upgrade_payload
 
 __all__ = [
     "CheckpointError",
@@ -282,6 +286,7 @@ def load_checkpoint(
 
     if guide is not None:
         upgrade_payload(payload, guide)  # a guide that stores its parameters in a newer form
+    rename_legacy_params(payload, model_of(model, guide))  # a point σ saved as plain "sigma"
 
     # (2) Refuse a different model or a damaged part before changing anything.
     try:

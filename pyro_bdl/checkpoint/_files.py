@@ -5,24 +5,106 @@ flushed to disk (``fsync``) and renamed over the target (``os.replace``, atomic 
 system). A process killed mid-write cannot delete its own temporary file, so every save first
 removes the temporary files of *its own target* whose writer is no longer alive: the pid in the
 name says whose they are. Files of other targets and of live writers are never touched.
+
+Every file also holds a ``"checksums"`` entry (:func:`checksums`): a BLAKE2 digest of each
+tensor's bytes (with its dtype and shape), keyed by where the tensor sits, and one of the plain
+values. :func:`read` recomputes them and refuses a file whose bytes changed after it was written
+(a flipped bit on disk or in a copy), naming the entry. Files written before checksums existed
+have none and load unchecked; the entry is optional, so older readers load newer files too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from pyro_bdl.checkpoint._parts import CheckpointError
 
-__all__ = ["FORMAT", "VERSION", "atomic_save", "read", "remove_stale", "temporary_name"]
+__all__ = [
+    "CHECKSUMS",
+    "FORMAT",
+    "VERSION",
+    "atomic_save",
+    "checksums",
+    "read",
+    "remove_stale",
+    "temporary_name",
+]
 
 FORMAT = "pyro_bdl.checkpoint"
 VERSION = 1
 _KEYS = ("fingerprint", "param_store", "guide", "modules", "optim", "generators", "step", "rng")
+#: The payload key of the checksums (optional: files written before them have none).
+CHECKSUMS = "checksums"
+#: The checksum entry of everything that is not a tensor.
+_PLAIN = "<plain values>"
+
+
+def _walk(value: Any, where: str, plain: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``value`` by where they sit (``param_store['values']['loc']``); every
+    other leaf (and every key) is appended to ``plain`` as its repr, in order."""
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            plain.append(repr(k))
+            yield from _walk(v, f"{where}[{k!r}]", plain)
+    elif isinstance(value, (list, tuple)):
+        plain.append(f"{type(value).__name__}{len(value)}")
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{where}[{i}]", plain)
+    else:
+        plain.append(repr(value))
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=16)
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def checksums(payload: dict[str, Any]) -> dict[str, str]:
+    """Where each tensor of ``payload`` sits -> the digest of its bytes, dtype and shape; and
+    ``"<plain values>"`` -> the digest of every other value and key, in order (the checksums
+    entry itself left out)."""
+    plain: list[str] = []
+    out = {
+        where: _digest(t)
+        for key, value in payload.items()
+        if key != CHECKSUMS
+        for where, t in _walk(value, key, plain)
+    }
+    parts = [repr(k) for k in payload if k != CHECKSUMS] + plain
+    out[_PLAIN] = hashlib.blake2b("\x00".join(parts).encode(), digest_size=16).hexdigest()
+    return out
+
+
+def _verify(payload: dict[str, Any], path: str) -> None:
+    saved = payload.get(CHECKSUMS)
+    if saved is None:
+        return  # written before checksums existed
+    if not isinstance(saved, dict):
+        what = f"its checksums entry is a {type(saved).__name__}, not a dict of digests"
+    else:
+        now = checksums(payload)
+        bad = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if not bad:
+            return
+        more = f" (and {len(bad) - 1} more entries)" if len(bad) > 1 else ""
+        what = f"the data of {bad[0]}{more} does not match the checksum saved with it"
+    raise CheckpointError(
+        f"{path!r} is corrupt: {what}, so the file changed after it was written (disk, copy "
+        "or transfer damage); nothing was changed. Resume from another copy or an earlier "
+        "checkpoint."
+    )
 
 
 def temporary_name(path: str, pid: int | None = None) -> str:
@@ -101,7 +183,7 @@ def atomic_save(payload: dict[str, Any], path: str) -> None:
         ) from err
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            torch.save({**payload, CHECKSUMS: checksums(payload)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -142,4 +224,5 @@ def read(path: str, map_location) -> dict[str, Any]:
             f"{path!r} is a pyro_bdl checkpoint of format version {payload.get('version')!r} "
             f"with keys {sorted(payload)}; this version reads version {VERSION}."
         )
+    _verify(payload, path)
     return payload

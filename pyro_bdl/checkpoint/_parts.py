@@ -155,7 +155,8 @@ def qualname(obj: object) -> str:
     return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
 
 
-def likelihood_of(model, guide) -> dict[str, Any]:
+def model_of(model, guide):
+    """``model``, else the guide's model, looking through the handlers autoguides wrap it in."""
     if model is None and guide is not None:
         model = getattr(guide, "model", None)
     # Autoguides wrap the model in handlers (functools.partial objects); look through them.
@@ -163,8 +164,16 @@ def likelihood_of(model, guide) -> dict[str, Any]:
         if not isinstance(model, functools.partial) or hasattr(model, "likelihood"):
             break
         model = next((a for a in reversed(model.args) if callable(a)), model.func)
+    return model
+
+
+def likelihood_of(model, guide) -> dict[str, Any]:
+    model = model_of(model, guide)
     out: dict[str, Any] = {}
-    for attr in ("likelihood", "noise_scale"):
+    # A point σ's noise_scale is its current estimate, a trained value the file restores, so only
+    # a fixed σ (or one of a model without a noise kind) belongs to the fingerprint.
+    fixed = getattr(model, "noise", None) in (None, "fixed")
+    for attr in ("likelihood", "noise", "noise_scale") if fixed else ("likelihood", "noise"):
         value = getattr(model, attr, None)
         if isinstance(value, (str, int, float)):
             out[attr] = value
@@ -205,6 +214,8 @@ def show(value: Any) -> str:
 
 def compare(saved: Mapping[str, Any], now: Mapping[str, Any], label: str, out: list[str]):
     for key in sorted(set(saved) | set(now), key=str):
+        if str(key).endswith("_extra_state"):
+            continue  # a module's own encoding, of a size that varies (checked when it loads)
         if key not in now:
             out.append(f"{label} {key!r}: only in the file")
         elif key not in saved:

@@ -171,7 +171,9 @@ def check_batch(
     if y is None:
         return
     if not isinstance(y, torch.Tensor):
-        raise TypeError(f"y must be a torch.Tensor or None; got {type(y).__name__}.")
+        raise TypeError(
+            f"y must be a torch.Tensor or None; got {type(y).__name__}. Use torch.as_tensor(y)."
+        )
     if y.dim() == 0 or y.shape[0] != rows:
         raise ValueError(
             f"x and y must have the same number of rows; got {rows} rows of x and y "

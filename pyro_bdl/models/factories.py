@@ -95,6 +95,7 @@ def regressor(
     noise: str = "fixed",
     noise_prior: Distribution | None = None,
     output: Output = None,
+    name: str | None = None,
 ) -> NetworkModel:
     r"""A Gaussian-likelihood model ``model(x, y=None) -> mean``, :math:`y \sim N(f(x), σ^2)`.
 
@@ -109,10 +110,13 @@ def regressor(
     :param float noise_scale: σ for ``noise="fixed"``; the initial value of the estimate for
         ``noise="point"`` (default 1).
     :param str noise: ``"fixed"``, ``"learned"`` (σ a latent site ``"sigma"`` inferred with the
-        weights) or ``"point"`` (σ a positive ``pyro.param("sigma")``, a maximum-likelihood
+        weights) or ``"point"`` (σ a positive param ``"<name>.sigma"``, a maximum-likelihood
         estimate); see :mod:`pyro_bdl.models.noise`.
     :param noise_prior: the prior over σ for ``noise="learned"`` (default ``LogNormal(0, 1)``),
         a univariate distribution over positive numbers.
+    :param str name: the prefix of the params the model creates (``model.param_names``):
+        default a unique ``"model_<k>"``; pass one to keep the names fixed across programs
+        (resuming a checkpoint in a program that builds other models first).
     """
     return NetworkModel(
         net,
@@ -122,6 +126,7 @@ def regressor(
         noise=noise,
         noise_prior=noise_prior,
         output=output,
+        name=name,
     )
 
 

@@ -3,6 +3,8 @@ data plate and its likelihoods."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Mapping
 
 import pyro
@@ -22,7 +24,15 @@ from pyro_bdl.models.checks import (
     label_range,
     rollback,
 )
-from pyro_bdl.models.noise import NOISES, NoiseSite, check_noise_prior, default_noise_prior
+from pyro_bdl.models.noise import (
+    NOISES,
+    SIGMA,
+    NoiseSite,
+    check_likelihood_range,
+    check_noise_prior,
+    default_noise_prior,
+    param_name,
+)
 from pyro_bdl.models.structured import Batch, Output, call_network, check_output, select_output
 from pyro_bdl.nn.vectorize import under_plate
 
@@ -30,6 +40,30 @@ __all__ = ["DATA_PLATE", "NetworkModel", "data_plate", "mean_log_variance"]
 
 #: The name of the plate over examples; VOGN and the diagnostics look for it.
 DATA_PLATE = "data"
+
+# The names of the models alive in this process (a name is the prefix of the params a model
+# creates in Pyro's global param store, so two live models must never share one), and the
+# counter of default names, never reused within a process so a stale param cannot be picked up.
+_LIVE: weakref.WeakValueDictionary[str, NetworkModel] = weakref.WeakValueDictionary()
+_DEFAULT_NAMES = itertools.count()
+
+
+def _claim_name(name: str | None, model: NetworkModel) -> str:
+    if name is None:
+        name = next(n for n in (f"model_{k}" for k in _DEFAULT_NAMES) if n not in _LIVE)
+    elif not isinstance(name, str) or not name or "." in name:
+        raise ValueError(
+            f"name must be a non-empty str without '.', the prefix of the params the model "
+            f"creates; got {name!r}. Pass e.g. name='regressor'."
+        )
+    elif name in _LIVE:
+        raise ValueError(
+            f"name {name!r} is taken by another live model ({_LIVE[name]!r}); two models with "
+            "one name would share their params in Pyro's param store. Pass another name, or "
+            "leave name out for a unique one."
+        )
+    _LIVE[name] = model
+    return name
 
 
 class _LogSoftmaxCategorical(dist.Categorical):
@@ -111,6 +145,10 @@ class NetworkModel:
     :ivar bool check_inputs: check the batch's device against the network's, and x's dtype and
         width against the first layer (default); set it to ``False`` for a network that moves or
         converts its inputs itself.
+    :ivar str name: the prefix of the params the model creates (:attr:`param_names`), unique
+        among the live models: ``name=`` if given, else ``"model_<k>"`` with k counting the
+        models built in this process. A checkpoint stores the params by these names, so a run
+        resumed in another program builds its models in the same order, or passes ``name=``.
     """
 
     LIKELIHOODS = ("categorical", "bernoulli", "gaussian", "tokens")
@@ -128,6 +166,7 @@ class NetworkModel:
         split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         output: Output = None,
         shift: bool = True,
+        name: str | None = None,
     ):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module; got {type(net).__name__}.")
@@ -142,7 +181,10 @@ class NetworkModel:
                 f"got them for likelihood {likelihood!r}. Drop them."
             )
         if multilabel and likelihood != "bernoulli":
-            raise ValueError("multilabel=True needs likelihood='bernoulli'.")
+            raise ValueError(
+                f"multilabel=True needs likelihood='bernoulli'; got likelihood={likelihood!r}. "
+                "Use models.multilabel_classifier, or drop multilabel."
+            )
         if noise == "fixed" and noise_scale is None:
             raise ValueError(
                 "a Gaussian likelihood needs noise_scale, the observation noise σ (or "
@@ -166,7 +208,10 @@ class NetworkModel:
                 "noise='learned', or drop noise_prior."
             )
         if split is not None and noise != "heteroscedastic":
-            raise ValueError("split belongs to a heteroscedastic regressor; drop it.")
+            raise ValueError(
+                f"split belongs to a heteroscedastic regressor; got it with noise={noise!r}. "
+                "Use models.heteroscedastic_regressor, or drop split."
+            )
         if split is not None and not callable(split):
             raise TypeError(f"split must be callable out -> (mean, log_var); got {split!r}.")
         if noise == "learned":
@@ -185,9 +230,15 @@ class NetworkModel:
         self.output = check_output(output)
         self.shift = bool(shift)
         self.check_inputs = True
+        self.name = _claim_name(name, self)
         self._fixed = float(noise_scale) if noise == "fixed" else None  # type: ignore[arg-type]
         self._sigma = (
-            NoiseSite(noise, noise_prior, 1.0 if noise_scale is None else noise_scale)
+            NoiseSite(
+                noise,
+                noise_prior,
+                1.0 if noise_scale is None else noise_scale,
+                param_name(self.name, SIGMA),
+            )
             if noise in ("learned", "point")
             else None
         )
@@ -237,7 +288,17 @@ class NetworkModel:
             return self._sigma.current()
         return None
 
-    def __call__(self, x: Batch, y: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The names of the params this model creates in Pyro's param store (a point σ's
+        ``"<name>.sigma"``; none otherwise: the network's weights are sample sites)."""
+        return (self._sigma.param,) if self.noise == "point" and self._sigma else ()
+
+    def __call__(
+        self, x: Batch, y: torch.Tensor | None = None, *extra: object, **unexpected: object
+    ) -> torch.Tensor:
+        if extra or unexpected:
+            raise _call_error(extra, unexpected)
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
         expected = self.shape.device() if self.check_inputs else None
         check_batch(x, y, task=self._task, num_classes=width, device=expected)
@@ -248,6 +309,17 @@ class NetworkModel:
                 f"the batch has {rows} rows but dataset_size is {self.dataset_size}: the "
                 "likelihood is scaled by N/B, which needs B <= N. Pass dataset_size = the number "
                 "of training examples, or smaller batches (y=None predicts on any number of rows)."
+            )
+        if self.likelihood == "gaussian" and y is not None and y.dim() != 1:
+            # Checked again against the output after the forward pass; refused here first, so
+            # a call after the first (no rollback) leaves BatchNorm statistics alone.
+            if y.dim() == 2 and y.shape[1] > 1:
+                raise ValueError(
+                    _multi_output(f"y has {y.shape[1]} targets per example, shape {tuple(y.shape)}")
+                )
+            raise ValueError(
+                f"y must have the network output's shape ({rows},); got {tuple(y.shape)}. Use "
+                f"y.reshape({rows})."
             )
         if self.check_inputs and isinstance(x, torch.Tensor):
             self.shape.check_inputs(x)
@@ -386,7 +458,16 @@ class NetworkModel:
                 f"y must have the network output's shape {tuple(mean.shape)}; got "
                 f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
             )
+        if y is not None:
+            check_likelihood_range(y, mean, scale, self.dataset_size / rows, where=self._where())
         return dist.Normal(mean, scale), y, ret
+
+    def _where(self) -> str:
+        if self.noise == "heteroscedastic":
+            return "σ(x) from the network"
+        if self._sigma is None:
+            return "fixed"
+        return f"param {self._sigma.param!r}" if self.noise == "point" else "latent site 'sigma'"
 
     def __repr__(self) -> str:
         extra = ""
@@ -398,7 +479,7 @@ class NetworkModel:
             extra += ", multilabel=True"
         return (
             f"NetworkModel({type(self.net).__name__}, likelihood={self.likelihood!r}, "
-            f"dataset_size={self.dataset_size}{extra})"
+            f"dataset_size={self.dataset_size}{extra}, name={self.name!r})"
         )
 
 
@@ -412,6 +493,26 @@ def mean_log_variance(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             "for another layout."
         )
     return out[..., 0], out[..., 1]
+
+
+def _call_error(extra: tuple, unexpected: Mapping[str, object]) -> TypeError:
+    """The error for a call with arguments beyond ``(x, y=None)``: what came, and the fix."""
+    if extra:
+        kinds = ", ".join(
+            f"{type(a).__name__}{tuple(a.shape) if isinstance(a, torch.Tensor) else ''}"
+            for a in extra
+        )
+        return TypeError(
+            f"the model takes (x, y=None) but got {len(extra)} more positional argument(s): "
+            f"{kinds}. A data loader that yields (x, y, index) or more gives a batch to unpack "
+            f"first: `x, y, {'_' if len(extra) == 1 else '*_'} = batch; svi.step(x, y)` (for "
+            "several network inputs pass them as one tuple x=(x1, x2))."
+        )
+    return TypeError(
+        f"the model takes (x, y=None) but got keyword argument(s) {sorted(unexpected)}. Pass "
+        "the targets as y (svi.step(x, y) or svi.step(x, y=labels)); inputs the network takes "
+        "by keyword go inside x as a dict (x={'input_ids': ..., 'attention_mask': ...})."
+    )
 
 
 def _multi_output(what: str) -> str:
