@@ -24,6 +24,7 @@ import torch
 from pyro_bdl.curvature.jacobian import (
     ParamSlot,
     as_matrix,
+    batch_gradient,
     capture,
     per_example_full,
     placements,
@@ -103,6 +104,9 @@ def linear_layer_ggn(
     positions: torch.Tensor,
     factor_fn: Callable[[torch.Tensor], torch.Tensor],
     out: torch.Tensor,
+    *,
+    residual_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     r"""Add the exact GGN of one ``Linear`` layer (weights ``[W, b]``, O × k) to ``out`` (S × S,
     in place, in its dtype) and return the detached outputs (B, C); ``None`` (nothing added) when
@@ -118,6 +122,9 @@ def linear_layer_ggn(
     K batched backward passes to the layer's output and O products of k × B × S instead of one
     of S × BK × S.
     ``positions`` (O, k [+1]) are the subnetwork positions of the entries of ``[W, b]``.
+    With ``residual_fn`` (outputs (B, C) -> :math:`r` (B, C)) the gradient
+    :math:`\sum_n J_n^\top r_n` is added to ``grad`` (S,) from one more backward pass to the
+    layer's output, which the forward pass already built.
     """
     with capture([module]) as calls:
         f = as_matrix(forward())
@@ -134,16 +141,20 @@ def linear_layer_ggn(
     )
     dtype = out.dtype
     g = g.to(dtype)
-    lam = g @ g.transpose(1, 2)  # (B, O, O)
     phi = a.to(dtype)
     if bias:
         phi = torch.cat([phi, phi.new_ones(phi.shape[0], 1)], 1)
+    flat = positions.reshape(-1).to(out.device)
+    if residual_fn is not None and grad is not None:
+        r = residual_fn(f.detach())
+        gz = torch.autograd.grad(f, z, grad_outputs=r.to(f), retain_graph=True)[0]
+        grad.index_add_(0, flat, (gz.to(grad.dtype).T @ phi.to(grad.dtype)).reshape(-1))
+    lam = g @ g.transpose(1, 2)  # (B, O, O)
     b, o, k = phi.shape[0], lam.shape[1], phi.shape[1]
     block = out.new_empty(o * k, o * k)
     for i in range(o):
         scaled = (lam[:, i, :, None] * phi[:, None, :]).reshape(b, o * k)
         block[i * k : (i + 1) * k] = phi.T @ scaled
-    flat = positions.reshape(-1).to(out.device)
     out.index_put_((flat[:, None], flat[None, :]), block, accumulate=True)
     return f.detach()
 
@@ -154,12 +165,17 @@ def diagonal_ggn(
     factor_fn: Callable[[torch.Tensor], torch.Tensor],
     *,
     batch_chunk: int = 16,
+    residual_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Diagonal of :math:`\sum_n J_n^\top \Lambda_n J_n` over every packed weight: shape (D,).
 
     ``factor_fn(outputs)`` returns :math:`L` (B, C, K) with :math:`LL^\top = \Lambda`; the
     diagonal is :math:`\sum_{n,k} (\partial (L_{n,:,k}^\top f_n) / \partial\theta)^2`, squared
     per example. Per-example gradients are formed ``batch_chunk`` examples at a time.
+    With ``residual_fn`` (outputs (B, C) -> :math:`r` (B, C)) the gradient
+    :math:`\sum_n J_n^\top r_n` is added to ``grad`` (D,), taken as one more column of the
+    same backward passes.
     """
     every = torch.arange(sum(s.value.numel() for s in slots))
     placed = placements(slots, every)
@@ -172,8 +188,14 @@ def diagonal_ggn(
     zs = [z for _, (_, z) in pairs]
     fallback = [(s, pos) for s, k, _, pos in placed if not k]
     b = out.shape[0]
-    for k in range(factor.shape[-1]):
-        v = factor[:, :, k]
+    columns = [factor[:, :, k] for k in range(factor.shape[-1])]
+    if residual_fn is not None and grad is not None:
+        columns.append(residual_fn(out.detach()).to(out))
+    for k, v in enumerate(columns):
+        # The last column is the residual when one is given: summed, not squared, per example.
+        square = k < factor.shape[-1]
+        target = diag if square else grad
+        assert target is not None
         if zs:
             grads = torch.autograd.grad(
                 out, zs, grad_outputs=v, retain_graph=True, allow_unused=True
@@ -181,6 +203,13 @@ def diagonal_ggn(
             g_of = {id(z): g for z, g in zip(zs, grads)}
             for slot, kind, _, pos in placed:
                 if not kind:
+                    continue
+                if not square:  # a gradient: summed over the batch, no per-example tensor
+                    for a, z in calls[slot.module]:  # type: ignore[index]
+                        g = g_of[id(z)]
+                        if g is not None:
+                            part = batch_gradient(slot, kind, a, g).to(target.dtype)
+                            target[pos.to(target.device)] += part
                     continue
                 for start in range(0, b, batch_chunk):
                     rows = slice(start, start + batch_chunk)
@@ -194,12 +223,19 @@ def diagonal_ggn(
                         per_example = part if per_example is None else per_example + part
                     if per_example is not None:
                         diag[pos.to(diag.device)] += per_example.square().sum(0)
-        for i in range(b if fallback else 0):
-            values = [s.value for s, _ in fallback]
+        values = [s.value for s, _ in fallback]
+        for i in range(b if fallback and square else 0):
             grads = torch.autograd.grad(
                 (out[i] * v[i]).sum(), values, retain_graph=True, allow_unused=True
             )
             for (_, pos), g in zip(fallback, grads):
                 if g is not None:
                     diag[pos.to(diag.device)] += g.reshape(-1).square()
+        if fallback and not square:
+            grads = torch.autograd.grad(
+                (out * v).sum(), values, retain_graph=True, allow_unused=True
+            )
+            for (_, pos), g in zip(fallback, grads):
+                if g is not None:
+                    target[pos.to(target.device)] += g.reshape(-1).to(target.dtype)
     return diag

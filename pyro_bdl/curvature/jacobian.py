@@ -111,6 +111,15 @@ def per_example_full(slot: ParamSlot, kind: str, a, g) -> torch.Tensor:
     return torch.einsum("bot,bkt->bok", g, a).flatten(1)
 
 
+def batch_gradient(slot: ParamSlot, kind: str, a, g) -> torch.Tensor:
+    """The gradient of the whole tensor summed over the batch, (numel,): what
+    :func:`per_example_full` gives summed over examples, without the per-example tensor."""
+    a, g = input_factor(kind, slot.module, a), grad_factor(kind, g)  # type: ignore[arg-type]
+    if slot.name == "bias":
+        return g.sum((0, -1))
+    return torch.einsum("bot,bkt->ok", g, a).flatten()
+
+
 @contextlib.contextmanager
 def capture(modules: Sequence[nn.Module]) -> Iterator[dict[nn.Module, list]]:
     """Forward hooks recording ``(input, output)`` of every call of ``modules``."""

@@ -68,7 +68,6 @@ from pyro_bdl.guides.laplace.model import (
     jacobians,
     leaf_slots,
     observe,
-    training_loss_gradient,
     warn_if_not_at_mode,
 )
 from pyro_bdl.guides.laplace.posterior import (
@@ -363,7 +362,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             (an all-reduce); each rank passes its own rows and every curvature statistic is
             summed once per block before it is factorised (:mod:`~pyro_bdl.guides.laplace.model`).
         :param bool check_mode: check that the weights are at a mode of the training loss
-            (one more pass over the data) and warn with
+            (its gradient comes from the fit's own passes) and warn with
             :class:`~pyro_bdl.guides.laplace.model.NotAtModeWarning` when they are far from it
             (:func:`~pyro_bdl.guides.laplace.model.warn_if_not_at_mode`); ``False`` fits at
             any weights silently.
@@ -394,6 +393,9 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         prior_t = torch.as_tensor(prior, dtype=torch.float64, device=self.loc.device)
         ggn, scale_tril, structure = torch.zeros(0), torch.zeros(0), None
         net = (self._raw_model, self.layout, self.loc)
+        # The mode check's gradient comes from the fit's own passes (Jacobians and residuals).
+        grad = torch.zeros(index.numel(), dtype=torch.float64, device=self.loc.device)
+        grad_kw: dict[str, Any] = {"grad": grad} if check_mode else {}
         if self.hessian_structure == "full":
             ggn, stats = fit_full(
                 *net,
@@ -405,18 +407,19 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
                 batch_size=self.batch_size,
                 chunk_memory=self.chunk_memory,
                 reduce_fn=reduce_fn,
+                **grad_kw,
             )
             scale_tril = posterior_factor(ggn, prior)
         elif self.hessian_structure == "diag":
             diag, diag_stats = fit_diag(
-                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn, **grad_kw
             )
             assert diag_stats is not None  # fit_diag gives them unless told not to
             stats = diag_stats
             structure = DiagPosterior(diag, prior_t)
         else:
             blocks, a_sums, g_sums, stats = fit_kron(
-                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn, **grad_kw
             )
             check_blockwise(prior_t, blocks)
             rows = float(stats[0])
@@ -432,11 +435,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         if not isinstance(lam_s, float):
             self.prior_precision = lam_s
         if check_mode:
-            gradient = training_loss_gradient(
-                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
-            )
             theta = self.map_loc[index].double()
-            warn_if_not_at_mode(gradient + prior_t.to(theta) * theta, self.posterior)
+            warn_if_not_at_mode(grad + prior_t.to(theta) * theta, self.posterior)
         return self
 
     def _prior_s(self, lam, count: int, total: int):

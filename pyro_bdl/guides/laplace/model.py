@@ -77,6 +77,7 @@ __all__ = [
     "network",
     "observe",
     "read_outputs",
+    "residual",
     "training_loss_gradient",
     "warn_if_not_at_mode",
 ]
@@ -346,13 +347,39 @@ def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor) -> torch.Tensor:
 
 
 def _stats(out: torch.Tensor, batch: tuple, obs: Observation) -> torch.Tensor:
-    if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
-        raise ValueError("fit needs the targets: pass data as (x, y) or a DataLoader of (x, y).")
-    return fit_statistics(out, batch[1], obs.likelihood, obs.noise)
+    return fit_statistics(out, _targets(batch), obs.likelihood, obs.noise)
 
 
 def _factor(obs: Observation):
     return lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
+
+
+def residual(f: torch.Tensor, y: torch.Tensor, obs: Observation) -> torch.Tensor:
+    r""":math:`r_n = \partial(-\log p(y_n \mid f_n)) / \partial f_n` (B, C) at the outputs ``f``
+    (B, C): with the Jacobians of a fit pass, :math:`\sum_n J_n^\top r_n` is the gradient of
+    the negative log-likelihood, which the mode check needs (:func:`warn_if_not_at_mode`)."""
+    with torch.enable_grad():
+        leaf = f.detach().requires_grad_(True)
+        return torch.autograd.grad(_negative_log_likelihood(leaf, y, obs), leaf)[0]
+
+
+def _residual_fn(batch: tuple, obs: Observation, grad: torch.Tensor | None):
+    """The residual function of one batch for the curvature passes; ``None`` without ``grad``."""
+    if grad is None:
+        return None
+    y = _targets(batch)
+    return lambda f: residual(f, y, obs)
+
+
+def _targets(batch: tuple) -> torch.Tensor:
+    if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
+        raise ValueError("fit needs the targets: pass data as (x, y) or a DataLoader of (x, y).")
+    return batch[1]
+
+
+def _reduce_into(reduce_fn: ReduceFn | None, grad: torch.Tensor | None) -> None:
+    if grad is not None:
+        grad.copy_(_reduce(reduce_fn, grad))
 
 
 def single_linear(layout: SiteLayout, index: torch.Tensor) -> KronBlock | None:
@@ -380,13 +407,16 @@ def fit_full(
     batch_size: int,
     chunk_memory: int | None = None,
     reduce_fn: ReduceFn | None = None,
+    grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(GGN over index (S × S, in dtype), statistics)`` of ``model`` at the packed weights
+    r"""``(GGN over index (S × S, in dtype), statistics)`` of ``model`` at the packed weights
     ``loc``, from :math:`J_S` in row chunks sized by the memory budget
     (:mod:`~pyro_bdl.curvature.memory`: ``chunk_memory`` bytes, at most ``batch_size`` rows);
     when the subnetwork is one whole ``Linear`` layer (the last layer), from its inputs without
     :math:`J_S` (:func:`~pyro_bdl.curvature.ggn.linear_layer_ggn`). The memory of a chunk is
-    measured on ``first``, the first batch of ``data``."""
+    measured on ``first``, the first batch of ``data``. With ``grad`` (S, float64) the gradient
+    of the negative log-likelihood over the subnetwork, :math:`\sum_n J_n^\top r_n`
+    (:func:`residual`), is added to it from the same passes."""
     item = torch.finfo(dtype).bits // 8
     count = index.numel()
     budget = chunk_budget(count, obs.outputs, batch_size, item, chunk_memory)
@@ -417,17 +447,31 @@ def fit_full(
         for batch in iter_batches(data, rows):
             forward, slots = forward_at(model, layout, loc, batch, obs)
             out = None
+            residual_fn = _residual_fn(batch, obs, grad)
             if layer is not None:
                 module, bias = layer.layer.module, layer.layer.bias
-                out = linear_layer_ggn(forward, module, bias, layer.positions, _factor(obs), ggn)
+                out = linear_layer_ggn(
+                    forward,
+                    module,
+                    bias,
+                    layer.positions,
+                    _factor(obs),
+                    ggn,
+                    residual_fn=residual_fn,
+                    grad=grad,
+                )
             if out is None:
                 jac, out = subnet_jacobian(
                     forward, slots, index, return_outputs=True, select_numbers=select_numbers
                 )
                 subnet_ggn(jac, output_hessian_factor(out, obs.likelihood, obs.noise), out=ggn)
+                if residual_fn is not None and grad is not None:
+                    r = residual_fn(out)
+                    grad += torch.einsum("bc,bcs->s", r.to(grad.dtype), jac.to(grad.dtype))
                 del jac
             stats += _stats(out, batch, obs).cpu()
             del out, forward, slots
+    _reduce_into(reduce_fn, grad)
     return _reduce(reduce_fn, ggn), _reduce(reduce_fn, stats)
 
 
@@ -442,11 +486,15 @@ def fit_diag(
     batch_size: int,
     reduce_fn: ReduceFn | None = None,
     stats: bool = True,
+    grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(diagonal of the GGN over index (all D weights when None), statistics or None)`` of
     ``model`` at the packed weights ``loc``: exact, from per-example gradients of
-    :math:`L^\\top f` (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`)."""
+    :math:`L^\\top f` (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`). With ``grad`` (over
+    ``index``, float64) the gradient of the negative log-likelihood is added to it from the same
+    backward passes."""
     diag = torch.zeros(loc.numel(), dtype=torch.float64, device=loc.device)
+    every = torch.zeros_like(diag) if grad is not None else None
     total = torch.zeros(4, dtype=torch.float64)
     factor = _factor(obs)
     with eval_mode(model):
@@ -458,10 +506,16 @@ def fit_diag(
                 seen.append(f.detach())
                 return factor(f)
 
-            diag += diagonal_ggn(forward, slots, record).double()
+            residual_fn = _residual_fn(batch, obs, grad)
+            diag += diagonal_ggn(
+                forward, slots, record, residual_fn=residual_fn, grad=every
+            ).double()
             if stats:
                 total += _stats(seen[0], batch, obs).cpu()
     diag = _reduce(reduce_fn, diag if index is None else diag[index.to(diag.device)])
+    if grad is not None and every is not None:
+        grad += every if index is None else every[index.to(every.device)]
+        _reduce_into(reduce_fn, grad)
     return diag, (_reduce(reduce_fn, total) if stats else None)
 
 
@@ -475,22 +529,38 @@ def fit_kron(
     *,
     batch_size: int,
     reduce_fn: ReduceFn | None = None,
+    grad: torch.Tensor | None = None,
 ):
-    """``(blocks, A sums, G sums, statistics)`` of the layers in the subnetwork ``index``
+    r"""``(blocks, A sums, G sums, statistics)`` of the layers in the subnetwork ``index``
     (:func:`~pyro_bdl.guides.laplace.posterior.kron_blocks`,
     :func:`~pyro_bdl.curvature.kfac.kfac_sums`) of ``model`` at the packed weights ``loc``, in
-    float64."""
+    float64. With ``grad`` (S, float64) the gradient of the negative log-likelihood over the
+    subnetwork is added to it from the same backward passes."""
     blocks = kron_blocks(layout, index)
     kw: dict[str, Any] = dict(dtype=torch.float64, device=loc.device)
     a_sums = [torch.zeros(b.positions.shape[1], b.positions.shape[1], **kw) for b in blocks]
     g_sums = [torch.zeros(b.positions.shape[0], b.positions.shape[0], **kw) for b in blocks]
     stats = torch.zeros(4, dtype=torch.float64)
     layers = [b.layer for b in blocks]
+    grad_sums = None if grad is None else [torch.zeros(b.positions.shape, **kw) for b in blocks]
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
             forward, _ = forward_at(model, layout, loc, batch, obs)
-            out = kfac_sums(forward, layers, _factor(obs), a_sums, g_sums)
+            residual_fn = _residual_fn(batch, obs, grad)
+            out = kfac_sums(
+                forward,
+                layers,
+                _factor(obs),
+                a_sums,
+                g_sums,
+                residual_fn=residual_fn,
+                grad_sums=grad_sums,
+            )
             stats += _stats(out, batch, obs).cpu()
+    if grad is not None and grad_sums is not None:
+        for block, part in zip(blocks, grad_sums):
+            grad[block.positions.reshape(-1).to(grad.device)] += part.reshape(-1)
+        _reduce_into(reduce_fn, grad)
     a_sums = [_reduce(reduce_fn, a) for a in a_sums]
     g_sums = [_reduce(reduce_fn, g) for g in g_sums]
     return blocks, a_sums, g_sums, _reduce(reduce_fn, stats)
@@ -548,13 +618,10 @@ def training_loss_gradient(
     grad = torch.zeros(loc.numel(), dtype=torch.float64, device=loc.device)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
-                raise ValueError(
-                    "fit needs the targets: pass data as (x, y) or a DataLoader of (x, y)."
-                )
+            y = _targets(batch)
             forward, slots = forward_at(model, layout, loc, batch, obs)
             leaves = [slot.value for slot in slots]
-            nll = _negative_log_likelihood(forward(), batch[1], obs)
+            nll = _negative_log_likelihood(forward(), y, obs)
             grads = torch.autograd.grad(nll, leaves, allow_unused=True)
             grad += torch.cat(
                 [
