@@ -242,9 +242,16 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
 
     def _unpack_latent(self, latent):
+        # As AutoContinuous does: the batch dims of ``latent`` (vectorized particles) broadcast
+        # against the site's plate dims instead of being prepended to them, so a site inside a
+        # plate keeps one particle dim.
         nodes = self.prototype_trace.nodes
-        for site, value in zip(self.layout, self.layout.split(latent)):
-            yield nodes[site.name], value
+        batch = latent.shape[:-1]
+        for site in self.layout:
+            node = nodes[site.name]
+            event_dim = node["fn"].event_dim + len(site.shape) - node["value"].dim()
+            shape = torch.broadcast_shapes(site.shape, batch + (1,) * event_dim)
+            yield node, latent[..., site.slice].reshape(shape)
 
     @property
     def fitted(self) -> bool:
