@@ -4,14 +4,21 @@ sufficient-statistic ELBOs, and ``torch.jit`` probing."""
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import Trace_ELBO, TraceEnum_ELBO
-from pyro.infer.autoguide import AutoDelta
+from pyro import poutine
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoDelta, init_to_value
+from torch import nn
 
-from pyro_bdl.guides import AutoSubnetLaplace
+import pyro_bdl as bdl
+from pyro_bdl.guides import AutoLaplace, AutoSubnetLaplace, NotFittedError
+from pyro_bdl.guides.laplace.guide import StructureAttributeError
+from pyro_bdl.infer.elbo import KLFallbackWarning, TraceSuffStat_ELBO
 
 
 def _plated_model(seen: list):
@@ -45,3 +52,97 @@ def test_map_phase_gives_plated_sites_one_particle_dim(elbo_class):
         assert torch.isfinite(torch.tensor(loss))
         shapes[name] = seen[-1]
     assert shapes["laplace"] == shapes["delta"] == (10, 3)
+
+
+def test_deterministic_sites_are_not_observations():
+    """``pyro.deterministic`` records (observed sample sites with ``_deterministic``) are not the
+    data: the fit reads the one real observed site and predicts as without them."""
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        pyro.deterministic("f1", w.sum())
+        with pyro.plate("data", len(x)):
+            f = x @ w
+            pyro.sample("obs", dist.Normal(f, 0.5), obs=y)
+        pyro.deterministic("f2", f)
+
+    def plain(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(x @ w, 0.5), obs=y)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 3, generator=g)
+    y = x @ torch.tensor([1.0, -1.0, 0.5]) + 0.5 * torch.randn(20, generator=g)
+    means = []
+    for m in (model, plain):
+        pyro.clear_param_store()
+        start = init_to_value(values={"w": torch.tensor([0.9, -1.1, 0.4])})
+        guide = AutoSubnetLaplace(m, subnetwork="all", prior_precision=1.0, init_loc_fn=start)
+        guide(x, y)
+        guide.fit((x, y), check_mode=False)
+        means.append(guide.predict(x))
+    assert torch.equal(means[0][0], means[1][0]) and torch.equal(means[0][1], means[1][1])
+
+
+def _bnn(structure: str):
+    torch.manual_seed(0)
+    x, y = torch.randn(20, 3), torch.randint(0, 2, (20,))
+    net = bdl.bayesianize(
+        nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), bdl.priors.Normal(1.0)
+    )
+    model = bdl.models.classifier(net, len(y))
+    guide = AutoSubnetLaplace(model, subnetwork="all", hessian_structure=structure)
+    guide(x, y)
+    guide.fit((x, y), check_mode=False)
+    return model, guide, (x, y)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+def test_a_fitted_guide_serves_pyro_elbos(structure):
+    """Pyro's BNN checks: a fitted Laplace guide is the guide of TraceMeanField_ELBO and of a
+    vectorized Trace_ELBO (finite losses, one particle dim per weight)."""
+    pyro.clear_param_store()
+    model, guide, (x, y) = _bnn(structure)
+    assert math.isfinite(TraceMeanField_ELBO().loss(model, guide, x, y))
+    elbo = Trace_ELBO(vectorize_particles=True, num_particles=4, max_plate_nesting=1)
+    assert math.isfinite(elbo.loss(model, guide, x, y))
+    with pyro.plate("particles", 4, dim=-2):
+        trace = poutine.trace(guide).get_trace(x, y)
+    weight = next(n for n in trace.nodes if n.endswith("weight"))
+    assert trace.nodes[weight]["value"].shape[:-2] == (4, 1)
+
+
+def test_a_fitted_guide_under_trace_suff_stat_elbo_takes_the_one_sample_fallback():
+    """TraceSuffStat_ELBO has no M-sample KL for a joint (auxiliary) latent site: it says so
+    with its KLFallbackWarning and uses the one-sample term, giving a finite loss."""
+    pyro.clear_param_store()
+    model, guide, (x, y) = _bnn("kron")
+    with pytest.warns(KLFallbackWarning, match="_AutoSubnetLaplace_latent"):
+        loss = TraceSuffStat_ELBO().loss(model, guide, x, y)
+    assert math.isfinite(loss)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("fitted", [False, True], ids=["unfitted-subnet", "fitted-kron"])
+def test_jit_trace_module_probes_the_properties(fitted):
+    """``hasattr`` probing (``torch.jit.trace_module``) reads a property an unfitted guide or a
+    kron posterior lacks as absent; reading it still gives the clear message."""
+    pyro.clear_param_store()
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    net = bdl.bayesianize(nn.Sequential(nn.Linear(3, 2)), bdl.priors.Normal(1.0))
+    model = bdl.models.classifier(net, len(y))
+    guide = AutoLaplace(model) if fitted else AutoSubnetLaplace(model, subnetwork="all")
+    guide(x, y)
+    if fitted:
+        guide.fit((x, y), check_mode=False)
+    assert not hasattr(guide, "covariance")
+    error, message = (
+        (StructureAttributeError, "hessian_structure='kron' never forms")
+        if fitted
+        else (NotFittedError, "call guide.fit")
+    )
+    with pytest.raises(error, match=message) as info:
+        _ = guide.covariance
+    assert isinstance(info.value, AttributeError)
+    torch.jit.trace_module(guide, {"forward": (x, y)}, check_trace=False, strict=False)

@@ -94,6 +94,7 @@ __all__ = [
     "AutoLaplace",
     "AutoSubnetLaplace",
     "NotFittedError",
+    "StructureAttributeError",
     "SubnetNormal",
 ]
 
@@ -105,8 +106,15 @@ HESSIAN_STRUCTURES = ("full", "kron", "diag")
 _LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian")
 
 
-class NotFittedError(RuntimeError):
-    """Raised when a post-hoc posterior is used before it was fitted."""
+class NotFittedError(RuntimeError, AttributeError):
+    """Raised when a post-hoc posterior is used before it was fitted (also an
+    ``AttributeError``, so that ``hasattr`` probing, as ``torch.jit`` does, reads a property of
+    an unfitted guide as absent)."""
+
+
+class StructureAttributeError(ValueError, AttributeError):
+    """Raised by a property the guide's Hessian structure does not form (also an
+    ``AttributeError``, so that ``hasattr`` probing reads it as absent)."""
 
 
 class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
@@ -291,12 +299,19 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         other structures give ``posterior.variances()``)."""
         self._check_fitted("covariance")
         if self.hessian_structure != "full":
-            raise ValueError(
+            raise StructureAttributeError(
                 f"covariance is the dense S × S matrix, which hessian_structure="
                 f"{self.hessian_structure!r} never forms; use guide.posterior.variances() for "
                 "the marginal variances."
             )
         return self.scale_tril @ self.scale_tril.T
+
+    def __getattr__(self, name: str):
+        # A property that raises an AttributeError (NotFittedError, StructureAttributeError)
+        # sends Python here; give its own message rather than nn.Module's "no attribute".
+        if isinstance(getattr(type(self), name, None), property):
+            getattr(type(self), name).fget(self)
+        return super().__getattr__(name)
 
     def __getstate__(self):
         self._user_model = None  # a model is often a closure, which cannot be pickled

@@ -178,13 +178,15 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
         for n, s in trace.nodes.items()
         if s["type"] == "sample"
         and not site_is_subsample(s)
+        and not s["infer"].get("_deterministic")  # pyro.deterministic records, not data
         and n not in layout
         and (s["is_observed"] or without_targets)
     ]
     if len(observed) != 1:
         raise ValueError(
-            f"AutoSubnetLaplace needs exactly one observed site in the model; found "
-            f"{observed or 'none'}. Pass the targets as the model's y argument."
+            f"AutoSubnetLaplace needs exactly one observed site in the model (pyro.deterministic "
+            f"sites aside); found {observed or 'none'}. Pass the targets as the model's y "
+            "argument."
         )
     fn = trace.nodes[observed[0]]["fn"]
     if isinstance(model, NetworkModel):
