@@ -117,6 +117,26 @@ class StructureAttributeError(ValueError, AttributeError):
     ``AttributeError``, so that ``hasattr`` probing reads it as absent)."""
 
 
+def _one_precision(value: Any) -> float:
+    """``prior_precision=`` as one positive float; refused with the ways to give more."""
+    numel = value.numel() if isinstance(value, torch.Tensor) else 1
+    if not isinstance(value, (int, float, torch.Tensor)) or isinstance(value, bool) or numel != 1:
+        got = (
+            f"a tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise ValueError(
+            f"prior_precision must be one number λ > 0 (a float or a one-element tensor), the "
+            f"precision of an isotropic prior over all weights; got {got}. For one precision "
+            "per layer or per weight declare it in the prior given to pyro_bdl.bayesianize "
+            "(and leave prior_precision=None), or tune it after fit with "
+            "tune_prior_precision(prior_structure='layerwise' or 'diagonal')."
+        )
+    check_positive("prior_precision", value, fix="Pass λ = 1/prior_scale² > 0.")
+    return float(value)
+
+
 class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
     r"""Subnetwork linearized Laplace: a MAP guide while training, then a GGN Laplace posterior
     over a subnetwork S after :meth:`fit`, full-covariance by default, or Kronecker-factored or
@@ -194,7 +214,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
     ):
         self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
         if prior_precision is not None:
-            check_positive("prior_precision", prior_precision, fix="Pass λ = 1/prior_scale² > 0.")
+            prior_precision = _one_precision(prior_precision)
         check_choice("prior_scaling", prior_scaling, PRIOR_SCALINGS)
         check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
         if hessian_structure == "kron" and self.rule.kind in ("random", "largest_variance"):
@@ -341,6 +361,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
                 head(batch, 1),
                 without_targets=without_targets,
                 values=values,
+                known=self.prototype_trace.nodes,  # type: ignore[attr-defined]
             )
 
     # ---- fitting ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from torch import nn
 
 from pyro_bdl._validation import check_finite
 from pyro_bdl.curvature.ggn import (
+    LIKELIHOODS,
     diagonal_ggn,
     linear_layer_ggn,
     output_hessian_factor,
@@ -62,6 +63,7 @@ __all__ = [
     "Observation",
     "ReduceFn",
     "check_reduce_fn",
+    "check_same_sites",
     "check_supported",
     "declared_precision",
     "eval_mode",
@@ -162,23 +164,36 @@ def read_outputs(fn) -> torch.Tensor:
     raise AssertionError("unreachable")
 
 
-def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = False, values=None):
+def observe(
+    model,
+    layout: SiteLayout,
+    args: tuple,
+    *,
+    without_targets: bool = False,
+    values=None,
+    known: Collection[str] | None = None,
+):
     """The :class:`Observation` of ``model(*args)``: its one observed site (called
     ``without_targets``, the one sample site that is not a weight site of ``layout``), the
     likelihood (declared by a :class:`~pyro_bdl.models.NetworkModel`, else read from the site)
     and the outputs' shape. ``values`` (site name -> value) holds the weights where they are,
-    since weights drawn from a broad prior can overflow a deep network's outputs."""
+    since weights drawn from a broad prior can overflow a deep network's outputs. ``known``
+    (the sample sites the guide was set up with) refuses a model that has grown or lost a site
+    since (:func:`check_same_sites`)."""
     if isinstance(model, NetworkModel):
         check_supported(model)
     run = poutine.condition(model, data=values) if values is not None else model
-    with torch.no_grad(), poutine.block():
+    # Reading the model draws any site it does not hold (the targets when called without them):
+    # the global random state is left as it was, so that reading (or a refusal) moves nothing.
+    cuda = {t.device.index or 0 for t in args if isinstance(t, torch.Tensor) and t.is_cuda}
+    with torch.random.fork_rng(devices=sorted(cuda)), torch.no_grad(), poutine.block():
         trace = poutine.trace(run).get_trace(*args)
+    if known is not None:
+        check_same_sites(trace, layout, known, targets=int(without_targets))
     observed = [
         n
         for n, s in trace.nodes.items()
-        if s["type"] == "sample"
-        and not site_is_subsample(s)
-        and not s["infer"].get("_deterministic")  # pyro.deterministic records, not data
+        if _is_data_or_latent(s)  # pyro.deterministic records are not data
         and n not in layout
         and (s["is_observed"] or without_targets)
     ]
@@ -198,6 +213,36 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
     return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1)
 
 
+def _is_data_or_latent(site: dict) -> bool:
+    return (
+        site["type"] == "sample"
+        and not site_is_subsample(site)
+        and not site["infer"].get("_deterministic")
+    )
+
+
+def check_same_sites(trace, layout: SiteLayout, known: Collection[str], *, targets: int = 0):
+    """Refuse a model whose trace has latent sites the guide was not set up with (``known``, the
+    latent sites of its prototype), or lacks one of its weight sites: the packed weights no
+    longer describe the model, and a new site would be drawn from its prior at every pass.
+    ``targets``: how many unobserved sites are the model's targets (1 when called without
+    them)."""
+    new = [
+        n
+        for n, s in trace.nodes.items()
+        if _is_data_or_latent(s) and not s["is_observed"] and n not in known
+    ]
+    missing = [n for n in layout.names if n not in trace.nodes]
+    if len(new) > targets or missing:
+        parts = [f"new sites {new}" + (" (one is the target)" if targets else "")] if new else []
+        parts += [f"missing sites {missing}"] if missing else []
+        raise ValueError(
+            f"the model has changed since the guide was set up: {' and '.join(parts)}; the "
+            f"guide packs {layout.names}. Create a new guide for the changed model, train its "
+            "MAP estimate and fit it."
+        )
+
+
 def check_supported(model) -> None:
     """Refuse a :class:`~pyro_bdl.models.NetworkModel` whose likelihood the linearized Laplace
     cannot take: a Gaussian whose σ is a latent site or comes from the network. The GGN and the
@@ -205,6 +250,13 @@ def check_supported(model) -> None:
     is read from the observed site at :meth:`fit`)."""
     if not isinstance(model, NetworkModel):
         return
+    if model.likelihood not in LIKELIHOODS:
+        raise ValueError(
+            f"AutoSubnetLaplace does not support likelihood={model.likelihood!r} (a token-level "
+            "language model): its GGN over every token position is not implemented. Use a "
+            "sequence classifier (pyro_bdl.models.classifier on a pooled output) for Laplace, or "
+            "AutoSWAG or a variational guide for the language model."
+        )
     if model.likelihood == "gaussian" and model.noise in ("learned", "heteroscedastic"):
         what = (
             "σ is a latent site (noise='learned')"
@@ -336,14 +388,22 @@ def check_reduce_fn(reduce_fn: Any) -> None:
         )
 
 
-def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor) -> torch.Tensor:
-    if reduce_fn is None:
-        return t
-    out = reduce_fn(t)
+def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` summed over ranks by ``reduce_fn``, refused unless finite: a non-finite curvature
+    would give a posterior of NaN variances (``what`` names the statistic in the message)."""
+    out = t if reduce_fn is None else reduce_fn(t)
     if not isinstance(out, torch.Tensor) or out.shape != t.shape:
         raise ValueError(
             f"reduce_fn must return a tensor of the shape it was given {tuple(t.shape)}; got "
             f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}."
+        )
+    if not bool(torch.isfinite(out).all()):
+        source = "reduce_fn returned" if reduce_fn is not None else "the fit computed"
+        raise ValueError(
+            f"{source} a non-finite {what} (NaN or inf); the Laplace posterior needs a finite "
+            "curvature, so nothing was fitted. Check that reduce_fn sums over ranks (an "
+            "all-reduce with op=SUM) and that the network's outputs on every rank's data are "
+            "finite."
         )
     return out
 
@@ -381,7 +441,7 @@ def _targets(batch: tuple) -> torch.Tensor:
 
 def _reduce_into(reduce_fn: ReduceFn | None, grad: torch.Tensor | None) -> None:
     if grad is not None:
-        grad.copy_(_reduce(reduce_fn, grad))
+        grad.copy_(_reduce(reduce_fn, grad, "gradient of the training loss"))
 
 
 def single_linear(layout: SiteLayout, index: torch.Tensor) -> KronBlock | None:
@@ -474,7 +534,7 @@ def fit_full(
             stats += _stats(out, batch, obs).cpu()
             del out, forward, slots
     _reduce_into(reduce_fn, grad)
-    return _reduce(reduce_fn, ggn), _reduce(reduce_fn, stats)
+    return _reduce(reduce_fn, ggn, "GGN"), _reduce(reduce_fn, stats, "fit statistics")
 
 
 def fit_diag(
@@ -514,11 +574,13 @@ def fit_diag(
             ).double()
             if stats:
                 total += _stats(seen[0], batch, obs).cpu()
-    diag = _reduce(reduce_fn, diag if index is None else diag[index.to(diag.device)])
+    diag = _reduce(
+        reduce_fn, diag if index is None else diag[index.to(diag.device)], "GGN diagonal"
+    )
     if grad is not None and every is not None:
         grad += every if index is None else every[index.to(every.device)]
         _reduce_into(reduce_fn, grad)
-    return diag, (_reduce(reduce_fn, total) if stats else None)
+    return diag, (_reduce(reduce_fn, total, "fit statistics") if stats else None)
 
 
 def fit_kron(
@@ -563,9 +625,9 @@ def fit_kron(
         for block, part in zip(blocks, grad_sums):
             grad[block.positions.reshape(-1).to(grad.device)] += part.reshape(-1)
         _reduce_into(reduce_fn, grad)
-    a_sums = [_reduce(reduce_fn, a) for a in a_sums]
-    g_sums = [_reduce(reduce_fn, g) for g in g_sums]
-    return blocks, a_sums, g_sums, _reduce(reduce_fn, stats)
+    a_sums = [_reduce(reduce_fn, a, "Kronecker factor A") for a in a_sums]
+    g_sums = [_reduce(reduce_fn, g, "Kronecker factor G") for g in g_sums]
+    return blocks, a_sums, g_sums, _reduce(reduce_fn, stats, "fit statistics")
 
 
 def jacobians(
@@ -631,7 +693,7 @@ def training_loss_gradient(
                     for g, u in zip(grads, leaves)
                 ]
             ).double()
-    return _reduce(reduce_fn, grad[index.to(grad.device)])
+    return _reduce(reduce_fn, grad[index.to(grad.device)], "gradient of the training loss")
 
 
 #: How many standard deviations of χ²_S above its mean S the squared Mahalanobis distance from
