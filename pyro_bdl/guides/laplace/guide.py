@@ -509,13 +509,16 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         (``num_samples`` draws):
         :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
 
-        :param torch.Tensor x: inputs, the model's first argument.
+        :param x: inputs, the model's first argument: a tensor or a dict of tensors.
         """
         check_choice("link", link, LINKS)
         check_positive_int("num_samples", num_samples)
         self._check_fitted("predict")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
+        if not isinstance(x, (torch.Tensor, Mapping)):
+            raise TypeError(
+                f"x must be a torch.Tensor or a dict of tensors (a structured batch); got "
+                f"{type(x).__name__}."
+            )
         obs = self._observe((x,), without_targets=True)
         posterior = self.posterior
         chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in self._jacobians((x,), obs))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,7 @@ __all__ = [
     "NotAtModeWarning",
     "Observation",
     "ReduceFn",
+    "batch_leaves",
     "check_reduce_fn",
     "check_same_sites",
     "check_supported",
@@ -80,6 +81,7 @@ __all__ = [
     "observe",
     "read_outputs",
     "residual",
+    "rows_of",
     "training_loss_gradient",
     "warn_if_not_at_mode",
 ]
@@ -185,7 +187,8 @@ def observe(
     run = poutine.condition(model, data=values) if values is not None else model
     # Reading the model draws any site it does not hold (the targets when called without them):
     # the global random state is left as it was, so that reading (or a refusal) moves nothing.
-    cuda = {t.device.index or 0 for t in args if isinstance(t, torch.Tensor) and t.is_cuda}
+    leaves = batch_leaves(args).values()
+    cuda = {t.device.index or 0 for t in leaves if t.is_cuda}
     with torch.random.fork_rng(devices=sorted(cuda)), torch.no_grad(), poutine.block():
         trace = poutine.trace(run).get_trace(*args)
     if known is not None:
@@ -327,34 +330,72 @@ def declared_precision(layout: SiteLayout, index: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(torch.float64)
 
 
+def batch_leaves(item: Any, name: str = "x") -> dict[str, torch.Tensor]:
+    """The tensors of a batch or of one of its entries, by name: a tensor, a mapping of tensors
+    (a structured batch, passed to the network as keyword arguments) or a tuple of them."""
+    if isinstance(item, torch.Tensor):
+        return {name: item}
+    if isinstance(item, Mapping):
+        parts = [batch_leaves(v, f"{name}[{k!r}]") for k, v in item.items()]
+    elif isinstance(item, (tuple, list)):
+        parts = [batch_leaves(v, f"{name}[{i}]") for i, v in enumerate(item)]
+    else:
+        return {}
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def rows_of(item: Any, rows: slice) -> Any:
+    """``item`` with every tensor in it (inside mappings and tuples too) sliced along dim 0."""
+    if isinstance(item, torch.Tensor):
+        return item[rows]
+    if isinstance(item, Mapping):
+        return {k: rows_of(v, rows) for k, v in item.items()}
+    if isinstance(item, (tuple, list)):
+        return type(item)(rows_of(v, rows) for v in item)
+    return item
+
+
 def head(batch: tuple, n: int) -> tuple:
-    """The first ``n`` rows of every tensor of a batch."""
-    return tuple(t[:n] if isinstance(t, torch.Tensor) else t for t in batch)
+    """The first ``n`` rows of every tensor of a batch (inside mappings and tuples too)."""
+    return tuple(rows_of(t, slice(0, n)) for t in batch)
+
+
+def _one_batch(data: Any) -> bool:
+    # One batch (x, y): tensors or mappings of tensors (a structured x); anything else
+    # iterable is a sequence of batches (a DataLoader, a list of (x, y)).
+    return (
+        isinstance(data, (tuple, list))
+        and bool(data)
+        and all(isinstance(t, (torch.Tensor, Mapping)) for t in data)
+    )
 
 
 def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
-    """Chunks of at most ``batch_size`` rows from a tuple of tensors or a DataLoader."""
-    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+    """Chunks of at most ``batch_size`` rows from a tuple ``(x, y)`` or a DataLoader of them;
+    ``x`` may be a tensor or a mapping (or tuple) of tensors, every tensor sliced by rows."""
+    if _one_batch(data):
         batches: Iterable = [tuple(data)]
-    elif isinstance(data, Iterable) and not isinstance(data, (torch.Tensor, str, dict)):
+    elif isinstance(data, Iterable) and not isinstance(data, (torch.Tensor, str, Mapping)):
         batches = data
     else:
         raise TypeError(
-            "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); got "
-            f"{type(data).__name__}."
+            "data must be a tuple (x, y) of tensors (x may be a dict of tensors) or a "
+            f"DataLoader yielding (x, y); got {type(data).__name__}."
         )
     empty = True
     for batch in batches:
-        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-        if not any(isinstance(t, torch.Tensor) for t in batch):
+        batch = (batch,) if isinstance(batch, (torch.Tensor, Mapping)) else tuple(batch)
+        leaves: dict[str, torch.Tensor] = {}
+        for i, t in enumerate(batch):
+            leaves.update(batch_leaves(t, "x" if i == 0 else "y" if i == 1 else f"data[{i}]"))
+        if not leaves:
             raise TypeError(
-                "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
+                "data must be a tuple (x, y) of tensors or a DataLoader yielding (x, y); a "
                 f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
             )
-        for i, t in enumerate(batch):
-            if isinstance(t, torch.Tensor):
-                check_finite(f"data tensor {i} (0: x, 1: y)", t)
-        rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
+        for name, t in leaves.items():
+            check_finite(f"data tensor {name}", t)
+        rows = {t.shape[0] if t.dim() else 0 for t in leaves.values()}
         if len(rows) != 1 or 0 in rows:
             raise ValueError(
                 f"every tensor of a batch needs the same, non-zero number of rows; got "
@@ -363,9 +404,7 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
         n = rows.pop()
         for start in range(0, n, batch_size):
             empty = False
-            yield tuple(
-                t[start : start + batch_size] if isinstance(t, torch.Tensor) else t for t in batch
-            )
+            yield tuple(rows_of(t, slice(start, start + batch_size)) for t in batch)
     if empty:
         raise ValueError("data is empty; fit needs at least one example.")
 
@@ -483,7 +522,7 @@ def fit_full(
     count = index.numel()
     budget = chunk_budget(count, obs.outputs, batch_size, item, chunk_memory)
     # Measured on the first rows; the weights and the data are not the chunk's memory.
-    tensors = [t for t in first if isinstance(t, torch.Tensor)]
+    tensors = list(batch_leaves(first).values())
     net = network(model)
     owned = [*net.parameters(), *net.buffers()] if net is not None else []
     exclude = [loc, *tensors, *owned]
