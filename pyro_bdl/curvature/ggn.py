@@ -26,8 +26,10 @@ from pyro_bdl.curvature.jacobian import (
     as_matrix,
     batch_gradient,
     capture,
+    exact,
     per_example_full,
     placements,
+    widened,
 )
 
 __all__ = [
@@ -51,7 +53,7 @@ def output_hessian_factor(
     - p\sqrt p^\top`; Bernoulli (C independent logits, C = 1 for a binary classifier):
     :math:`L = \mathrm{diag}(\sqrt{p(1-p)})`; Gaussian: :math:`I/\sigma`.
     """
-    out = as_matrix(outputs).detach()
+    out = widened(as_matrix(outputs).detach())
     b, c = out.shape
     if likelihood == "categorical":
         p = out.softmax(-1)
@@ -82,7 +84,12 @@ def subnet_ggn(
     (B, C, K), accumulated in ``dtype`` (default: ``jac``'s, or ``out``'s). With ``out`` the sum
     is added to it in place (no second S × S matrix) and ``out`` is returned. Columns are taken
     ``block`` at a time, so that each product stays one large matrix multiplication."""
-    dtype = out.dtype if out is not None else dtype or jac.dtype
+    dtype = out.dtype if out is not None else dtype or widened(jac).dtype
+    with exact(jac.device):
+        return _subnet_ggn(jac, factor, dtype, out, block)
+
+
+def _subnet_ggn(jac, factor, dtype, out, block: int) -> torch.Tensor:
     m = torch.einsum("bck,bcs->bks", factor.to(dtype), jac.to(dtype)).reshape(-1, jac.shape[-1])
     if out is None:
         out = m.new_zeros(m.shape[1], m.shape[1])
@@ -134,11 +141,19 @@ def linear_layer_ggn(
     factor = factor_fn(f).detach()
     g = torch.stack(
         [
-            torch.autograd.grad(f, z, grad_outputs=factor[:, :, k], retain_graph=True)[0]
+            torch.autograd.grad(f, z, grad_outputs=factor[:, :, k].to(f), retain_graph=True)[0]
             for k in range(factor.shape[-1])
         ],
         -1,
     )
+    with exact(out.device):
+        _linear_products(g, a, z, f, bias, positions, out, residual_fn, grad)
+    return widened(f.detach())
+
+
+def _linear_products(g, a, z, f, bias, positions, out, residual_fn, grad) -> None:
+    """The sums of :func:`linear_layer_ggn` (and its gradient) from the layer's output
+    gradients ``g`` (B, O, K), input ``a`` and output ``z``, in ``out``'s dtype."""
     dtype = out.dtype
     g = g.to(dtype)
     phi = a.to(dtype)
@@ -156,7 +171,6 @@ def linear_layer_ggn(
         scaled = (lam[:, i, :, None] * phi[:, None, :]).reshape(b, o * k)
         block[i * k : (i + 1) * k] = phi.T @ scaled
     out.index_put_((flat[:, None], flat[None, :]), block, accumulate=True)
-    return f.detach()
 
 
 def diagonal_ggn(
@@ -183,7 +197,7 @@ def diagonal_ggn(
     with capture(fast_modules) as calls:  # type: ignore[arg-type]
         out = as_matrix(forward())
     factor = factor_fn(out).detach()
-    diag = torch.zeros(every.numel(), dtype=out.dtype, device=out.device)
+    diag = torch.zeros(every.numel(), dtype=widened(out).dtype, device=out.device)
     pairs = [(m, call) for m in fast_modules for call in calls[m]]
     zs = [z for _, (_, z) in pairs]
     fallback = [(s, pos) for s, k, _, pos in placed if not k]
@@ -198,7 +212,7 @@ def diagonal_ggn(
         assert target is not None
         if zs:
             grads = torch.autograd.grad(
-                out, zs, grad_outputs=v, retain_graph=True, allow_unused=True
+                out, zs, grad_outputs=v.to(out), retain_graph=True, allow_unused=True
             )
             g_of = {id(z): g for z, g in zip(zs, grads)}
             for slot, kind, _, pos in placed:
@@ -230,7 +244,7 @@ def diagonal_ggn(
             )
             for (_, pos), g in zip(fallback, grads):
                 if g is not None:
-                    diag[pos.to(diag.device)] += g.reshape(-1).square()
+                    diag[pos.to(diag.device)] += widened(g.reshape(-1)).square()
         if fallback and not square:
             grads = torch.autograd.grad(
                 (out * v).sum(), values, retain_graph=True, allow_unused=True

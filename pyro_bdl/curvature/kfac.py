@@ -113,7 +113,7 @@ def kfac_sums(
         grads = torch.autograd.grad(
             out,
             zs,
-            grad_outputs=factor[:, :, k : k + step].permute(2, 0, 1),
+            grad_outputs=factor[:, :, k : k + step].permute(2, 0, 1).to(out),
             retain_graph=True,
             allow_unused=True,
             is_grads_batched=True,

@@ -49,7 +49,7 @@ from pyro_bdl.curvature.ggn import (
     output_hessian_factor,
     subnet_ggn,
 )
-from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian
+from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian, widened
 from pyro_bdl.curvature.kfac import kfac_sums
 from pyro_bdl.curvature.memory import chunk_budget, chunk_rows, forward_rows
 from pyro_bdl.guides.laplace.evidence import fit_statistics
@@ -460,7 +460,7 @@ def residual(f: torch.Tensor, y: torch.Tensor, obs: Observation) -> torch.Tensor
     (B, C): with the Jacobians of a fit pass, :math:`\sum_n J_n^\top r_n` is the gradient of
     the negative log-likelihood, which the mode check needs (:func:`warn_if_not_at_mode`)."""
     with torch.enable_grad():
-        leaf = f.detach().requires_grad_(True)
+        leaf = widened(f.detach()).requires_grad_(True)
         return torch.autograd.grad(_negative_log_likelihood(leaf, y, obs), leaf)[0]
 
 
