@@ -83,8 +83,9 @@ from pyro_bdl.guides.laplace.posterior import (
     posterior_factor,
     predictive,
 )
+from pyro_bdl.guides.laplace.state import HESSIAN_STRUCTURES, state_errors
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
-from pyro_bdl.guides.state_checks import CheckedLoad, shape_of
+from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
@@ -100,8 +101,6 @@ __all__ = [
 
 #: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
 PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
-#: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace.posterior`).
-HESSIAN_STRUCTURES = ("full", "kron", "diag")
 #: The likelihoods a fit reads ("" before any fit), in the order the packed state codes them.
 _LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian")
 
@@ -273,13 +272,14 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         # As AutoContinuous does: the batch dims of ``latent`` (vectorized particles) broadcast
         # against the site's plate dims instead of being prepended to them, so a site inside a
         # plate keeps one particle dim.
+        # One split (not a slice per site), whose backward is one cat rather than a
+        # zero-filled D-vector per site.
         nodes = self.prototype_trace.nodes
         batch = latent.shape[:-1]
-        for site in self.layout:
+        for site, part in zip(self.layout, latent.split(self.layout.sizes, dim=-1)):
             node = nodes[site.name]
             event_dim = node["fn"].event_dim + len(site.shape) - node["value"].dim()
-            shape = torch.broadcast_shapes(site.shape, batch + (1,) * event_dim)
-            yield node, latent[..., site.slice].reshape(shape)
+            yield node, part.reshape(torch.broadcast_shapes(site.shape, batch + (1,) * event_dim))
 
     @property
     def fitted(self) -> bool:
@@ -774,59 +774,14 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         state_dict.setdefault(prefix + "_extra_state", None)
 
     def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
-        """The buffers ``fit`` sizes must describe one subnetwork of the size this guide's rule
-        selects on this model."""
-        get = lambda name: state_dict.get(prefix + name)  # noqa: E731
-        index, loc = get("subnet_index"), getattr(self, "loc", None)
-        if not isinstance(index, torch.Tensor) or index.numel() == 0:
-            return []  # an unfitted state: nothing sized
-        errors, count = [], index.numel()
-        if index.dtype != torch.long or index.dim() != 1:
-            errors.append(f"{prefix}subnet_index: expected a 1-d LongTensor; got {index.dtype}")
-        elif isinstance(loc, torch.Tensor) and not 0 <= int(index.min()) <= int(index.max()) < len(
-            loc
-        ):
-            errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
-        extra = get("_extra_state")
-        structure = "full"  # a state saved before the packed extra state held only "full"
-        if isinstance(extra, torch.Tensor) and extra.numel() >= 8:
-            code = float(extra[0])
-            known = code in range(len(HESSIAN_STRUCTURES))
-            structure = HESSIAN_STRUCTURES[int(code)] if known else f"unknown (code {code:g})"
-        if structure != self.hessian_structure:
-            errors.append(
-                f"{prefix}_extra_state: the state holds a {structure!r} posterior; this guide "
-                f"has hessian_structure={self.hessian_structure!r}"
-            )
-        dense = (count, count) if self.hessian_structure == "full" else (0,)
-        expected: dict[str, tuple[int, ...]] = {"ggn": dense, "scale_tril": dense}
-        if isinstance(loc, torch.Tensor):
-            expected["map_loc"] = tuple(loc.shape)
-        for name, shape in expected.items():
-            value = get(name)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                errors.append(
-                    f"{prefix + name!r}: a subnetwork of {count} weights needs shape {shape}; "
-                    f"the state has {shape_of(value)}"
-                )
-        precision = get("prior_precision")
-        if isinstance(precision, torch.Tensor) and tuple(precision.shape) not in ((), (count,)):
-            errors.append(
-                f"{prefix}prior_precision: expected shape () or ({count},); got "
-                f"{shape_of(precision)}"
-            )
-        rule, layout = getattr(self, "rule", None), getattr(self, "layout", None)
-        if rule is not None and layout is not None:
-            try:
-                size = rule.size_of(layout)
-            except ValueError:
-                size = None
-            if size is not None and size != count:
-                errors.append(
-                    f"{prefix + 'subnet_index'!r}: the state was fitted on a subnetwork of {count} "
-                    f"weights; this guide's rule (subnetwork={rule.kind!r}) selects {size}"
-                )
-        return errors
+        return state_errors(
+            state_dict,
+            prefix,
+            hessian_structure=self.hessian_structure,
+            loc=getattr(self, "loc", None),
+            rule=getattr(self, "rule", None),
+            layout=getattr(self, "layout", None),
+        )
 
 
 class AutoLaplace(AutoSubnetLaplace):

@@ -379,7 +379,7 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
         batches = data
     else:
         raise TypeError(
-            "data must be a tuple (x, y) of tensors (x may be a dict of tensors) or a "
+            "data must be a tuple of tensors (x, y), x possibly a dict of tensors, or a "
             f"DataLoader yielding (x, y); got {type(data).__name__}."
         )
     empty = True
@@ -387,10 +387,10 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
         batch = (batch,) if isinstance(batch, (torch.Tensor, Mapping)) else tuple(batch)
         leaves: dict[str, torch.Tensor] = {}
         for i, t in enumerate(batch):
-            leaves.update(batch_leaves(t, "x" if i == 0 else "y" if i == 1 else f"data[{i}]"))
+            leaves.update(batch_leaves(t, f"{i} (0: x, 1: y)"))
         if not leaves:
             raise TypeError(
-                "data must be a tuple (x, y) of tensors or a DataLoader yielding (x, y); a "
+                "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
                 f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
             )
         for name, t in leaves.items():
