@@ -94,46 +94,40 @@ def test_a_non_finite_reduced_curvature_is_refused(structure, fitted):
     assert guide.fitted == fitted
 
 
-def test_a_grown_model_is_refused_naming_the_new_site():
-    pyro.clear_param_store()
-    grow = [False]
+def _switchable(with_b: list):
+    """A regression on w, plus a site b while ``with_b[0]``; its guide, set up as it is now."""
 
     def model(x, y=None):
-        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
-        f = x @ w
-        if grow[0]:
+        f = x @ pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        if with_b[0]:
             f = f + pyro.sample("b", dist.Normal(0.0, 1.0))
         with pyro.plate("data", len(x)):
             pyro.sample("obs", dist.Normal(f, 0.5), obs=y)
 
+    pyro.clear_param_store()
     x, y = _data()[0], torch.randn(20)
     guide = AutoSubnetLaplace(model, subnetwork="all", prior_precision=1.0)
     guide(x, y)
-    grow[0] = True
+    return guide, x, y
+
+
+def test_a_grown_model_is_refused_naming_the_new_site():
+    with_b = [False]
+    guide, x, y = _switchable(with_b)
+    with_b[0] = True
     match = r"model has changed .* new sites \['b'\]; the guide packs \['w'\]\. Create a new guide"
     _refuses(guide, lambda: guide.fit((x, y)), ValueError, match)
-    grow[0] = False
+    with_b[0] = False
     guide.fit((x, y), check_mode=False)
-    grow[0] = True
+    with_b[0] = True
     match = r"new sites \['b', 'obs'\] \(one is the target\).*Create a new guide"
     _refuses(guide, lambda: guide.predict(x), ValueError, match)
 
 
 def test_a_shrunk_model_is_refused_naming_the_missing_site():
-    pyro.clear_param_store()
-    keep = [True]
-
-    def model(x, y=None):
-        f = x @ pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
-        if keep[0]:
-            f = f + pyro.sample("b", dist.Normal(0.0, 1.0))
-        with pyro.plate("data", len(x)):
-            pyro.sample("obs", dist.Normal(f, 0.5), obs=y)
-
-    x, y = _data()[0], torch.randn(20)
-    guide = AutoSubnetLaplace(model, subnetwork="all", prior_precision=1.0)
-    guide(x, y)
-    keep[0] = False
+    with_b = [True]
+    guide, x, y = _switchable(with_b)
+    with_b[0] = False
     _refuses(guide, lambda: guide.fit((x, y)), ValueError, r"missing sites \['b'\].*new guide")
 
 
