@@ -24,9 +24,12 @@ import torch
 from pyro_bdl.curvature.jacobian import (
     ParamSlot,
     as_matrix,
+    batch_gradient,
     capture,
+    exact,
     per_example_full,
     placements,
+    widened,
 )
 
 __all__ = [
@@ -50,7 +53,7 @@ def output_hessian_factor(
     - p\sqrt p^\top`; Bernoulli (C independent logits, C = 1 for a binary classifier):
     :math:`L = \mathrm{diag}(\sqrt{p(1-p)})`; Gaussian: :math:`I/\sigma`.
     """
-    out = as_matrix(outputs).detach()
+    out = widened(as_matrix(outputs).detach())
     b, c = out.shape
     if likelihood == "categorical":
         p = out.softmax(-1)
@@ -81,7 +84,12 @@ def subnet_ggn(
     (B, C, K), accumulated in ``dtype`` (default: ``jac``'s, or ``out``'s). With ``out`` the sum
     is added to it in place (no second S × S matrix) and ``out`` is returned. Columns are taken
     ``block`` at a time, so that each product stays one large matrix multiplication."""
-    dtype = out.dtype if out is not None else dtype or jac.dtype
+    dtype = out.dtype if out is not None else dtype or widened(jac).dtype
+    with exact(jac.device):
+        return _subnet_ggn(jac, factor, dtype, out, block)
+
+
+def _subnet_ggn(jac, factor, dtype, out, block: int) -> torch.Tensor:
     m = torch.einsum("bck,bcs->bks", factor.to(dtype), jac.to(dtype)).reshape(-1, jac.shape[-1])
     if out is None:
         out = m.new_zeros(m.shape[1], m.shape[1])
@@ -103,6 +111,9 @@ def linear_layer_ggn(
     positions: torch.Tensor,
     factor_fn: Callable[[torch.Tensor], torch.Tensor],
     out: torch.Tensor,
+    *,
+    residual_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     r"""Add the exact GGN of one ``Linear`` layer (weights ``[W, b]``, O × k) to ``out`` (S × S,
     in place, in its dtype) and return the detached outputs (B, C); ``None`` (nothing added) when
@@ -118,6 +129,9 @@ def linear_layer_ggn(
     K batched backward passes to the layer's output and O products of k × B × S instead of one
     of S × BK × S.
     ``positions`` (O, k [+1]) are the subnetwork positions of the entries of ``[W, b]``.
+    With ``residual_fn`` (outputs (B, C) -> :math:`r` (B, C)) the gradient
+    :math:`\sum_n J_n^\top r_n` is added to ``grad`` (S,) from one more backward pass to the
+    layer's output, which the forward pass already built.
     """
     with capture([module]) as calls:
         f = as_matrix(forward())
@@ -127,25 +141,36 @@ def linear_layer_ggn(
     factor = factor_fn(f).detach()
     g = torch.stack(
         [
-            torch.autograd.grad(f, z, grad_outputs=factor[:, :, k], retain_graph=True)[0]
+            torch.autograd.grad(f, z, grad_outputs=factor[:, :, k].to(f), retain_graph=True)[0]
             for k in range(factor.shape[-1])
         ],
         -1,
     )
+    with exact(out.device):
+        _linear_products(g, a, z, f, bias, positions, out, residual_fn, grad)
+    return widened(f.detach())
+
+
+def _linear_products(g, a, z, f, bias, positions, out, residual_fn, grad) -> None:
+    """The sums of :func:`linear_layer_ggn` (and its gradient) from the layer's output
+    gradients ``g`` (B, O, K), input ``a`` and output ``z``, in ``out``'s dtype."""
     dtype = out.dtype
     g = g.to(dtype)
-    lam = g @ g.transpose(1, 2)  # (B, O, O)
     phi = a.to(dtype)
     if bias:
         phi = torch.cat([phi, phi.new_ones(phi.shape[0], 1)], 1)
+    flat = positions.reshape(-1).to(out.device)
+    if residual_fn is not None and grad is not None:
+        r = residual_fn(f.detach())
+        gz = torch.autograd.grad(f, z, grad_outputs=r.to(f), retain_graph=True)[0]
+        grad.index_add_(0, flat, (gz.to(grad.dtype).T @ phi.to(grad.dtype)).reshape(-1))
+    lam = g @ g.transpose(1, 2)  # (B, O, O)
     b, o, k = phi.shape[0], lam.shape[1], phi.shape[1]
     block = out.new_empty(o * k, o * k)
     for i in range(o):
         scaled = (lam[:, i, :, None] * phi[:, None, :]).reshape(b, o * k)
         block[i * k : (i + 1) * k] = phi.T @ scaled
-    flat = positions.reshape(-1).to(out.device)
     out.index_put_((flat[:, None], flat[None, :]), block, accumulate=True)
-    return f.detach()
 
 
 def diagonal_ggn(
@@ -154,12 +179,17 @@ def diagonal_ggn(
     factor_fn: Callable[[torch.Tensor], torch.Tensor],
     *,
     batch_chunk: int = 16,
+    residual_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Diagonal of :math:`\sum_n J_n^\top \Lambda_n J_n` over every packed weight: shape (D,).
 
     ``factor_fn(outputs)`` returns :math:`L` (B, C, K) with :math:`LL^\top = \Lambda`; the
     diagonal is :math:`\sum_{n,k} (\partial (L_{n,:,k}^\top f_n) / \partial\theta)^2`, squared
     per example. Per-example gradients are formed ``batch_chunk`` examples at a time.
+    With ``residual_fn`` (outputs (B, C) -> :math:`r` (B, C)) the gradient
+    :math:`\sum_n J_n^\top r_n` is added to ``grad`` (D,), taken as one more column of the
+    same backward passes.
     """
     every = torch.arange(sum(s.value.numel() for s in slots))
     placed = placements(slots, every)
@@ -167,20 +197,33 @@ def diagonal_ggn(
     with capture(fast_modules) as calls:  # type: ignore[arg-type]
         out = as_matrix(forward())
     factor = factor_fn(out).detach()
-    diag = torch.zeros(every.numel(), dtype=out.dtype, device=out.device)
+    diag = torch.zeros(every.numel(), dtype=widened(out).dtype, device=out.device)
     pairs = [(m, call) for m in fast_modules for call in calls[m]]
     zs = [z for _, (_, z) in pairs]
     fallback = [(s, pos) for s, k, _, pos in placed if not k]
     b = out.shape[0]
-    for k in range(factor.shape[-1]):
-        v = factor[:, :, k]
+    columns = [factor[:, :, k] for k in range(factor.shape[-1])]
+    if residual_fn is not None and grad is not None:
+        columns.append(residual_fn(out.detach()).to(out))
+    for k, v in enumerate(columns):
+        # The last column is the residual when one is given: summed, not squared, per example.
+        square = k < factor.shape[-1]
+        target = diag if square else grad
+        assert target is not None
         if zs:
             grads = torch.autograd.grad(
-                out, zs, grad_outputs=v, retain_graph=True, allow_unused=True
+                out, zs, grad_outputs=v.to(out), retain_graph=True, allow_unused=True
             )
             g_of = {id(z): g for z, g in zip(zs, grads)}
             for slot, kind, _, pos in placed:
                 if not kind:
+                    continue
+                if not square:  # a gradient: summed over the batch, no per-example tensor
+                    for a, z in calls[slot.module]:  # type: ignore[index]
+                        g = g_of[id(z)]
+                        if g is not None:
+                            part = batch_gradient(slot, kind, a, g).to(target.dtype)
+                            target[pos.to(target.device)] += part
                     continue
                 for start in range(0, b, batch_chunk):
                     rows = slice(start, start + batch_chunk)
@@ -194,12 +237,19 @@ def diagonal_ggn(
                         per_example = part if per_example is None else per_example + part
                     if per_example is not None:
                         diag[pos.to(diag.device)] += per_example.square().sum(0)
-        for i in range(b if fallback else 0):
-            values = [s.value for s, _ in fallback]
+        values = [s.value for s, _ in fallback]
+        for i in range(b if fallback and square else 0):
             grads = torch.autograd.grad(
                 (out[i] * v[i]).sum(), values, retain_graph=True, allow_unused=True
             )
             for (_, pos), g in zip(fallback, grads):
                 if g is not None:
-                    diag[pos.to(diag.device)] += g.reshape(-1).square()
+                    diag[pos.to(diag.device)] += widened(g.reshape(-1)).square()
+        if fallback and not square:
+            grads = torch.autograd.grad(
+                (out * v).sum(), values, retain_graph=True, allow_unused=True
+            )
+            for (_, pos), g in zip(fallback, grads):
+                if g is not None:
+                    target[pos.to(target.device)] += g.reshape(-1).to(target.dtype)
     return diag

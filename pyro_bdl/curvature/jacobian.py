@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ParamSlot", "subnet_jacobian"]
+__all__ = ["ParamSlot", "exact", "subnet_jacobian", "widened"]
 
 
 class ParamSlot(NamedTuple):
@@ -46,6 +46,20 @@ class ParamSlot(NamedTuple):
     value: torch.Tensor
     module: nn.Module | None
     name: str
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 when it is in a narrower float (bfloat16, float16, as a network run under
+    ``torch.autocast`` gives): curvature is accumulated in float32 or float64, never narrower."""
+    if t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
+        return t.float()
+    return t
+
+
+def exact(device: torch.device) -> contextlib.AbstractContextManager:
+    """A block where ``torch.autocast`` is off on ``device``, so that the products that
+    accumulate curvature run in their operands' (widened) dtype rather than the autocast one."""
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 def fast_kind(slot: ParamSlot) -> str | None:
@@ -104,11 +118,25 @@ def _select(slot: ParamSlot, a, g, local: torch.Tensor, budget: int = 1 << 20):
 
 
 def per_example_full(slot: ParamSlot, kind: str, a, g) -> torch.Tensor:
-    """Per-example gradient of the whole tensor, (B, numel); callers chunk the batch."""
+    """Per-example gradient of the whole tensor, (B, numel), in float32 or wider; callers chunk
+    the batch."""
     a, g = input_factor(kind, slot.module, a), grad_factor(kind, g)  # type: ignore[arg-type]
+    a, g = widened(a), widened(g)
     if slot.name == "bias":
         return g.sum(-1)
-    return torch.einsum("bot,bkt->bok", g, a).flatten(1)
+    with exact(g.device):
+        return torch.einsum("bot,bkt->bok", g, a).flatten(1)
+
+
+def batch_gradient(slot: ParamSlot, kind: str, a, g) -> torch.Tensor:
+    """The gradient of the whole tensor summed over the batch, (numel,): what
+    :func:`per_example_full` gives summed over examples, without the per-example tensor."""
+    a, g = input_factor(kind, slot.module, a), grad_factor(kind, g)  # type: ignore[arg-type]
+    a, g = widened(a), widened(g)
+    if slot.name == "bias":
+        return g.sum((0, -1))
+    with exact(g.device):
+        return torch.einsum("bot,bkt->ok", g, a).flatten()
 
 
 @contextlib.contextmanager
@@ -178,7 +206,7 @@ def subnet_jacobian(
     with capture(fast_modules) as calls:  # type: ignore[arg-type]
         out = as_matrix(forward())
     b, c = out.shape
-    jac = out.new_zeros(b, c, index.numel())
+    jac = widened(out).new_zeros(b, c, index.numel())
     pairs = [(m, call) for m in fast_modules for call in calls[m]]
     zs = [z for _, (_, z) in pairs]
     fallback = [(s, loc, pos) for s, k, loc, pos in placed if not k]
@@ -201,18 +229,19 @@ def subnet_jacobian(
                     # The unfolded input does not depend on the output: build it once.
                     if id(z) not in unfolded:
                         unfolded[id(z)] = input_factor(kind, slot.module, a)  # type: ignore[arg-type]
-                    part = _select(
-                        slot,
-                        unfolded[id(z)],
-                        grad_factor(kind, g),
-                        loc.to(a.device),
-                        select_numbers,
-                    )
+                    with exact(jac.device):
+                        part = _select(
+                            slot,
+                            widened(unfolded[id(z)]),
+                            widened(grad_factor(kind, g)),
+                            loc.to(a.device),
+                            select_numbers,
+                        )
                     jac[:, j, pos.to(jac.device)] += part
         for i in range(b if fallback else 0):
             values = [s.value for s, _, _ in fallback]
             grads = torch.autograd.grad(out[i, j], values, retain_graph=True, allow_unused=True)
             for (_, loc, pos), g in zip(fallback, grads):
                 if g is not None:
-                    jac[i, j, pos.to(jac.device)] = g.reshape(-1)[loc.to(g.device)]
-    return (jac, out.detach()) if return_outputs else jac
+                    jac[i, j, pos.to(jac.device)] = g.reshape(-1)[loc.to(g.device)].to(jac)
+    return (jac, widened(out.detach())) if return_outputs else jac

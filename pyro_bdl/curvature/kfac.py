@@ -66,6 +66,8 @@ def kfac_sums(
     g_sums: list[torch.Tensor],
     *,
     grad_bytes: int = 32 << 20,
+    residual_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    grad_sums: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     r"""Add one batch's :math:`\frac1T\sum \bar a\bar a^\top` to ``a_sums`` and
     :math:`\sum g g^\top` to ``g_sums`` (one entry per layer, in place, in their dtype) and
@@ -74,12 +76,20 @@ def kfac_sums(
     ``factor_fn(outputs)`` gives :math:`L` (B, C, K); one vmapped backward pass per group of
     columns k, as many as keep the gradients at the layers' outputs within ``grad_bytes``
     (at least one). A layer called several times contributes every call as further positions t.
+    With ``residual_fn`` (outputs (B, C) -> :math:`r` (B, C)) the gradient
+    :math:`\sum_n J_n^\top r_n` of each layer's :math:`\bar W` (out × k [+1]) is added to
+    ``grad_sums``, taken as one more column of the same backward passes.
     """
     modules = [layer.module for layer in layers]
     with capture(modules) as calls:
         out = as_matrix(forward())
     factor = factor_fn(out).detach()
+    kept = factor.shape[-1]  # columns of L; a residual column after them is a gradient
+    if residual_fn is not None and grad_sums is not None:
+        r = residual_fn(out.detach()).to(factor)
+        factor = torch.cat([factor, r.unsqueeze(-1)], -1)
     zs, owner = [], []
+    inputs: list[torch.Tensor | None] = []
     for i, layer in enumerate(layers):
         if not calls[layer.module]:
             raise ValueError(
@@ -93,6 +103,7 @@ def kfac_sums(
             local += torch.einsum("bit,bjt->ij", x, x)
             zs.append(z)
             owner.append(i)
+            inputs.append(x if grad_sums is not None else None)
         a_sums[i] += local / positions
     # Several columns of L per backward pass (vmapped), as many as keep their layer-output
     # gradients within ``grad_bytes``.
@@ -102,13 +113,20 @@ def kfac_sums(
         grads = torch.autograd.grad(
             out,
             zs,
-            grad_outputs=factor[:, :, k : k + step].permute(2, 0, 1),
+            grad_outputs=factor[:, :, k : k + step].permute(2, 0, 1).to(out),
             retain_graph=True,
             allow_unused=True,
             is_grads_batched=True,
         )
-        for i, g in zip(owner, grads):
-            if g is not None:
-                gg = grad_factor(layers[i].kind, g.flatten(0, 1)).to(g_sums[i].dtype)
+        for i, x_in, g in zip(owner, inputs, grads):
+            if g is None:
+                continue
+            squared = min(step, kept - k)  # the columns of L in this group
+            if squared > 0:
+                gg = grad_factor(layers[i].kind, g[:squared].flatten(0, 1)).to(g_sums[i].dtype)
                 g_sums[i] += torch.einsum("bit,bjt->ij", gg, gg)
+            if grad_sums is not None and squared < g.shape[0]:
+                gr = grad_factor(layers[i].kind, g[squared]).to(grad_sums[i].dtype)
+                assert x_in is not None  # kept whenever grad_sums is given
+                grad_sums[i] += torch.einsum("bot,bkt->ok", gr, x_in.to(gr.dtype))
     return out.detach()

@@ -63,7 +63,9 @@ def test_one_linear_layer_matches_the_general_path(monkeypatch, regression, bias
         subnetwork = [s for s in sites if s.endswith(("0.weight", "0.bias"))]
     calls = []
     real = ggn_module.linear_layer_ggn
-    monkeypatch.setattr(laplace_model, "linear_layer_ggn", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        laplace_model, "linear_layer_ggn", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     fast = _fit(model, data, subnetwork)
     assert calls, "the one-layer path was not taken"
     monkeypatch.setattr(laplace_model, "single_linear", lambda layout, index: None)
@@ -111,13 +113,13 @@ def test_rows_follow_the_memory_budget(monkeypatch):
     seen = []
     real = ggn_module.linear_layer_ggn
 
-    def spy(forward, *rest):
+    def spy(forward, *rest, **kw):
         def wrapped():
             out = forward()
             seen.append(len(out))
             return out
 
-        return real(wrapped, *rest)
+        return real(wrapped, *rest, **kw)
 
     monkeypatch.setattr(laplace_model, "linear_layer_ggn", spy)
     model, data = _model(), _data()

@@ -12,6 +12,7 @@ from torch import nn
 import pyro_bdl as bdl
 from pyro_bdl.guides import AutoSubnetLaplace
 from pyro_bdl.guides.laplace.model import NotAtModeWarning
+from tests.common import assert_close
 
 F64 = torch.float64
 STRUCTURES = [
@@ -76,3 +77,41 @@ def test_check_mode_false_fits_an_untrained_network_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         guide.fit(data, check_mode=False)
+
+
+FOLDED = [
+    *STRUCTURES,
+    {"subnetwork": "random", "size": 20},
+    {"subnetwork": "random", "size": 20, "hessian_structure": "diag"},
+]
+
+
+@pytest.mark.parametrize("kwargs", FOLDED, ids=str)
+def test_the_check_reads_its_gradient_from_the_fit_passes(kwargs, monkeypatch):
+    """The gradient comes from the fit's own passes (J^T r, or one more backward column) and
+    equals the gradient of a separate pass; the posterior is the one a fit without the check
+    gives. Both are float64 sums of the same terms in another order: rtol 1e-10 is round-off."""
+    from pyro_bdl.guides.laplace import guide as guide_module
+    from pyro_bdl.guides.laplace import model as laplace_model
+
+    seen = []
+    monkeypatch.setattr(guide_module, "warn_if_not_at_mode", lambda g, post: seen.append(g))
+    calls = []
+    real = laplace_model.training_loss_gradient
+    spy = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(laplace_model, "training_loss_gradient", spy)
+    monkeypatch.setattr(guide_module, "training_loss_gradient", spy, raising=False)
+    guide, data = _guide(trained=False, **kwargs)
+    guide.fit(data)
+    assert calls == []  # no extra pass over the data
+    checked_variances = guide.posterior.variances().clone()
+    index = guide.subnet_index
+    theta = guide.map_loc[index].double()
+    lam = guide.posterior.lam
+    obs = guide._observe(data)
+    expected = real(guide._raw_model, guide.layout, guide.map_loc, data, obs, index, batch_size=64)
+    assert_close(
+        seen[0], expected + torch.as_tensor(lam, dtype=F64) * theta, rtol=1e-10, atol=1e-12
+    )
+    guide.fit(data, check_mode=False)
+    assert_close(guide.posterior.variances(), checked_variances, rtol=1e-10, atol=0.0)

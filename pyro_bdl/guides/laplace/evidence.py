@@ -238,7 +238,12 @@ def default_grid(grid) -> torch.Tensor:
     values)."""
     grid = torch.logspace(-4, 4, 17, dtype=torch.float64) if grid is None else grid
     grid = torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
-    check_positive("grid", grid)
+    check_positive(
+        "grid",
+        grid,
+        fix="Pass a 1-d tensor of prior precisions λ > 0, for example "
+        "torch.logspace(-4, 4, 17), or grid=None for that default.",
+    )
     return grid
 
 

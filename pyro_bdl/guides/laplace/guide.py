@@ -68,7 +68,6 @@ from pyro_bdl.guides.laplace.model import (
     jacobians,
     leaf_slots,
     observe,
-    training_loss_gradient,
     warn_if_not_at_mode,
 )
 from pyro_bdl.guides.laplace.posterior import (
@@ -84,8 +83,9 @@ from pyro_bdl.guides.laplace.posterior import (
     posterior_factor,
     predictive,
 )
+from pyro_bdl.guides.laplace.state import HESSIAN_STRUCTURES, state_errors
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
-from pyro_bdl.guides.state_checks import CheckedLoad, shape_of
+from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn.lift import init_to_network
 
@@ -95,19 +95,45 @@ __all__ = [
     "AutoLaplace",
     "AutoSubnetLaplace",
     "NotFittedError",
+    "StructureAttributeError",
     "SubnetNormal",
 ]
 
 #: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
 PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
-#: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace.posterior`).
-HESSIAN_STRUCTURES = ("full", "kron", "diag")
 #: The likelihoods a fit reads ("" before any fit), in the order the packed state codes them.
 _LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian")
 
 
-class NotFittedError(RuntimeError):
-    """Raised when a post-hoc posterior is used before it was fitted."""
+class NotFittedError(RuntimeError, AttributeError):
+    """Raised when a post-hoc posterior is used before it was fitted (also an
+    ``AttributeError``, so that ``hasattr`` probing, as ``torch.jit`` does, reads a property of
+    an unfitted guide as absent)."""
+
+
+class StructureAttributeError(ValueError, AttributeError):
+    """Raised by a property the guide's Hessian structure does not form (also an
+    ``AttributeError``, so that ``hasattr`` probing reads it as absent)."""
+
+
+def _one_precision(value: Any) -> float:
+    """``prior_precision=`` as one positive float; refused with the ways to give more."""
+    numel = value.numel() if isinstance(value, torch.Tensor) else 1
+    if not isinstance(value, (int, float, torch.Tensor)) or isinstance(value, bool) or numel != 1:
+        got = (
+            f"a tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise ValueError(
+            f"prior_precision must be one number λ > 0 (a float or a one-element tensor), the "
+            f"precision of an isotropic prior over all weights; got {got}. For one precision "
+            "per layer or per weight declare it in the prior given to pyro_bdl.bayesianize "
+            "(and leave prior_precision=None), or tune it after fit with "
+            "tune_prior_precision(prior_structure='layerwise' or 'diagonal')."
+        )
+    check_positive("prior_precision", value, fix="Pass λ = 1/prior_scale² > 0.")
+    return float(value)
 
 
 class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
@@ -187,7 +213,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
     ):
         self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
         if prior_precision is not None:
-            check_positive("prior_precision", prior_precision, fix="Pass λ = 1/prior_scale² > 0.")
+            prior_precision = _one_precision(prior_precision)
         check_choice("prior_scaling", prior_scaling, PRIOR_SCALINGS)
         check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
         if hessian_structure == "kron" and self.rule.kind in ("random", "largest_variance"):
@@ -243,9 +269,17 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
 
     def _unpack_latent(self, latent):
+        # As AutoContinuous does: the batch dims of ``latent`` (vectorized particles) broadcast
+        # against the site's plate dims instead of being prepended to them, so a site inside a
+        # plate keeps one particle dim.
+        # One split (not a slice per site), whose backward is one cat rather than a
+        # zero-filled D-vector per site.
         nodes = self.prototype_trace.nodes
-        for site, value in zip(self.layout, self.layout.split(latent)):
-            yield nodes[site.name], value
+        batch = latent.shape[:-1]
+        for site, part in zip(self.layout, latent.split(self.layout.sizes, dim=-1)):
+            node = nodes[site.name]
+            event_dim = node["fn"].event_dim + len(site.shape) - node["value"].dim()
+            yield node, part.reshape(torch.broadcast_shapes(site.shape, batch + (1,) * event_dim))
 
     @property
     def fitted(self) -> bool:
@@ -285,12 +319,19 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         other structures give ``posterior.variances()``)."""
         self._check_fitted("covariance")
         if self.hessian_structure != "full":
-            raise ValueError(
+            raise StructureAttributeError(
                 f"covariance is the dense S × S matrix, which hessian_structure="
                 f"{self.hessian_structure!r} never forms; use guide.posterior.variances() for "
                 "the marginal variances."
             )
         return self.scale_tril @ self.scale_tril.T
+
+    def __getattr__(self, name: str):
+        # A property that raises an AttributeError (NotFittedError, StructureAttributeError)
+        # sends Python here; give its own message rather than nn.Module's "no attribute".
+        if isinstance(getattr(type(self), name, None), property):
+            getattr(type(self), name).fget(self)
+        return super().__getattr__(name)
 
     def __getstate__(self):
         self._user_model = None  # a model is often a closure, which cannot be pickled
@@ -320,6 +361,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
                 head(batch, 1),
                 without_targets=without_targets,
                 values=values,
+                known=self.prototype_trace.nodes,  # type: ignore[attr-defined]
             )
 
     # ---- fitting ---------------------------------------------------------------------------
@@ -363,7 +405,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             (an all-reduce); each rank passes its own rows and every curvature statistic is
             summed once per block before it is factorised (:mod:`~pyro_bdl.guides.laplace.model`).
         :param bool check_mode: check that the weights are at a mode of the training loss
-            (one more pass over the data) and warn with
+            (its gradient comes from the fit's own passes) and warn with
             :class:`~pyro_bdl.guides.laplace.model.NotAtModeWarning` when they are far from it
             (:func:`~pyro_bdl.guides.laplace.model.warn_if_not_at_mode`); ``False`` fits at
             any weights silently.
@@ -394,6 +436,9 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         prior_t = torch.as_tensor(prior, dtype=torch.float64, device=self.loc.device)
         ggn, scale_tril, structure = torch.zeros(0), torch.zeros(0), None
         net = (self._raw_model, self.layout, self.loc)
+        # The mode check's gradient comes from the fit's own passes (Jacobians and residuals).
+        grad = torch.zeros(index.numel(), dtype=torch.float64, device=self.loc.device)
+        grad_kw: dict[str, Any] = {"grad": grad} if check_mode else {}
         if self.hessian_structure == "full":
             ggn, stats = fit_full(
                 *net,
@@ -405,18 +450,19 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
                 batch_size=self.batch_size,
                 chunk_memory=self.chunk_memory,
                 reduce_fn=reduce_fn,
+                **grad_kw,
             )
             scale_tril = posterior_factor(ggn, prior)
         elif self.hessian_structure == "diag":
             diag, diag_stats = fit_diag(
-                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn, **grad_kw
             )
             assert diag_stats is not None  # fit_diag gives them unless told not to
             stats = diag_stats
             structure = DiagPosterior(diag, prior_t)
         else:
             blocks, a_sums, g_sums, stats = fit_kron(
-                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
+                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn, **grad_kw
             )
             check_blockwise(prior_t, blocks)
             rows = float(stats[0])
@@ -432,11 +478,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         if not isinstance(lam_s, float):
             self.prior_precision = lam_s
         if check_mode:
-            gradient = training_loss_gradient(
-                *net, data, obs, index, batch_size=self.batch_size, reduce_fn=reduce_fn
-            )
             theta = self.map_loc[index].double()
-            warn_if_not_at_mode(gradient + prior_t.to(theta) * theta, self.posterior)
+            warn_if_not_at_mode(grad + prior_t.to(theta) * theta, self.posterior)
         return self
 
     def _prior_s(self, lam, count: int, total: int):
@@ -466,13 +509,16 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         (``num_samples`` draws):
         :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
 
-        :param torch.Tensor x: inputs, the model's first argument.
+        :param x: inputs, the model's first argument: a tensor or a dict of tensors.
         """
         check_choice("link", link, LINKS)
         check_positive_int("num_samples", num_samples)
         self._check_fitted("predict")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor; got {type(x).__name__}.")
+        if not isinstance(x, (torch.Tensor, Mapping)):
+            raise TypeError(
+                f"x must be a torch.Tensor or a dict of tensors (a structured batch); got "
+                f"{type(x).__name__}."
+            )
         obs = self._observe((x,), without_targets=True)
         posterior = self.posterior
         chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in self._jacobians((x,), obs))
@@ -728,59 +774,14 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         state_dict.setdefault(prefix + "_extra_state", None)
 
     def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
-        """The buffers ``fit`` sizes must describe one subnetwork of the size this guide's rule
-        selects on this model."""
-        get = lambda name: state_dict.get(prefix + name)  # noqa: E731
-        index, loc = get("subnet_index"), getattr(self, "loc", None)
-        if not isinstance(index, torch.Tensor) or index.numel() == 0:
-            return []  # an unfitted state: nothing sized
-        errors, count = [], index.numel()
-        if index.dtype != torch.long or index.dim() != 1:
-            errors.append(f"{prefix}subnet_index: expected a 1-d LongTensor; got {index.dtype}")
-        elif isinstance(loc, torch.Tensor) and not 0 <= int(index.min()) <= int(index.max()) < len(
-            loc
-        ):
-            errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
-        extra = get("_extra_state")
-        structure = "full"  # a state saved before the packed extra state held only "full"
-        if isinstance(extra, torch.Tensor) and extra.numel() >= 8:
-            code = float(extra[0])
-            known = code in range(len(HESSIAN_STRUCTURES))
-            structure = HESSIAN_STRUCTURES[int(code)] if known else f"unknown (code {code:g})"
-        if structure != self.hessian_structure:
-            errors.append(
-                f"{prefix}_extra_state: the state holds a {structure!r} posterior; this guide "
-                f"has hessian_structure={self.hessian_structure!r}"
-            )
-        dense = (count, count) if self.hessian_structure == "full" else (0,)
-        expected: dict[str, tuple[int, ...]] = {"ggn": dense, "scale_tril": dense}
-        if isinstance(loc, torch.Tensor):
-            expected["map_loc"] = tuple(loc.shape)
-        for name, shape in expected.items():
-            value = get(name)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                errors.append(
-                    f"{prefix + name!r}: a subnetwork of {count} weights needs shape {shape}; "
-                    f"the state has {shape_of(value)}"
-                )
-        precision = get("prior_precision")
-        if isinstance(precision, torch.Tensor) and tuple(precision.shape) not in ((), (count,)):
-            errors.append(
-                f"{prefix}prior_precision: expected shape () or ({count},); got "
-                f"{shape_of(precision)}"
-            )
-        rule, layout = getattr(self, "rule", None), getattr(self, "layout", None)
-        if rule is not None and layout is not None:
-            try:
-                size = rule.size_of(layout)
-            except ValueError:
-                size = None
-            if size is not None and size != count:
-                errors.append(
-                    f"{prefix + 'subnet_index'!r}: the state was fitted on a subnetwork of {count} "
-                    f"weights; this guide's rule (subnetwork={rule.kind!r}) selects {size}"
-                )
-        return errors
+        return state_errors(
+            state_dict,
+            prefix,
+            hessian_structure=self.hessian_structure,
+            loc=getattr(self, "loc", None),
+            rule=getattr(self, "rule", None),
+            layout=getattr(self, "layout", None),
+        )
 
 
 class AutoLaplace(AutoSubnetLaplace):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,12 +43,13 @@ from torch import nn
 
 from pyro_bdl._validation import check_finite
 from pyro_bdl.curvature.ggn import (
+    LIKELIHOODS,
     diagonal_ggn,
     linear_layer_ggn,
     output_hessian_factor,
     subnet_ggn,
 )
-from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian
+from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian, widened
 from pyro_bdl.curvature.kfac import kfac_sums
 from pyro_bdl.curvature.memory import chunk_budget, chunk_rows, forward_rows
 from pyro_bdl.guides.laplace.evidence import fit_statistics
@@ -61,7 +62,9 @@ __all__ = [
     "NotAtModeWarning",
     "Observation",
     "ReduceFn",
+    "batch_leaves",
     "check_reduce_fn",
+    "check_same_sites",
     "check_supported",
     "declared_precision",
     "eval_mode",
@@ -77,6 +80,8 @@ __all__ = [
     "network",
     "observe",
     "read_outputs",
+    "residual",
+    "rows_of",
     "training_loss_gradient",
     "warn_if_not_at_mode",
 ]
@@ -161,29 +166,45 @@ def read_outputs(fn) -> torch.Tensor:
     raise AssertionError("unreachable")
 
 
-def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = False, values=None):
+def observe(
+    model,
+    layout: SiteLayout,
+    args: tuple,
+    *,
+    without_targets: bool = False,
+    values=None,
+    known: Collection[str] | None = None,
+):
     """The :class:`Observation` of ``model(*args)``: its one observed site (called
     ``without_targets``, the one sample site that is not a weight site of ``layout``), the
     likelihood (declared by a :class:`~pyro_bdl.models.NetworkModel`, else read from the site)
     and the outputs' shape. ``values`` (site name -> value) holds the weights where they are,
-    since weights drawn from a broad prior can overflow a deep network's outputs."""
+    since weights drawn from a broad prior can overflow a deep network's outputs. ``known``
+    (the sample sites the guide was set up with) refuses a model that has grown or lost a site
+    since (:func:`check_same_sites`)."""
     if isinstance(model, NetworkModel):
         check_supported(model)
     run = poutine.condition(model, data=values) if values is not None else model
-    with torch.no_grad(), poutine.block():
+    # Reading the model draws any site it does not hold (the targets when called without them):
+    # the global random state is left as it was, so that reading (or a refusal) moves nothing.
+    leaves = batch_leaves(args).values()
+    cuda = {t.device.index or 0 for t in leaves if t.is_cuda}
+    with torch.random.fork_rng(devices=sorted(cuda)), torch.no_grad(), poutine.block():
         trace = poutine.trace(run).get_trace(*args)
+    if known is not None:
+        check_same_sites(trace, layout, known, targets=int(without_targets))
     observed = [
         n
         for n, s in trace.nodes.items()
-        if s["type"] == "sample"
-        and not site_is_subsample(s)
+        if _is_data_or_latent(s)  # pyro.deterministic records are not data
         and n not in layout
         and (s["is_observed"] or without_targets)
     ]
     if len(observed) != 1:
         raise ValueError(
-            f"AutoSubnetLaplace needs exactly one observed site in the model; found "
-            f"{observed or 'none'}. Pass the targets as the model's y argument."
+            f"AutoSubnetLaplace needs exactly one observed site in the model (pyro.deterministic "
+            f"sites aside); found {observed or 'none'}. Pass the targets as the model's y "
+            "argument."
         )
     fn = trace.nodes[observed[0]]["fn"]
     if isinstance(model, NetworkModel):
@@ -195,6 +216,36 @@ def observe(model, layout: SiteLayout, args: tuple, *, without_targets: bool = F
     return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1)
 
 
+def _is_data_or_latent(site: dict) -> bool:
+    return (
+        site["type"] == "sample"
+        and not site_is_subsample(site)
+        and not site["infer"].get("_deterministic")
+    )
+
+
+def check_same_sites(trace, layout: SiteLayout, known: Collection[str], *, targets: int = 0):
+    """Refuse a model whose trace has latent sites the guide was not set up with (``known``, the
+    latent sites of its prototype), or lacks one of its weight sites: the packed weights no
+    longer describe the model, and a new site would be drawn from its prior at every pass.
+    ``targets``: how many unobserved sites are the model's targets (1 when called without
+    them)."""
+    new = [
+        n
+        for n, s in trace.nodes.items()
+        if _is_data_or_latent(s) and not s["is_observed"] and n not in known
+    ]
+    missing = [n for n in layout.names if n not in trace.nodes]
+    if len(new) > targets or missing:
+        parts = [f"new sites {new}" + (" (one is the target)" if targets else "")] if new else []
+        parts += [f"missing sites {missing}"] if missing else []
+        raise ValueError(
+            f"the model has changed since the guide was set up: {' and '.join(parts)}; the "
+            f"guide packs {layout.names}. Create a new guide for the changed model, train its "
+            "MAP estimate and fit it."
+        )
+
+
 def check_supported(model) -> None:
     """Refuse a :class:`~pyro_bdl.models.NetworkModel` whose likelihood the linearized Laplace
     cannot take: a Gaussian whose σ is a latent site or comes from the network. The GGN and the
@@ -202,6 +253,13 @@ def check_supported(model) -> None:
     is read from the observed site at :meth:`fit`)."""
     if not isinstance(model, NetworkModel):
         return
+    if model.likelihood not in LIKELIHOODS:
+        raise ValueError(
+            f"AutoSubnetLaplace does not support likelihood={model.likelihood!r} (a token-level "
+            "language model): its GGN over every token position is not implemented. Use a "
+            "sequence classifier (pyro_bdl.models.classifier on a pooled output) for Laplace, or "
+            "AutoSWAG or a variational guide for the language model."
+        )
     if model.likelihood == "gaussian" and model.noise in ("learned", "heteroscedastic"):
         what = (
             "σ is a latent site (noise='learned')"
@@ -272,34 +330,72 @@ def declared_precision(layout: SiteLayout, index: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(torch.float64)
 
 
+def batch_leaves(item: Any, name: str = "x") -> dict[str, torch.Tensor]:
+    """The tensors of a batch or of one of its entries, by name: a tensor, a mapping of tensors
+    (a structured batch, passed to the network as keyword arguments) or a tuple of them."""
+    if isinstance(item, torch.Tensor):
+        return {name: item}
+    if isinstance(item, Mapping):
+        parts = [batch_leaves(v, f"{name}[{k!r}]") for k, v in item.items()]
+    elif isinstance(item, (tuple, list)):
+        parts = [batch_leaves(v, f"{name}[{i}]") for i, v in enumerate(item)]
+    else:
+        return {}
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def rows_of(item: Any, rows: slice) -> Any:
+    """``item`` with every tensor in it (inside mappings and tuples too) sliced along dim 0."""
+    if isinstance(item, torch.Tensor):
+        return item[rows]
+    if isinstance(item, Mapping):
+        return {k: rows_of(v, rows) for k, v in item.items()}
+    if isinstance(item, (tuple, list)):
+        return type(item)(rows_of(v, rows) for v in item)
+    return item
+
+
 def head(batch: tuple, n: int) -> tuple:
-    """The first ``n`` rows of every tensor of a batch."""
-    return tuple(t[:n] if isinstance(t, torch.Tensor) else t for t in batch)
+    """The first ``n`` rows of every tensor of a batch (inside mappings and tuples too)."""
+    return tuple(rows_of(t, slice(0, n)) for t in batch)
+
+
+def _one_batch(data: Any) -> bool:
+    # One batch (x, y): tensors or mappings of tensors (a structured x); anything else
+    # iterable is a sequence of batches (a DataLoader, a list of (x, y)).
+    return (
+        isinstance(data, (tuple, list))
+        and bool(data)
+        and all(isinstance(t, (torch.Tensor, Mapping)) for t in data)
+    )
 
 
 def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
-    """Chunks of at most ``batch_size`` rows from a tuple of tensors or a DataLoader."""
-    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+    """Chunks of at most ``batch_size`` rows from a tuple ``(x, y)`` or a DataLoader of them;
+    ``x`` may be a tensor or a mapping (or tuple) of tensors, every tensor sliced by rows."""
+    if _one_batch(data):
         batches: Iterable = [tuple(data)]
-    elif isinstance(data, Iterable) and not isinstance(data, (torch.Tensor, str, dict)):
+    elif isinstance(data, Iterable) and not isinstance(data, (torch.Tensor, str, Mapping)):
         batches = data
     else:
         raise TypeError(
-            "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); got "
-            f"{type(data).__name__}."
+            "data must be a tuple of tensors (x, y), x possibly a dict of tensors, or a "
+            f"DataLoader yielding (x, y); got {type(data).__name__}."
         )
     empty = True
     for batch in batches:
-        batch = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-        if not any(isinstance(t, torch.Tensor) for t in batch):
+        batch = (batch,) if isinstance(batch, (torch.Tensor, Mapping)) else tuple(batch)
+        leaves: dict[str, torch.Tensor] = {}
+        for i, t in enumerate(batch):
+            leaves.update(batch_leaves(t, f"{i} (0: x, 1: y)"))
+        if not leaves:
             raise TypeError(
                 "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
                 f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
             )
-        for i, t in enumerate(batch):
-            if isinstance(t, torch.Tensor):
-                check_finite(f"data tensor {i} (0: x, 1: y)", t)
-        rows = {t.shape[0] for t in batch if isinstance(t, torch.Tensor)}
+        for name, t in leaves.items():
+            check_finite(f"data tensor {name}", t)
+        rows = {t.shape[0] if t.dim() else 0 for t in leaves.values()}
         if len(rows) != 1 or 0 in rows:
             raise ValueError(
                 f"every tensor of a batch needs the same, non-zero number of rows; got "
@@ -308,9 +404,7 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
         n = rows.pop()
         for start in range(0, n, batch_size):
             empty = False
-            yield tuple(
-                t[start : start + batch_size] if isinstance(t, torch.Tensor) else t for t in batch
-            )
+            yield tuple(rows_of(t, slice(start, start + batch_size)) for t in batch)
     if empty:
         raise ValueError("data is empty; fit needs at least one example.")
 
@@ -333,26 +427,60 @@ def check_reduce_fn(reduce_fn: Any) -> None:
         )
 
 
-def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor) -> torch.Tensor:
-    if reduce_fn is None:
-        return t
-    out = reduce_fn(t)
+def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` summed over ranks by ``reduce_fn``, refused unless finite: a non-finite curvature
+    would give a posterior of NaN variances (``what`` names the statistic in the message)."""
+    out = t if reduce_fn is None else reduce_fn(t)
     if not isinstance(out, torch.Tensor) or out.shape != t.shape:
         raise ValueError(
             f"reduce_fn must return a tensor of the shape it was given {tuple(t.shape)}; got "
             f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}."
         )
+    if not bool(torch.isfinite(out).all()):
+        source = "reduce_fn returned" if reduce_fn is not None else "the fit computed"
+        raise ValueError(
+            f"{source} a non-finite {what} (NaN or inf); the Laplace posterior needs a finite "
+            "curvature, so nothing was fitted. Check that reduce_fn sums over ranks (an "
+            "all-reduce with op=SUM) and that the network's outputs on every rank's data are "
+            "finite."
+        )
     return out
 
 
 def _stats(out: torch.Tensor, batch: tuple, obs: Observation) -> torch.Tensor:
-    if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
-        raise ValueError("fit needs the targets: pass data as (x, y) or a DataLoader of (x, y).")
-    return fit_statistics(out, batch[1], obs.likelihood, obs.noise)
+    return fit_statistics(out, _targets(batch), obs.likelihood, obs.noise)
 
 
 def _factor(obs: Observation):
     return lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
+
+
+def residual(f: torch.Tensor, y: torch.Tensor, obs: Observation) -> torch.Tensor:
+    r""":math:`r_n = \partial(-\log p(y_n \mid f_n)) / \partial f_n` (B, C) at the outputs ``f``
+    (B, C): with the Jacobians of a fit pass, :math:`\sum_n J_n^\top r_n` is the gradient of
+    the negative log-likelihood, which the mode check needs (:func:`warn_if_not_at_mode`)."""
+    with torch.enable_grad():
+        leaf = widened(f.detach()).requires_grad_(True)
+        return torch.autograd.grad(_negative_log_likelihood(leaf, y, obs), leaf)[0]
+
+
+def _residual_fn(batch: tuple, obs: Observation, grad: torch.Tensor | None):
+    """The residual function of one batch for the curvature passes; ``None`` without ``grad``."""
+    if grad is None:
+        return None
+    y = _targets(batch)
+    return lambda f: residual(f, y, obs)
+
+
+def _targets(batch: tuple) -> torch.Tensor:
+    if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
+        raise ValueError("fit needs the targets: pass data as (x, y) or a DataLoader of (x, y).")
+    return batch[1]
+
+
+def _reduce_into(reduce_fn: ReduceFn | None, grad: torch.Tensor | None) -> None:
+    if grad is not None:
+        grad.copy_(_reduce(reduce_fn, grad, "gradient of the training loss"))
 
 
 def single_linear(layout: SiteLayout, index: torch.Tensor) -> KronBlock | None:
@@ -380,18 +508,21 @@ def fit_full(
     batch_size: int,
     chunk_memory: int | None = None,
     reduce_fn: ReduceFn | None = None,
+    grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(GGN over index (S × S, in dtype), statistics)`` of ``model`` at the packed weights
+    r"""``(GGN over index (S × S, in dtype), statistics)`` of ``model`` at the packed weights
     ``loc``, from :math:`J_S` in row chunks sized by the memory budget
     (:mod:`~pyro_bdl.curvature.memory`: ``chunk_memory`` bytes, at most ``batch_size`` rows);
     when the subnetwork is one whole ``Linear`` layer (the last layer), from its inputs without
     :math:`J_S` (:func:`~pyro_bdl.curvature.ggn.linear_layer_ggn`). The memory of a chunk is
-    measured on ``first``, the first batch of ``data``."""
+    measured on ``first``, the first batch of ``data``. With ``grad`` (S, float64) the gradient
+    of the negative log-likelihood over the subnetwork, :math:`\sum_n J_n^\top r_n`
+    (:func:`residual`), is added to it from the same passes."""
     item = torch.finfo(dtype).bits // 8
     count = index.numel()
     budget = chunk_budget(count, obs.outputs, batch_size, item, chunk_memory)
     # Measured on the first rows; the weights and the data are not the chunk's memory.
-    tensors = [t for t in first if isinstance(t, torch.Tensor)]
+    tensors = list(batch_leaves(first).values())
     net = network(model)
     owned = [*net.parameters(), *net.buffers()] if net is not None else []
     exclude = [loc, *tensors, *owned]
@@ -417,18 +548,32 @@ def fit_full(
         for batch in iter_batches(data, rows):
             forward, slots = forward_at(model, layout, loc, batch, obs)
             out = None
+            residual_fn = _residual_fn(batch, obs, grad)
             if layer is not None:
                 module, bias = layer.layer.module, layer.layer.bias
-                out = linear_layer_ggn(forward, module, bias, layer.positions, _factor(obs), ggn)
+                out = linear_layer_ggn(
+                    forward,
+                    module,
+                    bias,
+                    layer.positions,
+                    _factor(obs),
+                    ggn,
+                    residual_fn=residual_fn,
+                    grad=grad,
+                )
             if out is None:
                 jac, out = subnet_jacobian(
                     forward, slots, index, return_outputs=True, select_numbers=select_numbers
                 )
                 subnet_ggn(jac, output_hessian_factor(out, obs.likelihood, obs.noise), out=ggn)
+                if residual_fn is not None and grad is not None:
+                    r = residual_fn(out)
+                    grad += torch.einsum("bc,bcs->s", r.to(grad.dtype), jac.to(grad.dtype))
                 del jac
             stats += _stats(out, batch, obs).cpu()
             del out, forward, slots
-    return _reduce(reduce_fn, ggn), _reduce(reduce_fn, stats)
+    _reduce_into(reduce_fn, grad)
+    return _reduce(reduce_fn, ggn, "GGN"), _reduce(reduce_fn, stats, "fit statistics")
 
 
 def fit_diag(
@@ -442,11 +587,15 @@ def fit_diag(
     batch_size: int,
     reduce_fn: ReduceFn | None = None,
     stats: bool = True,
+    grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(diagonal of the GGN over index (all D weights when None), statistics or None)`` of
     ``model`` at the packed weights ``loc``: exact, from per-example gradients of
-    :math:`L^\\top f` (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`)."""
+    :math:`L^\\top f` (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`). With ``grad`` (over
+    ``index``, float64) the gradient of the negative log-likelihood is added to it from the same
+    backward passes."""
     diag = torch.zeros(loc.numel(), dtype=torch.float64, device=loc.device)
+    every = torch.zeros_like(diag) if grad is not None else None
     total = torch.zeros(4, dtype=torch.float64)
     factor = _factor(obs)
     with eval_mode(model):
@@ -458,11 +607,19 @@ def fit_diag(
                 seen.append(f.detach())
                 return factor(f)
 
-            diag += diagonal_ggn(forward, slots, record).double()
+            residual_fn = _residual_fn(batch, obs, grad)
+            diag += diagonal_ggn(
+                forward, slots, record, residual_fn=residual_fn, grad=every
+            ).double()
             if stats:
                 total += _stats(seen[0], batch, obs).cpu()
-    diag = _reduce(reduce_fn, diag if index is None else diag[index.to(diag.device)])
-    return diag, (_reduce(reduce_fn, total) if stats else None)
+    diag = _reduce(
+        reduce_fn, diag if index is None else diag[index.to(diag.device)], "GGN diagonal"
+    )
+    if grad is not None and every is not None:
+        grad += every if index is None else every[index.to(every.device)]
+        _reduce_into(reduce_fn, grad)
+    return diag, (_reduce(reduce_fn, total, "fit statistics") if stats else None)
 
 
 def fit_kron(
@@ -475,25 +632,41 @@ def fit_kron(
     *,
     batch_size: int,
     reduce_fn: ReduceFn | None = None,
+    grad: torch.Tensor | None = None,
 ):
-    """``(blocks, A sums, G sums, statistics)`` of the layers in the subnetwork ``index``
+    r"""``(blocks, A sums, G sums, statistics)`` of the layers in the subnetwork ``index``
     (:func:`~pyro_bdl.guides.laplace.posterior.kron_blocks`,
     :func:`~pyro_bdl.curvature.kfac.kfac_sums`) of ``model`` at the packed weights ``loc``, in
-    float64."""
+    float64. With ``grad`` (S, float64) the gradient of the negative log-likelihood over the
+    subnetwork is added to it from the same backward passes."""
     blocks = kron_blocks(layout, index)
     kw: dict[str, Any] = dict(dtype=torch.float64, device=loc.device)
     a_sums = [torch.zeros(b.positions.shape[1], b.positions.shape[1], **kw) for b in blocks]
     g_sums = [torch.zeros(b.positions.shape[0], b.positions.shape[0], **kw) for b in blocks]
     stats = torch.zeros(4, dtype=torch.float64)
     layers = [b.layer for b in blocks]
+    grad_sums = None if grad is None else [torch.zeros(b.positions.shape, **kw) for b in blocks]
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
             forward, _ = forward_at(model, layout, loc, batch, obs)
-            out = kfac_sums(forward, layers, _factor(obs), a_sums, g_sums)
+            residual_fn = _residual_fn(batch, obs, grad)
+            out = kfac_sums(
+                forward,
+                layers,
+                _factor(obs),
+                a_sums,
+                g_sums,
+                residual_fn=residual_fn,
+                grad_sums=grad_sums,
+            )
             stats += _stats(out, batch, obs).cpu()
-    a_sums = [_reduce(reduce_fn, a) for a in a_sums]
-    g_sums = [_reduce(reduce_fn, g) for g in g_sums]
-    return blocks, a_sums, g_sums, _reduce(reduce_fn, stats)
+    if grad is not None and grad_sums is not None:
+        for block, part in zip(blocks, grad_sums):
+            grad[block.positions.reshape(-1).to(grad.device)] += part.reshape(-1)
+        _reduce_into(reduce_fn, grad)
+    a_sums = [_reduce(reduce_fn, a, "Kronecker factor A") for a in a_sums]
+    g_sums = [_reduce(reduce_fn, g, "Kronecker factor G") for g in g_sums]
+    return blocks, a_sums, g_sums, _reduce(reduce_fn, stats, "fit statistics")
 
 
 def jacobians(
@@ -548,13 +721,10 @@ def training_loss_gradient(
     grad = torch.zeros(loc.numel(), dtype=torch.float64, device=loc.device)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            if len(batch) < 2 or not isinstance(batch[1], torch.Tensor):
-                raise ValueError(
-                    "fit needs the targets: pass data as (x, y) or a DataLoader of (x, y)."
-                )
+            y = _targets(batch)
             forward, slots = forward_at(model, layout, loc, batch, obs)
             leaves = [slot.value for slot in slots]
-            nll = _negative_log_likelihood(forward(), batch[1], obs)
+            nll = _negative_log_likelihood(forward(), y, obs)
             grads = torch.autograd.grad(nll, leaves, allow_unused=True)
             grad += torch.cat(
                 [
@@ -562,7 +732,7 @@ def training_loss_gradient(
                     for g, u in zip(grads, leaves)
                 ]
             ).double()
-    return _reduce(reduce_fn, grad[index.to(grad.device)])
+    return _reduce(reduce_fn, grad[index.to(grad.device)], "gradient of the training loss")
 
 
 #: How many standard deviations of χ²_S above its mean S the squared Mahalanobis distance from
