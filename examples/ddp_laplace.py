@@ -36,13 +36,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def allreduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the ranks (in place) and return it: the ``reduce_fn`` of ``fit``."""
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     if "RANK" in os.environ:
@@ -60,7 +53,7 @@ def main(argv=None) -> None:
     for _ in range(args.steps):  # identical on every rank: same seed, same full batch
         svi.step(x, y)
     rank, world = get_rank(), get_world_size()
-    guide.fit((x[rank::world], y[rank::world]), reduce_fn=allreduce_sum)
+    guide.fit((x[rank::world], y[rank::world]), reduce_fn=bdl.distributed.allreduce_sum())
     lam = guide.tune_prior_precision()
     if is_main_process():
         x_test, y_test = data.x_test.double(), data.y_test

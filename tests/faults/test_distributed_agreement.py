@@ -117,7 +117,34 @@ def _sum_case(rank: int) -> dict:
     return verdict
 
 
+def _laplace_case(rank: int) -> dict:
+    """A real ``AutoLaplace.fit(reduce_fn=allreduce_sum())`` with a NaN in rank 1's rows: rank 1
+    refuses in its own pass, rank 0 waits in the first reduction; both must raise."""
+    import warnings
+
+    from pyro_bdl.guides import AutoLaplace
+
+    model = _model()
+    guide = AutoLaplace(model, hessian_structure="diag")
+    x, y = _data()
+    guide(x, y)
+    x, y = x[rank::WORLD].clone(), y[rank::WORLD].clone()
+    if rank == 1:
+        x[2, 1] = float("nan")
+    before = {k: v.clone() for k, v in guide.state_dict().items()}
+    with warnings.catch_warnings():  # the prior-drawn weights are no mode: not what is tested
+        warnings.simplefilter("ignore")
+        verdict = _refusal(lambda: guide.fit((x, y), reduce_fn=allreduce_sum()))
+    after = guide.state_dict()
+    verdict["unchanged"] = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before
+    )
+    verdict["after"] = allreduce_sum()(torch.ones(2, dtype=torch.float64))  # still in step
+    return verdict
+
+
 CASES = {
+    "laplace": _laplace_case,
     "ivon": partial(_method_case, "ivon", plain=False, first=False),
     "vogn": partial(_method_case, "vogn", plain=False, first=False),
     "ivon_first": partial(_method_case, "ivon", plain=False, first=True),
@@ -197,5 +224,14 @@ def test_a_refusing_rank_makes_the_other_ranks_sum_refuse(verdicts):
         assert verdict["message"].startswith(
             "rank 1 refused its batch: data tensor 0 (0: x, 1: y) contains 1 non-finite value(s)"
         )
+        assert verdict["unchanged"]
+        torch.testing.assert_close(verdict["after"], torch.full((2,), 2.0, dtype=torch.float64))
+
+
+def test_a_laplace_fit_with_a_nan_on_one_rank_is_refused_on_every_rank(verdicts):
+    for verdict in verdicts["laplace"]:
+        assert verdict["type"] == "ValueError", verdict
+        assert verdict["message"].startswith("rank 1 refused its batch: "), verdict["message"]
+        assert "non-finite" in verdict["message"]
         assert verdict["unchanged"]
         torch.testing.assert_close(verdict["after"], torch.full((2,), 2.0, dtype=torch.float64))

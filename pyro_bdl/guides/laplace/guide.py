@@ -38,7 +38,7 @@ import torch
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
-from pyro_bdl._validation import check_choice, check_positive, check_positive_int
+from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.curvature.memory import check_memory
 from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.guides.laplace.evidence import (
@@ -68,6 +68,7 @@ from pyro_bdl.guides.laplace.model import (
     jacobians,
     leaf_slots,
     observe,
+    raised_by_reduction,
     warn_if_not_at_mode,
 )
 from pyro_bdl.guides.laplace.posterior import (
@@ -83,7 +84,7 @@ from pyro_bdl.guides.laplace.posterior import (
     posterior_factor,
     predictive,
 )
-from pyro_bdl.guides.laplace.state import HESSIAN_STRUCTURES, state_errors
+from pyro_bdl.guides.laplace.state import HESSIAN_STRUCTURES, one_precision, state_errors
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
@@ -114,26 +115,6 @@ class NotFittedError(RuntimeError, AttributeError):
 class StructureAttributeError(ValueError, AttributeError):
     """Raised by a property the guide's Hessian structure does not form (also an
     ``AttributeError``, so that ``hasattr`` probing reads it as absent)."""
-
-
-def _one_precision(value: Any) -> float:
-    """``prior_precision=`` as one positive float; refused with the ways to give more."""
-    numel = value.numel() if isinstance(value, torch.Tensor) else 1
-    if not isinstance(value, (int, float, torch.Tensor)) or isinstance(value, bool) or numel != 1:
-        got = (
-            f"a tensor of shape {tuple(value.shape)}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
-        raise ValueError(
-            f"prior_precision must be one number λ > 0 (a float or a one-element tensor), the "
-            f"precision of an isotropic prior over all weights; got {got}. For one precision "
-            "per layer or per weight declare it in the prior given to pyro_bdl.bayesianize "
-            "(and leave prior_precision=None), or tune it after fit with "
-            "tune_prior_precision(prior_structure='layerwise' or 'diagonal')."
-        )
-    check_positive("prior_precision", value, fix="Pass λ = 1/prior_scale² > 0.")
-    return float(value)
 
 
 class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
@@ -213,7 +194,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
     ):
         self.rule = parse_subnetwork(subnetwork, size=size, variances=variances, seed=seed)
         if prior_precision is not None:
-            prior_precision = _one_precision(prior_precision)
+            prior_precision = one_precision(prior_precision)
         check_choice("prior_scaling", prior_scaling, PRIOR_SCALINGS)
         check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
         if hessian_structure == "kron" and self.rule.kind in ("random", "largest_variance"):
@@ -414,6 +395,18 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             declared prior is not Gaussian (before anything changes).
         """
         check_reduce_fn(reduce_fn)
+        try:
+            return self._fit(data, reduce_fn, check_mode)
+        except BaseException as err:
+            # Data parallel: a rank refusing before a reduction the others wait in joins their
+            # agreement instead, so that every rank raises (the reduction's own errors are agreed).
+            refuse = getattr(reduce_fn, "refuse", None)
+            if refuse is not None and not raised_by_reduction(err):
+                refuse(err)
+            raise
+
+    def _fit(self, data: Any, reduce_fn, check_mode: bool) -> AutoSubnetLaplace:
+        """:meth:`fit` (its arguments checked)."""
         first = next(iter_batches(data, self.batch_size))
         if self.prototype_trace is None:
             self._setup_prototype(*first)

@@ -419,6 +419,17 @@ def forward_at(model, layout: SiteLayout, flat: torch.Tensor, args: tuple, obs: 
     return forward_fn(model, values, args, obs.name), slots
 
 
+#: Set on an exception raised by ``reduce_fn`` itself (see :func:`raised_by_reduction`).
+_AGREED = "raised_by_reduction"
+
+
+def raised_by_reduction(err: BaseException) -> bool:
+    """Whether ``err`` came out of the ``reduce_fn`` (an agreeing reduction, such as
+    :func:`~pyro_bdl.distributed.allreduce_sum`, raises the same error on every rank), rather
+    than from this rank's own passes."""
+    return bool(getattr(err, "__dict__", {}).get(_AGREED, False))
+
+
 def check_reduce_fn(reduce_fn: Any) -> None:
     if reduce_fn is not None and not callable(reduce_fn):
         raise TypeError(
@@ -430,7 +441,11 @@ def check_reduce_fn(reduce_fn: Any) -> None:
 def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor, what: str) -> torch.Tensor:
     """``t`` summed over ranks by ``reduce_fn``, refused unless finite: a non-finite curvature
     would give a posterior of NaN variances (``what`` names the statistic in the message)."""
-    out = t if reduce_fn is None else reduce_fn(t)
+    try:
+        out = t if reduce_fn is None else reduce_fn(t)
+    except BaseException as err:
+        err.__dict__[_AGREED] = True
+        raise
     if not isinstance(out, torch.Tensor) or out.shape != t.shape:
         raise ValueError(
             f"reduce_fn must return a tensor of the shape it was given {tuple(t.shape)}; got "

@@ -1,5 +1,6 @@
-"""What the state of a Laplace guide must hold: the buffers ``fit`` sizes describe one subnetwork
-of the size the guide's rule selects on its model, with the guide's Hessian structure
+"""What the settings and the state of a Laplace guide must hold: one prior precision, and buffers
+``fit`` sizes that describe one subnetwork of the size the guide's rule selects on its model,
+with the guide's Hessian structure
 (:meth:`~pyro_bdl.guides.state_checks.CheckedLoad.load_state_dict` reports every error)."""
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from typing import Any
 
 import torch
 
+from pyro_bdl._validation import check_positive
 from pyro_bdl.guides.state_checks import shape_of
 
-__all__ = ["HESSIAN_STRUCTURES", "state_errors"]
+__all__ = ["HESSIAN_STRUCTURES", "one_precision", "state_errors"]
 
 #: Shapes of the GGN over the subnetwork (:mod:`~pyro_bdl.guides.laplace.posterior`), in the
 #: order the packed extra state codes them.
@@ -77,3 +79,23 @@ def state_errors(
                 f"weights; this guide's rule (subnetwork={rule.kind!r}) selects {size}"
             )
     return errors
+
+
+def one_precision(value: Any) -> float:
+    """``prior_precision=`` as one positive float; refused with the ways to give more."""
+    numel = value.numel() if isinstance(value, torch.Tensor) else 1
+    if not isinstance(value, (int, float, torch.Tensor)) or isinstance(value, bool) or numel != 1:
+        got = (
+            f"a tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise ValueError(
+            f"prior_precision must be one number λ > 0 (a float or a one-element tensor), the "
+            f"precision of an isotropic prior over all weights; got {got}. For one precision "
+            "per layer or per weight declare it in the prior given to pyro_bdl.bayesianize "
+            "(and leave prior_precision=None), or tune it after fit with "
+            "tune_prior_precision(prior_structure='layerwise' or 'diagonal')."
+        )
+    check_positive("prior_precision", value, fix="Pass λ = 1/prior_scale² > 0.")
+    return float(value)
