@@ -168,3 +168,35 @@ def test_ivon_entry_learns_a_linear_boundary_and_reports_its_rate():
     # 6 sd above it at 0.8 (the Bayes classifier, x₀ > 0, scores 1).
     assert (probs.argmax(-1) == data.y_test).float().mean() >= 0.8
     assert predict.lr == 0.3 and predict.guide is not None
+
+
+def test_multiswag_recovers_from_a_diverging_rate_by_retrying_lower():
+    from pyro_bdl.app.compare.recovery import DivergedWarning
+
+    # σ = 0.5 scales the per-example rate by σ² = 0.25: 50 → 12.5, which overflows the loss of
+    # this 16-unit network within a few steps (as multiswag's default did on an unseen UCI
+    # dataset); 1.25 still does, 0.125 trains.
+    problem = _problem(epochs=8, batch_size=16, noise=0.5)
+    with pytest.warns(DivergedWarning, match="diverged at rate"):
+        predict = METHODS["multiswag"](problem, num_members=2, sgd_lr=50.0)
+    assert predict.rates == [0.125, 0.125]
+    assert len(predict.notes) == 4 and "retried from scratch at 0.125" in predict.notes[-1]
+    x_test, y_test = problem.dataset.x_test, problem.dataset.y_test
+    assert torch.isfinite(predict(x_test).log_prob(y_test)).all()
+
+
+def test_retry_lower_gives_up_with_a_note_and_passes_other_errors_through():
+    from pyro_bdl.app.compare.recovery import ATTEMPTS, DivergedWarning, retry_lower
+
+    def always(rate):
+        raise FloatingPointError(f"loss inf at rate {rate}")
+
+    with pytest.warns(DivergedWarning), pytest.raises(FloatingPointError) as info:
+        retry_lower(always, 1.0, "toy")
+    assert f"({ATTEMPTS} tries" in info.value.__notes__[-1]
+
+    def broken(rate):
+        raise ValueError("bad shape")
+
+    with pytest.raises(ValueError, match="bad shape"):
+        retry_lower(broken, 1.0, "toy")

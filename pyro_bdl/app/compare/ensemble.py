@@ -35,7 +35,8 @@ from pyro_bdl.app.compare.problem import (
     predictive_probs,
     seed_everything,
 )
-from pyro_bdl.app.compare.swag import BN_FRACTION, RANK, SWA_LR, train_swag
+from pyro_bdl.app.compare.recovery import retry_lower
+from pyro_bdl.app.compare.swag import BN_FRACTION, RANK, SGD_LR, SWA_LR, data_scaled, train_swag
 from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from pyro_bdl.guides.ensemble import MemberGuide
@@ -128,18 +129,42 @@ def fit_ensemble(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predi
 
 
 def fit_multiswag(
-    problem: Problem, *, num_members: int = ENSEMBLE_SIZE, swa_lr: float = SWA_LR
+    problem: Problem,
+    *,
+    num_members: int = ENSEMBLE_SIZE,
+    swa_lr: float = SWA_LR,
+    sgd_lr: float = SGD_LR,
+    optimizer: str = "sgd",
 ) -> Predictor:
-    """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each, SWAG-phase rate
-    ``swa_lr``), drawing ⌈``problem.num_samples`` / M⌉ weights from every member."""
+    """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each, SGD-phase per-example rate
+    ``sgd_lr`` and SWAG-phase rate ``swa_lr`` with ``optimizer``), drawing
+    ⌈``problem.num_samples`` / M⌉ weights from every member.
+
+    The SGD rates are scaled to the data (:func:`~pyro_bdl.app.compare.swag.data_scaled`), and a
+    member that diverges is trained again from scratch at a lower rate
+    (:func:`~pyro_bdl.app.compare.recovery.retry_lower`); the predictor's ``notes`` list every
+    such retry and ``rates`` each member's SGD rate."""
     members: list[Member] = []
     guides: list[AutoSWAG] = []
+    notes: list[str] = []
+    rates: list[float] = []
+    sgd = data_scaled(problem, sgd_lr)
     for k, member in _member_problems(problem, num_members):
-        bnn, model = member.bayesian_model(noise="point")  # σ as swag learns it
-        guide = AutoSWAG(model, rank=RANK, init_loc_fn=member.init_loc_fn())
-        train_swag(member, guide, model, f"multiswag {k + 1}/{num_members}", swa_lr=swa_lr)
+        desc = f"multiswag {k + 1}/{num_members}"
+
+        def attempt(rate: float, member: Problem = member, desc: str = desc):
+            seed_everything(member.seed)
+            bnn, model = member.bayesian_model(noise="point")  # σ as swag learns it
+            guide = AutoSWAG(model, rank=RANK, init_loc_fn=member.init_loc_fn())
+            # The SWAG phase's rate follows the SGD phase's down (an SGD rate is per example).
+            swa = swa_lr * rate / sgd_lr if optimizer == "sgd" else swa_lr
+            train_swag(member, guide, model, desc, swa_lr=swa, optimizer=optimizer, sgd_lr=rate)
+            return bnn, model, guide
+
+        (bnn, model, guide), rate = retry_lower(attempt, sgd, desc, notes)
         members.append((bnn, model))
         guides.append(guide)
+        rates.append(rate)
     per_member = math.ceil(problem.num_samples / num_members)
     x_train = problem.dataset.x_train.to(problem.device)
 
@@ -155,4 +180,7 @@ def fit_multiswag(
         )
 
     posterior = _set_up(AutoMultiSWAG(members[0][1], guides), problem)
-    return mixture_predictor(problem, members, posterior, per_member, member_probs)
+    predict = mixture_predictor(problem, members, posterior, per_member, member_probs)
+    predict.notes = notes  # type: ignore[attr-defined]
+    predict.rates = rates  # type: ignore[attr-defined]
+    return predict
