@@ -42,6 +42,19 @@ Every method trains on the whole training split (the settings per method are
   N(0, 1) prior, β = (0.9, 0.05), damping 1e-3), full batch, ``vogn_steps`` steps with the rate
   decayed 100× over them; the mixture predictive. (With the
   default β₂ = 0.999, i.e. s ≈ the latest ĥ, and no damping it diverges at rate 1e-2.)
+- ``ensemble``: ``ensemble_members`` MAP networks, each from its own random initial weights
+  (seed k) with MAP's full-batch schedule from scratch (``map_steps``, not MAP's warm start);
+  the equal-weight mixture of their N(f_k(x), σ²).
+- ``multiswag``: ``ensemble_members`` SWAG runs from scratch, each ``multiswag_epochs`` epochs
+  of minibatch SGD with momentum and then the SWAG phase (the registry's schedule); the SGD rate
+  is scaled to the data (× min(1, σ²)) and a member that diverges is retrained from scratch at a
+  10× lower rate, the retries noted in the JSON (``chosen_per_split``).
+- ``ivon``: IVON from the network's initial weights, full batch, ``map_steps`` steps, its rate
+  ``ivon_lr`` decayed linearly to zero; the mixture predictive.
+- ``mc_dropout``: dropout before every linear layer, MAP's full-batch schedule from scratch with
+  the paper's length-scale weight decay (l = 1 / prior scale), the rate chosen from
+  ``dropout_rates`` by log-likelihood on 20% of the training split, then retrained on all of it;
+  the predictive over ``num_samples`` dropout masks. The rate chosen per split is in the JSON.
 
 Hyperparameters are one fixed choice per method (``DEFAULTS``), picked with ``--tune``: it runs
 the same pipeline with split 0's *training* rows split 80/20 (the 20% playing the test set) for a
@@ -94,7 +107,17 @@ from pyro_bdl.app.data import DATA_ENV, UCI_DEFAULT_HIDDEN, Dataset, load_uci, u
 
 DATASETS = ("wine-quality-red", "concrete", "energy", "yacht")
 #: The registry's methods this benchmark runs (``pyro_bdl.app.compare.METHODS``).
-UCI_METHODS = ("map", "meanfield", "swag", "laplace", "vogn")
+UCI_METHODS = (
+    "map",
+    "meanfield",
+    "swag",
+    "laplace",
+    "vogn",
+    "ensemble",
+    "multiswag",
+    "ivon",
+    "mc_dropout",
+)
 
 
 _MC_GRID = (
@@ -177,6 +200,15 @@ class Config:
     vogn_lr: float = 0.1
     vogn_betas: tuple[float, float] = (0.9, 0.05)  # β₂ weights the new curvature (vogn.md)
     vogn_damping: float = 1e-3
+    # The methods trained from the network's initial weights, each for as long as MAP: the
+    # ensemble's members (MAP's full-batch schedule, member k seeded k), MultiSWAG's members
+    # (minibatch SGD then the SWAG phase, the registry's data-scaled rates and retries), IVON
+    # (full batch, its own rate decayed to zero) and MC dropout (MAP's schedule per rate tried).
+    ensemble_members: int = 5
+    multiswag_epochs: int = 60
+    multiswag_batch: int = 64
+    ivon_lr: float = 0.3
+    dropout_rates: tuple[float, ...] = (0.005, 0.01, 0.05, 0.1)
     num_samples: int = 64  # posterior draws for the mixture predictive
     #: "fixed": the validation σ for all; "own": each method learns σ its own way (SIGMA_RULES).
     #: "fixed" is the default because it measured better on all four shared datasets (README:
@@ -196,9 +228,19 @@ SIGMA_RULES = {
     "vogn": "the MAP's point estimate, known to VOGN (VOGN updates only lifted weights)",
     "laplace": "the validation σ (MAP's RMSE on 20% of the training split), as before: the "
     "linearized Laplace treats σ as known",
+    "ensemble": "each member a point estimate as MAP's, from the MAP's σ",
+    "multiswag": "each member's point estimate trained with its SGD/SWAG iterates, from the MAP's σ",
+    "ivon": "the MAP's point estimate, known to IVON (IVON updates only lifted weights)",
+    "mc_dropout": "the MAP's point estimate, known (MC dropout's τ = 1/σ²)",
 }
 QUICK = dataclasses.replace(
-    DEFAULTS, map_steps=300, mf_steps=300, swag_epochs=10, vogn_steps=300, num_samples=16
+    DEFAULTS,
+    map_steps=300,
+    mf_steps=300,
+    swag_epochs=10,
+    vogn_steps=300,
+    multiswag_epochs=20,
+    num_samples=16,
 )
 #: What ``--tune`` found (validation LL on split 0's training rows, 80/20; wine / concrete /
 #: energy / yacht), and so the DEFAULTS: MAP 600 steps (300: -0.95/-2.98/-0.73/-1.32, 600:
@@ -309,6 +351,20 @@ def method_settings(name: str, problem: Problem, cfg: Config) -> tuple[dict, dic
             {**full, "epochs": cfg.vogn_steps, "lr": cfg.vogn_lr, "lr_decay": 0.01, "init": None},
             {"settings": {"betas": cfg.vogn_betas, "damping": cfg.vogn_damping}},
         ),
+        # From scratch (init None): members started at the one MAP would all be that MAP.
+        "ensemble": (
+            {**full, "epochs": cfg.map_steps, "lr": cfg.map_lr, "lr_decay": 0.1, "init": None},
+            {"num_members": cfg.ensemble_members},
+        ),
+        "multiswag": (
+            {"epochs": cfg.multiswag_epochs, "batch_size": cfg.multiswag_batch, "init": None},
+            {"num_members": cfg.ensemble_members},
+        ),
+        "ivon": ({**full, "epochs": cfg.map_steps, "init": None}, {"ivon_lr": cfg.ivon_lr}),
+        "mc_dropout": (
+            {**full, "epochs": cfg.map_steps, "lr": cfg.map_lr, "lr_decay": 0.1, "init": None},
+            {"rates": cfg.dropout_rates},
+        ),
     }
     return settings[name]
 
@@ -378,6 +434,18 @@ def laplace_keywords(x, y, noise: float, cfg: Config, seed: int, holdout) -> dic
     }
 
 
+def chosen(predict) -> dict:
+    """What a method chose or had to do on its own while fitting, from its predictor: MC
+    dropout's rate and the validation LL per rate tried, MultiSWAG's per-member SGD rates and
+    the notes of any run retried after diverging."""
+    found = {}
+    for key in ("rate", "validation", "rates", "notes"):
+        value = getattr(predict, key, None)
+        if value:
+            found[key] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+    return found
+
+
 def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, prepared=None):
     """Train every method on (x, y) and score it on (x_test, y_test); {method: (ll, rmse, s)}.
     ``prepared`` reuses the output of :func:`prepare` (σ and the MAP). ``meanfield``, ``swag``
@@ -394,7 +462,7 @@ def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, pr
         x, y, map_predict.noise, cfg, seed, {**values, "sigma": torch.tensor(map_predict.noise)}
     )
     own = dataclasses.replace(own, sigma=cfg.sigma)
-    out: dict = {}
+    out: dict = {"_chosen": {}}
     for name in methods:
         t0 = time.process_time()
         if name == "map":
@@ -406,6 +474,7 @@ def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, pr
             predict = fit(name, own if cfg.sigma == "own" else problem, cfg)
         seconds = time.process_time() - t0 + (t_map if name in ("map", "laplace") else 0.0)
         out[name] = (*scores(predict(x_test), y_test, y_std), seconds)
+        out["_chosen"][name] = chosen(predict)
     out["_noise"] = noise
     out["_noise_map"] = map_predict.noise
     return out
@@ -445,6 +514,7 @@ def summarise(per_split: list[dict], methods) -> dict:
     for m in methods:
         lls, rmses, secs = zip(*(r[m] for r in per_split))
         figures[m] = {
+            "chosen_per_split": [r["_chosen"].get(m, {}) for r in per_split],
             "test_ll": mean_se(list(lls)),
             "test_rmse": mean_se(list(rmses)),
             "cpu_seconds_per_split": sum(secs) / len(secs),

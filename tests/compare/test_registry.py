@@ -105,17 +105,22 @@ def test_uci_runs_every_method_through_the_registry():
         mf_steps=20,
         swag_epochs=3,
         vogn_steps=20,
+        ensemble_members=2,
+        multiswag_epochs=2,
+        dropout_rates=(0.01, 0.1),
         num_samples=4,
     )
     out = uci.run_methods(
         data.x_train, data.y_train, data.x_test, data.y_test, 1.0, cfg, uci.UCI_METHODS, 0
     )
-    assert set(out) == {*uci.UCI_METHODS, "_noise", "_noise_map"}
+    assert set(out) == {*uci.UCI_METHODS, "_noise", "_noise_map", "_chosen"}
     for name in uci.UCI_METHODS:
         ll, rmse, seconds = out[name]
         assert torch.isfinite(torch.tensor([ll, rmse, seconds])).all(), name
     # The warm-started MAP fits sin(2x) far better than the target's spread (std ≈ 0.7).
     assert out["map"][1] < 0.5
+    # MC dropout reports the rate it chose on held-out training rows, among those offered.
+    assert out["_chosen"]["mc_dropout"]["rate"] in (0.01, 0.1)
 
 
 def test_uci_sigma_rules_own_and_fixed():
