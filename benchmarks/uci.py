@@ -229,7 +229,8 @@ SIGMA_RULES = {
     "laplace": "the validation σ (MAP's RMSE on 20% of the training split), as before: the "
     "linearized Laplace treats σ as known",
     "ensemble": "each member a point estimate as MAP's, from the MAP's σ",
-    "multiswag": "each member's point estimate trained with its SGD/SWAG iterates, from the MAP's σ",
+    "multiswag": "each member's point estimate trained with its SGD/SWAG iterates, from "
+    "the MAP's σ",
     "ivon": "the MAP's point estimate, known to IVON (IVON updates only lifted weights)",
     "mc_dropout": "the MAP's point estimate, known (MC dropout's τ = 1/σ²)",
 }
