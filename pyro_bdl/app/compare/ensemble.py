@@ -32,6 +32,8 @@ from pyro_bdl.app.compare.problem import (
     Predictor,
     Problem,
     attach_posterior,
+    gaussian_mixture,
+    heteroscedastic_draws,
     predictive_probs,
     seed_everything,
 )
@@ -68,10 +70,15 @@ def _set_up(guide, problem: Problem):
     return guide
 
 
-def _regression_outputs(model, guide, x: torch.Tensor, num_samples: int) -> torch.Tensor:
-    """f_s(x) for ``num_samples`` draws of one member: shape (num_samples, n)."""
+def _regression_outputs(model, guide, x: torch.Tensor, num_samples: int):
+    """``(mean, σ)`` of ``num_samples`` draws of one member, each (n, num_samples): σ the
+    model's fixed or point σ, or the network's σ(x) for a heteroscedastic regressor."""
     predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
-    return predictive(x)["_RETURN"].reshape(num_samples, -1)
+    out = predictive(x)["_RETURN"]
+    if model.noise == "heteroscedastic":
+        return heteroscedastic_draws(model, out)
+    f = out.reshape(num_samples, -1).T
+    return f, torch.full_like(f, float(model.noise_scale))
 
 
 def mixture_predictor(
@@ -93,14 +100,14 @@ def mixture_predictor(
 
         @torch.no_grad()
         def predict(x):
-            parts = []
+            means, scales = [], []
             for k, (_, model) in enumerate(members):
                 with posterior.use_member(k):
-                    parts.append(_regression_outputs(model, posterior, x, num_samples))
-            f = torch.cat(parts).T  # (n, M · num_samples)
-            components = torch.distributions.Normal(f, float(model0.noise_scale))
-            weights = torch.distributions.Categorical(logits=torch.zeros_like(f))
-            return torch.distributions.MixtureSameFamily(weights, components)
+                    mean, scale = _regression_outputs(model, posterior, x, num_samples)
+                means.append(mean)
+                scales.append(scale)
+            # (n, M · num_samples): every member's draws, each its own σ.
+            return gaussian_mixture(torch.cat(means, -1), torch.cat(scales, -1))
 
     else:
 

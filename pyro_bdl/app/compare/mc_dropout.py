@@ -4,7 +4,8 @@ The problem's network with ``nn.Dropout(p)`` inserted before every ``nn.Linear``
 MC-dropout UCI code: on the inputs and on each hidden layer), trained as a point estimate with
 the paper's weight decay and used for prediction with dropout ON: the predictive is the
 equal-weight mixture over S dropout masks (``problem.num_samples``) — N(f_s(x), σ²) for
-regression with the problem's known σ, mean class probabilities for classification.
+regression with the problem's known σ (or N(μ_s(x), σ_s(x)²) from the network's log-variance
+output on a heteroscedastic problem), mean class probabilities for classification.
 
 The weight decay follows the paper's prior length-scale formula: dropout with rate p and a prior
 length-scale l make the per-example objective the NLL plus l²(1 − p)/(2N)·‖θ‖². Here l is the
@@ -31,7 +32,14 @@ import torch
 from torch import nn
 
 from pyro_bdl._validation import check_positive, check_probability
-from pyro_bdl.app.compare.problem import Predictor, Problem, split_validation, train_loop
+from pyro_bdl.app.compare.problem import (
+    Predictor,
+    Problem,
+    gaussian_mixture,
+    split_validation,
+    train_loop,
+)
+from pyro_bdl.models import mean_log_variance
 
 __all__ = ["RATES", "VALIDATION_FRACTION", "fit_mc_dropout", "with_dropout"]
 
@@ -74,16 +82,27 @@ def _prior_precision(problem: Problem, length_scale: float | None) -> float:
 def _nll(net: nn.Module, problem: Problem, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The summed negative log-likelihood of the rows under one dropout mask."""
     out = net(x)
-    if problem.is_regression:
-        noise = float(problem.noise)  # type: ignore[arg-type]  # checked by train_dropout
-        return -torch.distributions.Normal(out.squeeze(-1), noise).log_prob(y).sum()
-    return nn.functional.cross_entropy(out, y, reduction="sum")
+    if not problem.is_regression:
+        return nn.functional.cross_entropy(out, y, reduction="sum")
+    mean, scale = _mean_scale(problem, out)
+    return -torch.distributions.Normal(mean, scale).log_prob(y).sum()
+
+
+def _mean_scale(problem: Problem, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gaussian's mean and σ from a regression network's outputs (..., n, outputs): σ(x)
+    from the log-variance column of a heteroscedastic problem, else the problem's σ."""
+    if problem.heteroscedastic:
+        mean, log_var = mean_log_variance(out.reshape(-1, 2))
+        shape = out.shape[:-1]
+        return mean.reshape(shape), (0.5 * log_var).exp().reshape(shape)
+    mean = out.squeeze(-1)
+    return mean, torch.full_like(mean, float(problem.noise))  # type: ignore[arg-type]
 
 
 def train_dropout(problem: Problem, rate: float, length_scale: float | None = None) -> nn.Module:
     """The network of ``problem`` with dropout ``rate``, trained on its training rows."""
     check_probability("rate", rate, open_interval=False)
-    if problem.is_regression and problem.noise is None:
+    if problem.is_regression and not problem.heteroscedastic and problem.noise is None:
         raise ValueError(
             f"dataset {problem.dataset.name!r} is a regression dataset, so mc_dropout needs its "
             "observation noise; pass Problem(..., noise=sigma)."
@@ -129,10 +148,8 @@ def dropout_predictor(problem: Problem, net: nn.Module, num_samples: int) -> Pre
         outs = torch.stack([net(x) for _ in range(num_samples)])  # (S, n, outputs)
         if not problem.is_regression:
             return outs.softmax(-1).mean(0)
-        f = outs.squeeze(-1).T  # (n, S)
-        components = torch.distributions.Normal(f, float(problem.noise))  # type: ignore[arg-type]
-        weights = torch.distributions.Categorical(logits=torch.zeros_like(f))
-        return torch.distributions.MixtureSameFamily(weights, components)
+        mean, scale = _mean_scale(problem, outs)  # (S, n) each
+        return gaussian_mixture(mean.T, scale.T)
 
     return predict
 
