@@ -215,9 +215,21 @@ class Config:
     #: learning σ on the training rows settles at the training residual, which new rows do not
     #: share).
     sigma: str = "fixed"
+    #: "heteroscedastic": σ(x) from the network's second output (log-variance), every method
+    #: trained by the Gaussian NLL of the mean-and-variance network, as in the deep-ensembles
+    #: paper; "homoscedastic": one σ per split, under the ``sigma`` rule above.
+    noise_model: str = "heteroscedastic"
 
 
 DEFAULTS = Config()
+#: ``--noise``: the two noise models (``Config.noise_model``).
+NOISE_MODELS = ("heteroscedastic", "homoscedastic")
+#: Why ``laplace`` does not run under ``--noise heteroscedastic``.
+LAPLACE_HETEROSCEDASTIC = (
+    "laplace runs only with --noise homoscedastic: the linearized Laplace takes σ as known, and "
+    "with σ(x) from the same network the Gaussian likelihood's curvature couples the mean and "
+    "log-variance heads, which its GGN does not model (pyro_bdl.app.compare.laplace refuses)"
+)
 #: How each method learns σ under ``Config.sigma == "own"`` (``--sigma fixed``: every method takes
 #: the validation σ, Laplace's rule below).
 SIGMA_RULES = {
@@ -304,7 +316,7 @@ class UCIProblem(Problem):
 
 
 def regression_problem(
-    x, y, noise: float, cfg: Config, seed: int, init=None, sigma: str = "fixed"
+    x, y, noise: float | None, cfg: Config, seed: int, init=None, sigma: str = "fixed"
 ) -> Problem:
     """The registry's problem on the rows (x, y): the network and prior of ``cfg``, noise σ
     (known under ``sigma="fixed"``, each method's own under ``"own"``: ``Problem.sigma``),
@@ -415,6 +427,9 @@ def prepare(x, y, cfg: Config, seed: int) -> tuple:
     part is ``(fit rows, validation rows, MAP values on the fit rows)``, for validation-tuned
     choices."""
     t0 = time.process_time()
+    if cfg.noise_model == "heteroscedastic":  # no σ to fit: the MAP learns σ(x) from scratch
+        problem = regression_problem(x, y, None, cfg, seed, sigma="heteroscedastic")
+        return math.nan, fit("map", problem, cfg), time.process_time() - t0, None
     noise, init, (rows, val) = fit_noise(x, y, cfg, seed)
     predict = fit("map", regression_problem(x, y, noise, cfg, seed, init, cfg.sigma), cfg)
     return noise, predict, time.process_time() - t0, (rows, val, init)
@@ -456,13 +471,22 @@ def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, pr
         prepared if prepared is not None else prepare(x, y, cfg, seed)
     )
     values = site_values(map_predict)
-    problem = regression_problem(x, y, noise, cfg, seed, values)
-    # Each method's own σ (SIGMA_RULES): the MAP's point estimate starts SWAG's, initialises
-    # mean-field's latent σ and is VOGN's known σ; Laplace keeps the validation σ.
-    own = regression_problem(
-        x, y, map_predict.noise, cfg, seed, {**values, "sigma": torch.tensor(map_predict.noise)}
-    )
-    own = dataclasses.replace(own, sigma=cfg.sigma)
+    if cfg.noise_model == "heteroscedastic":
+        if "laplace" in methods:
+            raise ValueError(LAPLACE_HETEROSCEDASTIC + "; drop it from the methods.")
+        # Every method on the mean-and-variance network (the MAP's values start those that
+        # start from the MAP); no σ rule applies.
+        problem = regression_problem(x, y, None, cfg, seed, values, "heteroscedastic")
+        own = problem
+    else:
+        problem = regression_problem(x, y, noise, cfg, seed, values)
+        # Each method's own σ (SIGMA_RULES): the MAP's point estimate starts SWAG's,
+        # initialises mean-field's latent σ and is VOGN's known σ; Laplace keeps the
+        # validation σ.
+        own = regression_problem(
+            x, y, map_predict.noise, cfg, seed, {**values, "sigma": torch.tensor(map_predict.noise)}
+        )
+        own = dataclasses.replace(own, sigma=cfg.sigma)
     out: dict = {"_chosen": {}}
     for name in methods:
         t0 = time.process_time()
@@ -477,7 +501,7 @@ def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, pr
         out[name] = (*scores(predict(x_test), y_test, y_std), seconds)
         out["_chosen"][name] = chosen(predict)
     out["_noise"] = noise
-    out["_noise_map"] = map_predict.noise
+    out["_noise_map"] = math.nan if map_predict.noise is None else map_predict.noise
     return out
 
 
@@ -596,11 +620,12 @@ def anchor_lines(name: str) -> list[str]:
     ]
 
 
-def tune(data_dir, datasets, methods) -> None:
-    """Score the ``GRID`` settings on split 0's training rows (80% fit / 20% validation)."""
+def tune(data_dir, datasets, methods, noise_model: str = DEFAULTS.noise_model) -> None:
+    """Score the ``GRID`` settings on split 0's training rows (80% fit / 20% validation); a
+    method without a grid is scored at its defaults."""
     for name in datasets:
         d = load_uci(name, data_dir, split=0)
-        base = dataclasses.replace(DEFAULTS, hidden=d.info["n_hidden"])
+        base = dataclasses.replace(DEFAULTS, hidden=d.info["n_hidden"], noise_model=noise_model)
         g = torch.Generator().manual_seed(12345)
         order = torch.randperm(len(d.y_train), generator=g)
         n_val = round(0.2 * len(order))
@@ -608,7 +633,7 @@ def tune(data_dir, datasets, methods) -> None:
         x, y = d.x_train[fit], d.y_train[fit]
         shared = prepare(x, y, base, 0)  # σ and MAP, reused unless the MAP is tuned
         for m in methods:
-            for setting in GRID[m]:
+            for setting in GRID.get(m, [{}]):
                 cfg = dataclasses.replace(base, **setting)
                 ready = prepare(x, y, cfg, 0) if m == "map" else shared
                 xv, yv = d.x_train[val], d.y_train[val]
@@ -704,13 +729,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="dataset folder(s) in the standard UCI split format, repeatable or comma-separated "
         f"(default: {' '.join(DATASETS)})",
     )
-    parser.add_argument("--methods", nargs="+", default=list(UCI_METHODS), choices=UCI_METHODS)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=UCI_METHODS,
+        help="default: every method the noise model allows (laplace only with "
+        "--noise homoscedastic)",
+    )
+    parser.add_argument(
+        "--noise",
+        choices=NOISE_MODELS,
+        default=DEFAULTS.noise_model,
+        help="'heteroscedastic' (default): σ(x) from the network's log-variance output, as in "
+        "the deep-ensembles paper; 'homoscedastic': one σ per split (see --sigma)",
+    )
     parser.add_argument(
         "--sigma",
         choices=("own", "fixed"),
         default=DEFAULTS.sigma,
-        help="'own': each method learns σ its own way (default); 'fixed': every method takes the "
-        "validation σ (the earlier rule, for before/after comparisons)",
+        help="with --noise homoscedastic: 'fixed' (default): every method takes the validation "
+        "σ; 'own': each method learns σ its own way",
     )
     parser.add_argument("--quick", action="store_true", help="first 2 selected splits, few steps")
     parser.add_argument("--tune", action="store_true", help="score the grid on split 0's train")
@@ -763,13 +802,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"benchmarks.uci: skipped, {err}", flush=True)
             return
         parser.error(str(err))
+    heteroscedastic = args.noise == "heteroscedastic"
+    if args.methods is None:
+        args.methods = [m for m in UCI_METHODS if not (heteroscedastic and m == "laplace")]
+    elif heteroscedastic and "laplace" in args.methods:
+        parser.error(LAPLACE_HETEROSCEDASTIC + "; drop it from --methods or pass that.")
     if args.tune:
-        tune(data_dir, args.datasets, args.methods)
+        tune(data_dir, args.datasets, args.methods, args.noise)
         return
-    cfg = dataclasses.replace(QUICK if args.quick else DEFAULTS, sigma=args.sigma)
+    base = QUICK if args.quick else DEFAULTS
+    cfg = dataclasses.replace(base, sigma=args.sigma, noise_model=args.noise)
     full = args.datasets == list(DATASETS) and args.splits is None
     stem = "uci" if full else "uci-" + "-".join(args.datasets)
-    if args.sigma != DEFAULTS.sigma:
+    if args.noise != DEFAULTS.noise_model:
+        stem += f"-{args.noise}"
+    if args.sigma != DEFAULTS.sigma and not heteroscedastic:
         stem += f"-sigma-{args.sigma}"
     # Splits in the outer loop and the JSON rewritten after each: a run cut short still has the
     # first splits of every dataset.
@@ -827,7 +874,11 @@ def run_config(cfg: Config, args, splits_done: dict, wall: float, data_dir) -> d
         "network": "Linear(d, H) - ReLU - Linear(H, 1), H from the folder's n_hidden.txt, else "
         f"{UCI_DEFAULT_HIDDEN} (hidden_per_dataset)",
         "prior": f"Normal(0, {cfg.prior_scale}) on every weight",
-        "noise": SIGMA_RULES
+        "noise": "heteroscedastic: σ(x) = exp(s(x)/2) from the network's second output, every "
+        "method trained on the Gaussian NLL of the mean-and-variance network (the MAP from "
+        "scratch; no σ fitted); " + LAPLACE_HETEROSCEDASTIC
+        if cfg.noise_model == "heteroscedastic"
+        else SIGMA_RULES
         if cfg.sigma == "own"
         else "homoscedastic σ per split: validation RMSE of MAP trained on 80% of the "
         f"training split ({cfg.noise_rounds} rounds, warm-started), then fixed for every method",

@@ -200,11 +200,12 @@ def test_sigma_own_learns_sigma_per_method_and_has_its_own_results_file(tmp_path
     monkeypatch.setattr(uci, "DEFAULTS", TINY)
     monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
     argv = ["--dataset", "toy", "--splits", "1", "--methods", "map", "--data-dir", str(tmp_path)]
+    argv += ["--noise", "homoscedastic"]
     uci.main(argv)
     uci.main([*argv, "--sigma", "own"])
     fixed, own = (
-        written["uci-toy"]["results"]["toy"],
-        written["uci-toy-sigma-own"]["results"]["toy"],
+        written["uci-toy-homoscedastic"]["results"]["toy"],
+        written["uci-toy-homoscedastic-sigma-own"]["results"]["toy"],
     )
     # Fixed (the default): the MAP predicts with the validation σ; own: with the σ it learned
     # from there. (Index 0: the mean over the one split; its SE is NaN.)

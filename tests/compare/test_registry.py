@@ -96,10 +96,13 @@ def test_laplace_rejects_an_unknown_prior_precision_rule():
 # The smoke configuration trains the MAP for 40 steps only, short of a mode: the Laplace fit
 # rightly warns that the network is not trained to a MAP estimate.
 @pytest.mark.filterwarnings("ignore::pyro_bdl.guides.laplace.model.NotAtModeWarning")
-def test_uci_runs_every_method_through_the_registry():
+@pytest.mark.parametrize("noise_model", uci.NOISE_MODELS)
+def test_uci_runs_every_method_through_the_registry(noise_model):
     data = _regression(n=60)
+    methods = [m for m in uci.UCI_METHODS if noise_model == "homoscedastic" or m != "laplace"]
     cfg = dataclasses.replace(
         uci.DEFAULTS,
+        noise_model=noise_model,
         hidden=8,
         map_steps=40,
         mf_steps=20,
@@ -111,10 +114,10 @@ def test_uci_runs_every_method_through_the_registry():
         num_samples=4,
     )
     out = uci.run_methods(
-        data.x_train, data.y_train, data.x_test, data.y_test, 1.0, cfg, uci.UCI_METHODS, 0
+        data.x_train, data.y_train, data.x_test, data.y_test, 1.0, cfg, methods, 0
     )
-    assert set(out) == {*uci.UCI_METHODS, "_noise", "_noise_map", "_chosen"}
-    for name in uci.UCI_METHODS:
+    assert set(out) == {*methods, "_noise", "_noise_map", "_chosen"}
+    for name in methods:
         ll, rmse, seconds = out[name]
         assert torch.isfinite(torch.tensor([ll, rmse, seconds])).all(), name
     # The warm-started MAP fits sin(2x) far better than the target's spread (std ≈ 0.7).
@@ -123,9 +126,19 @@ def test_uci_runs_every_method_through_the_registry():
     assert out["_chosen"]["mc_dropout"]["rate"] in (0.01, 0.1)
 
 
+def test_uci_refuses_laplace_under_the_heteroscedastic_noise_model():
+    data = _regression(n=20)
+    cfg = dataclasses.replace(uci.DEFAULTS, hidden=4, map_steps=5, num_samples=2)
+    args = (data.x_train, data.y_train, data.x_test, data.y_test, 1.0, cfg, ["laplace"], 0)
+    with pytest.raises(ValueError, match="laplace runs only with --noise homoscedastic"):
+        uci.run_methods(*args)
+
+
 def test_uci_sigma_rules_own_and_fixed():
     data = _regression(n=60)
-    cfg = dataclasses.replace(uci.DEFAULTS, hidden=8, map_steps=40, num_samples=4)
+    cfg = dataclasses.replace(
+        uci.DEFAULTS, noise_model="homoscedastic", hidden=8, map_steps=40, num_samples=4
+    )
     args = (data.x_train, data.y_train, data.x_test, data.y_test, 1.0)
     own = uci.run_methods(*args, dataclasses.replace(cfg, sigma="own"), ["map"], 0)
     fixed = uci.run_methods(*args, dataclasses.replace(cfg, sigma="fixed"), ["map"], 0)
