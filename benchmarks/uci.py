@@ -56,9 +56,24 @@ Every method trains on the whole training split (the settings per method are
   ``dropout_rates`` by log-likelihood on 20% of the training split, then retrained on all of it;
   the predictive over ``num_samples`` dropout masks. The rate chosen per split is in the JSON.
 
-Hyperparameters are one fixed choice per method (``DEFAULTS``), picked with ``--tune``: it runs
-the same pipeline with split 0's *training* rows split 80/20 (the 20% playing the test set) for a
-small grid and prints the validation log-likelihood. The test splits are never used for a choice.
+Settings are chosen per dataset, automatically (``--no-select`` turns it off and uses the fixed
+``DEFAULTS``): on the first selected split, each method's ``SELECT`` settings — the same number
+(``SELECT_SIZE``) for every method, each trained at that method's own epochs — are trained on 80%
+of the training rows and scored by log-likelihood on the other 20%; the best is used on every
+split of that dataset and written to the JSON (``selected_settings``: every setting tried and
+its validation LL). A new folder thus gets tuned results without editing anything. The test rows
+are never read for a choice (a test fills them with NaN and checks the choice is unchanged).
+``--tune`` still prints the older grid (``GRID``) on split 0's training rows, 80/20.
+
+Noise model (``--noise``): ``heteroscedastic`` (the default, as in the deep-ensembles paper) gives
+every network a second output, the log-variance s(x), and trains every method on the Gaussian
+NLL with σ(x) = exp(s(x)/2): MAP from scratch (no σ fit), mean-field, SWAG and the ensembles by
+their usual loops, VOGN and IVON (σ(x) is a network output, not a site, so both run), MC dropout
+with both heads under dropout. ``laplace`` is refused (and left out of the default methods): the
+linearized Laplace takes σ as known, and with σ(x) from the same network the likelihood's
+curvature couples the mean and log-variance heads, which its GGN does not model; linearising the
+mean head alone with the MAP's σ(x) as known noise would be a different method, not done here.
+``homoscedastic`` keeps the validation-σ pipeline above (``--sigma``).
 
 Usage::
 
@@ -207,6 +222,7 @@ class Config:
     ensemble_members: int = 5
     multiswag_epochs: int = 60
     multiswag_batch: int = 64
+    multiswag_sgd_lr: float = 0.05  # per-example, then scaled to the data by the registry
     ivon_lr: float = 0.3
     dropout_rates: tuple[float, ...] = (0.005, 0.01, 0.05, 0.1)
     num_samples: int = 64  # posterior draws for the mixture predictive
@@ -276,6 +292,27 @@ GRID: dict[str, list[dict]] = {
     "laplace": [{"laplace_tuning": "validation"}, {"laplace_tuning": "marglik"}],
     "vogn": [{"vogn_lr": 0.1}, {"vogn_lr": 3e-2}],
 }
+
+#: Per-dataset selection (``--select``, on by default): per method, the same number of settings
+#: (``SELECT_SIZE``), each a change to ``Config`` that only that method's fit reads, tried at the
+#: method's own epochs; the one with the best log-likelihood on the validation rows of the
+#: dataset's first selected split (:func:`select_settings`) is used on every split.
+SELECT: dict[str, list[dict]] = {
+    "map": [{"map_lr": 3e-3}, {"map_lr": 1e-2}, {"map_lr": 3e-2}],
+    "meanfield": [{"mf_lr": 1e-3}, {"mf_lr": 3e-3}, {"mf_lr": 1e-2}],
+    "swag": [{"swag_lr": 1e-3}, {"swag_lr": 3e-3}, {"swag_lr": 1e-2}],
+    "laplace": [
+        {"laplace_tuning": "validation"},
+        {"laplace_tuning": "marglik"},
+        {"laplace_tuning": "prior"},
+    ],
+    "vogn": [{"vogn_lr": 3e-2}, {"vogn_lr": 0.1}, {"vogn_lr": 0.3}],
+    "ensemble": [{"map_lr": 3e-3}, {"map_lr": 1e-2}, {"map_lr": 3e-2}],
+    "multiswag": [{"multiswag_sgd_lr": r} for r in (0.01, 0.03, 0.1)],
+    "ivon": [{"ivon_lr": 0.1}, {"ivon_lr": 0.3}, {"ivon_lr": 1.0}],
+    "mc_dropout": [{"dropout_rates": (r,)} for r in (0.01, 0.05, 0.1)],
+}
+SELECT_SIZE = 3
 
 
 # ----------------------------------------------------------------------------- methods
@@ -371,7 +408,7 @@ def method_settings(name: str, problem: Problem, cfg: Config) -> tuple[dict, dic
         ),
         "multiswag": (
             {"epochs": cfg.multiswag_epochs, "batch_size": cfg.multiswag_batch, "init": None},
-            {"num_members": cfg.ensemble_members},
+            {"num_members": cfg.ensemble_members, "sgd_lr": cfg.multiswag_sgd_lr},
         ),
         "ivon": ({**full, "epochs": cfg.map_steps, "init": None}, {"ivon_lr": cfg.ivon_lr}),
         "mc_dropout": (
@@ -440,6 +477,8 @@ def laplace_keywords(x, y, noise: float, cfg: Config, seed: int, holdout) -> dic
     rows (Laplace at the MAP of the other rows), or by the marginal likelihood."""
     if cfg.laplace_tuning == "marglik":
         return {"prior_precision": "marglik"}
+    if cfg.laplace_tuning == "prior":  # the declared prior's precision 1/s²
+        return {}
     rows, val, values = holdout
     held = fit("laplace", regression_problem(x[rows], y[rows], noise, cfg, seed, values), cfg)
     grid = torch.logspace(-4, 6, 21, dtype=torch.float64)  # 1e6: Laplace ≈ MAP
@@ -462,13 +501,17 @@ def chosen(predict) -> dict:
     return found
 
 
-def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, prepared=None):
+def run_methods(
+    x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, prepared=None, configs=None
+):
     """Train every method on (x, y) and score it on (x_test, y_test); {method: (ll, rmse, s)}.
     ``prepared`` reuses the output of :func:`prepare` (σ and the MAP). ``meanfield``, ``swag``
     and ``laplace`` start from the MAP, ``vogn`` from the network's initial weights; ``map`` and
-    ``laplace`` count the MAP's time in their own."""
+    ``laplace`` count the MAP's time in their own. ``configs`` maps a method to its own
+    settings (:func:`select_settings`); the others, and the network, take ``cfg``."""
+    configs = configs or {}
     noise, map_predict, t_map, holdout = (
-        prepared if prepared is not None else prepare(x, y, cfg, seed)
+        prepared if prepared is not None else prepare(x, y, configs.get("map", cfg), seed)
     )
     values = site_values(map_predict)
     if cfg.noise_model == "heteroscedastic":
@@ -490,13 +533,14 @@ def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, pr
     out: dict = {"_chosen": {}}
     for name in methods:
         t0 = time.process_time()
+        mine = configs.get(name, cfg)
         if name == "map":
             predict = map_predict  # trained by prepare, which the other methods start from
         elif name == "laplace":
-            extra = laplace_keywords(x, y, noise, cfg, seed, holdout)
-            predict = fit(name, problem, cfg, **extra)
+            extra = laplace_keywords(x, y, noise, mine, seed, holdout)
+            predict = fit(name, problem, mine, **extra)
         else:
-            predict = fit(name, own if cfg.sigma == "own" else problem, cfg)
+            predict = fit(name, own if cfg.sigma == "own" else problem, mine)
         seconds = time.process_time() - t0 + (t_map if name in ("map", "laplace") else 0.0)
         out[name] = (*scores(predict(x_test), y_test, y_std), seconds)
         out["_chosen"][name] = chosen(predict)
@@ -516,12 +560,61 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(values))
 
 
-def run_split(name: str, data_dir, k: int, cfg: Config, methods) -> dict:
-    """Every method on split ``k`` of dataset ``name``; {method: (ll, rmse, s), "_noise": σ}."""
+def select_settings(d: Dataset, cfg: Config, methods) -> tuple[dict[str, Config], dict]:
+    """``({method: its Config}, record)``: every method's ``SELECT`` settings (the same number
+    for each, at the method's own epochs) trained on 80% of ``d``'s training rows and scored by
+    log-likelihood on the other 20% (seeded; standardised units); the best is kept. The test
+    rows are never read. A setting whose training fails (diverges) scores -inf, with the error
+    in the record. The methods that start from a MAP start from one at ``cfg``'s settings."""
+    g = torch.Generator().manual_seed(12345)
+    order = torch.randperm(len(d.y_train), generator=g)
+    n_val = max(2, round(cfg.val_fraction * len(order)))
+    val, rows = order[:n_val], order[n_val:]
+    x, y, xv, yv = d.x_train[rows], d.y_train[rows], d.x_train[val], d.y_train[val]
+    shared = None
+    configs, record = {}, {}
+    for m in methods:
+        tried = []
+        for setting in SELECT[m]:
+            c = dataclasses.replace(cfg, **setting)
+            row: dict[str, Any] = {"setting": setting}
+            try:
+                if m == "map":
+                    ready = prepare(x, y, c, 0)
+                else:
+                    shared = shared or prepare(x, y, cfg, 0)
+                    ready = shared
+                ll = run_methods(x, y, xv, yv, 1.0, c, [m], 0, ready)[m][0]
+            except (FloatingPointError, ValueError, RuntimeError) as err:
+                ll = -math.inf
+                row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+            row["validation_ll"] = ll if math.isfinite(ll) else -math.inf
+            tried.append(row)
+        best = max(tried, key=lambda r: r["validation_ll"])
+        configs[m] = dataclasses.replace(cfg, **best["setting"])
+        record[m] = {"chosen": best["setting"], "tried": tried}
+    return configs, {"validation_rows": n_val, "methods": record}
+
+
+def run_split(
+    name: str, data_dir, k: int, cfg: Config, methods, selected: dict | None = None
+) -> dict:
+    """Every method on split ``k`` of dataset ``name``; {method: (ll, rmse, s), "_noise": σ}.
+    ``selected``: the dataset's ``(configs, record)`` of :func:`select_settings`, made here on
+    split ``k``'s training rows when it is an empty dict (filled in place), not at all when None.
+    """
     d = load_uci(name, data_dir, split=k)
     y_std = d.info["y_std"]
     cfg = dataclasses.replace(cfg, hidden=d.info["n_hidden"])  # n_hidden.txt, else 50
-    res = run_methods(d.x_train, d.y_train, d.x_test, d.y_test, y_std, cfg, methods, k)
+    if selected is not None and not selected:
+        chosen, record = select_settings(d, cfg, methods)
+        selected.update(configs=chosen, record={**record, "split": k})
+        chosen_line = "  ".join(f"{m} {r['chosen']}" for m, r in record["methods"].items())
+        print(f"  {name} settings chosen on split {k}'s validation rows: {chosen_line}")
+    configs = None if selected is None else selected["configs"]
+    res = run_methods(
+        d.x_train, d.y_train, d.x_test, d.y_test, y_std, cfg, methods, k, configs=configs
+    )
     res["_noise"] *= y_std  # in original units
     res["_noise_map"] *= y_std
     line = "  ".join(f"{m} {res[m][0]:.2f}/{res[m][1]:.2f}" for m in methods)
@@ -751,6 +844,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --noise homoscedastic: 'fixed' (default): every method takes the validation "
         "σ; 'own': each method learns σ its own way",
     )
+    parser.add_argument(
+        "--no-select",
+        dest="select",
+        action="store_false",
+        help="use the fixed DEFAULTS instead of choosing each method's setting per dataset on "
+        "its first split's validation rows (SELECT)",
+    )
     parser.add_argument("--quick", action="store_true", help="first 2 selected splits, few steps")
     parser.add_argument("--tune", action="store_true", help="score the grid on split 0's train")
     return parser
@@ -821,16 +921,22 @@ def main(argv: list[str] | None = None) -> None:
     # Splits in the outer loop and the JSON rewritten after each: a run cut short still has the
     # first splits of every dataset.
     per: dict[str, list] = {name: [] for name in args.datasets}
+    selected: dict[str, dict | None] = {n: ({} if args.select else None) for n in args.datasets}
     start = time.perf_counter()
     for k in sorted({k for chosen in splits.values() for k in chosen}):
         for name in args.datasets:
             if k in splits[name]:
-                per[name].append(run_split(name, data_dir, k, cfg, args.methods))
+                per[name].append(run_split(name, data_dir, k, cfg, args.methods, selected[name]))
         results = {name: summarise(rows, args.methods) for name, rows in per.items() if rows}
+        settings = {n: (v or {}).get("record") for n, v in selected.items() if n in results}
         if not args.quick:
             done = {name: splits[name][: len(rows)] for name, rows in per.items()}
             config = run_config(cfg, args, done, time.perf_counter() - start, data_dir)
-            write(stem, config, {"results": results, "targets": verdicts(results)})
+            write(
+                stem,
+                config,
+                {"results": results, "targets": verdicts(results), "selected_settings": settings},
+            )
     counts = sorted({len(v) for v in splits.values()})
     label = "/".join(map(str, counts))
     brackets = "; published MC dropout in brackets" if set(results) & set(PUBLISHED) else ""

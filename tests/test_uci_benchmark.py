@@ -244,3 +244,46 @@ def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path
     # dataset only, so the "at least two datasets" target is not met.
     assert figures["targets"]["after"]["best_method_at_least_deep_ensemble"] == ["yacht"]
     assert not figures["targets"]["after"]["deep_ensemble_target_met"]
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def test_every_method_gets_the_same_number_of_settings_to_choose_from():
+    assert set(uci.SELECT) == set(uci.UCI_METHODS)
+    assert {len(grid) for grid in uci.SELECT.values()} == {uci.SELECT_SIZE}
+    fields = {f.name for f in dataclasses.fields(uci.Config)}
+    assert all(set(s) <= fields for grid in uci.SELECT.values() for s in grid)
+
+
+def test_the_choice_reads_only_training_rows(tmp_path):
+    # The same split with its test rows replaced by NaN: the choice and its scores are unchanged.
+    make_folder(tmp_path / "uci", rows=40)
+    d = data.load_uci("toy", tmp_path, split=0)
+    poisoned = dataclasses.replace(
+        d, x_test=torch.full_like(d.x_test, float("nan")), y_test=torch.full_like(d.y_test, 1e9)
+    )
+    cfg = dataclasses.replace(TINY, hidden=4, dropout_rates=(0.05,))
+    methods = ["map", "mc_dropout"]
+    configs, record = uci.select_settings(d, cfg, methods)
+    again, record_again = uci.select_settings(poisoned, cfg, methods)
+    assert record == record_again and configs == again
+    for m in methods:
+        scores = [row["validation_ll"] for row in record["methods"][m]["tried"]]
+        assert len(scores) == uci.SELECT_SIZE
+        best = max(record["methods"][m]["tried"], key=lambda r: r["validation_ll"])
+        assert record["methods"][m]["chosen"] == best["setting"]
+    assert configs["map"].map_lr == record["methods"]["map"]["chosen"]["map_lr"]
+
+
+def test_main_chooses_per_dataset_and_reports_the_choice(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    written = {}
+    monkeypatch.setattr(uci, "DEFAULTS", TINY)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
+    argv = ["--dataset", "toy", "--splits", "0,1", "--methods", "map", "ivon"]
+    uci.main([*argv, "--data-dir", str(tmp_path)])
+    chosen = written["uci-toy"]["selected_settings"]["toy"]
+    assert chosen["split"] == 0 and set(chosen["methods"]) == {"map", "ivon"}
+    uci.main([*argv, "--data-dir", str(tmp_path), "--no-select"])
+    assert written["uci-toy"]["selected_settings"] == {"toy": None}

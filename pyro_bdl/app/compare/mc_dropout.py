@@ -170,7 +170,7 @@ def fit_mc_dropout(
     length_scale: float | None = None,
 ) -> Predictor:
     """MC dropout at ``rate``, or at the rate of ``rates`` best on a validation split of the
-    training rows (then retrained on all of them); the predictor's ``rate`` is the rate used
+    training rows (then retrained on all of them; a single rate is taken as given); the predictor's ``rate`` is the rate used
     and ``validation`` the held-out log-likelihood per rate tried.
 
     :param rate: the dropout probability, in [0, 1); None to choose it from ``rates``.
@@ -183,6 +183,9 @@ def fit_mc_dropout(
             raise ValueError("rates must name at least one dropout rate; got an empty tuple.")
         for r in rates:
             check_probability("rates", r, open_interval=False)
+    if rate is None and len(rates) == 1:  # nothing to choose between
+        rate = rates[0]
+    if rate is None:
         held, x_val, y_val = split_validation(problem, VALIDATION_FRACTION)
         for r in rates:
             net = train_dropout(held, r, length_scale)
