@@ -45,6 +45,10 @@ Every method trains on the whole training split (the settings per method are
 - ``ensemble``: ``ensemble_members`` MAP networks, each from its own random initial weights
   (seed k) with MAP's full-batch schedule from scratch (``map_steps``, not MAP's warm start);
   the equal-weight mixture of their N(f_k(x), σ²).
+  Under ``--noise heteroscedastic`` this is the deep-ensembles recipe (M = 5 mean-and-variance
+  networks, random inits, the Gaussian NLL as the proper scoring rule); ``--adversarial`` adds
+  its adversarial training (fast-gradient-sign inputs, ε = 0.01 × each input's range). The
+  members train full batch, so there is no shuffle to vary.
 - ``multiswag``: ``ensemble_members`` SWAG runs from scratch, each ``multiswag_epochs`` epochs
   of minibatch SGD with momentum and then the SWAG phase (the registry's schedule); the SGD rate
   is scaled to the data (× min(1, σ²)) and a member that diverges is retrained from scratch at a
@@ -220,6 +224,8 @@ class Config:
     # (minibatch SGD then the SWAG phase, the registry's data-scaled rates and retries), IVON
     # (full batch, its own rate decayed to zero) and MC dropout (MAP's schedule per rate tried).
     ensemble_members: int = 5
+    #: ε of the ensemble's adversarial training (share of each input's range), or None.
+    adversarial: float | None = None
     multiswag_epochs: int = 60
     multiswag_batch: int = 64
     multiswag_sgd_lr: float = 0.05  # per-example, then scaled to the data by the registry
@@ -404,7 +410,7 @@ def method_settings(name: str, problem: Problem, cfg: Config) -> tuple[dict, dic
         # From scratch (init None): members started at the one MAP would all be that MAP.
         "ensemble": (
             {**full, "epochs": cfg.map_steps, "lr": cfg.map_lr, "lr_decay": 0.1, "init": None},
-            {"num_members": cfg.ensemble_members},
+            {"num_members": cfg.ensemble_members, "adversarial": cfg.adversarial},
         ),
         "multiswag": (
             {"epochs": cfg.multiswag_epochs, "batch_size": cfg.multiswag_batch, "init": None},
@@ -851,6 +857,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the fixed DEFAULTS instead of choosing each method's setting per dataset on "
         "its first split's validation rows (SELECT)",
     )
+    parser.add_argument(
+        "--adversarial",
+        action="store_const",
+        const=0.01,
+        default=None,
+        help="train the ensemble's members on fast-gradient-sign inputs too, ε = 0.01 × each "
+        "input's range (Lakshminarayanan et al. 2017)",
+    )
     parser.add_argument("--quick", action="store_true", help="first 2 selected splits, few steps")
     parser.add_argument("--tune", action="store_true", help="score the grid on split 0's train")
     return parser
@@ -911,9 +925,13 @@ def main(argv: list[str] | None = None) -> None:
         tune(data_dir, args.datasets, args.methods, args.noise)
         return
     base = QUICK if args.quick else DEFAULTS
-    cfg = dataclasses.replace(base, sigma=args.sigma, noise_model=args.noise)
+    cfg = dataclasses.replace(
+        base, sigma=args.sigma, noise_model=args.noise, adversarial=args.adversarial
+    )
     full = args.datasets == list(DATASETS) and args.splits is None
     stem = "uci" if full else "uci-" + "-".join(args.datasets)
+    if args.adversarial is not None:
+        stem += "-adversarial"
     if args.noise != DEFAULTS.noise_model:
         stem += f"-{args.noise}"
     if args.sigma != DEFAULTS.sigma and not heteroscedastic:

@@ -287,3 +287,20 @@ def test_main_chooses_per_dataset_and_reports_the_choice(tmp_path, monkeypatch):
     assert chosen["split"] == 0 and set(chosen["methods"]) == {"map", "ivon"}
     uci.main([*argv, "--data-dir", str(tmp_path), "--no-select"])
     assert written["uci-toy"]["selected_settings"] == {"toy": None}
+
+
+def test_adversarial_flag_reaches_the_ensemble_and_names_the_results_file(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    written, seen = {}, []
+    fit = uci.fit
+
+    def spy(name, problem, cfg, **keywords):
+        seen.append((name, cfg.adversarial))
+        return fit(name, problem, cfg, **keywords)
+
+    monkeypatch.setattr(uci, "DEFAULTS", dataclasses.replace(TINY, ensemble_members=2))
+    monkeypatch.setattr(uci, "fit", spy)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: 1}))
+    argv = ["--dataset", "toy", "--splits", "1", "--methods", "ensemble", "--no-select"]
+    uci.main([*argv, "--adversarial", "--data-dir", str(tmp_path)])
+    assert ("ensemble", 0.01) in seen and list(written) == ["uci-toy-adversarial"]

@@ -118,12 +118,19 @@ def mixture_predictor(
     return attach_posterior(predict, model0, posterior)
 
 
-def fit_ensemble(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predictor:
-    """A deep ensemble of ``num_members`` MAP networks (each trained as ``map`` trains one)."""
+def fit_ensemble(
+    problem: Problem, *, num_members: int = ENSEMBLE_SIZE, adversarial: float | None = None
+) -> Predictor:
+    """A deep ensemble of ``num_members`` MAP networks (each trained as ``map`` trains one, from
+    its own initial weights and minibatch order); ``adversarial`` = ε adds the paper's
+    adversarial training (:func:`~pyro_bdl.app.compare.map.train_map`; ε = 0.01 there). On a
+    heteroscedastic problem this is the deep-ensembles recipe: M mean-and-variance networks
+    trained by the Gaussian NLL, a proper scoring rule."""
     members: list[Member] = []
     values = []
     for k, member in _member_problems(problem, num_members):
-        bnn, model, guide = train_map(member, desc=f"ensemble {k + 1}/{num_members}")
+        desc = f"ensemble {k + 1}/{num_members}"
+        bnn, model, guide = train_map(member, desc=desc, adversarial=adversarial)
         members.append((bnn, model))
         values.append(guide.median())  # now: the next member's training reuses the store names
     posterior = _set_up(AutoEnsemble(members[0][1], values), problem)

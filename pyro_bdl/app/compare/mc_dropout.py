@@ -170,8 +170,9 @@ def fit_mc_dropout(
     length_scale: float | None = None,
 ) -> Predictor:
     """MC dropout at ``rate``, or at the rate of ``rates`` best on a validation split of the
-    training rows (then retrained on all of them; a single rate is taken as given); the predictor's ``rate`` is the rate used
-    and ``validation`` the held-out log-likelihood per rate tried.
+    training rows (then retrained on all of them; a single rate is taken as given); the
+    predictor's ``rate`` is the rate used and ``validation`` the held-out log-likelihood per
+    rate tried.
 
     :param rate: the dropout probability, in [0, 1); None to choose it from ``rates``.
     :param rates: the rates tried when ``rate`` is None.
