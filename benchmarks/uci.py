@@ -42,10 +42,42 @@ Every method trains on the whole training split (the settings per method are
   N(0, 1) prior, β = (0.9, 0.05), damping 1e-3), full batch, ``vogn_steps`` steps with the rate
   decayed 100× over them; the mixture predictive. (With the
   default β₂ = 0.999, i.e. s ≈ the latest ĥ, and no damping it diverges at rate 1e-2.)
+- ``ensemble``: ``ensemble_members`` MAP networks, each from its own random initial weights
+  (seed k) with MAP's full-batch schedule from scratch (``map_steps``, not MAP's warm start);
+  the equal-weight mixture of their N(f_k(x), σ²).
+  Under ``--noise heteroscedastic`` this is the deep-ensembles recipe (M = 5 mean-and-variance
+  networks, random inits, the Gaussian NLL as the proper scoring rule); ``--adversarial`` adds
+  its adversarial training (fast-gradient-sign inputs, ε = 0.01 × each input's range). The
+  members train full batch, so there is no shuffle to vary.
+- ``multiswag``: ``ensemble_members`` SWAG runs from scratch, each ``multiswag_epochs`` epochs
+  of minibatch SGD with momentum and then the SWAG phase (the registry's schedule); the SGD rate
+  is scaled to the data (× min(1, σ²)) and a member that diverges is retrained from scratch at a
+  10× lower rate, the retries noted in the JSON (``chosen_per_split``).
+- ``ivon``: IVON from the network's initial weights, full batch, ``map_steps`` steps, its rate
+  ``ivon_lr`` decayed linearly to zero; the mixture predictive.
+- ``mc_dropout``: dropout before every linear layer, MAP's full-batch schedule from scratch with
+  the paper's length-scale weight decay (l = 1 / prior scale), the rate chosen from
+  ``dropout_rates`` by log-likelihood on 20% of the training split, then retrained on all of it;
+  the predictive over ``num_samples`` dropout masks. The rate chosen per split is in the JSON.
 
-Hyperparameters are one fixed choice per method (``DEFAULTS``), picked with ``--tune``: it runs
-the same pipeline with split 0's *training* rows split 80/20 (the 20% playing the test set) for a
-small grid and prints the validation log-likelihood. The test splits are never used for a choice.
+Settings are chosen per dataset, automatically (``--no-select`` turns it off and uses the fixed
+``DEFAULTS``): on the first selected split, each method's ``SELECT`` settings — the same number
+(``SELECT_SIZE``) for every method, each trained at that method's own epochs — are trained on 80%
+of the training rows and scored by log-likelihood on the other 20%; the best is used on every
+split of that dataset and written to the JSON (``selected_settings``: every setting tried and
+its validation LL). A new folder thus gets tuned results without editing anything. The test rows
+are never read for a choice (a test fills them with NaN and checks the choice is unchanged).
+``--tune`` still prints the older grid (``GRID``) on split 0's training rows, 80/20.
+
+Noise model (``--noise``): ``heteroscedastic`` (the default, as in the deep-ensembles paper) gives
+every network a second output, the log-variance s(x), and trains every method on the Gaussian
+NLL with σ(x) = exp(s(x)/2): MAP from scratch (no σ fit), mean-field, SWAG and the ensembles by
+their usual loops, VOGN and IVON (σ(x) is a network output, not a site, so both run), MC dropout
+with both heads under dropout. ``laplace`` is refused (and left out of the default methods): the
+linearized Laplace takes σ as known, and with σ(x) from the same network the likelihood's
+curvature couples the mean and log-variance heads, which its GGN does not model; linearising the
+mean head alone with the MAP's σ(x) as known noise would be a different method, not done here.
+``homoscedastic`` keeps the validation-σ pipeline above (``--sigma``).
 
 Usage::
 
@@ -94,7 +126,17 @@ from pyro_bdl.app.data import DATA_ENV, UCI_DEFAULT_HIDDEN, Dataset, load_uci, u
 
 DATASETS = ("wine-quality-red", "concrete", "energy", "yacht")
 #: The registry's methods this benchmark runs (``pyro_bdl.app.compare.METHODS``).
-UCI_METHODS = ("map", "meanfield", "swag", "laplace", "vogn")
+UCI_METHODS = (
+    "map",
+    "meanfield",
+    "swag",
+    "laplace",
+    "vogn",
+    "ensemble",
+    "multiswag",
+    "ivon",
+    "mc_dropout",
+)
 
 
 _MC_GRID = (
@@ -177,15 +219,39 @@ class Config:
     vogn_lr: float = 0.1
     vogn_betas: tuple[float, float] = (0.9, 0.05)  # β₂ weights the new curvature (vogn.md)
     vogn_damping: float = 1e-3
+    # The methods trained from the network's initial weights, each for as long as MAP: the
+    # ensemble's members (MAP's full-batch schedule, member k seeded k), MultiSWAG's members
+    # (minibatch SGD then the SWAG phase, the registry's data-scaled rates and retries), IVON
+    # (full batch, its own rate decayed to zero) and MC dropout (MAP's schedule per rate tried).
+    ensemble_members: int = 5
+    #: ε of the ensemble's adversarial training (share of each input's range), or None.
+    adversarial: float | None = None
+    multiswag_epochs: int = 60
+    multiswag_batch: int = 64
+    multiswag_sgd_lr: float = 0.05  # per-example, then scaled to the data by the registry
+    ivon_lr: float = 0.3
+    dropout_rates: tuple[float, ...] = (0.005, 0.01, 0.05, 0.1)
     num_samples: int = 64  # posterior draws for the mixture predictive
     #: "fixed": the validation σ for all; "own": each method learns σ its own way (SIGMA_RULES).
     #: "fixed" is the default because it measured better on all four shared datasets (README:
     #: learning σ on the training rows settles at the training residual, which new rows do not
     #: share).
     sigma: str = "fixed"
+    #: "heteroscedastic": σ(x) from the network's second output (log-variance), every method
+    #: trained by the Gaussian NLL of the mean-and-variance network, as in the deep-ensembles
+    #: paper; "homoscedastic": one σ per split, under the ``sigma`` rule above.
+    noise_model: str = "heteroscedastic"
 
 
 DEFAULTS = Config()
+#: ``--noise``: the two noise models (``Config.noise_model``).
+NOISE_MODELS = ("heteroscedastic", "homoscedastic")
+#: Why ``laplace`` does not run under ``--noise heteroscedastic``.
+LAPLACE_HETEROSCEDASTIC = (
+    "laplace runs only with --noise homoscedastic: the linearized Laplace takes σ as known, and "
+    "with σ(x) from the same network the Gaussian likelihood's curvature couples the mean and "
+    "log-variance heads, which its GGN does not model (pyro_bdl.app.compare.laplace refuses)"
+)
 #: How each method learns σ under ``Config.sigma == "own"`` (``--sigma fixed``: every method takes
 #: the validation σ, Laplace's rule below).
 SIGMA_RULES = {
@@ -196,9 +262,20 @@ SIGMA_RULES = {
     "vogn": "the MAP's point estimate, known to VOGN (VOGN updates only lifted weights)",
     "laplace": "the validation σ (MAP's RMSE on 20% of the training split), as before: the "
     "linearized Laplace treats σ as known",
+    "ensemble": "each member a point estimate as MAP's, from the MAP's σ",
+    "multiswag": "each member's point estimate trained with its SGD/SWAG iterates, from "
+    "the MAP's σ",
+    "ivon": "the MAP's point estimate, known to IVON (IVON updates only lifted weights)",
+    "mc_dropout": "the MAP's point estimate, known (MC dropout's τ = 1/σ²)",
 }
 QUICK = dataclasses.replace(
-    DEFAULTS, map_steps=300, mf_steps=300, swag_epochs=10, vogn_steps=300, num_samples=16
+    DEFAULTS,
+    map_steps=300,
+    mf_steps=300,
+    swag_epochs=10,
+    vogn_steps=300,
+    multiswag_epochs=20,
+    num_samples=16,
 )
 #: What ``--tune`` found (validation LL on split 0's training rows, 80/20; wine / concrete /
 #: energy / yacht), and so the DEFAULTS: MAP 600 steps (300: -0.95/-2.98/-0.73/-1.32, 600:
@@ -221,6 +298,27 @@ GRID: dict[str, list[dict]] = {
     "laplace": [{"laplace_tuning": "validation"}, {"laplace_tuning": "marglik"}],
     "vogn": [{"vogn_lr": 0.1}, {"vogn_lr": 3e-2}],
 }
+
+#: Per-dataset selection (``--select``, on by default): per method, the same number of settings
+#: (``SELECT_SIZE``), each a change to ``Config`` that only that method's fit reads, tried at the
+#: method's own epochs; the one with the best log-likelihood on the validation rows of the
+#: dataset's first selected split (:func:`select_settings`) is used on every split.
+SELECT: dict[str, list[dict]] = {
+    "map": [{"map_lr": 3e-3}, {"map_lr": 1e-2}, {"map_lr": 3e-2}],
+    "meanfield": [{"mf_lr": 1e-3}, {"mf_lr": 3e-3}, {"mf_lr": 1e-2}],
+    "swag": [{"swag_lr": 1e-3}, {"swag_lr": 3e-3}, {"swag_lr": 1e-2}],
+    "laplace": [
+        {"laplace_tuning": "validation"},
+        {"laplace_tuning": "marglik"},
+        {"laplace_tuning": "prior"},
+    ],
+    "vogn": [{"vogn_lr": 3e-2}, {"vogn_lr": 0.1}, {"vogn_lr": 0.3}],
+    "ensemble": [{"map_lr": 3e-3}, {"map_lr": 1e-2}, {"map_lr": 3e-2}],
+    "multiswag": [{"multiswag_sgd_lr": r} for r in (0.01, 0.03, 0.1)],
+    "ivon": [{"ivon_lr": 0.1}, {"ivon_lr": 0.3}, {"ivon_lr": 1.0}],
+    "mc_dropout": [{"dropout_rates": (r,)} for r in (0.01, 0.05, 0.1)],
+}
+SELECT_SIZE = 3
 
 
 # ----------------------------------------------------------------------------- methods
@@ -261,7 +359,7 @@ class UCIProblem(Problem):
 
 
 def regression_problem(
-    x, y, noise: float, cfg: Config, seed: int, init=None, sigma: str = "fixed"
+    x, y, noise: float | None, cfg: Config, seed: int, init=None, sigma: str = "fixed"
 ) -> Problem:
     """The registry's problem on the rows (x, y): the network and prior of ``cfg``, noise σ
     (known under ``sigma="fixed"``, each method's own under ``"own"``: ``Problem.sigma``),
@@ -308,6 +406,20 @@ def method_settings(name: str, problem: Problem, cfg: Config) -> tuple[dict, dic
         "vogn": (
             {**full, "epochs": cfg.vogn_steps, "lr": cfg.vogn_lr, "lr_decay": 0.01, "init": None},
             {"settings": {"betas": cfg.vogn_betas, "damping": cfg.vogn_damping}},
+        ),
+        # From scratch (init None): members started at the one MAP would all be that MAP.
+        "ensemble": (
+            {**full, "epochs": cfg.map_steps, "lr": cfg.map_lr, "lr_decay": 0.1, "init": None},
+            {"num_members": cfg.ensemble_members, "adversarial": cfg.adversarial},
+        ),
+        "multiswag": (
+            {"epochs": cfg.multiswag_epochs, "batch_size": cfg.multiswag_batch, "init": None},
+            {"num_members": cfg.ensemble_members, "sgd_lr": cfg.multiswag_sgd_lr},
+        ),
+        "ivon": ({**full, "epochs": cfg.map_steps, "init": None}, {"ivon_lr": cfg.ivon_lr}),
+        "mc_dropout": (
+            {**full, "epochs": cfg.map_steps, "lr": cfg.map_lr, "lr_decay": 0.1, "init": None},
+            {"rates": cfg.dropout_rates},
         ),
     }
     return settings[name]
@@ -358,6 +470,9 @@ def prepare(x, y, cfg: Config, seed: int) -> tuple:
     part is ``(fit rows, validation rows, MAP values on the fit rows)``, for validation-tuned
     choices."""
     t0 = time.process_time()
+    if cfg.noise_model == "heteroscedastic":  # no σ to fit: the MAP learns σ(x) from scratch
+        problem = regression_problem(x, y, None, cfg, seed, sigma="heteroscedastic")
+        return math.nan, fit("map", problem, cfg), time.process_time() - t0, None
     noise, init, (rows, val) = fit_noise(x, y, cfg, seed)
     predict = fit("map", regression_problem(x, y, noise, cfg, seed, init, cfg.sigma), cfg)
     return noise, predict, time.process_time() - t0, (rows, val, init)
@@ -368,6 +483,8 @@ def laplace_keywords(x, y, noise: float, cfg: Config, seed: int, holdout) -> dic
     rows (Laplace at the MAP of the other rows), or by the marginal likelihood."""
     if cfg.laplace_tuning == "marglik":
         return {"prior_precision": "marglik"}
+    if cfg.laplace_tuning == "prior":  # the declared prior's precision 1/s²
+        return {}
     rows, val, values = holdout
     held = fit("laplace", regression_problem(x[rows], y[rows], noise, cfg, seed, values), cfg)
     grid = torch.logspace(-4, 6, 21, dtype=torch.float64)  # 1e6: Laplace ≈ MAP
@@ -378,36 +495,63 @@ def laplace_keywords(x, y, noise: float, cfg: Config, seed: int, holdout) -> dic
     }
 
 
-def run_methods(x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, prepared=None):
+def chosen(predict) -> dict:
+    """What a method chose or had to do on its own while fitting, from its predictor: MC
+    dropout's rate and the validation LL per rate tried, MultiSWAG's per-member SGD rates and
+    the notes of any run retried after diverging."""
+    found = {}
+    for key in ("rate", "validation", "rates", "notes"):
+        value = getattr(predict, key, None)
+        if value:
+            found[key] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+    return found
+
+
+def run_methods(
+    x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, prepared=None, configs=None
+):
     """Train every method on (x, y) and score it on (x_test, y_test); {method: (ll, rmse, s)}.
     ``prepared`` reuses the output of :func:`prepare` (σ and the MAP). ``meanfield``, ``swag``
     and ``laplace`` start from the MAP, ``vogn`` from the network's initial weights; ``map`` and
-    ``laplace`` count the MAP's time in their own."""
+    ``laplace`` count the MAP's time in their own. ``configs`` maps a method to its own
+    settings (:func:`select_settings`); the others, and the network, take ``cfg``."""
+    configs = configs or {}
     noise, map_predict, t_map, holdout = (
-        prepared if prepared is not None else prepare(x, y, cfg, seed)
+        prepared if prepared is not None else prepare(x, y, configs.get("map", cfg), seed)
     )
     values = site_values(map_predict)
-    problem = regression_problem(x, y, noise, cfg, seed, values)
-    # Each method's own σ (SIGMA_RULES): the MAP's point estimate starts SWAG's, initialises
-    # mean-field's latent σ and is VOGN's known σ; Laplace keeps the validation σ.
-    own = regression_problem(
-        x, y, map_predict.noise, cfg, seed, {**values, "sigma": torch.tensor(map_predict.noise)}
-    )
-    own = dataclasses.replace(own, sigma=cfg.sigma)
-    out: dict = {}
+    if cfg.noise_model == "heteroscedastic":
+        if "laplace" in methods:
+            raise ValueError(LAPLACE_HETEROSCEDASTIC + "; drop it from the methods.")
+        # Every method on the mean-and-variance network (the MAP's values start those that
+        # start from the MAP); no σ rule applies.
+        problem = regression_problem(x, y, None, cfg, seed, values, "heteroscedastic")
+        own = problem
+    else:
+        problem = regression_problem(x, y, noise, cfg, seed, values)
+        # Each method's own σ (SIGMA_RULES): the MAP's point estimate starts SWAG's,
+        # initialises mean-field's latent σ and is VOGN's known σ; Laplace keeps the
+        # validation σ.
+        own = regression_problem(
+            x, y, map_predict.noise, cfg, seed, {**values, "sigma": torch.tensor(map_predict.noise)}
+        )
+        own = dataclasses.replace(own, sigma=cfg.sigma)
+    out: dict = {"_chosen": {}}
     for name in methods:
         t0 = time.process_time()
+        mine = configs.get(name, cfg)
         if name == "map":
             predict = map_predict  # trained by prepare, which the other methods start from
         elif name == "laplace":
-            extra = laplace_keywords(x, y, noise, cfg, seed, holdout)
-            predict = fit(name, problem, cfg, **extra)
+            extra = laplace_keywords(x, y, noise, mine, seed, holdout)
+            predict = fit(name, problem, mine, **extra)
         else:
-            predict = fit(name, own if cfg.sigma == "own" else problem, cfg)
+            predict = fit(name, own if cfg.sigma == "own" else problem, mine)
         seconds = time.process_time() - t0 + (t_map if name in ("map", "laplace") else 0.0)
         out[name] = (*scores(predict(x_test), y_test, y_std), seconds)
+        out["_chosen"][name] = chosen(predict)
     out["_noise"] = noise
-    out["_noise_map"] = map_predict.noise
+    out["_noise_map"] = math.nan if map_predict.noise is None else map_predict.noise
     return out
 
 
@@ -422,12 +566,61 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(values))
 
 
-def run_split(name: str, data_dir, k: int, cfg: Config, methods) -> dict:
-    """Every method on split ``k`` of dataset ``name``; {method: (ll, rmse, s), "_noise": σ}."""
+def select_settings(d: Dataset, cfg: Config, methods) -> tuple[dict[str, Config], dict]:
+    """``({method: its Config}, record)``: every method's ``SELECT`` settings (the same number
+    for each, at the method's own epochs) trained on 80% of ``d``'s training rows and scored by
+    log-likelihood on the other 20% (seeded; standardised units); the best is kept. The test
+    rows are never read. A setting whose training fails (diverges) scores -inf, with the error
+    in the record. The methods that start from a MAP start from one at ``cfg``'s settings."""
+    g = torch.Generator().manual_seed(12345)
+    order = torch.randperm(len(d.y_train), generator=g)
+    n_val = max(2, round(cfg.val_fraction * len(order)))
+    val, rows = order[:n_val], order[n_val:]
+    x, y, xv, yv = d.x_train[rows], d.y_train[rows], d.x_train[val], d.y_train[val]
+    shared = None
+    configs, record = {}, {}
+    for m in methods:
+        tried = []
+        for setting in SELECT[m]:
+            c = dataclasses.replace(cfg, **setting)
+            row: dict[str, Any] = {"setting": setting}
+            try:
+                if m == "map":
+                    ready = prepare(x, y, c, 0)
+                else:
+                    shared = shared or prepare(x, y, cfg, 0)
+                    ready = shared
+                ll = run_methods(x, y, xv, yv, 1.0, c, [m], 0, ready)[m][0]
+            except (FloatingPointError, ValueError, RuntimeError) as err:
+                ll = -math.inf
+                row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+            row["validation_ll"] = ll if math.isfinite(ll) else -math.inf
+            tried.append(row)
+        best = max(tried, key=lambda r: r["validation_ll"])
+        configs[m] = dataclasses.replace(cfg, **best["setting"])
+        record[m] = {"chosen": best["setting"], "tried": tried}
+    return configs, {"validation_rows": n_val, "methods": record}
+
+
+def run_split(
+    name: str, data_dir, k: int, cfg: Config, methods, selected: dict | None = None
+) -> dict:
+    """Every method on split ``k`` of dataset ``name``; {method: (ll, rmse, s), "_noise": σ}.
+    ``selected``: the dataset's ``(configs, record)`` of :func:`select_settings`, made here on
+    split ``k``'s training rows when it is an empty dict (filled in place), not at all when None.
+    """
     d = load_uci(name, data_dir, split=k)
     y_std = d.info["y_std"]
     cfg = dataclasses.replace(cfg, hidden=d.info["n_hidden"])  # n_hidden.txt, else 50
-    res = run_methods(d.x_train, d.y_train, d.x_test, d.y_test, y_std, cfg, methods, k)
+    if selected is not None and not selected:
+        chosen, record = select_settings(d, cfg, methods)
+        selected.update(configs=chosen, record={**record, "split": k})
+        chosen_line = "  ".join(f"{m} {r['chosen']}" for m, r in record["methods"].items())
+        print(f"  {name} settings chosen on split {k}'s validation rows: {chosen_line}")
+    configs = None if selected is None else selected["configs"]
+    res = run_methods(
+        d.x_train, d.y_train, d.x_test, d.y_test, y_std, cfg, methods, k, configs=configs
+    )
     res["_noise"] *= y_std  # in original units
     res["_noise_map"] *= y_std
     line = "  ".join(f"{m} {res[m][0]:.2f}/{res[m][1]:.2f}" for m in methods)
@@ -445,6 +638,7 @@ def summarise(per_split: list[dict], methods) -> dict:
     for m in methods:
         lls, rmses, secs = zip(*(r[m] for r in per_split))
         figures[m] = {
+            "chosen_per_split": [r["_chosen"].get(m, {}) for r in per_split],
             "test_ll": mean_se(list(lls)),
             "test_rmse": mean_se(list(rmses)),
             "cpu_seconds_per_split": sum(secs) / len(secs),
@@ -525,11 +719,12 @@ def anchor_lines(name: str) -> list[str]:
     ]
 
 
-def tune(data_dir, datasets, methods) -> None:
-    """Score the ``GRID`` settings on split 0's training rows (80% fit / 20% validation)."""
+def tune(data_dir, datasets, methods, noise_model: str = DEFAULTS.noise_model) -> None:
+    """Score the ``GRID`` settings on split 0's training rows (80% fit / 20% validation); a
+    method without a grid is scored at its defaults."""
     for name in datasets:
         d = load_uci(name, data_dir, split=0)
-        base = dataclasses.replace(DEFAULTS, hidden=d.info["n_hidden"])
+        base = dataclasses.replace(DEFAULTS, hidden=d.info["n_hidden"], noise_model=noise_model)
         g = torch.Generator().manual_seed(12345)
         order = torch.randperm(len(d.y_train), generator=g)
         n_val = round(0.2 * len(order))
@@ -537,7 +732,7 @@ def tune(data_dir, datasets, methods) -> None:
         x, y = d.x_train[fit], d.y_train[fit]
         shared = prepare(x, y, base, 0)  # σ and MAP, reused unless the MAP is tuned
         for m in methods:
-            for setting in GRID[m]:
+            for setting in GRID.get(m, [{}]):
                 cfg = dataclasses.replace(base, **setting)
                 ready = prepare(x, y, cfg, 0) if m == "map" else shared
                 xv, yv = d.x_train[val], d.y_train[val]
@@ -633,13 +828,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="dataset folder(s) in the standard UCI split format, repeatable or comma-separated "
         f"(default: {' '.join(DATASETS)})",
     )
-    parser.add_argument("--methods", nargs="+", default=list(UCI_METHODS), choices=UCI_METHODS)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=UCI_METHODS,
+        help="default: every method the noise model allows (laplace only with "
+        "--noise homoscedastic)",
+    )
+    parser.add_argument(
+        "--noise",
+        choices=NOISE_MODELS,
+        default=DEFAULTS.noise_model,
+        help="'heteroscedastic' (default): σ(x) from the network's log-variance output, as in "
+        "the deep-ensembles paper; 'homoscedastic': one σ per split (see --sigma)",
+    )
     parser.add_argument(
         "--sigma",
         choices=("own", "fixed"),
         default=DEFAULTS.sigma,
-        help="'own': each method learns σ its own way (default); 'fixed': every method takes the "
-        "validation σ (the earlier rule, for before/after comparisons)",
+        help="with --noise homoscedastic: 'fixed' (default): every method takes the validation "
+        "σ; 'own': each method learns σ its own way",
+    )
+    parser.add_argument(
+        "--no-select",
+        dest="select",
+        action="store_false",
+        help="use the fixed DEFAULTS instead of choosing each method's setting per dataset on "
+        "its first split's validation rows (SELECT)",
+    )
+    parser.add_argument(
+        "--adversarial",
+        action="store_const",
+        const=0.01,
+        default=None,
+        help="train the ensemble's members on fast-gradient-sign inputs too, ε = 0.01 × each "
+        "input's range (Lakshminarayanan et al. 2017)",
     )
     parser.add_argument("--quick", action="store_true", help="first 2 selected splits, few steps")
     parser.add_argument("--tune", action="store_true", help="score the grid on split 0's train")
@@ -692,27 +916,45 @@ def main(argv: list[str] | None = None) -> None:
             print(f"benchmarks.uci: skipped, {err}", flush=True)
             return
         parser.error(str(err))
+    heteroscedastic = args.noise == "heteroscedastic"
+    if args.methods is None:
+        args.methods = [m for m in UCI_METHODS if not (heteroscedastic and m == "laplace")]
+    elif heteroscedastic and "laplace" in args.methods:
+        parser.error(LAPLACE_HETEROSCEDASTIC + "; drop it from --methods or pass that.")
     if args.tune:
-        tune(data_dir, args.datasets, args.methods)
+        tune(data_dir, args.datasets, args.methods, args.noise)
         return
-    cfg = dataclasses.replace(QUICK if args.quick else DEFAULTS, sigma=args.sigma)
+    base = QUICK if args.quick else DEFAULTS
+    cfg = dataclasses.replace(
+        base, sigma=args.sigma, noise_model=args.noise, adversarial=args.adversarial
+    )
     full = args.datasets == list(DATASETS) and args.splits is None
     stem = "uci" if full else "uci-" + "-".join(args.datasets)
-    if args.sigma != DEFAULTS.sigma:
+    if args.adversarial is not None:
+        stem += "-adversarial"
+    if args.noise != DEFAULTS.noise_model:
+        stem += f"-{args.noise}"
+    if args.sigma != DEFAULTS.sigma and not heteroscedastic:
         stem += f"-sigma-{args.sigma}"
     # Splits in the outer loop and the JSON rewritten after each: a run cut short still has the
     # first splits of every dataset.
     per: dict[str, list] = {name: [] for name in args.datasets}
+    selected: dict[str, dict | None] = {n: ({} if args.select else None) for n in args.datasets}
     start = time.perf_counter()
     for k in sorted({k for chosen in splits.values() for k in chosen}):
         for name in args.datasets:
             if k in splits[name]:
-                per[name].append(run_split(name, data_dir, k, cfg, args.methods))
+                per[name].append(run_split(name, data_dir, k, cfg, args.methods, selected[name]))
         results = {name: summarise(rows, args.methods) for name, rows in per.items() if rows}
+        settings = {n: (v or {}).get("record") for n, v in selected.items() if n in results}
         if not args.quick:
             done = {name: splits[name][: len(rows)] for name, rows in per.items()}
             config = run_config(cfg, args, done, time.perf_counter() - start, data_dir)
-            write(stem, config, {"results": results, "targets": verdicts(results)})
+            write(
+                stem,
+                config,
+                {"results": results, "targets": verdicts(results), "selected_settings": settings},
+            )
     counts = sorted({len(v) for v in splits.values()})
     label = "/".join(map(str, counts))
     brackets = "; published MC dropout in brackets" if set(results) & set(PUBLISHED) else ""
@@ -756,7 +998,11 @@ def run_config(cfg: Config, args, splits_done: dict, wall: float, data_dir) -> d
         "network": "Linear(d, H) - ReLU - Linear(H, 1), H from the folder's n_hidden.txt, else "
         f"{UCI_DEFAULT_HIDDEN} (hidden_per_dataset)",
         "prior": f"Normal(0, {cfg.prior_scale}) on every weight",
-        "noise": SIGMA_RULES
+        "noise": "heteroscedastic: σ(x) = exp(s(x)/2) from the network's second output, every "
+        "method trained on the Gaussian NLL of the mean-and-variance network (the MAP from "
+        "scratch; no σ fitted); " + LAPLACE_HETEROSCEDASTIC
+        if cfg.noise_model == "heteroscedastic"
+        else SIGMA_RULES
         if cfg.sigma == "own"
         else "homoscedastic σ per split: validation RMSE of MAP trained on 80% of the "
         f"training split ({cfg.noise_rounds} rounds, warm-started), then fixed for every method",

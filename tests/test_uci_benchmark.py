@@ -200,11 +200,12 @@ def test_sigma_own_learns_sigma_per_method_and_has_its_own_results_file(tmp_path
     monkeypatch.setattr(uci, "DEFAULTS", TINY)
     monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
     argv = ["--dataset", "toy", "--splits", "1", "--methods", "map", "--data-dir", str(tmp_path)]
+    argv += ["--noise", "homoscedastic"]
     uci.main(argv)
     uci.main([*argv, "--sigma", "own"])
     fixed, own = (
-        written["uci-toy"]["results"]["toy"],
-        written["uci-toy-sigma-own"]["results"]["toy"],
+        written["uci-toy-homoscedastic"]["results"]["toy"],
+        written["uci-toy-homoscedastic-sigma-own"]["results"]["toy"],
     )
     # Fixed (the default): the MAP predicts with the validation σ; own: with the σ it learned
     # from there. (Index 0: the mean over the one split; its SE is NaN.)
@@ -243,3 +244,63 @@ def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path
     # dataset only, so the "at least two datasets" target is not met.
     assert figures["targets"]["after"]["best_method_at_least_deep_ensemble"] == ["yacht"]
     assert not figures["targets"]["after"]["deep_ensemble_target_met"]
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def test_every_method_gets_the_same_number_of_settings_to_choose_from():
+    assert set(uci.SELECT) == set(uci.UCI_METHODS)
+    assert {len(grid) for grid in uci.SELECT.values()} == {uci.SELECT_SIZE}
+    fields = {f.name for f in dataclasses.fields(uci.Config)}
+    assert all(set(s) <= fields for grid in uci.SELECT.values() for s in grid)
+
+
+def test_the_choice_reads_only_training_rows(tmp_path):
+    # The same split with its test rows replaced by NaN: the choice and its scores are unchanged.
+    make_folder(tmp_path / "uci", rows=40)
+    d = data.load_uci("toy", tmp_path, split=0)
+    poisoned = dataclasses.replace(
+        d, x_test=torch.full_like(d.x_test, float("nan")), y_test=torch.full_like(d.y_test, 1e9)
+    )
+    cfg = dataclasses.replace(TINY, hidden=4, dropout_rates=(0.05,))
+    methods = ["map", "mc_dropout"]
+    configs, record = uci.select_settings(d, cfg, methods)
+    again, record_again = uci.select_settings(poisoned, cfg, methods)
+    assert record == record_again and configs == again
+    for m in methods:
+        scores = [row["validation_ll"] for row in record["methods"][m]["tried"]]
+        assert len(scores) == uci.SELECT_SIZE
+        best = max(record["methods"][m]["tried"], key=lambda r: r["validation_ll"])
+        assert record["methods"][m]["chosen"] == best["setting"]
+    assert configs["map"].map_lr == record["methods"]["map"]["chosen"]["map_lr"]
+
+
+def test_main_chooses_per_dataset_and_reports_the_choice(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    written = {}
+    monkeypatch.setattr(uci, "DEFAULTS", TINY)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
+    argv = ["--dataset", "toy", "--splits", "0,1", "--methods", "map", "ivon"]
+    uci.main([*argv, "--data-dir", str(tmp_path)])
+    chosen = written["uci-toy"]["selected_settings"]["toy"]
+    assert chosen["split"] == 0 and set(chosen["methods"]) == {"map", "ivon"}
+    uci.main([*argv, "--data-dir", str(tmp_path), "--no-select"])
+    assert written["uci-toy"]["selected_settings"] == {"toy": None}
+
+
+def test_adversarial_flag_reaches_the_ensemble_and_names_the_results_file(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    written, seen = {}, []
+    fit = uci.fit
+
+    def spy(name, problem, cfg, **keywords):
+        seen.append((name, cfg.adversarial))
+        return fit(name, problem, cfg, **keywords)
+
+    monkeypatch.setattr(uci, "DEFAULTS", dataclasses.replace(TINY, ensemble_members=2))
+    monkeypatch.setattr(uci, "fit", spy)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: 1}))
+    argv = ["--dataset", "toy", "--splits", "1", "--methods", "ensemble", "--no-select"]
+    uci.main([*argv, "--adversarial", "--data-dir", str(tmp_path)])
+    assert ("ensemble", 0.01) in seen and list(written) == ["uci-toy-adversarial"]

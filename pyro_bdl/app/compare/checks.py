@@ -14,8 +14,9 @@ from pyro_bdl.app.compare.networks import NETWORKS
 
 __all__ = ["SIGMA_RULES", "ProblemSettings", "check_problem"]
 
-#: ``Problem.sigma``: every method takes σ as known, or each learns it its own way.
-SIGMA_RULES = ("fixed", "own")
+#: ``Problem.sigma``: every method takes σ as known, each learns it its own way, or the network
+#: gives σ(x) (a second output, the log-variance; regression only).
+SIGMA_RULES = ("fixed", "own", "heteroscedastic")
 
 #: Seeds numpy accepts (``pyro.set_rng_seed`` seeds numpy too).
 MAX_SEED = 2**32 - 1

@@ -32,10 +32,13 @@ from pyro_bdl.app.compare.problem import (
     Predictor,
     Problem,
     attach_posterior,
+    gaussian_mixture,
+    heteroscedastic_draws,
     predictive_probs,
     seed_everything,
 )
-from pyro_bdl.app.compare.swag import BN_FRACTION, RANK, SWA_LR, train_swag
+from pyro_bdl.app.compare.recovery import retry_lower
+from pyro_bdl.app.compare.swag import BN_FRACTION, RANK, SGD_LR, SWA_LR, data_scaled, train_swag
 from pyro_bdl.guides import AutoEnsemble, AutoMultiSWAG, AutoSWAG
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh
 from pyro_bdl.guides.ensemble import MemberGuide
@@ -67,10 +70,15 @@ def _set_up(guide, problem: Problem):
     return guide
 
 
-def _regression_outputs(model, guide, x: torch.Tensor, num_samples: int) -> torch.Tensor:
-    """f_s(x) for ``num_samples`` draws of one member: shape (num_samples, n)."""
+def _regression_outputs(model, guide, x: torch.Tensor, num_samples: int):
+    """``(mean, σ)`` of ``num_samples`` draws of one member, each (n, num_samples): σ the
+    model's fixed or point σ, or the network's σ(x) for a heteroscedastic regressor."""
     predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=["_RETURN"])
-    return predictive(x)["_RETURN"].reshape(num_samples, -1)
+    out = predictive(x)["_RETURN"]
+    if model.noise == "heteroscedastic":
+        return heteroscedastic_draws(model, out)
+    f = out.reshape(num_samples, -1).T
+    return f, torch.full_like(f, float(model.noise_scale))
 
 
 def mixture_predictor(
@@ -92,14 +100,14 @@ def mixture_predictor(
 
         @torch.no_grad()
         def predict(x):
-            parts = []
+            means, scales = [], []
             for k, (_, model) in enumerate(members):
                 with posterior.use_member(k):
-                    parts.append(_regression_outputs(model, posterior, x, num_samples))
-            f = torch.cat(parts).T  # (n, M · num_samples)
-            components = torch.distributions.Normal(f, float(model0.noise_scale))
-            weights = torch.distributions.Categorical(logits=torch.zeros_like(f))
-            return torch.distributions.MixtureSameFamily(weights, components)
+                    mean, scale = _regression_outputs(model, posterior, x, num_samples)
+                means.append(mean)
+                scales.append(scale)
+            # (n, M · num_samples): every member's draws, each its own σ.
+            return gaussian_mixture(torch.cat(means, -1), torch.cat(scales, -1))
 
     else:
 
@@ -110,12 +118,19 @@ def mixture_predictor(
     return attach_posterior(predict, model0, posterior)
 
 
-def fit_ensemble(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predictor:
-    """A deep ensemble of ``num_members`` MAP networks (each trained as ``map`` trains one)."""
+def fit_ensemble(
+    problem: Problem, *, num_members: int = ENSEMBLE_SIZE, adversarial: float | None = None
+) -> Predictor:
+    """A deep ensemble of ``num_members`` MAP networks (each trained as ``map`` trains one, from
+    its own initial weights and minibatch order); ``adversarial`` = ε adds the paper's
+    adversarial training (:func:`~pyro_bdl.app.compare.map.train_map`; ε = 0.01 there). On a
+    heteroscedastic problem this is the deep-ensembles recipe: M mean-and-variance networks
+    trained by the Gaussian NLL, a proper scoring rule."""
     members: list[Member] = []
     values = []
     for k, member in _member_problems(problem, num_members):
-        bnn, model, guide = train_map(member, desc=f"ensemble {k + 1}/{num_members}")
+        desc = f"ensemble {k + 1}/{num_members}"
+        bnn, model, guide = train_map(member, desc=desc, adversarial=adversarial)
         members.append((bnn, model))
         values.append(guide.median())  # now: the next member's training reuses the store names
     posterior = _set_up(AutoEnsemble(members[0][1], values), problem)
@@ -128,18 +143,42 @@ def fit_ensemble(problem: Problem, *, num_members: int = ENSEMBLE_SIZE) -> Predi
 
 
 def fit_multiswag(
-    problem: Problem, *, num_members: int = ENSEMBLE_SIZE, swa_lr: float = SWA_LR
+    problem: Problem,
+    *,
+    num_members: int = ENSEMBLE_SIZE,
+    swa_lr: float = SWA_LR,
+    sgd_lr: float = SGD_LR,
+    optimizer: str = "sgd",
 ) -> Predictor:
-    """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each, SWAG-phase rate
-    ``swa_lr``), drawing ⌈``problem.num_samples`` / M⌉ weights from every member."""
+    """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each, SGD-phase per-example rate
+    ``sgd_lr`` and SWAG-phase rate ``swa_lr`` with ``optimizer``), drawing
+    ⌈``problem.num_samples`` / M⌉ weights from every member.
+
+    The SGD rates are scaled to the data (:func:`~pyro_bdl.app.compare.swag.data_scaled`), and a
+    member that diverges is trained again from scratch at a lower rate
+    (:func:`~pyro_bdl.app.compare.recovery.retry_lower`); the predictor's ``notes`` list every
+    such retry and ``rates`` each member's SGD rate."""
     members: list[Member] = []
     guides: list[AutoSWAG] = []
+    notes: list[str] = []
+    rates: list[float] = []
+    sgd = data_scaled(problem, sgd_lr)
     for k, member in _member_problems(problem, num_members):
-        bnn, model = member.bayesian_model(noise="point")  # σ as swag learns it
-        guide = AutoSWAG(model, rank=RANK, init_loc_fn=member.init_loc_fn())
-        train_swag(member, guide, model, f"multiswag {k + 1}/{num_members}", swa_lr=swa_lr)
+        desc = f"multiswag {k + 1}/{num_members}"
+
+        def attempt(rate: float, member: Problem = member, desc: str = desc):
+            seed_everything(member.seed)
+            bnn, model = member.bayesian_model(noise="point")  # σ as swag learns it
+            guide = AutoSWAG(model, rank=RANK, init_loc_fn=member.init_loc_fn())
+            # The SWAG phase's rate follows the SGD phase's down (an SGD rate is per example).
+            swa = swa_lr * rate / sgd_lr if optimizer == "sgd" else swa_lr
+            train_swag(member, guide, model, desc, swa_lr=swa, optimizer=optimizer, sgd_lr=rate)
+            return bnn, model, guide
+
+        (bnn, model, guide), rate = retry_lower(attempt, sgd, desc, notes)
         members.append((bnn, model))
         guides.append(guide)
+        rates.append(rate)
     per_member = math.ceil(problem.num_samples / num_members)
     x_train = problem.dataset.x_train.to(problem.device)
 
@@ -155,4 +194,7 @@ def fit_multiswag(
         )
 
     posterior = _set_up(AutoMultiSWAG(members[0][1], guides), problem)
-    return mixture_predictor(problem, members, posterior, per_member, member_probs)
+    predict = mixture_predictor(problem, members, posterior, per_member, member_probs)
+    predict.notes = notes  # type: ignore[attr-defined]
+    predict.rates = rates  # type: ignore[attr-defined]
+    return predict

@@ -38,6 +38,16 @@ def fit_laplace(problem: Problem, *, prior_precision: float | str | None = None)
         raise ValueError(
             f"prior_precision must be a number > 0, 'marglik' or None; got {prior_precision!r}."
         )
+    if problem.heteroscedastic:
+        # The GGN of a Gaussian likelihood with σ(x) from the same network couples the mean and
+        # the log-variance heads (its Fisher block for log σ² is not J^T J / σ²), which the
+        # linearized Laplace here does not model; fixing σ(x) at the MAP's and linearising
+        # the mean head alone would be another method, so refuse rather than approximate.
+        raise ValueError(
+            "laplace: the linearized Laplace takes σ as known (fixed or a point estimate), but "
+            "Problem.sigma is 'heteroscedastic' (σ(x) from the network); use sigma='fixed' or "
+            "'own' for laplace, or another method for a heteroscedastic model."
+        )
     if problem.init is None:
         _, _, delta = train_map(problem, "laplace")
         problem = dataclasses.replace(

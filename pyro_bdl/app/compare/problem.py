@@ -44,6 +44,8 @@ __all__ = [
     "Problem",
     "attach_posterior",
     "cnn",
+    "gaussian_mixture",
+    "heteroscedastic_draws",
     "init_at",
     "mlp",
     "predictive_mixture",
@@ -99,7 +101,8 @@ class Problem:
     #: known σ under ``sigma="fixed"``, the starting value of a point estimate under ``"own"``.
     noise: float | None = None
     #: How a regression problem's methods treat σ: ``"fixed"`` (every method takes ``noise`` as
-    #: known) or ``"own"`` (each learns it its own way: see :meth:`bayesian_model`).
+    #: known), ``"own"`` (each learns it its own way: see :meth:`bayesian_model`) or
+    #: ``"heteroscedastic"`` (the network's second output is log σ²(x); ``noise`` is unused).
     sigma: str = "fixed"
     #: Site values every method starts from (e.g. a trained MAP), or None for the network's own
     #: initial weights.
@@ -120,6 +123,11 @@ class Problem:
         return self.dataset.num_classes is None
 
     @property
+    def heteroscedastic(self) -> bool:
+        """A regression problem whose network gives the mean and the log-variance."""
+        return self.is_regression and self.sigma == "heteroscedastic"
+
+    @property
     def num_steps(self) -> int:
         """Optimisation steps of the whole run: ``epochs · ⌈N / batch_size⌉``."""
         return self.epochs * math.ceil(self.num_train / self.batch_size)
@@ -128,7 +136,7 @@ class Problem:
         """A freshly initialised plain network (the same weights for every method)."""
         torch.manual_seed(self.seed)
         build = NETWORKS[self.network] if isinstance(self.network, str) else self.network
-        outputs = 1 if self.dataset.num_classes is None else self.dataset.num_classes
+        outputs = self.dataset.num_classes or (2 if self.heteroscedastic else 1)
         return build(self.dataset.input_shape, outputs).to(self.device)
 
     def bayesian_model(self, noise: str = "fixed"):
@@ -141,6 +149,9 @@ class Problem:
             (``self.noise`` is known; the methods that cannot learn σ). Under
             ``self.sigma == "fixed"`` every method gets ``"fixed"``.
         """
+        if self.heteroscedastic:
+            bnn = bayesianize(self.net(), self.prior)
+            return bnn, models.heteroscedastic_regressor(bnn, self.num_train)
         if self.is_regression and self.noise is None:
             raise ValueError(
                 f"dataset {self.dataset.name!r} is a regression dataset (num_classes=None), so "
@@ -173,7 +184,7 @@ class Problem:
         s = self.num_samples if num_samples is None else num_samples
         if self.is_regression:
             # A point σ lives in Pyro's param store, which the next method clears: read it now.
-            noise = model.noise_scale
+            noise = model.noise_scale if model.noise != "heteroscedastic" else None
             predict = attach_posterior(
                 lambda x: predictive_mixture(model, guide, x, num_samples=s, noise=noise),
                 model,
@@ -334,11 +345,31 @@ def predictive_mixture(model, guide, x: torch.Tensor, num_samples: int, noise=No
     sites = ["_RETURN", "sigma"] if learned else ["_RETURN"]
     predictive = Predictive(model, guide=guide, num_samples=num_samples, return_sites=sites)
     draws = predictive(x)
+    if getattr(model, "noise", None) == "heteroscedastic":
+        return gaussian_mixture(*heteroscedastic_draws(model, draws["_RETURN"]))
     f = draws["_RETURN"].reshape(num_samples, -1).T  # (n, S)
     if learned:
         scale = draws["sigma"].reshape(1, num_samples).expand_as(f)
     else:
         scale = float(model.noise_scale if noise is None else noise)
+    return gaussian_mixture(f, scale)
+
+
+def heteroscedastic_draws(model, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, σ)``, each (n, S), from a heteroscedastic regressor's outputs of S draws,
+    ``out`` of shape (S, n, 2) (or whatever the model's ``split`` reads)."""
+    split = model.split or models.mean_log_variance
+    means, scales = [], []
+    for draw in out:
+        mean, log_var = split(draw)
+        means.append(mean.reshape(-1))
+        scales.append((0.5 * log_var.reshape(-1)).exp())
+    return torch.stack(means, -1), torch.stack(scales, -1)
+
+
+def gaussian_mixture(f: torch.Tensor, scale) -> Distribution:
+    """The equal-weight mixture of N(f[:, s], scale[:, s]) over the columns s of ``f`` (n, S);
+    ``scale`` a number or a tensor like ``f``; batch shape (n,)."""
     components = torch.distributions.Normal(f, scale)
     weights = torch.distributions.Categorical(logits=torch.zeros_like(f))
     return torch.distributions.MixtureSameFamily(weights, components)

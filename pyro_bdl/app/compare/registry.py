@@ -37,6 +37,8 @@ ENTRIES: dict[str, str] = {
     "laplace": "laplace:fit_laplace",
     "ensemble": "ensemble:fit_ensemble",
     "multiswag": "ensemble:fit_multiswag",
+    # Dropout kept on at prediction, the rate chosen on held-out training rows.
+    "mc_dropout": "mc_dropout:fit_mc_dropout",
 }
 
 
@@ -72,8 +74,11 @@ METHODS: MutableMapping[str, Callable[..., Predictor]] = _Registry(ENTRIES)
 #: What ``pyro-bdl compare`` runs by default: every method but the full-network ``laplace``,
 #: whose dense D × D posterior outgrows compare's networks (``subnet_laplace`` is its scalable
 #: form), the ensembles, which train M = 5 networks each (M times ``map`` / ``swag``), and
-#: ``ivon`` (about 6 s more on the default digits MLP); ask for them with
-#: ``--methods laplace,ensemble,multiswag,ivon``.
+#: ``ivon`` (about 6 s more on the default digits MLP) and ``mc_dropout``, which trains once per
+#: dropout rate it tries and once more; ask for them with
+#: ``--methods laplace,ensemble,multiswag,ivon,mc_dropout``.
 COMPARE_METHODS: tuple[str, ...] = tuple(
-    name for name in ENTRIES if name not in ("laplace", "ensemble", "multiswag", "ivon")
+    name
+    for name in ENTRIES
+    if name not in ("laplace", "ensemble", "multiswag", "ivon", "mc_dropout")
 )

@@ -66,6 +66,8 @@ GRIDS: dict[str, dict[str, tuple]] = {
     # The ensembles tune their members' settings (each member is a map / swag run).
     "ensemble": _LR_PRIOR,
     "multiswag": {"swa_lr": SWA_LR_GRID, "prior_scale": PRIOR_SCALES},
+    # The dropout rate (then not chosen again inside the fit) times the prior's length-scale.
+    "mc_dropout": {"rate": (0.01, 0.05, 0.1), "prior_scale": PRIOR_SCALES},
 }
 
 
