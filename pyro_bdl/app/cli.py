@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_methods,
         default=",".join(COMPARE_METHODS),
         help=f"comma-separated subset of: {', '.join(METHODS)} (the default leaves out ivon, "
-        "the full-network laplace and the five-member ensemble and multiswag)",
+        "mc_dropout, the full-network laplace and the five-member ensemble and multiswag)",
     )
     c.add_argument(
         "--network", default="mlp", choices=sorted(NETWORKS), help="the network every method fits"
