@@ -482,8 +482,12 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         layout, init = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
         # A ``loc`` left in Pyro's param store under this guide's name (a model that has grown
         # a site since) would be picked up in place of ``init``: refuse before anything is set.
-        store, name = pyro.get_param_store(), self._pyro_get_fullname("loc")
-        if name in store:
+        store = pyro.get_param_store()
+        try:
+            name: str | None = self._pyro_get_fullname("loc")
+        except AssertionError:  # a member inside another guide: no store name of its own yet
+            name = None
+        if name is not None and name in store:
             stored = store[name]
             try:
                 check_same_sites(

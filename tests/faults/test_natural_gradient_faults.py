@@ -178,6 +178,9 @@ def test_load_checkpoint_refuses_a_nan_curvature(tmp_path):
     save_checkpoint(path, modules={"ivon": ivon})
     payload = torch.load(path, weights_only=True)
     payload["modules"]["ivon"]["curvature"][1] = float("nan")
+    # A state that was NaN when saved (not damaged after): the file's checksums are left out, as
+    # in a file written by an earlier release, so that the state check itself is what refuses.
+    payload.pop("checksums", None)
     torch.save(payload, path)
     assert_refused(
         ivon,
