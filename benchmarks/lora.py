@@ -73,11 +73,15 @@ DOC_MODULES = (
 )  # fmt: skip
 
 
-def missing_requirements(data_path: str | None) -> str | None:
-    """Why the full run cannot start (a missing package or data file), or ``None``."""
-    absent = [name for name in HF_PACKAGES if importlib.util.find_spec(name) is None]
+def missing_requirements(data_path: str | None, quick: bool = False) -> str | None:
+    """Why the run cannot start (a missing package or data file), or ``None``; the quick run
+    needs transformers and peft only."""
+    needed = HF_PACKAGES[:2] if quick else HF_PACKAGES
+    absent = [name for name in needed if importlib.util.find_spec(name) is None]
     if absent:
         return f"needs the hf extra (missing {absent}): pip install 'pyro-bdl[hf]'"
+    if quick:
+        return None
     from pyro_bdl.app.data import resolve_data_dir
 
     try:
@@ -586,7 +590,7 @@ def run_ensembles(b: Bench) -> None:
     b.evaluate("ensemble", mixture, extra)
     # MultiSWAG: a SWAG run from each member at the tuned SWAG rate.
     swags, swag_s = [], 0.0
-    for k, values in enumerate(members):
+    for values in members:
         pyro.clear_param_store()
         start = time.perf_counter()
         guide, _ = fit_swag(b, values, swag_lr, b.args.swag_epochs)
@@ -752,9 +756,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
-    why = (
-        None if args.quick else missing_requirements(args.data)
-    ) or _missing_hf_for_quick(args)
+    why = missing_requirements(args.data, args.quick)
     if why is not None:
         print(f"skipped benchmarks.lora: {why}", flush=True)
         return None
@@ -777,13 +779,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     pyro.clear_param_store()
     figures["machine"] = machine()
     return figures
-
-
-def _missing_hf_for_quick(args) -> str | None:
-    if not args.quick:
-        return None
-    absent = [name for name in HF_PACKAGES[:2] if importlib.util.find_spec(name) is None]
-    return f"needs transformers and peft (missing {absent})" if absent else None
 
 
 if __name__ == "__main__":

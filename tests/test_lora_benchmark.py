@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from benchmarks import lora  # noqa: E402
+from benchmarks import lora
 
 
 @pytest.fixture(autouse=True)

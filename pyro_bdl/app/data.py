@@ -532,9 +532,9 @@ def load_sst2(
     train = pools[2][:n_train]
     seen = "\n".join(phrases[i] for i in train)
     held: list[list[int]] = []
-    skipped = []
+    skipped: list[int] = []
     for pool, want, name in ((pools[1], n_val, "n_val"), (pools[0], n_test, "n_test")):
-        kept = []
+        kept: list[int] = []
         for i in pool:
             if len(kept) == want:
                 break
