@@ -502,7 +502,7 @@ def run_meanfield(b: Bench) -> None:
 
         return b.epochs(svi.step, epochs, offer)
 
-    state, cost = b.tune("meanfield", b.args.lrs, b.args.epochs, fit)
+    state, cost = b.tune("meanfield", b.args.mf_lrs or b.args.lrs, b.args.epochs, fit)
     guide = bdl.guides.AutoMeanField(b.model)
     guide(*b.first)
     guide.load_state_dict(state)
@@ -733,6 +733,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    p.add_argument("--mf-lrs", type=float, nargs="+", default=None, help="default: --lrs")
     p.add_argument("--ivon-lrs", type=float, nargs="+", default=[0.05, 0.2])
     p.add_argument("--swag-lrs", type=float, nargs="+", default=[1e-4, 1e-3])
     p.add_argument("--swag-epochs", type=int, default=1)
