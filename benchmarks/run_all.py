@@ -23,6 +23,7 @@ BENCHMARKS: list[str] = [
     "tuned_vogn_adam",
     "rotated_mnist",  # needs $PYRO_BDL_DATA (or ../shared/data) for MNIST
     "uci",  # needs $PYRO_BDL_DATA (or ../shared/data); skips with a message without it
+    "lora",  # needs the hf extra and $PYRO_BDL_DATA/sst2; skips with a message without them
 ]
 #: Modules under benchmarks/ that are not benchmarks to run: shared code, this runner, a
 #: report that joins the JSON files of earlier `uci` runs (it takes their paths), and the check

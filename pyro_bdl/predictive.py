@@ -4,8 +4,10 @@ posterior draws, in one batched forward pass.
 :func:`sample_outputs` draws the S weight samples from the guide at once under a plate (as
 ``Predictive(parallel=True)`` does) and replays them into the model, whose lifted network runs
 once on the batched weights (:mod:`pyro_bdl.nn.vectorize`). For a
-:class:`~pyro_bdl.models.NetworkModel` it replays them into the network alone, so no labels are
-sampled; another model runs whole and must return the network output. It works with every guide
+:class:`~pyro_bdl.models.NetworkModel` it replays them into
+:meth:`~pyro_bdl.models.NetworkModel.network_output` alone (the network on a tensor, mapping or
+tuple batch, its output reduced to the tensor the likelihood reads), so no labels are sampled;
+another model runs whole and must return the network output. It works with every guide
 whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
 :class:`~pyro_bdl.guides.AutoRadial`, :class:`~pyro_bdl.guides.AutoSWAG`,
 :class:`~pyro_bdl.guides.AutoSubnetLaplace` after ``fit``, VOGN's ``guide``); guides run under
@@ -39,7 +41,8 @@ SAMPLES_PLATE = "_num_predictive_samples"
 
 def _draw(model, guide, args, kwargs, size: int | None, dim: int) -> torch.Tensor:
     """The output for ``size`` draws under a plate at ``dim`` (one draw, no plate, if ``None``)."""
-    target = model.net if isinstance(model, NetworkModel) else model
+    # A NetworkModel replays its own output path (structured batches, ModelOutput selectors).
+    target = model.network_output if isinstance(model, NetworkModel) else model
     target_args = args[:1] if isinstance(model, NetworkModel) else args
     target_kwargs = {} if isinstance(model, NetworkModel) else kwargs
     # The guide runs for its draws alone, as Predictive runs it: densities masked out (unused
@@ -76,7 +79,8 @@ def sample_outputs(
         :func:`pyro_bdl.models.classifier`; BatchNorm layers must be in eval mode when
         ``parallel``.
     :param callable guide: any guide of ``model`` (called with the same arguments).
-    :param args: the model's inputs (``x``; no labels, so the outputs are predictions).
+    :param args: the model's inputs (``x``, for a :class:`~pyro_bdl.models.NetworkModel` a
+        tensor, a mapping of tensors or a tuple; no labels, so the outputs are predictions).
     :param int num_samples: S, the number of posterior draws.
     :param bool parallel: draw the S samples in one vectorized pass (``True``) or one after the
         other (``False``; same distribution, other random streams).

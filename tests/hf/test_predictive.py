@@ -1,0 +1,58 @@
+"""``predictive.sample_outputs`` on a Hugging Face network: a dict batch passed as keyword
+arguments and a ``ModelOutput`` reduced to its logits, through the model's own output path."""
+
+import warnings
+
+import pytest
+import torch
+from pyro import poutine
+from torch.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import pyro_bdl as bdl  # noqa: E402
+
+VOCAB, CLASSES, ROWS = 50, 2, 5
+
+
+def _lora_bert():
+    config = transformers.BertConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=20,
+        vocab_size=VOCAB,
+        num_labels=CLASSES,
+        attn_implementation="eager",  # vectorized draws: SDPA has no vmap rule on CPU
+    )
+    net = transformers.BertForSequenceClassification(config).eval()
+    lora = peft.LoraConfig(r=2, target_modules=["query", "value"], task_type="SEQ_CLS")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
+        net = peft.get_peft_model(net, lora).eval()
+    return bdl.bayesianize(net, expose=bdl.nn.lora)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_sample_outputs_takes_a_dict_batch_and_reads_the_logits(parallel):
+    torch.manual_seed(0)
+    model = bdl.models.classifier(_lora_bert(), 64)
+    batch = {
+        "input_ids": torch.randint(1, VOCAB, (ROWS, 7)),
+        "attention_mask": torch.ones(ROWS, 7, dtype=torch.long),
+    }
+    batch["attention_mask"][0, 5:] = 0
+    guide = bdl.guides.AutoMeanField(model)
+    guide(batch, torch.arange(ROWS) % CLASSES)
+    out = bdl.predictive.sample_outputs(model, guide, batch, num_samples=3, parallel=parallel)
+    assert out.shape == (3, ROWS, CLASSES)
+    # Each draw is the network's logits at that draw's weights: replay the first one.
+    torch.manual_seed(1)
+    draws = bdl.predictive.sample_outputs(model, guide, batch, num_samples=1, parallel=parallel)
+    torch.manual_seed(1)
+    trace = poutine.trace(guide).get_trace(batch)
+    expected = poutine.replay(model.net, trace=trace)(**batch).logits
+    assert_close(draws[0], expected)
+    # Distinct draws differ: the LoRA matrices are random (mean-field scales start > 0).
+    assert not torch.allclose(out[0], out[1])
