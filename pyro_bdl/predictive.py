@@ -13,7 +13,9 @@ whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
 :class:`~pyro_bdl.guides.AutoSubnetLaplace` after ``fit``, VOGN's ``guide``); guides run under
 ``torch.no_grad()``, as ``Predictive`` runs them. ``max_parallel`` bounds the memory (and, for
 convolutional networks on a CPU, keeps the activations in cache) by drawing at most that many
-samples per batched pass.
+samples per batched pass. ``max_memory`` (default 4 GiB) bounds the output itself: the bytes
+of ``num_samples`` outputs are estimated from one draw, before the S draws are allocated, and a
+larger request is refused with the fix.
 
 Usage::
 
@@ -34,6 +36,9 @@ from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models import NetworkModel
 
 __all__ = ["sample_outputs"]
+
+#: The default bound on the bytes of the stacked outputs (see :func:`sample_outputs`).
+DEFAULT_MAX_MEMORY = 4 * 2**30
 
 #: The plate over posterior draws (Pyro's Predictive uses the same name).
 SAMPLES_PLATE = "_num_predictive_samples"
@@ -64,6 +69,19 @@ def _draw(model, guide, args, kwargs, size: int | None, dim: int) -> torch.Tenso
     return out
 
 
+def _check_output_memory(one: torch.Tensor, num_samples: int, max_memory: int) -> None:
+    """Refuse ``num_samples`` outputs shaped like the one-draw output ``one`` beyond
+    ``max_memory`` bytes."""
+    needed = num_samples * one.numel() * one.element_size()
+    if needed > max_memory:
+        raise ValueError(
+            f"num_samples={num_samples} outputs of shape {tuple(one.shape)} ({one.dtype}) need "
+            f"{needed} bytes ({needed / 2**30:.1f} GiB), more than max_memory={max_memory}. "
+            f"Ask for at most {max(max_memory // max(needed // num_samples, 1), 1)} samples, "
+            "call sample_outputs on batches of the inputs, or raise max_memory."
+        )
+
+
 def sample_outputs(
     model,
     guide,
@@ -71,6 +89,7 @@ def sample_outputs(
     num_samples: int,
     parallel: bool = True,
     max_parallel: int | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
     **kwargs: Any,
 ) -> torch.Tensor:
     """The model's return value (the network output) for ``num_samples`` posterior draws.
@@ -85,11 +104,20 @@ def sample_outputs(
     :param bool parallel: draw the S samples in one vectorized pass (``True``) or one after the
         other (``False``; same distribution, other random streams).
     :param int max_parallel: at most this many samples per vectorized pass (default: all S).
+    :param int max_memory: at most this many bytes for the returned outputs (default 4 GiB),
+        checked from one draw before the S draws run.
     :returns: a tensor of shape ``(S, *output_shape)``.
     """
     check_positive_int("num_samples", num_samples)
     if max_parallel is not None:
         check_positive_int("max_parallel", max_parallel)
+    check_positive_int("max_memory", max_memory)
+    # Imported here: pyro_bdl.infer imports the guides, which import this module.
+    from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
+
+    owners = (model.net if isinstance(model, NetworkModel) else model, guide)
+    buffers = norm_layer_buffers(m for m in owners if isinstance(m, torch.nn.Module))
+    call = Rollback.saved(buffers)
     if isinstance(model, NetworkModel):
         nesting = 1  # the data plate
     else:
@@ -97,9 +125,23 @@ def sample_outputs(
             nesting = _guess_max_plate_nesting(model, args, kwargs)
     outputs = []
     with torch.no_grad(), poutine.block():
+        # One draw measures the output before the S draws run. The random streams and running
+        # statistics moved since the call began are put back when it is refused, and those of
+        # the draw alone always in a parallel run, whose S draws then are those sample_outputs
+        # gives without the check.
+        probe = Rollback.saved(buffers)
+        try:
+            one = _draw(model, guide, args, kwargs, None, 0)
+            _check_output_memory(one, num_samples, max_memory)
+        except BaseException:
+            call.restore()
+            raise
         if not parallel:
-            outputs = [_draw(model, guide, args, kwargs, None, 0) for _ in range(num_samples)]
+            outputs = [one] + [
+                _draw(model, guide, args, kwargs, None, 0) for _ in range(num_samples - 1)
+            ]
             return torch.stack(outputs)
+        probe.restore()
         chunk = num_samples if max_parallel is None else max_parallel
         for start in range(0, num_samples, chunk):
             size = min(chunk, num_samples - start)

@@ -19,6 +19,8 @@ Conventions:
 - Random operations in the forward (dropout) draw independently per sample.
 - BatchNorm must be in eval mode: its running statistics are one buffer shared by the samples,
   which K batched forwards cannot update at once (a clear error says so).
+- A forward that ``vmap`` cannot batch (Python branches on a tensor's value) is refused with the
+  cause and the fix (``parallel=False``, ``vectorize_particles=False``), chained to vmap's error.
 - Every lifted site is drawn before the forward, including those of layers the forward does not
   use.
 - A network with a lifted recurrent layer (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) runs its forward
@@ -169,6 +171,24 @@ def _stack(first: Any, *rest: Any) -> Any:
     return torch.stack((first, *rest)) if isinstance(first, torch.Tensor) else first
 
 
+def _vmapped(one: Callable[..., Any], in_dims: tuple[int | None, ...], flat: tuple) -> Any:
+    """``one`` over the samples under :func:`torch.func.vmap`, its refusals explained."""
+    try:
+        return torch.func.vmap(one, in_dims=(in_dims,), randomness="different")(flat)
+    except RuntimeError as err:
+        # vmap's own refusals name vmap; errors of the forward itself pass through unchanged.
+        if "vmap" not in str(err).lower():
+            raise
+        raise RuntimeError(
+            "the network's forward cannot run vectorized over the weight samples (vectorized "
+            "particles or Predictive(parallel=True)): torch.func.vmap refused it, most often "
+            "because the forward branches in Python on a tensor's value (`if x.sum() > 0:`, "
+            "`.item()`), which differs per sample. Use Predictive(parallel=False) or "
+            "Trace_ELBO(vectorize_particles=False), or write the branch as torch.where. "
+            f"vmap said: {err}"
+        ) from err
+
+
 def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The lifted module's forward: the class's own forward, vectorized over sample dims of the
     weights when there are any (see this module's docstring)."""
@@ -235,9 +255,7 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             ]
             out = tree_map(_stack, outs[0], *outs[1:])
         else:
-            out = torch.func.vmap(one, in_dims=(tuple(in_dims),), randomness="different")(
-                tuple(flat)
-            )
+            out = _vmapped(one, tuple(in_dims), tuple(flat))
     finally:
         cache.update(saved)
     return tree_map(
