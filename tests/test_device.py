@@ -157,12 +157,30 @@ def _fit_case(make):
     return case.model, case.guide
 
 
-def _fit_laplace():
+def _fit_laplace(structure: str = "kron"):
     model = contract.small_model()
-    guide = AutoLaplace(model)
+    guide = AutoLaplace(model, hessian_structure=structure)
     x, y = contract.data()
     SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}), Trace_ELBO()).step(x, y)
-    guide.fit((x, y))
+    guide.fit((x, y), check_mode=False)  # one step is no MAP estimate; devices are the point
+    return model, guide
+
+
+def _loaded_laplace(structure: str):
+    """A fresh guide holding a fitted one's state, its posterior not yet rebuilt from it."""
+    model, fitted = _fit_laplace(structure)
+    return model, _load(AutoLaplace(model, hessian_structure=structure), fitted.state_dict())
+
+
+def _load(guide, state):
+    guide(*contract.data())  # set up on the model, as loading needs
+    guide.load_state_dict(state)
+    return guide
+
+
+def _set_up_ensemble():
+    model, guide = test_ensemble.make_ensemble()
+    guide(*contract.data())  # the members move from their values into the buffer
     return model, guide
 
 
@@ -172,25 +190,13 @@ def _moved_guides():
         pytest.param(lambda: _fit_locscale(AutoRadial), id="radial"),
         pytest.param(lambda: _fit_case(contract.make_swag), id="swag"),
         pytest.param(lambda: _fit_case(contract.make_vogn), id="natural-gradient-guide"),
-        pytest.param(
-            test_ensemble.make_ensemble,
-            id="ensemble",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="AutoEnsemble keeps its members' values in a plain dict (_values) that "
-                "nn.Module.to() does not see: they stay on the old device (guides/ensemble.py).",
-            ),
-        ),
-        pytest.param(
-            _fit_laplace,
-            id="laplace",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="AutoLaplace keeps its fitted structure (_structure: positions, "
-                "eigendecompositions) and fit statistics (_stats) as plain attributes that "
-                "nn.Module.to() does not see (guides/laplace/).",
-            ),
-        ),
+        pytest.param(test_ensemble.make_ensemble, id="ensemble"),
+        pytest.param(_set_up_ensemble, id="ensemble-set-up"),
+        pytest.param(_fit_laplace, id="laplace"),
+        pytest.param(lambda: _fit_laplace("diag"), id="laplace-diag"),
+        pytest.param(lambda: _fit_laplace("full"), id="laplace-full"),
+        pytest.param(lambda: _loaded_laplace("kron"), id="laplace-loaded"),
+        pytest.param(lambda: _loaded_laplace("diag"), id="laplace-diag-loaded"),
     ]
 
 
@@ -214,6 +220,31 @@ def test_a_moved_loc_scale_guide_trains_the_moved_parameters(fit):
     assert guide.loc.dtype == torch.float64
     assert not torch.equal(guide.loc.detach(), before)
     _assert_all_moved(guide, model, device="cpu")
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_a_converted_laplace_posterior_keeps_its_values_and_round_trips(structure):
+    # .double() converts the posterior beside the buffers, whether fitted or loaded and not yet
+    # rebuilt, and a state saved afterwards holds the same posterior.
+    model, fitted = _fit_laplace(structure)
+    expected = fitted.posterior.variances()
+    assert expected.dtype == torch.float64  # the fit accumulates in float64
+    guide = _load(AutoLaplace(model, hessian_structure=structure), fitted.state_dict()).double()
+    again = _load(AutoLaplace(model, hessian_structure=structure), guide.state_dict())
+    fitted.double()
+    for each in (fitted, guide, again):
+        assert each.map_loc.dtype == torch.float64
+        # float64 all the way: the values are copied, never rounded.
+        assert torch.equal(each.posterior.variances(), expected)
+
+
+def test_ensemble_members_given_as_values_follow_to_before_set_up():
+    model, guide = test_ensemble.make_ensemble()
+    model.net.double()
+    guide.double()
+    x, y = contract.data()
+    guide(x.double(), y)
+    assert guide.ensemble_locs.dtype == torch.float64
 
 
 @pytest.mark.xfail(

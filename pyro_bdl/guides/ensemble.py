@@ -404,6 +404,15 @@ class AutoEnsemble(MemberGuide):
             count = len(self._values)
         super().__init__(model, count, init_loc_fn=init_loc_fn)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        # Members given as values wait in ``_values`` until the guide sees the model (the
+        # layout that packs them comes from its trace): ``.to()``, ``.double()`` and ``.cuda()``
+        # convert them there as they convert the buffer that later holds them.
+        out = super()._apply(fn, recurse)
+        if self._values is not None:
+            self._values = [{k: fn(v) for k, v in values.items()} for values in self._values]
+        return out
+
     @classmethod
     def _keep(cls, k: int, member):
         return cls._member_values(k, member)  # the weights, copied now

@@ -314,6 +314,34 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             getattr(type(self), name).fget(self)
         return super().__getattr__(name)
 
+    def _apply(self, fn, recurse: bool = True):
+        # The kron/diag posterior and the fit statistics are state beside the buffers: they
+        # follow ``.to()``, ``.double()``, ``.cuda()`` as the buffers do. A loaded posterior is
+        # rebuilt first where it can be; one that needs the model's layout (the guide has not
+        # seen the model yet) stays packed on the CPU and is rebuilt on map_loc's device.
+        waits = self._packed_posterior_waits()
+        if waits and self.fitted and self.prototype_trace is not None:
+            self._structure, waits = self._structure_from_state(), False
+        if not waits:
+            # get_extra_state packs the same state from the attributes set_extra_state set.
+            self._saved_state = None
+        out = super()._apply(fn, recurse)
+        if self._structure is not None:
+            self._structure = self._structure.converted(fn)
+        if self._stats is not None:
+            self._stats = fn(self._stats)
+        return out
+
+    def _packed_posterior_waits(self) -> bool:
+        """Whether a loaded kron/diag posterior is still packed in the loaded extra state."""
+        state = self._saved_state
+        return (
+            self._structure is None
+            and state is not None
+            and self.hessian_structure != "full"
+            and state.numel() > 8
+        )
+
     def __getstate__(self):
         self._user_model = None  # a model is often a closure, which cannot be pickled
         return super().__getstate__()

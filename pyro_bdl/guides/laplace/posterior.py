@@ -16,7 +16,10 @@ weight, the posterior over S is :math:`N(\theta_S^*, H^{-1})`, :math:`H = cG + \
 - ``logdet(lam, c)``: :math:`\log\det(cG + \mathrm{diag}\,\lambda)`, differentiable in
   ``lam`` and ``c`` (the marginal likelihood, :mod:`~pyro_bdl.guides.laplace.evidence`);
 - ``quadratic(d)``: :math:`d^\top H d` (the density);
-- ``with_prior(lam, c)``: the same curvature under another prior and σ.
+- ``with_prior(lam, c)``: the same curvature under another prior and σ;
+- ``converted(fn)`` (``kron``, ``diag``; a guide holds a ``full`` one in its buffers): the
+  same posterior with every tensor passed through ``fn`` (the conversion behind
+  ``nn.Module.to()``, ``.double()``, ``.cuda()``).
 
 The linearized network :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)` turns the posterior
 into :math:`N(f, (J_S L)(J_S L)^\top)` over the outputs, and a link (probit, Laplace bridge,
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pyro.distributions as dist
@@ -259,6 +262,15 @@ def _warn_if_ill_conditioned(chol: torch.Tensor) -> None:
 # ---- the structures ----------------------------------------------------------------------
 
 
+#: A tensor conversion, as ``nn.Module._apply`` passes it (``.to()``, ``.double()``, ...).
+Convert = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _convert(fn: Convert, value):
+    """``fn(value)`` for a tensor; a Python number (a scalar λ or c) as it is."""
+    return fn(value) if isinstance(value, torch.Tensor) else value
+
+
 class DiagPosterior:
     r"""Diagonal Laplace: :math:`H = c\,\mathrm{diag}(h) + \mathrm{diag}\,\lambda` with ``h`` the
     diagonal of the GGN (exact, from per-example output gradients)."""
@@ -271,6 +283,9 @@ class DiagPosterior:
 
     def with_prior(self, lam: torch.Tensor, c: float | torch.Tensor = 1.0) -> DiagPosterior:
         return DiagPosterior(self.diag, lam, c)
+
+    def converted(self, fn: Convert) -> DiagPosterior:
+        return DiagPosterior(fn(self.diag), _convert(fn, self.lam), _convert(fn, self.c))
 
     def apply_scale(self, jac: torch.Tensor) -> torch.Tensor:
         return jac.to(self.precision) * self.precision.rsqrt()
@@ -421,6 +436,12 @@ class KronPosterior:
 
     def with_prior(self, lam: torch.Tensor, c=1.0) -> KronPosterior:
         return KronPosterior(self.blocks, self.eigen, self.count, lam, c)
+
+    def converted(self, fn: Convert) -> KronPosterior:
+        blocks = [KronBlock(b.layer, fn(b.positions)) for b in self.blocks]
+        eigen = [tuple(fn(t) for t in parts) for parts in self.eigen]
+        lam, c = _convert(fn, self.lam), _convert(fn, self.c)
+        return KronPosterior(blocks, eigen, self.count, lam, c)
 
     def factors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(A, G)`` of every block, rebuilt from the eigendecompositions."""
