@@ -137,9 +137,6 @@ def test_obs_mask_ok(entry, Elbo, mask, num_particles):
     assert_ok(model, guide, elbo)
 
 
-_LAPLACE_ELBO = (
-    "Laplace as an ELBO guide (issue item): vectorized particles under TraceEnum_ELBO mix dtypes"
-)
 _JIT_NO_PARAMS = (
     "Pyro limitation: JitTrace_ELBO.loss_and_grads runs backward even when nothing requires "
     "grad (a fitted guide holds buffers only); a hand-written parameter-free guide fails alike"
@@ -157,8 +154,6 @@ LIFTED_KNOWN = {
             ("multiswag-JitTrace_ELBO", _JIT_NO_PARAMS if n == 1 else ENSEMBLE_JIT),
         ]
     },
-    "laplace-TraceEnum_ELBO-3": known(_LAPLACE_ELBO, RuntimeError),
-    "subnet_laplace-TraceEnum_ELBO-3": known(_LAPLACE_ELBO, RuntimeError),
 }
 
 

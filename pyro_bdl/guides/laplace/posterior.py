@@ -102,9 +102,13 @@ class SubnetNormal(TorchDistribution):
         return z.to(self.scale_tril.dtype) @ self.scale_tril.T
 
     def log_prob(self, value):
+        # Computed in the factor's dtype (float64 by default), returned in the weights' dtype,
+        # as a draw is: an ELBO combines it with the model's terms (TraceEnum_ELBO contracts
+        # them in one dtype).
         d = (value - self.loc)[..., self.index].to(self.scale_tril.dtype)
         zero = torch.zeros_like(d)
-        return dist.MultivariateNormal(zero, scale_tril=self.scale_tril).log_prob(d)
+        mvn = dist.MultivariateNormal(zero, scale_tril=self.scale_tril)
+        return mvn.log_prob(d).to(self.loc.dtype)
 
 
 class StructuredNormal(SubnetNormal):
@@ -125,7 +129,8 @@ class StructuredNormal(SubnetNormal):
         d = (value - self.loc)[..., self.index]
         s = self.index.numel()
         logdet = self.structure.logdet(self.structure.lam, self.structure.c)
-        return -0.5 * (self.structure.quadratic(d) - logdet + s * math.log(2 * math.pi))
+        out = -0.5 * (self.structure.quadratic(d) - logdet + s * math.log(2 * math.pi))
+        return out.to(self.loc.dtype)  # the weights' dtype, as SubnetNormal.log_prob
 
 
 # ---- factorisation -------------------------------------------------------------------------
