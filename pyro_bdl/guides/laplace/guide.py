@@ -315,32 +315,19 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         return super().__getattr__(name)
 
     def _apply(self, fn, recurse: bool = True):
-        # The kron/diag posterior and the fit statistics are state beside the buffers: they
-        # follow ``.to()``, ``.double()``, ``.cuda()`` as the buffers do. A loaded posterior is
-        # rebuilt first where it can be; one that needs the model's layout (the guide has not
-        # seen the model yet) stays packed on the CPU and is rebuilt on map_loc's device.
-        waits = self._packed_posterior_waits()
+        # The kron/diag posterior and fit statistics follow .to() as buffers do; a loaded one not
+        # yet rebuilt (that needs the model's layout) stays packed, rebuilt on map_loc's device.
+        state = self._saved_state  # holds a kron/diag posterior when longer than 8 numbers
+        waits = self._structure is None and state is not None and state.numel() > 8
         if waits and self.fitted and self.prototype_trace is not None:
             self._structure, waits = self._structure_from_state(), False
-        if not waits:
-            # get_extra_state packs the same state from the attributes set_extra_state set.
+        if not waits:  # get_extra_state packs the same from the attributes set_extra_state set
             self._saved_state = None
         out = super()._apply(fn, recurse)
         if self._structure is not None:
             self._structure = self._structure.converted(fn)
-        if self._stats is not None:
-            self._stats = fn(self._stats)
+        self._stats = None if self._stats is None else fn(self._stats)
         return out
-
-    def _packed_posterior_waits(self) -> bool:
-        """Whether a loaded kron/diag posterior is still packed in the loaded extra state."""
-        state = self._saved_state
-        return (
-            self._structure is None
-            and state is not None
-            and self.hessian_structure != "full"
-            and state.numel() > 8
-        )
 
     def __getstate__(self):
         self._user_model = None  # a model is often a closure, which cannot be pickled
