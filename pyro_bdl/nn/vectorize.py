@@ -18,7 +18,8 @@ Conventions:
 - Inputs, hidden (non-lifted) parameters and buffers are shared by all samples.
 - Random operations in the forward (dropout) draw independently per sample.
 - BatchNorm must be in eval mode: its running statistics are one buffer shared by the samples,
-  which K batched forwards cannot update at once (a clear error says so).
+  which K batched forwards cannot update at once (a clear error says so, and puts back what
+  Pyro's unvectorized inspection passes before it wrote: :mod:`~pyro_bdl.nn.running_stats`).
 - A forward that ``vmap`` cannot batch (Python branches on a tensor's value) is refused with the
   cause and the fix (``parallel=False``, ``vectorize_particles=False``), chained to vmap's error.
 - Every lifted site is drawn before the forward, including those of layers the forward does not
@@ -51,6 +52,8 @@ from pyro.poutine.plate_messenger import PlateMessenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
 from torch.utils._pytree import tree_map
+
+from pyro_bdl.nn.running_stats import note_unvectorized_pass, refuse_training_mode
 
 __all__ = [
     "PlateDimsRestored",
@@ -151,22 +154,6 @@ def _lifted_sites(module: nn.Module) -> list[Any]:
     return list(specs.values())
 
 
-def _check_batchnorm_eval(module: nn.Module) -> None:
-    for name, sub in module.named_modules():
-        if (
-            isinstance(sub, nn.modules.batchnorm._BatchNorm)
-            and sub.training
-            and sub.track_running_stats
-        ):
-            raise RuntimeError(
-                f"BatchNorm layer {name!r} is in training mode while the weights carry sample "
-                "dims (vectorized particles or Predictive(parallel=True)): its running "
-                "statistics are one buffer shared by all samples and cannot be updated from "
-                "all of them at once. Call net.eval() before a parallel prediction, or train "
-                "with Trace_ELBO(vectorize_particles=False)."
-            )
-
-
 def _stack(first: Any, *rest: Any) -> Any:
     return torch.stack((first, *rest)) if isinstance(first, torch.Tensor) else first
 
@@ -189,13 +176,21 @@ def _vmapped(one: Callable[..., Any], in_dims: tuple[int | None, ...], flat: tup
         ) from err
 
 
+def _unvectorized(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The plain forward, noted so that a refused vectorized pass after it can undo it."""
+    done = note_unvectorized_pass(module)
+    out = forward(*args, **kwargs)
+    done()
+    return out
+
+
 def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The lifted module's forward: the class's own forward, vectorized over sample dims of the
     weights when there are any (see this module's docstring)."""
     forward: Callable[..., Any] = functools.partial(type(module).forward, module)
     context = getattr(module, "_pyro_context", None)
     if context is None or not context.active or not under_plate():
-        return forward(*args, **kwargs)
+        return _unvectorized(module, forward, args, kwargs)
 
     specs = _lifted_sites(module)
     # Only Predictive's plate brings the mis-shaped values, and no ELBO looks for a KL there.
@@ -218,7 +213,7 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         batch_shapes.append(batch)
     batch = torch.broadcast_shapes(*batch_shapes) if batch_shapes else torch.Size()
     if not batch:
-        return forward(*args, **kwargs)
+        return _unvectorized(module, forward, args, kwargs)
 
     lead = list(batch)
     while lead and lead[-1] == 1:
@@ -230,8 +225,8 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not lead:  # a single sample with singleton plate dims: the plain forward
             for key, spec, value in zip(keys, specs, values):
                 cache[key] = value.reshape(spec.shape)
-            return forward(*args, **kwargs)
-        _check_batchnorm_eval(module)
+            return _unvectorized(module, forward, args, kwargs)
+        refuse_training_mode(module)
         flat: list[torch.Tensor] = []
         in_dims: list[int | None] = []
         for spec, value, shape in zip(specs, values, batch_shapes):

@@ -111,3 +111,76 @@ def test_sample_outputs_check_does_not_change_the_draws():
     assert torch.equal(low, again)
     with pytest.raises(ValueError, match="max_memory"):
         sample_outputs(model, guide, x, num_samples=6, max_memory=0)
+
+
+# ------------------------------------------- training-mode BatchNorm under a vectorized pass
+
+
+def _batchnorm_classifier():
+    pyro.set_rng_seed(0)
+    net = bdl.bayesianize(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    model = bdl.models.classifier(net, dataset_size=20)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    guide = bdl.guides.AutoMeanField(model)
+    guide(x, y)  # set up: the inspection passes below are Pyro's own, not the guide's
+    return net, model, guide, x, y
+
+
+_REFUSED = r"BatchNorm layer '1' is in training mode.*eval\(\).*Nothing was updated"
+
+
+def _refused_calls(model, guide, x, y):
+    return {
+        "Predictive(parallel=True)": lambda: Predictive(
+            model, guide=guide, num_samples=3, parallel=True
+        )(x),
+        "Trace_ELBO(vectorize_particles=True)": lambda: pyro.infer.SVI(
+            model,
+            guide,
+            pyro.optim.Adam({"lr": 0.1}),
+            pyro.infer.Trace_ELBO(num_particles=3, vectorize_particles=True),
+        ).step(x, y),
+    }
+
+
+@pytest.mark.parametrize(
+    "call", ["Predictive(parallel=True)", "Trace_ELBO(vectorize_particles=True)"]
+)
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "after-a-training-step"])
+def test_a_refused_vectorized_pass_leaves_the_running_statistics_as_they_were(call, trained):
+    # Pyro's unvectorized inspection passes run before the vectorized pass and, in training
+    # mode, write the running statistics; the refusal puts them back. A training step before
+    # the call is kept: it is not the call's.
+    net, model, guide, x, y = _batchnorm_classifier()
+    set_up = int(net[1].num_batches_tracked)  # the guide's set-up pass ran the model
+    if trained:
+        svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.1}), pyro.infer.Trace_ELBO())
+        svi.step(x, y)
+        svi.step(x, y)
+    before = _state(net)
+    params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.raises(RuntimeError, match=_REFUSED):
+        _refused_calls(model, guide, x, y)[call]()
+    _assert_unchanged(net, before)
+    for key, value in params.items():
+        assert torch.equal(pyro.get_param_store()[key], value), key
+    # The kept steps did write the statistics.
+    assert int(net[1].num_batches_tracked) == set_up + (2 if trained else 0)
+    # The fix the message names works.
+    net.eval()
+    out = Predictive(model, guide=guide, num_samples=3, parallel=True, return_sites=["_RETURN"])
+    assert out(x)["_RETURN"].shape == (3, 8, 2)
+
+
+def test_a_refusal_keeps_the_statistics_a_forward_outside_pyro_wrote_before_it():
+    # A forward outside Pyro between two refused calls is the user's: the second refusal puts
+    # back the state after it, not the state before the first call.
+    net, model, guide, x, _ = _batchnorm_classifier()
+    predictive = Predictive(model, guide=guide, num_samples=3, parallel=True)
+    with pytest.raises(RuntimeError, match=_REFUSED):
+        predictive(x)
+    net(x)  # the user's own forward in training mode, outside Pyro
+    after_user = _state(net)
+    with pytest.raises(RuntimeError, match=_REFUSED):
+        predictive(x)
+    _assert_unchanged(net, after_user)
