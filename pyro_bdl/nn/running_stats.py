@@ -40,15 +40,16 @@ def _training_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _versions(module: nn.Module) -> tuple[int, ...]:
-    """The in-place version counters of everything a writer between two passes would change:
-    the network's parameters and buffers, and the param store's (unconstrained) parameters."""
+    """The identities and in-place version counters of everything a writer between two passes
+    would change: the network's parameters and buffers, and the param store's (unconstrained)
+    parameters (an optimiser step writes them in place, a load may replace them)."""
     store = pyro.get_param_store()
     tensors = [
         *module.parameters(),
         *(b for b in module.buffers() if b is not None),
         *(p for _, p in store.named_parameters()),
     ]
-    return (len(tensors), *(t._version for t in tensors))
+    return tuple(n for t in tensors for n in (id(t), t._version))
 
 
 class _Run:
