@@ -140,11 +140,20 @@ def _refused_calls(model, guide, x, y):
             pyro.optim.Adam({"lr": 0.1}),
             pyro.infer.Trace_ELBO(num_particles=3, vectorize_particles=True),
         ).step(x, y),
+        # Our ELBO's loss (no step, so no step rollback): the network's own undo is what acts.
+        "TraceSuffStat_ELBO(vectorize_particles=True).loss": lambda: bdl.infer.TraceSuffStat_ELBO(
+            num_particles=3, vectorize_particles=True
+        ).loss(model, guide, x, y),
     }
 
 
 @pytest.mark.parametrize(
-    "call", ["Predictive(parallel=True)", "Trace_ELBO(vectorize_particles=True)"]
+    "call",
+    [
+        "Predictive(parallel=True)",
+        "Trace_ELBO(vectorize_particles=True)",
+        "TraceSuffStat_ELBO(vectorize_particles=True).loss",
+    ],
 )
 @pytest.mark.parametrize("trained", [False, True], ids=["fresh", "after-a-training-step"])
 def test_a_refused_vectorized_pass_leaves_the_running_statistics_as_they_were(call, trained):
