@@ -110,12 +110,24 @@ def environment() -> dict:
 
 
 def write_part(output: Path, name: str, record: dict) -> Path:
-    """``gpu-<name>.json`` in ``output``: the environment, then ``record``."""
+    """``gpu-<name>.json`` in ``output``: the environment, then ``record``. Written whole or not
+    at all (a part killed mid-write leaves its previous record, not half a file)."""
     output.mkdir(parents=True, exist_ok=True)
     path = output / f"gpu-{name}.json"
     body = {"machine": environment(), "part": name, **record}
-    path.write_text(json.dumps(body, indent=2, default=str))
+    draft = output / f".gpu-{name}.json.draft"
+    draft.write_text(json.dumps(body, indent=2, default=str))
+    os.replace(draft, path)
     return path
+
+
+#: A part's way to leave its figures so far: the runner writes them as a ``"partial"`` record,
+#: which it keeps (marked ``"timed out"``) if the part is killed before it finishes.
+Progress = Callable[[dict], None]
+
+
+def no_progress(record: dict) -> None:
+    """The :data:`Progress` of a part called directly (tests): nothing is saved."""
 
 
 def run_bounded(cmd: list[str], timeout: float, *, new_group: bool = False) -> dict:
@@ -139,7 +151,10 @@ def run_bounded(cmd: list[str], timeout: float, *, new_group: bool = False) -> d
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             proc.kill()
-        out, _ = proc.communicate()
+        try:
+            out, _ = proc.communicate(timeout=10.0)
+        except subprocess.TimeoutExpired:  # a grandchild still holds the pipe: stop reading
+            out = ""
         rc = None
     return {"rc": rc, "seconds": time.monotonic() - start, "output_tail": (out or "")[-4000:]}
 
@@ -195,7 +210,7 @@ def gpu_test_files() -> list[str]:
     )
 
 
-def part_tests(device: str, quick: bool, deadline: float) -> dict:
+def part_tests(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """The ``gpu``-marked tests; without CUDA they are all skipped."""
     files = gpu_test_files()
     return {"files": files, **pytest_part(files, "gpu", deadline - time.monotonic())}
@@ -204,7 +219,7 @@ def part_tests(device: str, quick: bool, deadline: float) -> dict:
 # ----------------------------------------------------------------------------- (b) steps
 
 
-def part_steps(device: str, quick: bool, deadline: float) -> dict:
+def part_steps(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """Each method with its reference (:data:`benchmarks.resnet.REFERENCE`), fp32 and under bf16
     autocast; a pair that fails (a method that does not run under autocast) is recorded with
     its error and the others go on."""
@@ -218,6 +233,7 @@ def part_steps(device: str, quick: bool, deadline: float) -> dict:
         resnet.NETS.setdefault(net, lambda s: resnet.wide_mlp(s, width=16))
     else:
         net, batch, rounds, shape = "resnet18", 128, 15, (3, 32, 32)
+    config = {"net": net, "batch": batch, "rounds": rounds, "shape": shape, "N": resnet.N}
     figures: dict = {}
     for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         for name, ref in resnet.REFERENCE.items():
@@ -249,11 +265,9 @@ def part_steps(device: str, quick: bool, deadline: float) -> dict:
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
             figures.setdefault(precision, {})[key] = result
+            progress({"config": config, "figures": figures})
             print(f"steps {precision} {key}: {result.get('time_ratio', result['status'])}")
-    return {
-        "config": {"net": net, "batch": batch, "rounds": rounds, "shape": shape, "N": resnet.N},
-        "figures": figures,
-    }
+    return {"config": config, "figures": figures}
 
 
 # ----------------------------------------------------------------------------- (c) forms
@@ -313,7 +327,7 @@ def form_sums(module, form: str, a: torch.Tensor, delta: torch.Tensor):
 FORM_NUMBERS = 1 << 27
 
 
-def part_forms(device: str, quick: bool, deadline: float) -> dict:
+def part_forms(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """Per ``Linear``/convolution of ResNet-18 at B = 128 (quick: a tiny CNN): the form the
     cost model picks, the model's relative costs, and each form's measured seconds."""
     from torch import nn
@@ -335,6 +349,7 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
     x = torch.randn(batch, *shape, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     median_seconds = timer(device)
+    config = {"net": "tiny_cnn" if quick else "resnet18", "batch": batch, "shape": shape}
     layers: dict[str, dict] = {}
     for name, module, a, delta in layer_calls(net, x, y):
         dims = layer_shape(module, a, delta)
@@ -363,6 +378,7 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
             entry["fastest"] = fastest
             entry["picked_over_fastest"] = timed.get(entry["picked"], float("nan")) / timed[fastest]
         layers[name] = entry
+        progress({"config": config, "figures": {"layers": layers}})
     # The totals only over layers whose every form was timed before the budget ran out.
     done = [e for e in layers.values() if None not in e["seconds"].values()]
     summary = {
@@ -373,16 +389,15 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
         "total_seconds_picked": sum(e["seconds"][e["picked"]] for e in done),
         "total_seconds_fastest": sum(e["seconds"][e["fastest"]] for e in done),
     }
-    return {
-        "config": {"net": "tiny_cnn" if quick else "resnet18", "batch": batch, "shape": shape},
-        "figures": {"summary": summary, "layers": layers},
-    }
+    return {"config": config, "figures": {"summary": summary, "layers": layers}}
 
 
 # ----------------------------------------------------------------------------- (d) compare
 
 
-def part_compare(device: str, quick: bool, deadline: float) -> dict:
+def part_compare(
+    device: str, quick: bool, deadline: float, progress: Progress = no_progress
+) -> dict:
     """One small ``pyro-bdl compare`` on this device (through ``python -m pyro_bdl``); its
     results.json is read back even when the run is cut short (each method's figures are saved
     as it finishes)."""
@@ -597,8 +612,9 @@ def match_method(method: str, device: str) -> dict:
     return compare_states(other, host)
 
 
-def part_match(device: str, quick: bool, deadline: float) -> dict:
+def part_match(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """Every method of :data:`MATCH_RUNS` on this device against the CPU."""
+    config = {"rtol": MATCH_RTOL, "atol": MATCH_ATOL, "steps": STEPS, "dtype": "float64"}
     figures: dict = {}
     for method in MATCH_RUNS:
         if time.monotonic() > deadline:
@@ -608,8 +624,8 @@ def part_match(device: str, quick: bool, deadline: float) -> dict:
             figures[method] = match_method(method, device)
         except Exception as err:
             figures[method] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+        progress({"config": config, "figures": figures})
         print(f"match {method}: {figures[method]}")
-    config = {"rtol": MATCH_RTOL, "atol": MATCH_ATOL, "steps": STEPS, "dtype": "float64"}
     return {"config": config, "figures": figures}
 
 
@@ -659,7 +675,7 @@ def arviz_probe() -> dict:
     return probe
 
 
-def part_arviz(device: str, quick: bool, deadline: float) -> dict:
+def part_arviz(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """tests/diagnostics under the installed ArviZ (quick: its export tests only)."""
     probe = arviz_probe()
     target = "tests/diagnostics/test_export.py" if quick else "tests/diagnostics"
@@ -669,7 +685,7 @@ def part_arviz(device: str, quick: bool, deadline: float) -> dict:
 
 # ----------------------------------------------------------------------------- the runner
 
-PARTS: dict[str, Callable[[str, bool, float], dict]] = {
+PARTS: dict[str, Callable[..., dict]] = {
     "tests": part_tests,
     "steps": part_steps,
     "forms": part_forms,
@@ -714,13 +730,43 @@ def run_part(name: str, device: str, quick: bool, budget: float, output: Path) -
     """One part in this process; its record (status, seconds, figures) is written whatever
     happens."""
     start = time.monotonic()
+
+    def progress(partial: dict) -> None:
+        write_part(
+            output, name, {"status": "partial", "seconds": time.monotonic() - start, **partial}
+        )
+
     try:
-        record = {"status": "ok", **PARTS[name](device, quick, start + budget)}
+        record = {"status": "ok", **PARTS[name](device, quick, start + budget, progress)}
     except Exception as err:
         record = {"status": "error", "error": traceback.format_exc()[-4000:]}
         print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
     record["seconds"] = time.monotonic() - start
     record["device"], record["quick"], record["budget_seconds"] = device, quick, budget
+    write_part(output, name, record)
+    return record
+
+
+def read_record(path: Path) -> dict:
+    """A part's record, or ``{}`` where it is missing or cut off mid-write (a killed part)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def settle(output: Path, name: str, run: dict) -> dict:
+    """The record of part ``name`` after its process ended (``run`` from :func:`run_bounded`):
+    its own, or, where it was killed or crashed, one saying so (written) that keeps the figures
+    of its last ``"partial"`` record."""
+    (output / f".gpu-{name}.json.draft").unlink(missing_ok=True)  # one cut off mid-write
+    record = read_record(output / f"gpu-{name}.json")
+    if run["rc"] is not None and record.get("status") not in (None, "partial"):
+        return record
+    status = "timed out" if run["rc"] is None else f"crashed (rc {run['rc']})"
+    record.pop("machine", None)
+    record = {**record, "status": status, **run}
     write_part(output, name, record)
     return record
 
@@ -744,20 +790,21 @@ def run_all(
         cmd += ["--output", str(output), "--budget", f"{budget:.1f}"]
         if quick:
             cmd.append("--quick")
+        # A record from an earlier run must not pass for this one.
+        (output / f"gpu-{name}.json").unlink(missing_ok=True)
         # The part stops starting new work at its budget; a few seconds more to write its JSON.
         run = run_bounded(cmd, budget + 10.0, new_group=True)
-        path = output / f"gpu-{name}.json"
-        status = json.loads(path.read_text())["status"] if path.exists() else None
-        if run["rc"] is None or status is None:
-            status = "timed out" if run["rc"] is None else f"crashed (rc {run['rc']})"
-            write_part(output, name, {"status": status, "seconds": run["seconds"], **run})
+        record = settle(output, name, run)
+        status = record["status"]
         summary[name] = {"status": status, "seconds": run["seconds"], "budget_seconds": budget}
         if status == "ok":
             try:
-                summary[name]["headline"] = HEADLINES[name](json.loads(path.read_text()))
+                summary[name]["headline"] = HEADLINES[name](record)
             except (KeyError, TypeError, AttributeError) as err:  # a record of another shape
                 summary[name]["headline"] = f"unreadable: {type(err).__name__}: {err}"
         print(f"== {name}: {status} in {run['seconds']:.0f} s", flush=True)
+        if status != "ok":  # the log shows why without the JSON
+            print(run["output_tail"][-1500:], flush=True)
     write_part(output, "summary", {"figures": summary, "seconds": time.monotonic() - start})
     return summary
 
@@ -782,7 +829,11 @@ def main(argv: list[str] | None = None) -> dict:
     output = Path(args.output) if args.output else default
     if args.part:
         return run_part(
-            args.part, args.device, args.quick, args.budget or BUDGETS[args.part], output
+            args.part,
+            args.device,
+            args.quick,
+            BUDGETS[args.part] if args.budget is None else args.budget,
+            output,
         )
     summary = run_all(parts, args.device, args.quick, output)
     print(json.dumps({k: v["status"] for k, v in summary.items()}, indent=1))
