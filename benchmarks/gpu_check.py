@@ -133,8 +133,9 @@ def no_progress(record: dict) -> None:
 
 def run_bounded(cmd: list[str], timeout: float, *, new_group: bool = False) -> dict:
     """Run ``cmd``; past ``timeout`` seconds kill it. ``new_group``: in a process group of its
-    own, killed as a whole (a part: the pytest or compare run it started dies with it). Returns
-    rc (None if killed), seconds, and the last 4000 characters of its output."""
+    own, killed as a whole (a part with the compare run it started; pytest with its xdist
+    workers). Returns rc (None if killed), seconds, and the last 4000 characters of its
+    output."""
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -193,7 +194,9 @@ def pytest_part(
             cmd += ["-m", marker]
         if workers > 0 and importlib.util.find_spec("xdist") is not None:
             cmd += ["-n", str(workers)]
-        run = run_bounded(cmd, timeout)
+        # Its own group: at the timeout the xdist workers die with it (they would hold the
+        # output pipe open, and the part would overrun its budget waiting for it).
+        run = run_bounded(cmd, timeout, new_group=True)
         return {"command": " ".join(cmd[1:]), **run, **junit_outcomes(report)}
 
 
@@ -219,7 +222,8 @@ def gpu_test_files() -> list[str]:
 def part_tests(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """The ``gpu``-marked tests; without CUDA they are all skipped."""
     files = gpu_test_files()
-    return {"files": files, **pytest_part(files, "gpu", deadline - time.monotonic())}
+    # A few seconds of the budget left to read the report and write the record.
+    return {"files": files, **pytest_part(files, "gpu", deadline - time.monotonic() - 3.0)}
 
 
 # ----------------------------------------------------------------------------- (b) steps
@@ -684,9 +688,11 @@ def arviz_probe() -> dict:
 def part_arviz(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """tests/diagnostics under the installed ArviZ (quick: its export tests only)."""
     probe = arviz_probe()
+    progress({"figures": {"probe": probe}})
     target = "tests/diagnostics/test_export.py" if quick else "tests/diagnostics"
     # Some 90 tests take about 40 s in one process; four share them on the GPU machine's cores.
-    tests = pytest_part([target], None, deadline - time.monotonic(), workers=0 if quick else 4)
+    left = deadline - time.monotonic() - 3.0  # to read the report and write the record
+    tests = pytest_part([target], None, left, workers=0 if quick else 4)
     return {"figures": {"probe": probe, "tests": tests}}
 
 
@@ -714,7 +720,7 @@ def _steps_headline(figures: dict) -> dict:
 
 #: One line per part for the summary: what to look at first.
 HEADLINES: dict[str, Callable[[dict], object]] = {
-    "tests": lambda r: r["counts"],
+    "tests": lambda r: {**r["counts"], "rc": r["rc"]},  # rc None: pytest was cut off
     "steps": lambda r: _steps_headline(r["figures"]),
     "forms": lambda r: {
         k: r["figures"]["summary"][k] for k in ("layers", "picked", "picked_is_fastest")
@@ -727,7 +733,7 @@ HEADLINES: dict[str, Callable[[dict], object]] = {
     },
     "match": lambda r: {m: v.get("ok") for m, v in r["figures"].items()},
     "arviz": lambda r: {
-        "tests": r["figures"]["tests"]["counts"],
+        "tests": {**r["figures"]["tests"]["counts"], "rc": r["figures"]["tests"]["rc"]},
         "probe_errors": [k for k, v in r["figures"]["probe"].items() if str(v).startswith("error")],
     },
 }
