@@ -839,7 +839,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("gpu-check: not run: no CUDA device here (use --device cpu --quick for a smoke run)")
         return {}
     default = RESULTS if args.device.startswith("cuda") else ROOT / "results" / "gpu-check-cpu"
-    output = Path(args.output) if args.output else default
+    # Absolute: the parts run with the repository as their working directory.
+    output = Path(args.output).resolve() if args.output else default
     if args.part:
         return run_part(
             args.part,
