@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -63,12 +64,12 @@ DEADLINE = 450.0
 
 #: Seconds each part may take at most (and never past the global deadline).
 BUDGETS: dict[str, float] = {
-    "tests": 90.0,
+    "tests": 60.0,
     "steps": 150.0,
     "forms": 40.0,
     "compare": 80.0,
     "match": 30.0,
-    "arviz": 60.0,
+    "arviz": 90.0,
 }
 
 #: Target of each step-time ratio on a GPU, ResNet-18 at B = 128, fp32 and bf16 (docs/gpu.md).
@@ -110,18 +111,31 @@ def environment() -> dict:
 
 
 def write_part(output: Path, name: str, record: dict) -> Path:
-    """``gpu-<name>.json`` in ``output``: the environment, then ``record``."""
+    """``gpu-<name>.json`` in ``output``: the environment, then ``record``. Written whole or not
+    at all (a part killed mid-write leaves its previous record, not half a file)."""
     output.mkdir(parents=True, exist_ok=True)
     path = output / f"gpu-{name}.json"
     body = {"machine": environment(), "part": name, **record}
-    path.write_text(json.dumps(body, indent=2, default=str))
+    draft = output / f".gpu-{name}.json.draft"
+    draft.write_text(json.dumps(body, indent=2, default=str))
+    os.replace(draft, path)
     return path
+
+
+#: A part's way to leave its figures so far: the runner writes them as a ``"partial"`` record,
+#: which it keeps (marked ``"timed out"``) if the part is killed before it finishes.
+Progress = Callable[[dict], None]
+
+
+def no_progress(record: dict) -> None:
+    """The :data:`Progress` of a part called directly (tests): nothing is saved."""
 
 
 def run_bounded(cmd: list[str], timeout: float, *, new_group: bool = False) -> dict:
     """Run ``cmd``; past ``timeout`` seconds kill it. ``new_group``: in a process group of its
-    own, killed as a whole (a part: the pytest or compare run it started dies with it). Returns
-    rc (None if killed), seconds, and the last 4000 characters of its output."""
+    own, killed as a whole (a part with the compare run it started; pytest with its xdist
+    workers). Returns rc (None if killed), seconds, and the last 4000 characters of its
+    output."""
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -139,7 +153,10 @@ def run_bounded(cmd: list[str], timeout: float, *, new_group: bool = False) -> d
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             proc.kill()
-        out, _ = proc.communicate()
+        try:
+            out, _ = proc.communicate(timeout=10.0)
+        except subprocess.TimeoutExpired:  # a grandchild still holds the pipe: stop reading
+            out = ""
         rc = None
     return {"rc": rc, "seconds": time.monotonic() - start, "output_tail": (out or "")[-4000:]}
 
@@ -164,15 +181,22 @@ def junit_outcomes(path: Path) -> dict:
     return {"counts": counts, "not_passed": problems}
 
 
-def pytest_part(targets: list[str], marker: str | None, timeout: float) -> dict:
-    """Run pytest on ``targets`` (with ``-m marker``) and return its outcomes."""
+def pytest_part(
+    targets: list[str], marker: str | None, timeout: float, *, workers: int = 0
+) -> dict:
+    """Run pytest on ``targets`` (with ``-m marker``; in ``workers`` pytest-xdist processes
+    where that plugin is installed and ``workers`` > 0) and return its outcomes."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *targets]
         cmd += [f"--junitxml={report}", "-o", "junit_family=xunit1"]
         if marker is not None:
             cmd += ["-m", marker]
-        run = run_bounded(cmd, timeout)
+        if workers > 0 and importlib.util.find_spec("xdist") is not None:
+            cmd += ["-n", str(workers)]
+        # Its own group: at the timeout the xdist workers die with it (they would hold the
+        # output pipe open, and the part would overrun its budget waiting for it).
+        run = run_bounded(cmd, timeout, new_group=True)
         return {"command": " ".join(cmd[1:]), **run, **junit_outcomes(report)}
 
 
@@ -195,16 +219,17 @@ def gpu_test_files() -> list[str]:
     )
 
 
-def part_tests(device: str, quick: bool, deadline: float) -> dict:
+def part_tests(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """The ``gpu``-marked tests; without CUDA they are all skipped."""
     files = gpu_test_files()
-    return {"files": files, **pytest_part(files, "gpu", deadline - time.monotonic())}
+    # A few seconds of the budget left to read the report and write the record.
+    return {"files": files, **pytest_part(files, "gpu", deadline - time.monotonic() - 3.0)}
 
 
 # ----------------------------------------------------------------------------- (b) steps
 
 
-def part_steps(device: str, quick: bool, deadline: float) -> dict:
+def part_steps(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """Each method with its reference (:data:`benchmarks.resnet.REFERENCE`), fp32 and under bf16
     autocast; a pair that fails (a method that does not run under autocast) is recorded with
     its error and the others go on."""
@@ -218,11 +243,14 @@ def part_steps(device: str, quick: bool, deadline: float) -> dict:
         resnet.NETS.setdefault(net, lambda s: resnet.wide_mlp(s, width=16))
     else:
         net, batch, rounds, shape = "resnet18", 128, 15, (3, 32, 32)
+    config = {"net": net, "batch": batch, "rounds": rounds, "shape": shape, "N": resnet.N}
     figures: dict = {}
+    longest = 0.0  # seconds of the longest pair so far: one that would overrun is not started
     for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         for name, ref in resnet.REFERENCE.items():
             key = f"{name}/{ref}"
-            if time.monotonic() > deadline:
+            began = time.monotonic()
+            if began + longest > deadline:
                 figures.setdefault(precision, {})[key] = {"status": "not run: part budget"}
                 continue
             try:
@@ -249,11 +277,10 @@ def part_steps(device: str, quick: bool, deadline: float) -> dict:
                 if device.startswith("cuda"):
                     torch.cuda.empty_cache()
             figures.setdefault(precision, {})[key] = result
+            longest = max(longest, time.monotonic() - began)
+            progress({"config": config, "figures": figures})
             print(f"steps {precision} {key}: {result.get('time_ratio', result['status'])}")
-    return {
-        "config": {"net": net, "batch": batch, "rounds": rounds, "shape": shape, "N": resnet.N},
-        "figures": figures,
-    }
+    return {"config": config, "figures": figures}
 
 
 # ----------------------------------------------------------------------------- (c) forms
@@ -313,7 +340,7 @@ def form_sums(module, form: str, a: torch.Tensor, delta: torch.Tensor):
 FORM_NUMBERS = 1 << 27
 
 
-def part_forms(device: str, quick: bool, deadline: float) -> dict:
+def part_forms(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """Per ``Linear``/convolution of ResNet-18 at B = 128 (quick: a tiny CNN): the form the
     cost model picks, the model's relative costs, and each form's measured seconds."""
     from torch import nn
@@ -335,6 +362,7 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
     x = torch.randn(batch, *shape, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     median_seconds = timer(device)
+    config = {"net": "tiny_cnn" if quick else "resnet18", "batch": batch, "shape": shape}
     layers: dict[str, dict] = {}
     for name, module, a, delta in layer_calls(net, x, y):
         dims = layer_shape(module, a, delta)
@@ -363,6 +391,7 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
             entry["fastest"] = fastest
             entry["picked_over_fastest"] = timed.get(entry["picked"], float("nan")) / timed[fastest]
         layers[name] = entry
+        progress({"config": config, "figures": {"layers": layers}})
     # The totals only over layers whose every form was timed before the budget ran out.
     done = [e for e in layers.values() if None not in e["seconds"].values()]
     summary = {
@@ -373,16 +402,15 @@ def part_forms(device: str, quick: bool, deadline: float) -> dict:
         "total_seconds_picked": sum(e["seconds"][e["picked"]] for e in done),
         "total_seconds_fastest": sum(e["seconds"][e["fastest"]] for e in done),
     }
-    return {
-        "config": {"net": "tiny_cnn" if quick else "resnet18", "batch": batch, "shape": shape},
-        "figures": {"summary": summary, "layers": layers},
-    }
+    return {"config": config, "figures": {"summary": summary, "layers": layers}}
 
 
 # ----------------------------------------------------------------------------- (d) compare
 
 
-def part_compare(device: str, quick: bool, deadline: float) -> dict:
+def part_compare(
+    device: str, quick: bool, deadline: float, progress: Progress = no_progress
+) -> dict:
     """One small ``pyro-bdl compare`` on this device (through ``python -m pyro_bdl``); its
     results.json is read back even when the run is cut short (each method's figures are saved
     as it finishes)."""
@@ -597,8 +625,9 @@ def match_method(method: str, device: str) -> dict:
     return compare_states(other, host)
 
 
-def part_match(device: str, quick: bool, deadline: float) -> dict:
+def part_match(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """Every method of :data:`MATCH_RUNS` on this device against the CPU."""
+    config = {"rtol": MATCH_RTOL, "atol": MATCH_ATOL, "steps": STEPS, "dtype": "float64"}
     figures: dict = {}
     for method in MATCH_RUNS:
         if time.monotonic() > deadline:
@@ -608,8 +637,8 @@ def part_match(device: str, quick: bool, deadline: float) -> dict:
             figures[method] = match_method(method, device)
         except Exception as err:
             figures[method] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+        progress({"config": config, "figures": figures})
         print(f"match {method}: {figures[method]}")
-    config = {"rtol": MATCH_RTOL, "atol": MATCH_ATOL, "steps": STEPS, "dtype": "float64"}
     return {"config": config, "figures": figures}
 
 
@@ -659,17 +688,20 @@ def arviz_probe() -> dict:
     return probe
 
 
-def part_arviz(device: str, quick: bool, deadline: float) -> dict:
+def part_arviz(device: str, quick: bool, deadline: float, progress: Progress = no_progress) -> dict:
     """tests/diagnostics under the installed ArviZ (quick: its export tests only)."""
     probe = arviz_probe()
+    progress({"figures": {"probe": probe}})
     target = "tests/diagnostics/test_export.py" if quick else "tests/diagnostics"
-    tests = pytest_part([target], None, deadline - time.monotonic())
+    # Some 90 tests take about 40 s in one process; four share them on the GPU machine's cores.
+    left = deadline - time.monotonic() - 3.0  # to read the report and write the record
+    tests = pytest_part([target], None, left, workers=0 if quick else 4)
     return {"figures": {"probe": probe, "tests": tests}}
 
 
 # ----------------------------------------------------------------------------- the runner
 
-PARTS: dict[str, Callable[[str, bool, float], dict]] = {
+PARTS: dict[str, Callable[..., dict]] = {
     "tests": part_tests,
     "steps": part_steps,
     "forms": part_forms,
@@ -691,7 +723,7 @@ def _steps_headline(figures: dict) -> dict:
 
 #: One line per part for the summary: what to look at first.
 HEADLINES: dict[str, Callable[[dict], object]] = {
-    "tests": lambda r: r["counts"],
+    "tests": lambda r: {**r["counts"], "rc": r["rc"]},  # rc None: pytest was cut off
     "steps": lambda r: _steps_headline(r["figures"]),
     "forms": lambda r: {
         k: r["figures"]["summary"][k] for k in ("layers", "picked", "picked_is_fastest")
@@ -704,7 +736,7 @@ HEADLINES: dict[str, Callable[[dict], object]] = {
     },
     "match": lambda r: {m: v.get("ok") for m, v in r["figures"].items()},
     "arviz": lambda r: {
-        "tests": r["figures"]["tests"]["counts"],
+        "tests": {**r["figures"]["tests"]["counts"], "rc": r["figures"]["tests"]["rc"]},
         "probe_errors": [k for k, v in r["figures"]["probe"].items() if str(v).startswith("error")],
     },
 }
@@ -714,13 +746,43 @@ def run_part(name: str, device: str, quick: bool, budget: float, output: Path) -
     """One part in this process; its record (status, seconds, figures) is written whatever
     happens."""
     start = time.monotonic()
+
+    def progress(partial: dict) -> None:
+        write_part(
+            output, name, {"status": "partial", "seconds": time.monotonic() - start, **partial}
+        )
+
     try:
-        record = {"status": "ok", **PARTS[name](device, quick, start + budget)}
+        record = {"status": "ok", **PARTS[name](device, quick, start + budget, progress)}
     except Exception as err:
         record = {"status": "error", "error": traceback.format_exc()[-4000:]}
         print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
     record["seconds"] = time.monotonic() - start
     record["device"], record["quick"], record["budget_seconds"] = device, quick, budget
+    write_part(output, name, record)
+    return record
+
+
+def read_record(path: Path) -> dict:
+    """A part's record, or ``{}`` where it is missing or cut off mid-write (a killed part)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def settle(output: Path, name: str, run: dict) -> dict:
+    """The record of part ``name`` after its process ended (``run`` from :func:`run_bounded`):
+    its own, or, where it was killed or crashed, one saying so (written) that keeps the figures
+    of its last ``"partial"`` record."""
+    (output / f".gpu-{name}.json.draft").unlink(missing_ok=True)  # one cut off mid-write
+    record = read_record(output / f"gpu-{name}.json")
+    if run["rc"] is not None and record.get("status") not in (None, "partial"):
+        return record
+    status = "timed out" if run["rc"] is None else f"crashed (rc {run['rc']})"
+    record.pop("machine", None)
+    record = {**record, "status": status, **run}
     write_part(output, name, record)
     return record
 
@@ -744,20 +806,21 @@ def run_all(
         cmd += ["--output", str(output), "--budget", f"{budget:.1f}"]
         if quick:
             cmd.append("--quick")
+        # A record from an earlier run must not pass for this one.
+        (output / f"gpu-{name}.json").unlink(missing_ok=True)
         # The part stops starting new work at its budget; a few seconds more to write its JSON.
         run = run_bounded(cmd, budget + 10.0, new_group=True)
-        path = output / f"gpu-{name}.json"
-        status = json.loads(path.read_text())["status"] if path.exists() else None
-        if run["rc"] is None or status is None:
-            status = "timed out" if run["rc"] is None else f"crashed (rc {run['rc']})"
-            write_part(output, name, {"status": status, "seconds": run["seconds"], **run})
+        record = settle(output, name, run)
+        status = record["status"]
         summary[name] = {"status": status, "seconds": run["seconds"], "budget_seconds": budget}
         if status == "ok":
             try:
-                summary[name]["headline"] = HEADLINES[name](json.loads(path.read_text()))
+                summary[name]["headline"] = HEADLINES[name](record)
             except (KeyError, TypeError, AttributeError) as err:  # a record of another shape
                 summary[name]["headline"] = f"unreadable: {type(err).__name__}: {err}"
         print(f"== {name}: {status} in {run['seconds']:.0f} s", flush=True)
+        if status != "ok":  # the log shows why without the JSON
+            print(run["output_tail"][-1500:], flush=True)
     write_part(output, "summary", {"figures": summary, "seconds": time.monotonic() - start})
     return summary
 
@@ -779,10 +842,15 @@ def main(argv: list[str] | None = None) -> dict:
         print("gpu-check: not run: no CUDA device here (use --device cpu --quick for a smoke run)")
         return {}
     default = RESULTS if args.device.startswith("cuda") else ROOT / "results" / "gpu-check-cpu"
-    output = Path(args.output) if args.output else default
+    # Absolute: the parts run with the repository as their working directory.
+    output = Path(args.output).resolve() if args.output else default
     if args.part:
         return run_part(
-            args.part, args.device, args.quick, args.budget or BUDGETS[args.part], output
+            args.part,
+            args.device,
+            args.quick,
+            BUDGETS[args.part] if args.budget is None else args.budget,
+            output,
         )
     summary = run_all(parts, args.device, args.quick, output)
     print(json.dumps({k: v["status"] for k, v in summary.items()}, indent=1))

@@ -195,7 +195,9 @@ def test_the_runner_skips_parts_past_the_global_deadline(tmp_path):
 
 
 def test_a_part_that_raises_is_recorded(tmp_path, monkeypatch):
-    def broken(device, quick, deadline):
+    def broken(device, quick, deadline, progress):
+        progress({"figures": {"half": 1}})
+        assert json.loads((tmp_path / "gpu-match.json").read_text())["status"] == "partial"
         raise RuntimeError("no such kernel")
 
     monkeypatch.setitem(gpu_check.PARTS, "match", broken)
@@ -244,3 +246,28 @@ def test_the_tests_compare_and_arviz_parts_run_in_quick_mode():
     arviz = gpu_check.part_arviz("cpu", True, deadline)
     assert arviz["figures"]["probe"]["arviz_version"]
     assert arviz["figures"]["tests"]["counts"]["failed"] == 0
+
+
+def test_a_killed_part_keeps_its_partial_figures(tmp_path):
+    gpu_check.write_part(tmp_path, "steps", {"status": "partial", "figures": {"fp32": {"a": 1}}})
+    (tmp_path / ".gpu-steps.json.draft").write_text('{"cut')  # killed mid-write
+    run = {"rc": None, "seconds": 160.0, "output_tail": "steps fp32 a: 1"}
+    record = gpu_check.settle(tmp_path, "steps", run)
+    assert record["status"] == "timed out" and record["figures"] == {"fp32": {"a": 1}}
+    assert gpu_check.read_record(tmp_path / "gpu-steps.json")["status"] == "timed out"
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu-steps.json"]
+    crashed = gpu_check.settle(tmp_path, "forms", {**run, "rc": -11})
+    assert crashed["status"] == "crashed (rc -11)" and "figures" not in crashed
+    # A part that finished keeps its own record.
+    gpu_check.write_part(tmp_path, "match", {"status": "ok", "figures": {}})
+    assert gpu_check.settle(tmp_path, "match", {**run, "rc": 0})["status"] == "ok"
+
+
+def test_the_runner_replaces_a_record_of_an_earlier_run(tmp_path, monkeypatch):
+    # Out of budget at once: the part records nothing of its own, and an old file must not count.
+    gpu_check.write_part(tmp_path, "match", {"status": "ok", "figures": {"old": True}})
+    monkeypatch.setitem(gpu_check.BUDGETS, "match", 0.0)
+    summary = gpu_check.run_all(["match"], "cpu", True, tmp_path)
+    record = gpu_check.read_record(tmp_path / "gpu-match.json")
+    assert summary["match"]["status"] == record["status"] == "ok"
+    assert record["budget_seconds"] == 0.0 and "old" not in record["figures"]
