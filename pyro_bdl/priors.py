@@ -67,7 +67,9 @@ class Prior(abc.ABC):
             return d.sample().detach()
 
     def _tensor(self, value: float, like: torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+        # A fill on the device: as_tensor of a Python number would be a blocking host→device
+        # copy on CUDA, once per weight site per forward pass.
+        return torch.full((), value, dtype=like.dtype, device=like.device)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -89,7 +91,40 @@ class Normal(Prior):
         self.loc, self.scale = float(loc), float(scale)
 
     def element(self, module, name, param):
-        return dist.Normal(self._tensor(self.loc, param), self._tensor(self.scale, param))
+        return _BroadcastNormal(self._tensor(self.loc, param), self._tensor(self.scale, param))
+
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+class _BroadcastNormal(dist.Normal):
+    """A Normal whose ``loc`` and ``scale`` are one number each, broadcast over the batch shape.
+
+    Its log-density reads those two numbers: torch's ``Normal.log_prob`` squares and takes the
+    logarithm of the *expanded* scale, two passes over every weight that allocate a copy of it,
+    and four more for the quadratic form; here it is two passes (the standardised value, then
+    one fused ``addcmul``). Everything else (sampling, KL registrations, ``mean``) is Normal's.
+    """
+
+    def __init__(self, loc: torch.Tensor, scale: torch.Tensor, validate_args=None):
+        super().__init__(loc, scale, validate_args=validate_args)
+        self._scalars = (loc, scale) if loc.dim() == 0 and scale.dim() == 0 else None
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(_BroadcastNormal, _instance)
+        new = super().expand(batch_shape, _instance=new)
+        new._scalars = self._scalars
+        return new
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        shape = self.batch_shape
+        if self._scalars is None or value.shape[value.dim() - len(shape) :] != shape:
+            return super().log_prob(value)
+        if self._validate_args:
+            self._validate_sample(value)
+        loc, scale = self._scalars
+        z = (value - loc) / scale
+        return torch.addcmul(-(scale.log() + _HALF_LOG_2PI), z, z, value=-0.5)
 
 
 def fan_in_out(module: nn.Module, param: torch.Tensor) -> tuple[int, int]:
@@ -139,7 +174,7 @@ class LayerwiseNormal(Prior):
 
     def element(self, module, name, param):
         scale = self.scale_for(module, param)
-        return dist.Normal(self._tensor(0.0, param), self._tensor(scale, param))
+        return _BroadcastNormal(self._tensor(0.0, param), self._tensor(scale, param))
 
 
 class Laplace(Prior):
