@@ -156,7 +156,7 @@ class IVON(NaturalGradientVI):
 
     # -- ĝ by one backward pass, ĥ = ĝ ε/σ -------------------------------------------------------
 
-    def _allocate(self, ready: Prepared) -> None:
+    def _allocate(self) -> None:
         assert self.state is not None and self.layout is not None
         mean = self.state.mean
         g, h = torch.empty_like(mean), torch.empty_like(mean)
@@ -234,10 +234,10 @@ class IVON(NaturalGradientVI):
             hidden_weight_decay=prior.mean_precision / ess,
         )
 
-    def _update(self) -> NaturalGradientState:
+    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
         assert self.state is not None
         g_hat, (h_hat,) = self._split()
-        return ivon_update(self.state, g_hat, h_hat, self._hyperparameters())
+        return ivon_update(self.state, g_hat, h_hat, self._hyperparameters(), out)
 
     def _write_scale(
         self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
@@ -276,13 +276,15 @@ def ivon_update(
     g_hat: Sequence[torch.Tensor],
     h_hat: torch.Tensor,
     hyper: IVONHyperparameters,
+    out: NaturalGradientState | None = None,
 ) -> NaturalGradientState:
     r"""One IVON update: returns the state after the step.
 
     ``g_hat`` holds ĝ of the mean first, then of each hidden parameter; ``h_hat`` is ĥ of the
-    mean. As in :func:`~pyro_bdl.infer.natural_gradient.vogn.vogn_update`, the state's tensors
-    are updated **in place** and the returned state holds them with ``step + 1``; nothing else is
-    read or written.
+    mean. As in :func:`~pyro_bdl.infer.natural_gradient.vogn.vogn_update`, the new mean,
+    momentum and curvature go into the tensors of ``out`` (by default the state's own, **in
+    place**), the hidden parameters and their moments are updated in place, and the returned
+    state holds them with ``step + 1``; nothing else is read or written.
     """
     params = [state.mean, *state.hidden]
     if len(g_hat) != len(params) or h_hat.shape != state.curvature.shape:
@@ -295,29 +297,33 @@ def ivon_update(
     t = state.step + 1
     debias, c = 1.0 / (1.0 - beta1**t), 1.0 - beta2
     delta, mu0 = hyper.weight_decay, hyper.prior_mean
+    into = state if out is None else out
     # Block by block, so that the dozen element-wise operations of a block run in cache and
     # their temporaries are small (a D-sized temporary costs more in page faults than the
     # arithmetic); each block is one slice of every vector.
     for block in blocks(state.mean.numel()):
         m, g, h = state.mean[block], state.momentum[block], state.curvature[block]
+        m1, g1, h1 = into.mean[block], into.momentum[block], into.curvature[block]
         gh, hh = g_hat[0][block], h_hat[block]
         d = delta[block] if isinstance(delta, torch.Tensor) else delta
-        g.lerp_(gh, 1.0 - beta1)  # β₁g + (1−β₁)ĝ
+        torch.lerp(g, gh, 1.0 - beta1, out=g1)  # β₁g + (1−β₁)ĝ
         # β₂h + (1−β₂)ĥ + ½(1−β₂)²(h−ĥ)²/(h+δ) = h + r(c + ½c² r/(h+δ)), r = ĥ − h, c = 1 − β₂.
         a = torch.add(h, d)
         r = torch.sub(hh, h)
         factor = torch.div(r, a).mul_(0.5 * c * c).add_(c)
-        h.addcmul_(r, factor)
-        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new h.
+        torch.addcmul(h, r, factor, out=h1)
+        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new g and h.
         offset = m if mu0 is None else torch.sub(m, mu0[block], out=r)
-        numerator = torch.mul(offset, d, out=factor).add_(g, alpha=debias)
-        m.addcdiv_(numerator, torch.add(h, d, out=a), value=-hyper.lr)
+        numerator = torch.mul(offset, d, out=factor).add_(g1, alpha=debias)
+        torch.addcdiv(m, numerator, torch.add(h1, d, out=a), value=-hyper.lr, out=m1)
     if state.hidden:
         torch._foreach_lerp_(state.hidden_momentum, list(g_hat[1:]), 1.0 - beta1)
         denominator = torch._foreach_add(state.hidden_curvature, hyper.hidden_weight_decay)
         step_size = -hyper.lr * debias
         torch._foreach_addcdiv_(state.hidden, state.hidden_momentum, denominator, value=step_size)
-    return dataclasses.replace(state, step=t)
+    return dataclasses.replace(
+        state, mean=into.mean, momentum=into.momentum, curvature=into.curvature, step=t
+    )
 
 
 #: Elements per block of :func:`ivon_update`: 512 KiB of float32 per vector, so that a block's
