@@ -600,8 +600,16 @@ class NaturalGradientVI:
         self._scale_temperature = tau
         scale = self.guide.scale
         curvature = (state or self.state).curvature  # type: ignore[union-attr]
-        self._write_scale(curvature, tau, scale, self._noise)  # ε: spent once w is drawn
-        self._var_sums = self.prior.variance_sums(scale, self._noise)
+        self._var_sums = self._scale_and_sums(curvature, tau, scale, self._noise)
+
+    def _scale_and_sums(
+        self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, work: torch.Tensor
+    ) -> tuple[float, float]:
+        """σ from ``curvature`` into ``scale`` and the KL's (Σ δσ², Σ log σ²) (``work``: a
+        D-long buffer to spend, here on log σ). A method may fuse the three passes."""
+        assert self.prior is not None
+        self._write_scale(curvature, tau, scale, work)
+        return self.prior.variance_sums(scale, work)
 
     # -- the passes ------------------------------------------------------------------------------
 
@@ -771,8 +779,10 @@ class NaturalGradientVI:
         committed: a NaN written into the curvature would refuse every later step."""
         tensors = self._state_tensors(candidate)
         # One number per tensor and one synchronisation: a sum is finite only if every element
-        # is (a sum that overflows refuses too, on the safe side).
-        sums = torch.stack([t.detach().sum().to(torch.float64) for t in tensors])
+        # is (a sum that overflows refuses too, on the safe side). The curvature of the weights
+        # needs none: σ, and so Σσ² and Σ log σ², is finite only where it is.
+        checked = tensors[:2] + tensors[3:]
+        sums = torch.stack([t.detach().sum().to(torch.float64) for t in checked])
         if bool(torch.isfinite(sums).all()) and all(map(math.isfinite, self._var_sums)):
             return
         bad = [n for n, t in zip(self._state_names(), tensors) if not bool(torch.isfinite(t).all())]
