@@ -325,6 +325,7 @@ def ivon_update(
     debias, c = 1.0 / (1.0 - beta1**t), 1.0 - beta2
     delta, mu0 = hyper.weight_decay, hyper.prior_mean
     into = state if out is None else out
+    c_tensor = torch.tensor(c, dtype=state.curvature.dtype, device=state.curvature.device)
     # Block by block, so that the dozen element-wise operations of a block run in cache and
     # their temporaries are small (a D-sized temporary costs more in page faults than the
     # arithmetic); each block is one slice of every vector.
@@ -337,7 +338,7 @@ def ivon_update(
         # β₂h + (1−β₂)ĥ + ½(1−β₂)²(h−ĥ)²/(h+δ) = h + r(c + ½c² r/(h+δ)), r = ĥ − h, c = 1 − β₂.
         a = torch.add(h, d)
         r = torch.sub(hh, h)
-        factor = torch.div(r, a).mul_(0.5 * c * c).add_(c)
+        factor = torch.addcdiv(c_tensor, r, a, value=0.5 * c * c)  # one pass, not three
         torch.addcmul(h, r, factor, out=h1)
         # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new g and h.
         offset = m if mu0 is None else torch.sub(m, mu0[block], out=r)
