@@ -66,6 +66,7 @@ __all__ = [
     "GaussianPrior",
     "NaturalGradientOptimizer",
     "NaturalGradientVI",
+    "all_finite",
     "as_float",
     "check_hyperparameters",
     "check_inputs",
@@ -251,6 +252,14 @@ def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
                 f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
                 "nothing was updated. Lower the learning rate, check the data, or check the prior."
             )
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite, by one number and one synchronisation:
+    the sum of their sums, finite only if every element is (a sum that overflows counts as not
+    finite, on the safe side of a refusal)."""
+    total = sum(t.detach().sum() for t in tensors)
+    return math.isfinite(float(total))
 
 
 # -- the driver --------------------------------------------------------------------------------
@@ -643,8 +652,7 @@ class NaturalGradientVI:
     def _check_finite(self, step: int, reduced: bool = False) -> None:
         """Refuse non-finite estimates, naming the first tensor (``reduced``: the ranks' mean,
         which is non-finite if any rank's is, or if the sum overflows)."""
-        # One reduction per tensor: a sum is finite only if every element is.
-        if bool(torch.isfinite(torch.stack([t.sum() for t in self.estimates])).all()):
+        if all_finite(self.estimates):
             return
         names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
         g_hats, h_hats = self._split()
@@ -778,12 +786,9 @@ class NaturalGradientVI:
         > 0 (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
         committed: a NaN written into the curvature would refuse every later step."""
         tensors = self._state_tensors(candidate)
-        # One number per tensor and one synchronisation: a sum is finite only if every element
-        # is (a sum that overflows refuses too, on the safe side). The curvature of the weights
-        # needs none: σ, and so Σσ² and Σ log σ², is finite only where it is.
-        checked = tensors[:2] + tensors[3:]
-        sums = torch.stack([t.detach().sum().to(torch.float64) for t in checked])
-        if bool(torch.isfinite(sums).all()) and all(map(math.isfinite, self._var_sums)):
+        # The curvature of the weights needs no sum: σ, and so Σσ² and Σ log σ², is finite only
+        # where it is.
+        if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, self._var_sums)):
             return
         bad = [n for n, t in zip(self._state_names(), tensors) if not bool(torch.isfinite(t).all())]
         what = bad[0] if bad else "the posterior scale σ (zero or inf, from the curvature)"
