@@ -212,12 +212,11 @@ class IVON(NaturalGradientVI):
                         out.add_(grad)
                 if k > 0:
                     g.add_(draw)
-                # ĥ of this draw: ĝ ε/σ, block by block (in cache: one pass over memory).
-                for block in blocks(h.numel()):
-                    if k == 0:
-                        torch.mul(draw[block], noise[block], out=h[block]).div_(scale[block])
-                    else:
-                        h[block].addcdiv_(draw[block].mul_(noise[block]), scale[block])
+                # ĥ of this draw: ĝ ε/σ.
+                if k == 0:
+                    torch.mul(draw, noise, out=h).div_(scale)
+                else:
+                    h.addcdiv_(draw.mul_(noise), scale)
             nlls.append(nll)
         if self.num_particles > 1:
             torch._foreach_div_(self.estimates, float(self.num_particles))
