@@ -543,33 +543,36 @@ class NaturalGradientVI:
         state = self.state
         if state is None or self.layout is None or self.prior is None:
             return self
+        # The converted state first (no side effect), then the layers, then the assignments.
+        mean, momentum, curvature = map(convert, (state.mean, state.momentum, state.curvature))
+        hidden_momentum = [convert(t) for t in state.hidden_momentum]
+        hidden_curvature = [convert(t) for t in state.hidden_curvature]
+        prior, scale = self.prior, convert(self.guide.scale)
+        precision = prior.precision
+        prior = GaussianPrior(
+            convert(precision) if isinstance(precision, torch.Tensor) else precision,
+            None if prior.mean is None else convert(prior.mean),
+        )
         self._move_layers(convert)
         self._hidden = [
             Hidden(h.name, h.module._parameters[h.param_name], h.module, h.param_name)  # type: ignore[arg-type]
             for h in self._hidden
         ]
-        unreduced = bool(self._unreduced)
+        self.prior = prior
         self.state = NaturalGradientState(
-            mean=convert(state.mean),
-            momentum=convert(state.momentum),
-            curvature=convert(state.curvature),
+            mean=mean,
+            momentum=momentum,
+            curvature=curvature,
             hidden=[h.param for h in self._hidden],
-            hidden_momentum=[convert(t) for t in state.hidden_momentum],
-            hidden_curvature=[convert(t) for t in state.hidden_curvature],
+            hidden_momentum=hidden_momentum,
+            hidden_curvature=hidden_curvature,
             step=state.step,
         )
-        if unreduced:
-            self._unreduced = [self.state.curvature, *self.state.hidden_curvature]
-        prior = self.prior
-        self.prior = GaussianPrior(
-            convert(prior.precision)
-            if isinstance(prior.precision, torch.Tensor)
-            else prior.precision,
-            None if prior.mean is None else convert(prior.mean),
-        )
+        if self._unreduced:
+            self._unreduced = [curvature, *hidden_curvature]
         # σ converted, not recomputed: the same values, and no read of them (a meta tensor has
         # none); the KL's sums stay as they were.
-        self._attach(convert(self.guide.scale))
+        self._attach(scale)
         return self
 
     def _move_layers(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
