@@ -57,7 +57,11 @@ class NaturalGradientGuide(SiteAccess, AutoGuide):
                 site.name,
                 type="sample",
                 name=site.name,
-                fn=dist.Normal(value, torch.ones_like(value)).to_event(len(site.shape)),
+                # Unvalidated: its parameters are valid by construction, and a check would
+                # read their values (none on the meta device).
+                fn=dist.Normal(value, torch.ones_like(value), validate_args=False).to_event(
+                    len(site.shape)
+                ),
                 value=value,
                 is_observed=False,
                 args=(),

@@ -376,3 +376,31 @@ def test_training_under_bf16_autocast_keeps_float32_state_and_follows_float32(cl
     # The loss N/B Σℓᵢ + KL: each ℓᵢ within ≈ 6u relative, the KL exact (float32 state).
     for lo, hi in zip(losses16, losses32):
         assert abs(lo - hi) <= 6 * u * abs(hi) * 2
+
+
+@pytest.mark.parametrize("case", ["fast", "overflowing-product", "zero-scale"])
+def test_the_fused_scale_and_kl_sums_equal_the_plain_passes(case):
+    from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI
+    from pyro_bdl.infer.natural_gradient.ivon import BLOCK
+
+    model, x, y = small_classifier()
+    model.net.float()
+    ivon = IVON(model, dataset_size=len(x), lr=0.1)
+    ivon.step(x.float(), y)
+    # Several blocks and a tail that is not a multiple of 16.
+    n = 2 * BLOCK + 37
+    h = torch.rand(n, generator=torch.Generator().manual_seed(0)) * 10
+    if case == "overflowing-product":
+        h[3:20] = 1e30  # λ(h + δ) > 2⁶⁴: a product of 16 overflows float64
+    if case == "zero-scale":
+        h[7] = float("inf")  # σ = 0: Σ log σ² is -inf and the step must be refused
+    fused_scale, plain_scale = torch.empty(n), torch.empty(n)
+    fused = ivon._scale_and_sums(h, 1.0, fused_scale, torch.empty(n))
+    plain = NaturalGradientVI._scale_and_sums(ivon, h, 1.0, plain_scale, torch.empty(n))
+    assert torch.equal(fused_scale, plain_scale)  # σ itself: the same operations
+    if case == "zero-scale":
+        assert fused[1] == plain[1] == -math.inf
+        return
+    # The plain passes sum 2.6e5 float32 terms in float32: pairwise summation errs by about
+    # log2(n)·2⁻²⁴ ≈ 1e-6 relative; the fused sums are taken in float64. 1e-5 is 10 times that.
+    assert fused == pytest.approx(plain, rel=1e-5)

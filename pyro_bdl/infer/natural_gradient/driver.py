@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import pyro
 import torch
 import torch.distributed as dist
 
@@ -65,6 +66,7 @@ __all__ = [
     "GaussianPrior",
     "NaturalGradientOptimizer",
     "NaturalGradientVI",
+    "all_finite",
     "as_float",
     "check_hyperparameters",
     "check_inputs",
@@ -252,6 +254,14 @@ def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
             )
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite, by one number and one synchronisation:
+    the sum of their sums, finite only if every element is (a sum that overflows counts as not
+    finite, on the safe side of a refusal)."""
+    total = sum(t.detach().sum() for t in tensors)
+    return math.isfinite(float(total))
+
+
 # -- the driver --------------------------------------------------------------------------------
 
 
@@ -345,8 +355,9 @@ class NaturalGradientVI:
 
     # -- what a method provides ------------------------------------------------------------------
 
-    def _allocate(self, ready: Prepared) -> None:
-        """Allocate :attr:`estimates` and the method's other buffers, once per model."""
+    def _allocate(self) -> None:
+        """Allocate :attr:`estimates` and the method's other buffers, like :attr:`state`, once per
+        model (and again when :meth:`to` moves the state)."""
         raise NotImplementedError
 
     def _initialise(self, ready: Prepared) -> None:
@@ -362,8 +373,10 @@ class NaturalGradientVI:
         """(ĝs, ĥs) in :attr:`estimates`: of μ first, then of each hidden parameter."""
         raise NotImplementedError
 
-    def _update(self) -> NaturalGradientState:
-        """The method's update of :attr:`state` from :attr:`estimates`."""
+    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
+        """The method's update of :attr:`state` from :attr:`estimates`: the new mean, momentum
+        and curvature into the tensors of ``out`` (the state's own stay as they were), the
+        hidden parameters and their moments in place; returns the new state."""
         raise NotImplementedError
 
     def _write_scale(
@@ -462,19 +475,127 @@ class NaturalGradientVI:
         layout, hidden = ready.layout, ready.hidden
         self.layout, self._hidden, self.prior = layout, hidden, prior
         self.state = initial_state(layout, hidden)
+        #: The layers the first pass called (those a method hooks) and the buffers a pass may
+        #: change (BatchNorm's running statistics, saved before each step).
+        self._layers = list(ready.tape.calls)
+        self._buffer_entries = ready.statistics.written()
+        self._specs = [site.spec for site in layout if site.spec is not None]
+        self._attach(torch.zeros_like(self.state.mean))
+
+    def _attach(self, scale: torch.Tensor) -> None:
+        """Hand the state's mean and ``scale`` to the guide, and allocate every buffer like the
+        state (at set-up, and again after :meth:`to`)."""
+        assert self.state is not None and self.layout is not None
         mean = self.state.mean
-        self.guide.attach(layout, mean, torch.zeros_like(mean))
+        self.guide.attach(self.layout, mean, scale)
+        #: Where an update writes the new mean, momentum and curvature, kept only if all are
+        #: finite (then the storages are swapped with the state's).
+        self._spare = NaturalGradientState(
+            torch.empty_like(mean), torch.empty_like(mean), torch.empty_like(mean)
+        )
         #: ε of the last draw; free once w is drawn (σ's refresh computes log σ into it).
         self._noise = torch.empty_like(mean)
         self._w = torch.empty_like(mean)
-        self._specs = [site.spec for site in layout if site.spec is not None]
-        self._weight_views = layout.split(self._w)
+        self._weight_views = self.layout.split(self._w)
         # What each pass writes onto the layers: the weight sample's views, and the hidden
         # parameters themselves (what PyroModule's pyro.param statement would return).
         self._values = self._written(self._weight_views)
-        # The buffers a pass may change (BatchNorm's running statistics), saved before each step.
-        self._rollback = Rollback(ready.statistics.written())
-        self._allocate(ready)
+        self._rollback = Rollback(self._buffer_entries)
+        self._allocate()
+
+    @torch.no_grad()
+    def to(self, *args, **kwargs) -> NaturalGradientVI:
+        """Move the state (μ, the moments, σ, the buffers of every pass) and the network's layers
+        that this method trains (the lifted and hidden layers and the layers with running
+        statistics) to a device or dtype, with the arguments of ``torch.Tensor.to``; returns
+        ``self``, like ``nn.Module.to``. Move the rest of the model yourself.
+
+        Before the first step there is no state: the method reads it at the first step from the
+        network, wherever the network then is (move the network with ``net.to(...)``).
+
+        :raises ValueError: a dtype other than float32 or float64 (the state accumulates
+            curvature and momentum: never in bf16 or fp16; train under ``torch.autocast``
+            instead), or a ``memory_format``. Nothing is moved then.
+        """
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"{self.name}.to: dtype must be torch.float32 or torch.float64 (the state's "
+                f"momentum and curvature accumulate over steps); got {dtype}. Nothing was moved. "
+                "For bf16 or fp16 compute, train under torch.autocast and keep the state in "
+                "float32."
+            )
+        if memory_format is not None:
+            raise ValueError(
+                f"{self.name}.to: memory_format does not apply to the flat state; got "
+                f"{memory_format}. Nothing was moved; pass a device and/or a dtype."
+            )
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            cast = dtype if t.is_floating_point() else None
+            return t.to(device=device, dtype=cast, non_blocking=non_blocking)
+
+        self.optimizer.param_groups[0]["params"] = [
+            convert(p) for p in self.optimizer.param_groups[0]["params"]
+        ]
+        if self._pending is not None:
+            self._pending = _map_tensors(self._pending, convert)
+        state = self.state
+        if state is None or self.layout is None or self.prior is None:
+            return self
+        # The converted state first (no side effect), then the layers, then the assignments.
+        mean, momentum, curvature = map(convert, (state.mean, state.momentum, state.curvature))
+        hidden_momentum = [convert(t) for t in state.hidden_momentum]
+        hidden_curvature = [convert(t) for t in state.hidden_curvature]
+        prior, scale = self.prior, convert(self.guide.scale)
+        precision = prior.precision
+        prior = GaussianPrior(
+            convert(precision) if isinstance(precision, torch.Tensor) else precision,
+            None if prior.mean is None else convert(prior.mean),
+        )
+        self._move_layers(convert)
+        self._hidden = [
+            Hidden(h.name, h.module._parameters[h.param_name], h.module, h.param_name)  # type: ignore[arg-type]
+            for h in self._hidden
+        ]
+        self.prior = prior
+        self.state = NaturalGradientState(
+            mean=mean,
+            momentum=momentum,
+            curvature=curvature,
+            hidden=[h.param for h in self._hidden],
+            hidden_momentum=hidden_momentum,
+            hidden_curvature=hidden_curvature,
+            step=state.step,
+        )
+        if self._unreduced:
+            self._unreduced = [curvature, *hidden_curvature]
+        # σ converted, not recomputed: the same values, and no read of them (a meta tensor has
+        # none); the KL's sums stay as they were.
+        self._attach(scale)
+        return self
+
+    def _move_layers(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Move the parameters and buffers of the layers this method writes or reads, and point
+        the param store at a parameter that the move replaced by a new tensor (as the guides'
+        ``.to`` does)."""
+        layers: dict[int, torch.nn.Module] = {}
+        for spec in self._specs:
+            for layer in (spec.module, *(sub for sub, _ in spec.alias_layers)):
+                layers.setdefault(id(layer), layer)
+        for layer in [h.module for h in self._hidden] + [m for m, _ in self._buffer_entries]:
+            layers.setdefault(id(layer), layer)
+        store = pyro.get_param_store()
+        for h in self._hidden:
+            before = h.module._parameters[h.param_name]
+            h.module._apply(convert, recurse=False)
+            layers.pop(id(h.module), None)
+            after = h.module._parameters[h.param_name]
+            if after is not before and h.name in store and store[h.name] is before:
+                del store[h.name]
+                store[h.name] = after
+        for layer in layers.values():
+            layer._apply(convert, recurse=False)
 
     def _uninstall(self, pending: dict | None) -> None:
         """Back to a method that has not seen the model (a refused first step)."""
@@ -484,15 +605,23 @@ class NaturalGradientVI:
         self.guide.detach()
 
     @torch.no_grad()
-    def _refresh_scale(self, tau: float) -> None:
-        """σ into the guide, and the KL's Σσ² and Σ log σ², kept for the loss of the next steps
-        (only the μ terms change)."""
+    def _refresh_scale(self, tau: float, state: NaturalGradientState | None = None) -> None:
+        """σ of ``state`` (by default :attr:`state`) into the guide, and the KL's Σσ² and
+        Σ log σ², kept for the loss of the next steps (only the μ terms change)."""
         assert self.prior is not None
         self._scale_temperature = tau
         scale = self.guide.scale
-        assert self.state is not None
-        self._write_scale(self.state.curvature, tau, scale, self._noise)  # ε: spent once w is drawn
-        self._var_sums = self.prior.variance_sums(scale, self._noise)
+        curvature = (state or self.state).curvature  # type: ignore[union-attr]
+        self._var_sums = self._scale_and_sums(curvature, tau, scale, self._noise)
+
+    def _scale_and_sums(
+        self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, work: torch.Tensor
+    ) -> tuple[float, float]:
+        """σ from ``curvature`` into ``scale`` and the KL's (Σ δσ², Σ log σ²) (``work``: a
+        D-long buffer to spend, here on log σ). A method may fuse the three passes."""
+        assert self.prior is not None
+        self._write_scale(curvature, tau, scale, work)
+        return self.prior.variance_sums(scale, work)
 
     # -- the passes ------------------------------------------------------------------------------
 
@@ -526,8 +655,7 @@ class NaturalGradientVI:
     def _check_finite(self, step: int, reduced: bool = False) -> None:
         """Refuse non-finite estimates, naming the first tensor (``reduced``: the ranks' mean,
         which is non-finite if any rank's is, or if the sum overflows)."""
-        # One reduction per tensor: a sum is finite only if every element is.
-        if bool(torch.isfinite(torch.stack([t.sum() for t in self.estimates])).all()):
+        if all_finite(self.estimates):
             return
         names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
         g_hats, h_hats = self._split()
@@ -565,29 +693,49 @@ class NaturalGradientVI:
         except BaseException as err:
             self._tell_ranks(err)
             raise
-        rollback, scale_tau, before = self._rollback, self._scale_temperature, self.state
+        rollback, scale_tau, state = self._rollback, self._scale_temperature, self.state
         unreduced = self._unreduced
-        assert before is not None
-        # The state too: the update writes it in place, and is checked only once written.
-        rollback.save(self._state_tensors(before))
+        assert state is not None
+        # The update writes the D-long mean, momentum and curvature into spare tensors, kept only
+        # once checked (:meth:`_commit`); what it writes in place (the hidden parameters and
+        # their moments, small) and what the first reduction averages in place are copied.
+        rollback.save([*state.hidden, *state.hidden_momentum, *state.hidden_curvature, *unreduced])
         try:
             loss = self._loss(args, kwargs, step, tau)
-            self.state = self._update()
-            self._refresh_scale(tau)
-            self._check_state(step)
+            candidate = self._update(self._spare)
+            self._refresh_scale(tau, candidate)
+            self._check_state(step, candidate)
         except BaseException as err:
             refused(err, where)
             rollback.restore()
-            self.state, self._unreduced = before, unreduced
+            self._unreduced = unreduced
             if scale_tau is not None:
                 self._refresh_scale(scale_tau)  # σ back to what it was, bit for bit
             if undo_setup is not None:
                 undo_setup()
             self._tell_ranks(err)
             raise
+        self._commit(candidate)
         self._temperature = tau
         self.optimizer.step()  # marks the step for the learning-rate schedulers
         return loss
+
+    @torch.no_grad()
+    def _commit(self, candidate: NaturalGradientState) -> None:
+        """Keep a checked update: the state's mean, momentum and curvature take the storage the
+        update wrote, and the spare tensors the old one, so that the state's tensors (and the
+        guide's ``loc``, the state's mean) stay the same objects."""
+        state = self.state
+        assert state is not None
+        for own, new in zip(
+            (state.mean, state.momentum, state.curvature),
+            (candidate.mean, candidate.momentum, candidate.curvature),
+        ):
+            if own is not new:  # both are contiguous (D,) tensors of one dtype and device
+                storage, offset = own.untyped_storage(), own.storage_offset()
+                own.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
+                new.set_(storage, offset, own.shape, own.stride())
+        state.step = candidate.step
 
     def _reduce(self, tensors: list[torch.Tensor], last: bool) -> None:
         """``reduce_fn(tensors)``, noting whether the step's reductions are done (``last``) and
@@ -636,14 +784,14 @@ class NaturalGradientVI:
         out += [f"the momentum of {n}" for n in names[1:]]
         return out + [f"the curvature of {n}" for n in names[1:]]
 
-    def _check_state(self, step: int) -> None:
-        """Refuse an update that left a non-finite state, or a σ that is not finite and > 0
-        (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
+    def _check_state(self, step: int, candidate: NaturalGradientState) -> None:
+        """Refuse an update that would leave a non-finite state, or a σ that is not finite and
+        > 0 (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
         committed: a NaN written into the curvature would refuse every later step."""
-        assert self.state is not None
-        tensors = self._state_tensors(self.state)
-        sums = torch.stack([t.detach().sum().to(torch.float64) for t in tensors])
-        if bool(torch.isfinite(sums).all()) and all(map(math.isfinite, self._var_sums)):
+        tensors = self._state_tensors(candidate)
+        # The curvature of the weights needs no sum: σ, and so Σσ² and Σ log σ², is finite only
+        # where it is.
+        if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, self._var_sums)):
             return
         bad = [n for n, t in zip(self._state_names(), tensors) if not bool(torch.isfinite(t).all())]
         what = bad[0] if bad else "the posterior scale σ (zero or inf, from the curvature)"
@@ -762,3 +910,14 @@ class NaturalGradientVI:
         if self.state_format.temperature:
             self._temperature = float(state["temperature"])
         self._refresh_scale(self._temperature)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value

@@ -43,6 +43,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -156,7 +157,7 @@ class IVON(NaturalGradientVI):
 
     # -- ĝ by one backward pass, ĥ = ĝ ε/σ -------------------------------------------------------
 
-    def _allocate(self, ready: Prepared) -> None:
+    def _allocate(self) -> None:
         assert self.state is not None and self.layout is not None
         mean = self.state.mean
         g, h = torch.empty_like(mean), torch.empty_like(mean)
@@ -234,10 +235,10 @@ class IVON(NaturalGradientVI):
             hidden_weight_decay=prior.mean_precision / ess,
         )
 
-    def _update(self) -> NaturalGradientState:
+    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
         assert self.state is not None
         g_hat, (h_hat,) = self._split()
-        return ivon_update(self.state, g_hat, h_hat, self._hyperparameters())
+        return ivon_update(self.state, g_hat, h_hat, self._hyperparameters(), out)
 
     def _write_scale(
         self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
@@ -250,6 +251,31 @@ class IVON(NaturalGradientVI):
             d = decay[block] if isinstance(decay, torch.Tensor) else decay
             ivon_scale(h[block], effective_size=ess, weight_decay=d, out=scale[block])
             torch.log(scale[block], out=log_scale[block])
+
+    @torch.no_grad()
+    def _scale_and_sums(
+        self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, work: torch.Tensor
+    ) -> tuple[float, float]:
+        """σ = 1/√x with x = λ(h + δ), Σσ² and Σ log σ² = −Σ log x in one pass over memory,
+        block by block in cache. Σ log x is the log of products of 16 values taken in float64
+        (16 float32 values multiply to within float64's range unless x > 2⁶⁴, where the exact
+        sum of logs is taken instead): one logarithm per 16 weights, the costliest part of the
+        pass otherwise (a float64 state, or a per-weight prior, takes the plain passes)."""
+        assert self.prior is not None
+        decay = self.prior.tilde(1.0, self.effective_size)
+        if curvature.dtype != torch.float32 or isinstance(decay, torch.Tensor):
+            return super()._scale_and_sums(curvature, tau, scale, work)
+        parts = blocks(curvature.numel())
+        sums = torch.empty(2, len(parts), dtype=torch.float64, device=curvature.device)
+        for i, block in enumerate(parts):
+            x = torch.add(curvature[block], decay, out=work[block]).mul_(self.effective_size)
+            sigma = torch.rsqrt(x, out=scale[block])  # the operations of ivon_scale
+            sums[0, i] = torch.dot(sigma, sigma)
+            sums[1, i] = log_sum(x)
+        square, log_x = sums.sum(1).tolist()
+        if not math.isfinite(log_x):  # a product overflowed, or some σ is not finite and > 0
+            log_x = float(torch.log(work.to(torch.float64)).sum())
+        return square, -log_x
 
 
 @dataclass(frozen=True)
@@ -276,13 +302,15 @@ def ivon_update(
     g_hat: Sequence[torch.Tensor],
     h_hat: torch.Tensor,
     hyper: IVONHyperparameters,
+    out: NaturalGradientState | None = None,
 ) -> NaturalGradientState:
     r"""One IVON update: returns the state after the step.
 
     ``g_hat`` holds ĝ of the mean first, then of each hidden parameter; ``h_hat`` is ĥ of the
-    mean. As in :func:`~pyro_bdl.infer.natural_gradient.vogn.vogn_update`, the state's tensors
-    are updated **in place** and the returned state holds them with ``step + 1``; nothing else is
-    read or written.
+    mean. As in :func:`~pyro_bdl.infer.natural_gradient.vogn.vogn_update`, the new mean,
+    momentum and curvature go into the tensors of ``out`` (by default the state's own, **in
+    place**), the hidden parameters and their moments are updated in place, and the returned
+    state holds them with ``step + 1``; nothing else is read or written.
     """
     params = [state.mean, *state.hidden]
     if len(g_hat) != len(params) or h_hat.shape != state.curvature.shape:
@@ -295,29 +323,34 @@ def ivon_update(
     t = state.step + 1
     debias, c = 1.0 / (1.0 - beta1**t), 1.0 - beta2
     delta, mu0 = hyper.weight_decay, hyper.prior_mean
+    into = state if out is None else out
+    c_tensor = torch.tensor(c, dtype=state.curvature.dtype, device=state.curvature.device)
     # Block by block, so that the dozen element-wise operations of a block run in cache and
     # their temporaries are small (a D-sized temporary costs more in page faults than the
     # arithmetic); each block is one slice of every vector.
     for block in blocks(state.mean.numel()):
         m, g, h = state.mean[block], state.momentum[block], state.curvature[block]
+        m1, g1, h1 = into.mean[block], into.momentum[block], into.curvature[block]
         gh, hh = g_hat[0][block], h_hat[block]
         d = delta[block] if isinstance(delta, torch.Tensor) else delta
-        g.lerp_(gh, 1.0 - beta1)  # β₁g + (1−β₁)ĝ
+        torch.lerp(g, gh, 1.0 - beta1, out=g1)  # β₁g + (1−β₁)ĝ
         # β₂h + (1−β₂)ĥ + ½(1−β₂)²(h−ĥ)²/(h+δ) = h + r(c + ½c² r/(h+δ)), r = ĥ − h, c = 1 − β₂.
         a = torch.add(h, d)
         r = torch.sub(hh, h)
-        factor = torch.div(r, a).mul_(0.5 * c * c).add_(c)
-        h.addcmul_(r, factor)
-        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new h.
+        factor = torch.addcdiv(c_tensor, r, a, value=0.5 * c * c)  # one pass, not three
+        torch.addcmul(h, r, factor, out=h1)
+        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new g and h.
         offset = m if mu0 is None else torch.sub(m, mu0[block], out=r)
-        numerator = torch.mul(offset, d, out=factor).add_(g, alpha=debias)
-        m.addcdiv_(numerator, torch.add(h, d, out=a), value=-hyper.lr)
+        numerator = torch.mul(offset, d, out=factor).add_(g1, alpha=debias)
+        torch.addcdiv(m, numerator, torch.add(h1, d, out=a), value=-hyper.lr, out=m1)
     if state.hidden:
         torch._foreach_lerp_(state.hidden_momentum, list(g_hat[1:]), 1.0 - beta1)
         denominator = torch._foreach_add(state.hidden_curvature, hyper.hidden_weight_decay)
         step_size = -hyper.lr * debias
         torch._foreach_addcdiv_(state.hidden, state.hidden_momentum, denominator, value=step_size)
-    return dataclasses.replace(state, step=t)
+    return dataclasses.replace(
+        state, mean=into.mean, momentum=into.momentum, curvature=into.curvature, step=t
+    )
 
 
 #: Elements per block of :func:`ivon_update`: 512 KiB of float32 per vector, so that a block's
@@ -328,6 +361,15 @@ BLOCK = 1 << 17
 def blocks(n: int) -> list[slice]:
     """Slices of ``range(n)`` of :data:`BLOCK` elements (the last one shorter)."""
     return [slice(i, min(i + BLOCK, n)) for i in range(0, n, BLOCK)]
+
+
+def log_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ log x of a float32 vector in float64, as the logs of products of 16 values."""
+    whole = x.numel() - x.numel() % 16
+    out = x[:whole].view(-1, 16).prod(1, dtype=torch.float64).log_().sum()
+    if whole < x.numel():
+        out = out + x[whole:].to(torch.float64).log_().sum()
+    return out
 
 
 @torch.no_grad()

@@ -192,7 +192,7 @@ class VOGN(NaturalGradientVI):
 
     # -- ĝ and ĥ: per-example gradients and their squares ---------------------------------------
 
-    def _allocate(self, ready: Prepared) -> None:
+    def _allocate(self) -> None:
         assert self.state is not None and self.layout is not None
         mean, hidden = self.state.mean, self._hidden
         g, h = torch.empty_like(mean), torch.empty_like(mean)
@@ -207,7 +207,7 @@ class VOGN(NaturalGradientVI):
         for hp, gp, hh in zip(hidden, g_hidden, h_hidden):
             self._out[(hp.module, hp.param_name)] = (gp, hh)
         # The layers to hook: those the first pass called.
-        self._tape = PerExampleGradients(layers=list(ready.tape.calls), chunk_size=self.chunk_size)
+        self._tape = PerExampleGradients(layers=self._layers, chunk_size=self.chunk_size)
 
     def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         k, e = len(self._hidden), self.estimates
@@ -272,9 +272,9 @@ class VOGN(NaturalGradientVI):
             damping=self.damping,
         )
 
-    def _update(self) -> NaturalGradientState:
+    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
         assert self.state is not None
-        return vogn_update(self.state, *self._split(), self._hyperparameters())
+        return vogn_update(self.state, *self._split(), self._hyperparameters(), out)
 
     def _write_scale(
         self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
@@ -316,44 +316,57 @@ def vogn_update(
     g_hat: Sequence[torch.Tensor],
     h_hat: Sequence[torch.Tensor],
     hyper: VOGNHyperparameters,
+    out: NaturalGradientState | None = None,
 ) -> NaturalGradientState:
     r"""One VOGN update: returns the state after the step.
 
-    ``g_hat`` and ``h_hat`` hold ĝ and ĥ of μ first, then of each hidden parameter. For speed the
-    state's tensors are updated **in place** (``torch._foreach_*`` calls over all of them) and the
-    returned state holds the same tensors with ``step + 1``; the function reads nothing but its
-    arguments and writes nothing but the state's tensors.
+    ``g_hat`` and ``h_hat`` hold ĝ and ĥ of μ first, then of each hidden parameter. For speed no
+    tensor is allocated for the state: the new μ, m and s go into the tensors of ``out`` (by
+    default the state's own, **in place**; another state's, so that the caller can check them
+    before it keeps them), the hidden parameters and their moments are updated in place
+    (``torch._foreach_*`` calls), and the returned state holds these tensors with ``step + 1``;
+    the function reads nothing but its arguments and writes nothing but those tensors.
     """
-    params = [state.mean, *state.hidden]
-    m = [state.momentum, *state.hidden_momentum]
-    s = [state.curvature, *state.hidden_curvature]
-    if not len(g_hat) == len(h_hat) == len(params):
+    count = 1 + len(state.hidden)
+    if not len(g_hat) == len(h_hat) == count:
         raise ValueError(
             f"vogn_update needs ĝ and ĥ for μ and each of the {len(state.hidden)} hidden "
-            f"parameters ({len(params)} each); got {len(g_hat)} and {len(h_hat)}."
+            f"parameters ({count} each); got {len(g_hat)} and {len(h_hat)}."
         )
     beta1, beta2 = hyper.betas
     d_tilde = hyper.prior_precision_tilde
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, list(g_hat))
-    # The prior's gradient δ̃(μ − μ₀), on μ only.
+    into = state if out is None else out
+    mean, momentum, curvature = into.mean, into.momentum, into.curvature
+    # μ's moments out of place into ``into``; the hidden parameters' (small) in place.
+    torch.mul(state.momentum, beta1, out=momentum)
+    momentum.add_(g_hat[0])
+    if state.hidden:
+        torch._foreach_mul_(state.hidden_momentum, beta1)
+        torch._foreach_add_(state.hidden_momentum, list(g_hat[1:]))
+    # The prior's gradient δ̃(μ − μ₀), on μ only (at the μ before the step).
     offset = state.mean if hyper.prior_mean is None else state.mean - hyper.prior_mean
     if isinstance(d_tilde, torch.Tensor):
-        state.momentum.addcmul_(d_tilde, offset)
+        momentum.addcmul_(d_tilde, offset)
     else:
-        torch._foreach_add_([state.momentum], [offset], alpha=d_tilde)
-    torch._foreach_mul_(s, 1.0 - beta2)
-    torch._foreach_add_(s, list(h_hat), alpha=beta2)
+        momentum.add_(offset, alpha=d_tilde)
+    torch.mul(state.curvature, 1.0 - beta2, out=curvature)
+    curvature.add_(h_hat[0], alpha=beta2)
+    if state.hidden:
+        torch._foreach_mul_(state.hidden_curvature, 1.0 - beta2)
+        torch._foreach_add_(state.hidden_curvature, list(h_hat[1:]), alpha=beta2)
     if isinstance(d_tilde, torch.Tensor) or d_tilde != hyper.hidden_precision_tilde:
-        denominator = [torch.add(state.curvature, d_tilde).add_(hyper.damping)]
-        if state.hidden_curvature:
-            denominator += torch._foreach_add(
-                state.hidden_curvature, hyper.hidden_precision_tilde + hyper.damping
-            )
+        denominator = torch.add(curvature, d_tilde).add_(hyper.damping)
+        hidden_denominator = hyper.hidden_precision_tilde + hyper.damping
     else:
-        denominator = list(torch._foreach_add(s, d_tilde + hyper.damping))
-    torch._foreach_addcdiv_(params, m, denominator, value=-hyper.lr)
-    return dataclasses.replace(state, step=state.step + 1)
+        denominator = torch.add(curvature, d_tilde + hyper.damping)
+        hidden_denominator = d_tilde + hyper.damping
+    torch.addcdiv(state.mean, momentum, denominator, value=-hyper.lr, out=mean)
+    if state.hidden:
+        hidden_den = torch._foreach_add(state.hidden_curvature, hidden_denominator)
+        torch._foreach_addcdiv_(state.hidden, state.hidden_momentum, hidden_den, value=-hyper.lr)
+    return dataclasses.replace(
+        state, mean=mean, momentum=momentum, curvature=curvature, step=state.step + 1
+    )
 
 
 @torch.no_grad()
