@@ -136,7 +136,9 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
 
     def flat_sample(self, loc: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """One reparameterized draw of the sites of one block at once from the block's flat
-        ``loc`` and ``scale`` (the sites' sizes, in order, are ``sizes``)."""
+        ``loc`` and ``scale`` (the sites' sizes, in order, are ``sizes``): ``loc + scale * ξ``
+        with ξ from :meth:`flat_noise`. A subclass may override this instead of
+        :meth:`flat_noise` (its blocks then take torch's split and unbind)."""
         return torch.addcmul(loc, scale, self.flat_noise(loc, sizes))
 
     # -- set-up ------------------------------------------------------------------------------
@@ -348,8 +350,13 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         # One autograd node per block (BlockSites) where it can be: torch's split and unbind
         # would copy the block's gradient several times over. The unbind path stays for a
         # single block, whose guide.loc / guide.rho are the very tensors of the step (autograd
-        # can differentiate with respect to them), and under torch.jit.trace.
-        fused = len(params) > 1 and not torch.jit.is_tracing()
+        # can differentiate with respect to them), under torch.jit.trace, and for a subclass
+        # that draws through its own flat_sample rather than flat_noise.
+        fused = (
+            len(params) > 1
+            and not torch.jit.is_tracing()
+            and type(self).flat_sample is AutoLocScaleGuide.flat_sample
+        )
         for param, sizes, flat_block in zip(params, site_sizes, flat_blocks):
             draw = flat and flat_block
             if fused:

@@ -13,7 +13,8 @@ The scale is ``softplus(ρ)``, evaluated by :func:`softplus_value` in L2-sized c
 ``max(ρ, 0) + log1p(exp(−|ρ|))`` with ``log1p(u) = log(1 + u)·u / ((1 + u) − 1)`` (Goldberg's
 form, exact to a few ulps; u where 1 + u rounds to 1): the CPU has a vectorised ``log`` but not
 a vectorised ``log1p``, which makes torch's ``softplus`` the most expensive element-wise pass of
-the step on a CPU. Gradients are torch's (``softplus_backward``).
+the step on a CPU. Other devices keep torch's ``softplus``. Gradients are torch's
+(``softplus_backward``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ _CHUNK = 1 << 15
 @torch.no_grad()
 def softplus_value(rho: torch.Tensor) -> torch.Tensor:
     """``softplus(rho)`` without a graph, fast on a CPU (module docstring); within a few ulps
-    of :func:`torch.nn.functional.softplus`."""
+    of :func:`torch.nn.functional.softplus`, which it is on other devices (a GPU has a fast
+    ``log1p``, and the chunks would cost a kernel launch each)."""
+    if rho.device.type != "cpu":
+        return F.softplus(rho)
     out = torch.empty_like(rho, memory_format=torch.contiguous_format)
     for part, dest in zip(rho.reshape(-1).split(_CHUNK), out.view(-1).split(_CHUNK)):
         u = part.abs().neg_().exp_()  # exp(−|ρ|) ∈ (0, 1]: no overflow

@@ -104,3 +104,20 @@ def test_a_guide_in_several_blocks_traces_and_saves(monkeypatch, guide_cls):
     again = loaded(x, y)
     assert eager.keys() == again.keys()
     assert all(torch.equal(eager[k], again[k]) for k in eager)
+
+
+def test_a_subclass_with_its_own_flat_sample_keeps_it(monkeypatch):
+    # A guide written against the flat_sample hook (before flat_noise existed) still draws
+    # through it in a model of several blocks.
+    class Shifted(AutoMeanField):
+        def flat_sample(self, loc, scale, sizes):
+            return loc + 1.0
+
+    monkeypatch.setattr(base, "BLOCK_NUMEL", 24)
+    pyro.clear_param_store()
+    x, y = data()
+    guide = Shifted(small_model())
+    values = guide(x, y)
+    assert len(guide._param_names()) == 3
+    for site in guide.layout:
+        torch.testing.assert_close(values[site.name], guide.loc[site.slice].view(site.shape) + 1)
