@@ -10,11 +10,14 @@ of two per site, and the scales go through one softplus per block. The blocks ar
 ``(2, D)`` tensor whose rows are ``guide.loc`` and ``guide.rho``. The
 :class:`~pyro_bdl.layout.SiteLayout` says where each site sits; each site reads a view of its
 block, and the noise of a block's plate-free sites is drawn in one flat operation
-(:meth:`flat_sample`).
+(:meth:`flat_noise`). A model of several blocks takes each block's sites from one autograd node
+(:class:`~pyro_bdl.guides.block_sites.BlockSites`), whose backward writes the block's gradient
+once instead of concatenating the sites' gradients.
 
 A subclass fills three small hooks: :meth:`AutoLocScaleGuide.site_posterior` (the distribution
-of one unconstrained site given its location, scale and event dims), :meth:`flat_sample` (one
-draw of every site at once) and, for non-Gaussian marginals, :meth:`site_quantiles`.
+of one unconstrained site given its location, scale and event dims), :meth:`flat_noise` (the
+standardized noise ξ of one draw of every site of a block at once: the draw is μ + σ·ξ) and, for
+non-Gaussian marginals, :meth:`site_quantiles`.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.poutine.plate_messenger import PlateMessenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
-from torch.nn.functional import softplus
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.guides.access import SiteAccess, check_same_sites
+from pyro_bdl.guides.block_sites import BlockSites, softplus
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.nn.lift import init_to_network
@@ -125,10 +128,18 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         """
         raise NotImplementedError
 
+    def flat_noise(self, loc: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The standardized noise ξ of one draw of the sites of one block at once, without a
+        graph: the draw is ``loc + scale * ξ`` (``loc`` is the block's flat locations, for the
+        shape, dtype and device; the sites' sizes, in order, are ``sizes``)."""
+        raise NotImplementedError
+
     def flat_sample(self, loc: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """One reparameterized draw of the sites of one block at once from the block's flat
-        ``loc`` and ``scale`` (the sites' sizes, in order, are ``sizes``)."""
-        raise NotImplementedError
+        ``loc`` and ``scale`` (the sites' sizes, in order, are ``sizes``): ``loc + scale * ξ``
+        with ξ from :meth:`flat_noise`. A subclass may override this instead of
+        :meth:`flat_noise` (its blocks then take torch's split and unbind)."""
+        return torch.addcmul(loc, scale, self.flat_noise(loc, sizes))
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -336,7 +347,27 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         locs: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
         values: list[torch.Tensor | None] = []
+        # One autograd node per block (BlockSites) where it can be: torch's split and unbind
+        # would copy the block's gradient several times over. The unbind path stays for a
+        # single block, whose guide.loc / guide.rho are the very tensors of the step (autograd
+        # can differentiate with respect to them), under torch.jit.trace, and for a subclass
+        # that draws through its own flat_sample rather than flat_noise.
+        fused = (
+            len(params) > 1
+            and not torch.jit.is_tracing()
+            and type(self).flat_sample is AutoLocScaleGuide.flat_sample
+        )
         for param, sizes, flat_block in zip(params, site_sizes, flat_blocks):
+            draw = flat and flat_block
+            if fused:
+                with torch.no_grad():
+                    noise = self.flat_noise(param[0], sizes) if draw else None
+                out = BlockSites.apply(param, noise, sizes)
+                count = len(sizes)
+                locs += out[:count]
+                scales += out[count : 2 * count]
+                values += out[2 * count :] if draw else [None] * count
+                continue
             # unbind: ONE backward node that stacks both gradients (two selects would each fill
             # a zero tensor of the full (2, n) size and then add them).
             block_loc, block_rho = param.unbind(0)
@@ -345,7 +376,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             block_scale = softplus(block_rho)
             locs += block_loc.split(sizes)
             scales += block_scale.split(sizes)
-            if flat and flat_block:
+            if draw:
                 values += self.flat_sample(block_loc, block_scale, sizes).split(sizes)
             else:
                 values += [None] * len(sizes)

@@ -109,5 +109,5 @@ class AutoMeanField(AutoLocScaleGuide):
         base = _SiteNormal(loc, scale, value)
         return dist.Independent(base, event_dim, validate_args=False) if event_dim else base
 
-    def flat_sample(self, loc, scale, sizes):
-        return torch.addcmul(loc, scale, torch.randn_like(loc))
+    def flat_noise(self, loc, sizes):
+        return torch.randn_like(loc)

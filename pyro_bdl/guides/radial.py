@@ -120,7 +120,7 @@ class AutoRadial(AutoLocScaleGuide):
     def site_posterior(self, loc, scale, event_dim, *, value=None):
         return _SiteRadial(loc, scale, value, event_dim=event_dim)
 
-    def flat_sample(self, loc, scale, sizes):
+    def flat_noise(self, loc, sizes):
         # One direction per site for all sites of the block at once: ε and the radii in one
         # randn call, the per-site norms in one fused foreach pass, and ε scaled by r/‖ε‖ in
         # place by one foreach multiply over the sites' views (no further temporaries).
@@ -131,7 +131,7 @@ class AutoRadial(AutoLocScaleGuide):
             parts = eps.split(sizes)
             factor = radius.div_(_norms(parts, eps.dtype))
             torch._foreach_mul_(parts, list(factor.unbind()))
-        return torch.addcmul(loc, scale, eps)
+        return eps
 
     def site_quantiles(self, loc, scale, event_dim, q):
         numel = math.prod(loc.shape[loc.dim() - event_dim :])
