@@ -458,6 +458,80 @@ def run_laplace(b: Bench, name: str, subnetwork: str, structure: str) -> None:
     figures["glm_ms_per_item"] = 1e3 * figures["predict_s"] / items
 
 
+class _Batches:
+    """The benchmark's training batches as laplace-torch reads a loader: iterable, with a
+    ``dataset`` whose length is N."""
+
+    def __init__(self, batches: list, count: int):
+        self.batches, self.dataset = batches, range(count)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def run_laplace_torch(b: Bench) -> None:
+    """The peer in the same run: laplace-torch's ``kron`` and ``diag`` fits over the same
+    adapters and head at the same MAP weights and batches (an unlifted copy of the network), and
+    one forward and one backward pass of every training batch (the floor of an exact fit with
+    two classes)."""
+    # The peer's own deprecation warnings (torch.jit.script in its dependencies) are not ours.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _run_laplace_torch(b)
+
+
+def _run_laplace_torch(b: Bench) -> None:
+    try:
+        import laplace  # benchmark-only peer: the optional ``bench`` extra
+    except ImportError:
+        b.results["laplace_torch"] = {"status": "not measured: laplace-torch not installed"}
+        return
+    from importlib.metadata import version
+
+    import peft
+
+    config = peft.LoraConfig(r=b.args.rank, target_modules=["query", "value"], task_type="SEQ_CLS")
+    net = PackedText(peft.get_peft_model(b.make_net(), config)).eval()
+    trainable = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    if set(trainable) != set(b.map_values):
+        raise ValueError(
+            f"the unlifted copy trains {len(trainable)} tensors, the lifted model has "
+            f"{len(b.map_values)} sites; they must be the same adapters and head."
+        )
+    with torch.no_grad():
+        for name, p in trainable.items():
+            p.copy_(b.map_values[name])
+    batches = [(x, y) for _, x, y in eval_batches(b.splits["train"], b.args.eval_batch)]
+    figures: dict[str, Any] = {"version": version("laplace-torch")}
+    start = time.perf_counter()
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(net(x), y, reduction="sum")
+        torch.autograd.grad(loss, list(trainable.values()))
+    figures["forward_backward_s"] = time.perf_counter() - start
+    for structure in ("kron", "diag"):
+        for backend in (None, laplace.curvature.AsdlGGN):
+            kw = {} if backend is None else {"backend": backend}
+            la = laplace.Laplace(
+                net, "classification", subset_of_weights="all", hessian_structure=structure, **kw
+            )
+            name = la._backend_cls.__name__
+            start = time.perf_counter()
+            try:
+                la.fit(_Batches(batches, len(b.splits["train"])), progress_bar=False)
+            except Exception as err:  # the peer failing on the PEFT model: recorded
+                figures[f"{structure}_error_{name}"] = f"{type(err).__name__}: {err}"[:300]
+                continue
+            figures[f"{structure}_fit_s"] = time.perf_counter() - start
+            figures[f"{structure}_backend"] = name
+            break
+        del la
+    print("  laplace_torch: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()), flush=True)
+    b.results["laplace_torch"] = figures
+
+
 def run_ivon(b: Bench) -> None:
     import pyro_bdl as bdl
 
@@ -613,6 +687,7 @@ METHODS: dict[str, Callable[[Bench], Any]] = {
     "laplace_last_layer": lambda b: run_laplace(b, "laplace_last_layer", "last_layer", "full"),
     "laplace_diag": lambda b: run_laplace(b, "laplace_diag", "all", "diag"),
     "laplace_kron": lambda b: run_laplace(b, "laplace_kron", "all", "kron"),
+    "laplace_torch": run_laplace_torch,
     "ivon": run_ivon,
     "meanfield": run_meanfield,
     "swag": run_swag,
@@ -716,7 +791,15 @@ def sst2_setup(args) -> tuple[dict[str, Tokens], Callable[[], nn.Module]]:
         "shift_docs": encode(tokenizer, docs, zeros, length),
     }
     args.shift_examples = {"shuffled": shuffled[:3], "docs": docs[:3]}
-    return splits, lambda: net
+    loaded = [net]
+
+    def make_net() -> nn.Module:
+        # The model is lifted in place: a later call (the peer's unlifted copy) loads afresh.
+        if loaded:
+            return loaded.pop()
+        return bdl.nn.pretrained.load_minilm(num_labels=2, attn_implementation="eager")[0]
+
+    return splits, make_net
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
