@@ -112,6 +112,7 @@ def kfac_sums(
             factor = torch.cat([factor, r.to(factor).unsqueeze(-1)], -1)
     zs, owner = [], []
     inputs: list[torch.Tensor | None] = []
+    grams: dict[tuple, torch.Tensor] = {}
     for i, layer in enumerate(layers):
         if not calls[layer.module]:
             raise ValueError(
@@ -122,7 +123,11 @@ def kfac_sums(
         for a, z in calls[layer.module]:
             x = widened(augmented_input(layer, a))
             positions += x.shape[2]
-            local += gram(x).to(local.dtype)
+            # Layers reading one input (LoRA's A matrices of query and value) share its product.
+            key = (layer.kind, layer.bias, a.data_ptr(), a.shape, a.stride(), a.dtype)
+            if layer.kind != "linear" or key not in grams:
+                grams[key] = gram(x).to(local.dtype)
+            local += grams[key]
             zs.append(z)
             owner.append(i)
             inputs.append(x if grad_sums is not None else None)

@@ -295,3 +295,24 @@ def test_gradient_from_the_curvature_passes_with_one_pass_per_column(likelihood,
         assert_close(u, v, rtol=1e-12, atol=1e-30)
     for part, (w, b) in zip(gs, [expected[:2], expected[2:]]):
         assert_close(part, torch.cat([w, b[:, None]], 1), rtol=1e-10, atol=1e-12)
+
+
+def test_kfac_input_factor_of_layers_sharing_one_input():
+    from pyro_bdl.curvature.kfac import KronLayer, kfac_sums
+
+    torch.manual_seed(0)
+    q, v, w = nn.Linear(3, 2), nn.Linear(3, 2, bias=False), nn.Linear(3, 2)
+    q, v, w = q.double(), v.double(), w.double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)  # a sequence: 5 positions
+    # q and w read x with a bias (one shared product), v without one (another product).
+    layers = [KronLayer(q, "linear", True), KronLayer(v, "linear", False)]
+    layers.append(KronLayer(w, "linear", True))
+    a = [torch.zeros(4, 4, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64)]
+    a.append(torch.zeros(4, 4, dtype=torch.float64))
+    g = [torch.zeros(2, 2, dtype=torch.float64) for _ in range(3)]
+    factor = lambda o: output_hessian_factor(o, "categorical")  # noqa: E731
+    kfac_sums(lambda: (q(x) + v(x) + w(x)).sum(1), layers, factor, a, g)
+    with_ones = torch.cat([x, torch.ones(4, 5, 1, dtype=torch.float64)], -1)
+    for got, inp in zip(a, [with_ones, x, with_ones]):
+        flat = inp.reshape(-1, inp.shape[-1])
+        assert_close(got, flat.T @ flat / 5, rtol=1e-12, atol=1e-30)
