@@ -37,6 +37,7 @@ __all__ = [
     "diagonal_ggn",
     "linear_layer_ggn",
     "output_hessian_factor",
+    "residual_coefficients",
     "subnet_ggn",
 ]
 
@@ -46,15 +47,22 @@ LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
 def output_hessian_factor(
     outputs: torch.Tensor, likelihood: str, noise_scale: float | None = None
 ) -> torch.Tensor:
-    r"""A factor :math:`L` (B, C, C) with :math:`L L^\top = \Lambda`, the Hessian of the negative
+    r"""A factor :math:`L` (B, C, K) with :math:`L L^\top = \Lambda`, the Hessian of the negative
     log-likelihood with respect to the outputs.
 
     Categorical: :math:`\Lambda = \mathrm{diag}(p) - pp^\top`, :math:`L = \mathrm{diag}(\sqrt p)
-    - p\sqrt p^\top`; Bernoulli (C independent logits, C = 1 for a binary classifier):
-    :math:`L = \mathrm{diag}(\sqrt{p(1-p)})`; Gaussian: :math:`I/\sigma`.
+    - p\sqrt p^\top`; with two classes :math:`\Lambda` has rank one and :math:`L` is its one
+    column :math:`\sqrt{p_1 p_2}\,(1, -1)^\top` (B, 2, 1), so that every consumer runs one
+    backward pass per example instead of two; Bernoulli (C independent logits, C = 1 for a
+    binary classifier): :math:`L = \mathrm{diag}(\sqrt{p(1-p)})`; Gaussian: :math:`I/\sigma`.
     """
     out = widened(as_matrix(outputs).detach())
     b, c = out.shape
+    if likelihood == "categorical" and c == 2:
+        # p₁p₂ = σ(d)σ(-d) with d = f₁ - f₂: no cancellation however confident the network.
+        d = out[:, 0] - out[:, 1]
+        root = (d.sigmoid() * (-d).sigmoid()).sqrt()
+        return torch.stack([root, -root], -1).unsqueeze(-1)
     if likelihood == "categorical":
         p = out.softmax(-1)
         sq = p.sqrt()
@@ -70,6 +78,33 @@ def output_hessian_factor(
     raise ValueError(
         f"unknown likelihood {likelihood!r}; expected one of {', '.join(map(repr, LIKELIHOODS))}."
     )
+
+
+def residual_coefficients(factor: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+    r"""Coefficients :math:`c_n` (B, K) with :math:`L_n c_n = r_n` for every example, or ``None``
+    when some residual is not in the span of its factor's columns.
+
+    Then the gradient :math:`\sum_n J_n^\top r_n` is :math:`\sum_n \sum_k c_{nk}\,
+    J_n^\top L_{n,:,k}`: each example's share of the backward passes of the columns of
+    :math:`L`, weighted, so that the gradient costs no backward pass of its own (examples are
+    independent, so a layer output's gradient splits by example). The categorical residual
+    :math:`p - y` sums to zero like every column of its :math:`\Lambda`, the span of :math:`L`;
+    a Gaussian's or a Bernoulli's :math:`L` is invertible unless a probability rounds to 0 or 1,
+    when ``None`` sends the caller to a backward pass of the residual itself.
+
+    :param factor: :math:`L` (B, C, K).
+    :param residual: :math:`r` (B, C).
+    """
+    # L and r come from probabilities rounded in their own dtype: a part of r outside the span
+    # of L of the size of that round-off (r = p - y loses eps·1 absolutely) is noise, and so is a
+    # singular value of L that small (the rounded null direction of a categorical Λ).
+    noise = 64 * torch.finfo(torch.promote_types(factor.dtype, residual.dtype)).eps
+    lhs, rhs = factor.double(), residual.double().unsqueeze(-1)
+    coef = torch.linalg.pinv(lhs, atol=noise, rtol=0.0) @ rhs
+    error = (lhs @ coef - rhs).norm(dim=(1, 2))
+    if bool((error > noise * (1 + rhs.norm(dim=(1, 2)))).any()):
+        return None
+    return coef.squeeze(-1)
 
 
 def subnet_ggn(
@@ -203,13 +238,19 @@ def diagonal_ggn(
     fallback = [(s, pos) for s, k, _, pos in placed if not k]
     b = out.shape[0]
     columns = [factor[:, :, k] for k in range(factor.shape[-1])]
+    coef = None
     if residual_fn is not None and grad is not None:
-        columns.append(residual_fn(out.detach()).to(out))
+        r = residual_fn(out.detach())
+        # The gradient is a weighted sum of the columns' passes when r lies in their span (the
+        # categorical residual always does): then it costs no backward pass of its own.
+        coef = residual_coefficients(factor, r)
+        if coef is None:
+            columns.append(r.to(out))
     for k, v in enumerate(columns):
-        # The last column is the residual when one is given: summed, not squared, per example.
+        # A column past L's is the residual: summed, not squared, per example.
         square = k < factor.shape[-1]
-        target = diag if square else grad
-        assert target is not None
+        # Weights of this column's per-example gradients in the gradient, if folded in.
+        weights = coef[:, k].to(diag.dtype) if square and coef is not None else None
         if zs:
             grads = torch.autograd.grad(
                 out, zs, grad_outputs=v.to(out), retain_graph=True, allow_unused=True
@@ -218,13 +259,20 @@ def diagonal_ggn(
             for slot, kind, _, pos in placed:
                 if not kind:
                     continue
-                if not square:  # a gradient: summed over the batch, no per-example tensor
+                if not square or weights is not None:
+                    assert grad is not None
+                    # A gradient: summed over the batch, no per-example tensor.
                     for a, z in calls[slot.module]:  # type: ignore[index]
                         g = g_of[id(z)]
                         if g is not None:
-                            part = batch_gradient(slot, kind, a, g).to(target.dtype)
-                            target[pos.to(target.device)] += part
-                    continue
+                            if weights is not None:
+                                g = widened(g) * weights.to(g.device).reshape(
+                                    -1, *[1] * (g.dim() - 1)
+                                ).to(widened(g).dtype)
+                            part = batch_gradient(slot, kind, a, g).to(grad.dtype)
+                            grad[pos.to(grad.device)] += part
+                    if not square:
+                        continue
                 for start in range(0, b, batch_chunk):
                     rows = slice(start, start + batch_chunk)
                     per_example = None
@@ -243,13 +291,18 @@ def diagonal_ggn(
                 (out[i] * v[i]).sum(), values, retain_graph=True, allow_unused=True
             )
             for (_, pos), g in zip(fallback, grads):
-                if g is not None:
-                    diag[pos.to(diag.device)] += widened(g.reshape(-1)).square()
+                if g is None:
+                    continue
+                g = widened(g.reshape(-1))
+                diag[pos.to(diag.device)] += g.square()
+                if weights is not None and grad is not None:
+                    grad[pos.to(grad.device)] += (weights[i] * g).to(grad.dtype)
         if fallback and not square:
+            assert grad is not None
             grads = torch.autograd.grad(
                 (out * v).sum(), values, retain_graph=True, allow_unused=True
             )
             for (_, pos), g in zip(fallback, grads):
                 if g is not None:
-                    target[pos.to(target.device)] += g.reshape(-1).to(target.dtype)
+                    grad[pos.to(grad.device)] += g.reshape(-1).to(grad.dtype)
     return diag

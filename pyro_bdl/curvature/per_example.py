@@ -38,7 +38,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ from pyro_bdl.curvature.per_example_functional import (
     vmap_squared_gradients,
 )
 
-__all__ = ["PerExampleGradients", "substitute", "vmap_squared_gradients"]
+__all__ = ["NoPerExampleForm", "PerExampleGradients", "substitute", "vmap_squared_gradients"]
 
 #: Default bound on the numbers held by a chunk's temporaries: 16 MB in fp32, below glibc's
 #: 32 MB threshold above which every freed block goes back to the kernel (and the next step's
@@ -104,6 +104,11 @@ class _Call:
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     delta: torch.Tensor | None = None
     stats: tuple[torch.Tensor, torch.Tensor] | None = None  # BatchNorm's batch mean, 1/std
+
+
+class NoPerExampleForm(ValueError):
+    """A method that needs per-example gradients (VOGN) met a weight site whose layer has no
+    per-example form (:meth:`PerExampleGradients.require_forms`)."""
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -185,6 +190,9 @@ class PerExampleGradients:
         self._info: dict[nn.Module, tuple[str, list[str]]] = {}
         self._layers = None if layers is None else list(layers)
         self._forms: dict[tuple, list[str]] = {}
+        #: Layers with weights that were called but returned no single tensor (a recurrent
+        #: layer's tuple, attention's pair): the type of what they returned.
+        self.unrecorded: dict[nn.Module, str] = {}
 
     def _layer_info(self, module: nn.Module) -> tuple[str, list[str]]:
         info = self._info.get(module)
@@ -195,7 +203,7 @@ class PerExampleGradients:
     # -- recording -----------------------------------------------------------------------------
 
     def __enter__(self) -> PerExampleGradients:
-        self.calls = {}
+        self.calls, self.unrecorded = {}, {}
         if self._layers is not None:
             self._handles = [
                 sub.register_forward_hook(self._hook, with_kwargs=True) for sub in self._layers
@@ -219,13 +227,16 @@ class PerExampleGradients:
 
     def clear(self) -> None:
         """Drop the recorded calls (and the activations they hold) before the next block."""
-        self.calls = {}
+        self.calls, self.unrecorded = {}, {}
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self._paused or not torch.is_grad_enabled():
             return None
         kind, targets = self._layer_info(module)
-        if not targets or not isinstance(output, torch.Tensor):
+        if not targets:
+            return None
+        if not isinstance(output, torch.Tensor):
+            self.unrecorded[module] = type(output).__name__
             return None
         if not output.requires_grad:
             # Nothing upstream requires grad (sampled weights usually do not): make the output a
@@ -242,6 +253,46 @@ class PerExampleGradients:
             call.stats = batchnorm_saved_stats(output)
         self.calls.setdefault(module, []).append(call)
         return output
+
+    def require_forms(self, sites: Iterable[tuple[str, nn.Module]], method: str) -> None:
+        """Refuse weight sites that the recorded pass gives no per-example gradient.
+
+        A site has one when its own layer was called and returned one tensor. It has none when
+        the layer returned something else (``nn.LSTM``/``GRU``/``RNN`` return a tuple,
+        ``nn.MultiheadAttention`` a pair) or when another layer read the weight without calling
+        its layer (``nn.MultiheadAttention`` reads ``out_proj.weight`` directly); squared
+        per-example gradients would then silently leave those sites out.
+
+        :param sites: ``(site name, layer owning it)`` of every weight site, as read in the pass.
+        :param str method: the method that needs the forms, for the message (``"VOGN"``).
+        :raises NoPerExampleForm: naming each such site and its layer, and what to do instead.
+        """
+        names = {sub: name for name, sub in (self.module or nn.Module()).named_modules()}
+        by_layer: dict[nn.Module, list[str]] = {}
+        for site, layer in sites:
+            if layer not in self.calls:
+                by_layer.setdefault(layer, []).append(repr(site))
+        missing = []
+        for layer, layer_sites in by_layer.items():
+            label = layer.__dict__.get("_pyro_name", names.get(layer))
+            what = f"{type(layer).__name__} {label!r}" if label else type(layer).__name__
+            returned = self.unrecorded.get(layer)
+            why = (
+                f"returns a {returned}, not one tensor"
+                if returned is not None
+                else "was not called: another layer read its weights directly"
+            )
+            missing.append(f"{what} {why} (sites {', '.join(layer_sites)})")
+        if missing:
+            raise NoPerExampleForm(
+                f"{method} needs the per-example gradient of every weight site, and these layers "
+                f"have no per-example form: {'; '.join(missing)}. Nothing was set up. "
+                "Use IVON (pyro_bdl.infer.IVON: natural-gradient VI from ordinary gradients, "
+                "which takes every layer), or keep these layers fixed: freeze them with "
+                "layer.requires_grad_(False) before bayesianize (hidden but trainable, VOGN "
+                "could not train them either). docs/methods/layers.md lists the layers each "
+                "method takes."
+            )
 
     # -- gradients -----------------------------------------------------------------------------
 

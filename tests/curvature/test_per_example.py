@@ -381,3 +381,79 @@ def test_train_mode_batchnorm_reads_the_saved_batch_statistics():
     pe = batchnorm_per_example(bn, x, delta, x)  # stats recomputed from the whole batch
     assert_rel(grads, {k: v.sum(0) for k, v in pe.items()}, 1e-12)
     assert_rel(squared, {k: v.square().sum(0) for k, v in pe.items()}, 1e-12)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, cell: type[nn.Module]):
+        super().__init__()
+        self.rnn = cell(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.head(self.attn(h, h, h)[0][:, -1])
+
+
+@pytest.mark.parametrize(
+    "make, layer",
+    [
+        (lambda: _Recurrent(nn.LSTM), "LSTM 'rnn' returns a tuple"),
+        (lambda: _Recurrent(nn.GRU), "GRU 'rnn' returns a tuple"),
+        (lambda: _Recurrent(nn.RNN), "RNN 'rnn' returns a tuple"),
+        (_Attention, "MultiheadAttention 'attn' returns a tuple"),
+    ],
+)
+def test_vogn_refuses_layers_without_a_per_example_form_and_changes_nothing(make, layer):
+    import pyro
+
+    from pyro_bdl import infer, models
+
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = bayesianize(make())
+    model = models.classifier(net, 10)
+    x, y = torch.randn(5, 6, 3), torch.randint(0, 2, (5,))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    store = dict(pyro.get_param_store().items())
+    vogn = infer.VOGN(model, dataset_size=10)
+    with pytest.raises(ValueError, match=layer) as info:
+        vogn.step(x, y)
+    message = str(info.value)
+    assert "Use IVON" in message and "requires_grad_(False)" in message
+    if isinstance(net, _Attention):
+        assert "'attn.out_proj' was not called" in message  # its weights are read by attn
+    after = net.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert dict(pyro.get_param_store().items()) == store
+    assert vogn.needs_setup  # nothing was set up: a later step would try afresh
+    # IVON, from ordinary gradients, takes the same network.
+    ivon = infer.IVON(model, dataset_size=10)
+    assert torch.isfinite(torch.as_tensor(ivon.step(x, y)))
+
+
+def test_vogn_takes_the_layers_once_they_are_frozen():
+    import pyro
+
+    from pyro_bdl import infer, models
+
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = _Recurrent(nn.LSTM)
+    net.rnn.requires_grad_(False)
+    model = models.classifier(bayesianize(net), 10)
+    x, y = torch.randn(5, 6, 3), torch.randint(0, 2, (5,))
+    vogn = infer.VOGN(model, dataset_size=10)
+    assert torch.isfinite(torch.as_tensor(vogn.step(x, y)))
+    assert set(vogn.layout.names) == {"head.weight", "head.bias"}

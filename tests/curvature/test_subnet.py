@@ -206,3 +206,113 @@ def test_memory_tracker_counts_allocations():
     assert mem.peak == 16000
     assert mem.current == 0
     assert view.numel() == 5
+
+
+def test_two_class_categorical_factor_is_one_column():
+    f = torch.tensor([[0.3, -1.2], [40.0, -40.0], [2.0, 2.0]], dtype=torch.float64)
+    factor = output_hessian_factor(f, "categorical")
+    assert factor.shape == (3, 2, 1)
+    for n in range(3):
+        h = torch.autograd.functional.hessian(lambda z, n=n: -z.log_softmax(-1)[0], f[n])
+        assert_close(factor[n] @ factor[n].T, h, rtol=1e-10, atol=1e-30)
+
+
+def _mlp(classes: int):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, classes)).double()
+    return net, torch.randn(7, 3, dtype=torch.float64)
+
+
+def _residual(likelihood, y, shift=0.0):
+    def fn(out):
+        leaf = out.detach().requires_grad_(True)
+        if likelihood == "categorical":
+            nll = nn.functional.cross_entropy(leaf, y, reduction="sum")
+        else:
+            nll = 0.5 * (leaf - 1.0).square().sum() / 0.3**2
+        # ``shift`` moves r out of the span of a categorical L (the unfolded path).
+        return torch.autograd.grad(nll, leaf)[0] + shift
+
+    return fn
+
+
+CASES_FOLD = [("categorical", 2, 0.0), ("categorical", 3, 0.0), ("gaussian", 2, 0.0)]
+CASES_FOLD += [("categorical", 2, 0.1)]
+
+
+@pytest.mark.parametrize("likelihood, classes, shift", CASES_FOLD)
+def test_gradient_from_the_curvature_passes_with_one_pass_per_column(likelihood, classes, shift):
+    from pyro_bdl.curvature.ggn import residual_coefficients
+    from pyro_bdl.curvature.kfac import KronLayer, kfac_sums
+
+    net, x = _mlp(classes)
+    y = torch.arange(7) % classes
+    residual_fn = _residual(likelihood, y, shift)
+    factor_fn = lambda out: output_hessian_factor(out, likelihood, noise_scale=0.3)  # noqa: E731
+    out = net(x)
+    folded = residual_coefficients(factor_fn(out), residual_fn(out)) is not None
+    assert folded == (shift == 0.0)
+    params = list(net.parameters())
+    expected = torch.autograd.grad((out * residual_fn(out)).sum(), params)
+    passes = []
+
+    def forward():
+        o = net(x)
+        o.register_hook(lambda g: passes.append(1))
+        return o
+
+    columns = factor_fn(out).shape[-1]
+    slots = [
+        ParamSlot(p, net[int(n.split(".")[0])], n.split(".")[1]) for n, p in net.named_parameters()
+    ]
+    grad = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    plain = diagonal_ggn(forward, slots, factor_fn)
+    passes.clear()
+    diag = diagonal_ggn(forward, slots, factor_fn, residual_fn=residual_fn, grad=grad)
+    assert len(passes) == columns + (not folded)  # no pass of its own when folded
+    assert_close(diag, plain, rtol=1e-12, atol=1e-30)
+    assert_close(grad, torch.cat([g.reshape(-1) for g in expected]), rtol=1e-10, atol=1e-12)
+
+    layers = [KronLayer(net[0], "linear", True), KronLayer(net[2], "linear", True)]
+
+    def sums(with_grad):
+        a = [torch.zeros(4, 4, dtype=torch.float64), torch.zeros(6, 6, dtype=torch.float64)]
+        g = [
+            torch.zeros(5, 5, dtype=torch.float64),
+            torch.zeros(classes, classes, dtype=torch.float64),
+        ]
+        gs = [torch.zeros(5, 4, dtype=torch.float64), torch.zeros(classes, 6, dtype=torch.float64)]
+        kw = dict(residual_fn=residual_fn, grad_sums=gs) if with_grad else {}
+        kfac_sums(forward, layers, factor_fn, a, g, **kw)
+        return a, g, gs
+
+    a0, g0, _ = sums(False)
+    passes.clear()
+    a1, g1, gs = sums(True)
+    if folded and columns == 1:  # two classes: one plain backward pass for everything
+        assert len(passes) == 1
+    for u, v in zip(a0 + g0, a1 + g1):
+        assert_close(u, v, rtol=1e-12, atol=1e-30)
+    for part, (w, b) in zip(gs, [expected[:2], expected[2:]]):
+        assert_close(part, torch.cat([w, b[:, None]], 1), rtol=1e-10, atol=1e-12)
+
+
+def test_kfac_input_factor_of_layers_sharing_one_input():
+    from pyro_bdl.curvature.kfac import KronLayer, kfac_sums
+
+    torch.manual_seed(0)
+    q, v, w = nn.Linear(3, 2), nn.Linear(3, 2, bias=False), nn.Linear(3, 2)
+    q, v, w = q.double(), v.double(), w.double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)  # a sequence: 5 positions
+    # q and w read x with a bias (one shared product), v without one (another product).
+    layers = [KronLayer(q, "linear", True), KronLayer(v, "linear", False)]
+    layers.append(KronLayer(w, "linear", True))
+    a = [torch.zeros(4, 4, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64)]
+    a.append(torch.zeros(4, 4, dtype=torch.float64))
+    g = [torch.zeros(2, 2, dtype=torch.float64) for _ in range(3)]
+    factor = lambda o: output_hessian_factor(o, "categorical")  # noqa: E731
+    kfac_sums(lambda: (q(x) + v(x) + w(x)).sum(1), layers, factor, a, g)
+    with_ones = torch.cat([x, torch.ones(4, 5, 1, dtype=torch.float64)], -1)
+    for got, inp in zip(a, [with_ones, x, with_ones]):
+        flat = inp.reshape(-1, inp.shape[-1])
+        assert_close(got, flat.T @ flat / 5, rtol=1e-12, atol=1e-30)

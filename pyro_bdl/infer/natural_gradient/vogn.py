@@ -194,6 +194,7 @@ class VOGN(NaturalGradientVI):
 
     def _allocate(self) -> None:
         assert self.state is not None and self.layout is not None
+        ready.tape.require_forms([(s.name, s.module) for s in self._specs], self.name)
         mean, hidden = self.state.mean, self._hidden
         g, h = torch.empty_like(mean), torch.empty_like(mean)
         g_hidden = [torch.empty_like(hp.param) for hp in hidden]
