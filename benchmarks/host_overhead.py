@@ -82,7 +82,8 @@ def profile(variant: str, steps: int = 20, top: int = 25) -> None:
     for key in ("tottime", "cumtime"):
         out = io.StringIO()
         stats = pstats.Stats(prof, stream=out).sort_stats(key)
-        print(f"--- {variant}: {stats.total_calls / steps:.0f} calls per step, by {key} ---")
+        calls = stats.total_calls  # type: ignore[attr-defined]
+        print(f"--- {variant}: {calls / steps:.0f} calls per step, by {key} ---")
         stats.print_stats(top)
         print(out.getvalue())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
