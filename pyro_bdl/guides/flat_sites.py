@@ -30,7 +30,8 @@ __all__ = ["PointMass", "sample_sites", "split_latent"]
 class PointMass(dist.Delta):
     """A ``Delta`` that knows its own draw: ``rsample()`` returns ``v`` itself, and the density
     of that draw is ``log_density`` without the elementwise test ``x == v`` and its logarithm
-    (two passes over every weight per training step whose result is always 0)."""
+    (two passes over every weight per training step whose result is always 0). Build it with
+    ``validate_args=False``: validating the constant log-density is a device→host sync."""
 
     def rsample(self, sample_shape=torch.Size()):
         return self.v if not sample_shape else super().rsample(sample_shape)

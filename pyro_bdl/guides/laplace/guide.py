@@ -250,19 +250,16 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
 
     def _unpack_latent(self, latent):
-        nodes = self.prototype_trace.nodes
-        for site, part in zip(self.layout, split_latent(self.layout, latent)):
-            yield nodes[site.name], part
+        parts = split_latent(self.layout, latent)
+        return ((self.prototype_trace.nodes[s.name], p) for s, p in zip(self.layout, parts))
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """The MAP point (before :meth:`fit`) or one posterior draw of every latent site,
-        ``{site name: value}``: :meth:`AutoContinuous.forward` without its per-site overheads
-        (:func:`~pyro_bdl.guides.flat_sites.sample_sites`)."""
+        """:meth:`AutoContinuous.forward` without its per-site overheads (:func:`.sample_sites`)."""
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         latent = self.sample_latent(*args, **kwargs)
-        in_plates = any(site.frames for site in self.layout)
-        plates = self._create_plates(*args, **kwargs) if in_plates else {}
+        plated = any(site.frames for site in self.layout)
+        plates = self._create_plates(*args, **kwargs) if plated else {}
         return sample_sites(self.layout, latent, plates)
 
     @property
@@ -271,8 +268,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
 
     def get_posterior(self, *args, **kwargs):
         if not self.fitted:
-            # validate_args=False: checking the constant log-density is a device→host sync.
-            return PointMass(self.loc, event_dim=1, validate_args=False)
+            return PointMass(self.loc, event_dim=1, validate_args=False)  # flat_sites: why
         if self.hessian_structure == "full":
             return SubnetNormal(self.map_loc, self.subnet_index, self.scale_tril)
         return StructuredNormal(self.map_loc, self.subnet_index, self.posterior)
