@@ -19,6 +19,7 @@ BENCHMARKS: list[str] = [
     "vogn_step",
     "ivon_step",
     "resnet",
+    "host_overhead",
     "ddp",  # spawns two gloo processes
     "tuned_vogn_adam",
     "rotated_mnist",  # needs $PYRO_BDL_DATA (or ../shared/data) for MNIST

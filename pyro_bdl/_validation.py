@@ -6,7 +6,6 @@ the actual value, and proposes a fix, whether or not Pyro's validation is on.
 
 from __future__ import annotations
 
-import cmath
 import math
 from collections.abc import Sequence
 
@@ -66,13 +65,18 @@ def check_choice(name: str, value: str, options: Sequence[str]) -> str:
     return value
 
 
+def finite_probe(tensor: torch.Tensor) -> torch.Tensor:
+    """A boolean scalar on ``tensor``'s device (not read back): ``False`` where ``tensor`` may
+    hold a NaN or inf. One reduction instead of an elementwise mask: a NaN or inf anywhere makes
+    the sum non-finite; a finite tensor whose sum overflows also gives ``False``, and the exact
+    test of :func:`check_finite` then finds nothing, so a verdict built on it is the same."""
+    return torch.isfinite(tensor.detach().sum())
+
+
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """Refuse NaN/inf, naming the tensor, the count and the first offending index."""
     if tensor.is_floating_point() or tensor.is_complex():
-        # Fast path, one reduction instead of an elementwise mask: a NaN or inf anywhere makes
-        # the sum non-finite. A finite tensor whose sum overflows falls through to the exact
-        # check below, which then finds nothing, so the verdict is the same either way.
-        if cmath.isfinite(tensor.detach().sum().item()):
+        if finite_probe(tensor).item():
             return
         bad = ~torch.isfinite(tensor)
         if bad.any():

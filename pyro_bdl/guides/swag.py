@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import pyro
 import pyro.distributions as dist
@@ -58,12 +58,12 @@ import torch
 from pyro import poutine
 from pyro.distributions import constraints
 from pyro.distributions.torch_distribution import TorchDistribution, TorchDistributionMixin
-from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.guides.access import SiteAccess, check_same_sites
+from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn import init_to_network
@@ -517,18 +517,7 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         self._in_plates = any(site.frames for site in self.layout)
 
     def _split(self, latent: torch.Tensor) -> list[torch.Tensor]:
-        """Every site's unconstrained block of ``latent`` (last dim D), shaped as
-        :meth:`AutoContinuous._unpack_latent` shapes it: one ``torch.split`` for all sites, so
-        the backward pass writes the gradient of the whole vector once (a slice per site would
-        fill a zero tensor of length D per site)."""
-        parts = self.layout.split(latent)
-        batch = latent.shape[:-1]
-        if not batch:
-            return parts
-        return [
-            part.reshape(torch.broadcast_shapes(site.shape, batch + (1,) * site.event_dim))
-            for part, site in zip(parts, self.layout)
-        ]
+        return split_latent(self.layout, latent)
 
     def _unpack_latent(self, latent):
         """``(prototype site, unconstrained value)`` pairs, as
@@ -688,7 +677,7 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         posterior: dist.Distribution
         if self._use_point_estimate():
             # validate_args=False: checking the constant log-density is a device→host sync.
-            posterior = _PointMass(self.loc, event_dim=1, validate_args=False)
+            posterior = PointMass(self.loc, event_dim=1, validate_args=False)
         else:
             posterior = self.get_posterior()
         return pyro.sample(f"_{self._pyro_name}_latent", posterior, infer={"is_auxiliary": True})
@@ -696,34 +685,15 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """One draw (or the point estimate) of every latent site, ``{site name: value}``.
 
-        :meth:`AutoContinuous.forward` without its per-site overheads: one split of the latent
-        vector for all sites, real-valued sites skip the identity transform and its all-zeros
-        log-Jacobian (two passes over every weight), the site Deltas skip argument validation
-        (a device→host sync per site), and plates are built only if a site lives in one.
+        :meth:`AutoContinuous.forward` without its per-site overheads
+        (:func:`~pyro_bdl.guides.flat_sites.sample_sites`); plates are built only if a site
+        lives in one.
         """
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         latent = self.sample_latent(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs) if self._in_plates else {}
-        no_jacobian = poutine.get_mask() is False
-        result = {}
-        for site, unconstrained in zip(self.layout, self._split(latent)):
-            # The constrained value may have other dims than the unconstrained one.
-            value, event_dim, log_density = unconstrained, site.event_dim, 0.0
-            if site.transform is not None:
-                value = site.transform(unconstrained)
-                event_dim += value.dim() - unconstrained.dim()
-                if not no_jacobian:
-                    ladj = site.transform.inv.log_abs_det_jacobian(value, unconstrained)
-                    log_density = sum_rightmost(ladj, ladj.dim() - value.dim() + event_dim)
-            delta = _PointMass(
-                value, log_density=log_density, event_dim=event_dim, validate_args=False
-            )
-            with ExitStack() as stack:
-                for plate_name, _ in site.frames:
-                    stack.enter_context(plates[plate_name])
-                result[site.name] = pyro.sample(site.name, delta)
-        return result
+        return sample_sites(self.layout, latent, plates)
 
     @torch.no_grad()
     def sample_weights(self) -> dict[str, torch.Tensor]:
@@ -760,17 +730,3 @@ def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype``: itself if it is already, else a copy on its device (``copy_``, which
     never reads a value back to the host)."""
     return t if t.dtype == dtype else torch.empty_like(t, dtype=dtype).copy_(t)
-
-
-class _PointMass(dist.Delta):
-    """A ``Delta`` that knows its own draw: ``rsample()`` returns ``v`` itself, and the density
-    of that draw is ``log_density`` without the elementwise test ``x == v`` and its logarithm
-    (two passes over every weight per training step whose result is always 0)."""
-
-    def rsample(self, sample_shape=torch.Size()):
-        return self.v if not sample_shape else super().rsample(sample_shape)
-
-    def log_prob(self, x):
-        if x is self.v:
-            return self.log_density
-        return super().log_prob(x)

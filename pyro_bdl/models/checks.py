@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.modules import activation
 
-from pyro_bdl._validation import check_finite
+from pyro_bdl._validation import check_finite, finite_probe
 
 __all__ = [
     "IGNORE_INDEX",
@@ -160,7 +160,6 @@ def check_batch(
     for name, t in tensors.items():
         if t.dim() == 0 or t.shape[0] == 0:
             raise ValueError(f"{name} must have at least one row; got shape {tuple(t.shape)}.")
-        check_finite(name, t)
     counts = {name: t.shape[0] for name, t in tensors.items()}
     if len(set(counts.values())) > 1:
         raise ValueError(
@@ -168,7 +167,11 @@ def check_batch(
             "Pass matching slices of the data."
         )
     rows = next(iter(counts.values()))
+    # Shapes and dtypes first; the values last, read back to the host in one transfer
+    # (:class:`_Values`): on a GPU each read is a synchronisation that stalls the step.
+    values = _Values(tensors)
     if y is None:
+        values.check()
         return
     if not isinstance(y, torch.Tensor):
         raise TypeError(
@@ -180,6 +183,7 @@ def check_batch(
             f"{tuple(y.shape)}. Pass matching slices of the data."
         )
     if task == "tokens":
+        values.check()
         _check_token_labels(y, num_classes)
     elif task == "classification":
         if y.dim() != 1:
@@ -192,13 +196,14 @@ def check_batch(
                 f"y must hold integer class labels for a categorical likelihood; got dtype "
                 f"{y.dtype}. Use y.long()."
             )
-        if num_classes is not None and y.numel():
-            lo, hi = label_range(y)
-            if lo < 0 or hi >= num_classes:
-                raise ValueError(
-                    f"class labels must lie in [0, {num_classes}); got min {lo}, max {hi}. "
-                    "Check the label encoding or the network's number of outputs."
-                )
+        if num_classes is not None:
+            values.labels = y
+        lo, hi = values.check()
+        if num_classes is not None and (lo < 0 or hi >= num_classes):
+            raise ValueError(
+                f"class labels must lie in [0, {num_classes}); got min {lo}, max {hi}. "
+                "Check the label encoding or the network's number of outputs."
+            )
     elif task in ("binary", "multilabel"):
         want = 1 if task == "binary" else 2
         if y.dim() != want:
@@ -218,15 +223,56 @@ def check_batch(
                 "one logit per label; pass y with one column per output (or change the network's "
                 "last layer)."
             )
-        check_finite("y", y)
-        check_binary_labels(y)
+        values.add("y", y)
+        values.binary = y
+        values.check()
     else:
         if not y.is_floating_point():
             raise ValueError(
                 f"y must be floating point for a Gaussian likelihood; got dtype {y.dtype}. "
                 "Use y.float() (or a classifier for class labels)."
             )
-        check_finite("y", y)
+        values.add("y", y)
+        values.check()
+
+
+class _Values:
+    """The value checks of one batch, read back to the host in one transfer: every floating
+    tensor is finite (:func:`~pyro_bdl._validation.check_finite`'s one-reduction test), binary
+    labels are 0/1 and the (min, max) of class labels. A failed test then runs the exact check,
+    which names the offending value."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.floats: list[tuple[str, torch.Tensor]] = []
+        for name, t in tensors.items():
+            self.add(name, t)
+        self.binary: torch.Tensor | None = None  #: labels that must be 0 or 1
+        self.labels: torch.Tensor | None = None  #: class labels whose range is read
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.is_floating_point() or t.is_complex():
+            self.floats.append((name, t))
+
+    def check(self) -> tuple[int, int]:
+        """Raise on the first failed test; return (min, max) of :attr:`labels` ((0, 0) when
+        none)."""
+        probes = [finite_probe(t) for _, t in self.floats]
+        if self.binary is not None and self.binary.numel():
+            probes.append(((self.binary == 0) | (self.binary == 1)).all())
+        if self.labels is not None:
+            probes.extend(torch.aminmax(self.labels))
+        if not probes:
+            return 0, 0
+        if len({p.device for p in probes}) == 1:
+            read = torch.stack([p.long() for p in probes]).tolist()
+        else:  # no common device (the network's device is unknown): one read per probe
+            read = [int(p) for p in probes]
+        for (name, t), ok in zip(self.floats, read):
+            if not ok:
+                check_finite(name, t)
+        if self.binary is not None and self.binary.numel() and not read[len(self.floats)]:
+            check_binary_labels(self.binary)
+        return (read[-2], read[-1]) if self.labels is not None else (0, 0)
 
 
 def _check_token_labels(y: torch.Tensor, vocab: int | None) -> None:

@@ -71,19 +71,25 @@ class _LogSoftmaxCategorical(dist.Categorical):
     ``logits - logsumexp(logits)``) and scoring labels of the batch shape with one ``gather``.
 
     The classifiers' likelihood pays this on every step; in every other respect (``logits``,
-    ``probs``, ``sample``, ``expand``, validation) it is the ordinary ``Categorical``.
+    ``probs``, ``sample``, ``expand``, validation) it is the ordinary ``Categorical``, except
+    that the labels ``checked`` (the tensor the model's batch check already found in
+    ``[0, C)``) are scored without validating them again, a device→host synchronisation on
+    every step.
     """
 
-    def __init__(self, logits: torch.Tensor, validate_args=None):
+    def __init__(
+        self, logits: torch.Tensor, validate_args=None, checked: torch.Tensor | None = None
+    ):
         if logits.dim() < 1:
             raise ValueError("`logits` parameter must be at least one-dimensional.")
         self.logits = torch.log_softmax(logits, dim=-1)
         self._param = self.logits
         self._num_events = logits.shape[-1]
+        self._checked = checked
         TorchDistribution.__init__(self, logits.shape[:-1], validate_args=validate_args)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        if self._validate_args:
+        if self._validate_args and value is not self._checked:
             self._validate_sample(value)
         if value.shape != self.batch_shape:  # broadcasting (e.g. enumerated values)
             return super().log_prob(value)
@@ -409,8 +415,10 @@ class NetworkModel:
                     f"class labels must lie in [0, {logits.shape[-1]}); got min {lo}, max {hi}. "
                     "Check the label encoding or the network's number of outputs."
                 )
+        # The labels were checked against this width (before the forward pass, or just now).
+        checked = y if self._width in (None, logits.shape[-1]) else None
         self._width = logits.shape[-1]
-        return _LogSoftmaxCategorical(logits), y
+        return _LogSoftmaxCategorical(logits, checked=checked), y
 
     def _bernoulli(self, logits, y, rows):
         if not self.multilabel and _rows_at(logits, rows, core=2) and logits.shape[-1] == 1:

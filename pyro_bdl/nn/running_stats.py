@@ -43,25 +43,40 @@ def _versions(module: nn.Module) -> tuple[int, ...]:
     """The identities and in-place version counters of everything a writer between two passes
     would change: the network's parameters and buffers, and the param store's (unconstrained)
     parameters (an optimiser step writes them in place, a load may replace them)."""
-    store = pyro.get_param_store()
-    tensors = [
-        *module.parameters(),
-        *(b for b in module.buffers() if b is not None),
-        *(p for _, p in store.named_parameters()),
-    ]
-    return tuple(n for t in tensors for n in (id(t), t._version))
+    # One walk over the modules' own tensor dicts: ``parameters()`` and ``buffers()`` would walk
+    # the tree twice, building every dotted name, on each forward pass of every training step.
+    fingerprint: list[int] = []
+    for sub in module.modules():
+        for tensors in (sub._parameters, sub._buffers):
+            for t in tensors.values():
+                if t is not None:
+                    fingerprint += (id(t), t._version)
+    for _, p in pyro.get_param_store().named_parameters():
+        fingerprint += (id(p), p._version)
+    return tuple(fingerprint)
 
 
 class _Run:
     """The normalisation buffers before a run of untrained passes, and the versions after its
-    latest pass."""
+    latest pass.
 
-    def __init__(self, module: nn.Module):
+    :ivar layers: the identities of the training-mode layers when the run began; a later run
+        over the same layers saves into this run's storage (:meth:`restart`).
+    """
+
+    def __init__(self, module: nn.Module, layers: tuple[int, ...]):
         # Imported here: pyro_bdl.infer imports the guides, which import pyro_bdl.nn.
         from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
 
         self.rollback = Rollback.saved(norm_layer_buffers([module]))
+        self.layers = layers
         self.after: tuple[int, ...] | None = None
+
+    def restart(self) -> None:
+        """Begin a new run (every training step does): save the buffers again, into the copies
+        of the previous run (one fused copy, not a new tensor per buffer)."""
+        self.rollback.save()
+        self.after = None
 
 
 #: One run per lifted network (weakly: a run never keeps a network alive).
@@ -71,12 +86,17 @@ _RUNS: weakref.WeakKeyDictionary[nn.Module, _Run] = weakref.WeakKeyDictionary()
 def note_unvectorized_pass(module: nn.Module):
     """Call before an unvectorized forward of the lifted ``module``; call the returned function
     after it. Outside Pyro, or without training-mode BatchNorm, no run is kept."""
-    if not _PYRO_STACK or not _training_layers(module):
+    layers = _training_layers(module) if _PYRO_STACK else []
+    if not layers:
         _RUNS.pop(module, None)
         return _nothing
     run = _RUNS.get(module)
     if run is None or run.after != _versions(module):
-        run = _RUNS[module] = _Run(module)
+        ids = tuple(id(sub) for _, sub in layers)
+        if run is not None and run.layers == ids:
+            run.restart()
+        else:
+            run = _RUNS[module] = _Run(module, ids)
 
     def done() -> None:
         run.after = _versions(module)

@@ -33,7 +33,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
@@ -41,6 +40,7 @@ from torch import nn
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.curvature.memory import check_memory
 from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
 from pyro_bdl.guides.laplace.evidence import (
     PRIOR_STRUCTURES,
     SEARCHES,
@@ -250,17 +250,17 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
 
     def _unpack_latent(self, latent):
-        # As AutoContinuous does: the batch dims of ``latent`` (vectorized particles) broadcast
-        # against the site's plate dims instead of being prepended to them, so a site inside a
-        # plate keeps one particle dim.
-        # One split (not a slice per site), whose backward is one cat rather than a
-        # zero-filled D-vector per site.
-        nodes = self.prototype_trace.nodes
-        batch = latent.shape[:-1]
-        for site, part in zip(self.layout, latent.split(self.layout.sizes, dim=-1)):
-            node = nodes[site.name]
-            event_dim = node["fn"].event_dim + len(site.shape) - node["value"].dim()
-            yield node, part.reshape(torch.broadcast_shapes(site.shape, batch + (1,) * event_dim))
+        parts = split_latent(self.layout, latent)
+        return ((self.prototype_trace.nodes[s.name], p) for s, p in zip(self.layout, parts))
+
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """:meth:`AutoContinuous.forward` without its per-site overheads (:func:`.sample_sites`)."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        latent = self.sample_latent(*args, **kwargs)
+        plated = any(site.frames for site in self.layout)
+        plates = self._create_plates(*args, **kwargs) if plated else {}
+        return sample_sites(self.layout, latent, plates)
 
     @property
     def fitted(self) -> bool:
@@ -268,7 +268,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
 
     def get_posterior(self, *args, **kwargs):
         if not self.fitted:
-            return dist.Delta(self.loc, event_dim=1)
+            return PointMass(self.loc, event_dim=1, validate_args=False)  # flat_sites: why
         if self.hessian_structure == "full":
             return SubnetNormal(self.map_loc, self.subnet_index, self.scale_tril)
         return StructuredNormal(self.map_loc, self.subnet_index, self.posterior)

@@ -1,0 +1,87 @@
+"""The sites of a guide over one flat latent vector, sampled without per-site overheads.
+
+:class:`~pyro_bdl.guides.AutoSWAG` and :class:`~pyro_bdl.guides.AutoSubnetLaplace` pack every
+latent site into one unconstrained vector, as :class:`~pyro.infer.autoguide.AutoContinuous` does,
+and run once per training step. :func:`sample_sites` is ``AutoContinuous.forward`` after the
+latent draw, without what that costs per site on every step: one ``torch.split`` for all sites
+(the backward pass then writes the whole gradient once, not a zero-filled D-vector per site),
+real-valued sites skip the identity transform and its all-zeros log-Jacobian (two passes over
+every weight), the site Deltas (:class:`PointMass`) skip argument validation (a device→host
+synchronisation per site) and the elementwise test of their own draw, and plates are entered only
+for a site that lives in one.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.distributions.util import sum_rightmost
+
+from pyro_bdl.layout import SiteLayout
+
+__all__ = ["PointMass", "sample_sites", "split_latent"]
+
+
+class PointMass(dist.Delta):
+    """A ``Delta`` that knows its own draw: ``rsample()`` returns ``v`` itself, and the density
+    of that draw is ``log_density`` without the elementwise test ``x == v`` and its logarithm
+    (two passes over every weight per training step whose result is always 0). Build it with
+    ``validate_args=False``: validating the constant log-density is a device→host sync."""
+
+    def rsample(self, sample_shape=torch.Size()):
+        return self.v if not sample_shape else super().rsample(sample_shape)
+
+    def log_prob(self, x):
+        if x is self.v:
+            return self.log_density
+        return super().log_prob(x)
+
+
+def split_latent(layout: SiteLayout, latent: torch.Tensor) -> list[torch.Tensor]:
+    """Every site's unconstrained block of ``latent`` (last dim D), shaped as
+    :meth:`AutoContinuous._unpack_latent` shapes it: the batch dims of ``latent`` (vectorized
+    particles) broadcast against the site's plate dims instead of being prepended to them."""
+    parts = layout.split(latent)
+    batch = latent.shape[:-1]
+    if not batch:
+        return parts
+    return [
+        part.reshape(torch.broadcast_shapes(site.shape, batch + (1,) * site.event_dim))
+        for part, site in zip(parts, layout)
+    ]
+
+
+def sample_sites(
+    layout: SiteLayout, latent: torch.Tensor, plates: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """One ``pyro.sample`` per site of ``layout`` at its block of ``latent``, ``{name: value}``.
+
+    :param latent: the unconstrained latent vector (leading batch dims allowed).
+    :param plates: the guide's plates by name (``AutoGuide._create_plates``); only read for a
+        site inside a plate, so a layout without plated sites may pass ``{}``.
+    """
+    no_jacobian = poutine.get_mask() is False
+    result = {}
+    for site, unconstrained in zip(layout, split_latent(layout, latent)):
+        # The constrained value may have other dims than the unconstrained one.
+        value, event_dim, log_density = unconstrained, site.event_dim, 0.0
+        if site.transform is not None:
+            value = site.transform(unconstrained)
+            event_dim += value.dim() - unconstrained.dim()
+            if not no_jacobian:
+                ladj = site.transform.inv.log_abs_det_jacobian(value, unconstrained)
+                log_density = sum_rightmost(ladj, ladj.dim() - value.dim() + event_dim)
+        delta = PointMass(value, log_density=log_density, event_dim=event_dim, validate_args=False)
+        if not site.frames:
+            result[site.name] = pyro.sample(site.name, delta)
+            continue
+        with ExitStack() as stack:
+            for plate_name, _ in site.frames:
+                stack.enter_context(plates[plate_name])
+            result[site.name] = pyro.sample(site.name, delta)
+    return result

@@ -1,0 +1,80 @@
+"""A training step reads tensors back to the host only where a check needs a value.
+
+On a GPU every read (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``) waits for the queued
+kernels, so the per-step path of a classifier's model and of the point-estimate guides is held to
+a counted number: the model's batch check reads once (finite inputs and the label range fused),
+Categorical's own validation of the logits once (a NaN logit is refused), the guides never.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pytest
+import torch
+from pyro import poutine
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import pyro_bdl as bdl
+
+READS = {"item", "__int__", "__float__", "__bool__", "__index__", "tolist", "numpy"}
+
+
+class _CountReads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _step_parts(guide_cls, **options):
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)
+    )
+    model = bdl.models.classifier(bdl.bayesianize(net, bdl.priors.Normal(scale=1.0)), 100)
+    guide = guide_cls(model, **options)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(5, (8,))
+    svi = pyro.infer.SVI(model, guide, pyro.optim.SGD({"lr": 1e-3}), pyro.infer.Trace_ELBO())
+    svi.step(x, y)  # the first call (set-up, output width) is not the per-step path
+    return model, guide, x, y
+
+
+@pytest.mark.parametrize(
+    ("guide_cls", "options"),
+    [
+        (bdl.guides.AutoSWAG, {"rank": 2}),
+        (bdl.guides.AutoSubnetLaplace, {"subnetwork": "last_layer"}),
+    ],
+)
+@pytest.mark.parametrize("validation", [True, False])
+def test_a_point_step_reads_back_only_the_batch_check(guide_cls, options, validation):
+    model, guide, x, y = _step_parts(guide_cls, **options)
+    pyro.enable_validation(validation)
+    with _CountReads() as guide_reads:
+        guide_trace = poutine.trace(guide).get_trace(x, y)
+    assert guide_reads.reads == []
+    with _CountReads() as model_reads:
+        trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(x, y)
+        trace.nodes["y"]["fn"].log_prob(y)
+    # With validation, Categorical checks its logits (one read); the labels it would check
+    # again were checked by the batch check.
+    assert model_reads.reads == (["tolist", "__bool__"] if validation else ["tolist"])
+
+
+def test_the_fused_batch_check_still_names_each_failure():
+    model, _, x, y = _step_parts(bdl.guides.AutoSWAG, rank=2)
+    bad_x = x.clone()
+    bad_x[1, 0, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"x contains 1 non-finite value\(s\).*\(1, 0, 2, 3\)"):
+        model(bad_x, y)
+    with pytest.raises(ValueError, match=r"class labels must lie in \[0, 5\); got min 0, max 7"):
+        model(x, torch.tensor([0, 1, 2, 3, 4, 7, 1, 1]))
+    with pytest.raises(ValueError, match=r"got min -1, max 4"):
+        model(x, torch.tensor([0, 1, 2, 3, 4, -1, 1, 1]))
+    with pytest.raises(ValueError, match=r"binary labels 0 or 1.*2"):
+        bdl.models.check_batch(x, torch.tensor([0, 1, 2, 1, 0, 0, 1, 1]), task="binary")
