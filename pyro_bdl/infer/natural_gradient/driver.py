@@ -355,6 +355,10 @@ class NaturalGradientVI:
 
     # -- what a method provides ------------------------------------------------------------------
 
+    def _check_network(self, ready: Prepared) -> None:
+        """Refuse, before anything is installed, a network whose first pass (``ready``) shows
+        layers this method cannot train; nothing by default."""
+
     def _allocate(self) -> None:
         """Allocate :attr:`estimates` and the method's other buffers, like :attr:`state`, once per
         model (and again when :meth:`to` moves the state)."""
@@ -441,6 +445,7 @@ class NaturalGradientVI:
             self._uninstall(pending)
 
         try:
+            self._check_network(ready)
             prior = GaussianPrior.read(ready.layout, self.prior_precision)
             self._install(ready, prior)
             if pending is not None:

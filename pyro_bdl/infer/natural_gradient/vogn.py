@@ -192,9 +192,13 @@ class VOGN(NaturalGradientVI):
 
     # -- ĝ and ĥ: per-example gradients and their squares ---------------------------------------
 
+    def _check_network(self, ready: Prepared) -> None:
+        # Layers without a per-example form (recurrent, attention) would get no curvature.
+        specs = [site.spec for site in ready.layout if site.spec is not None]
+        ready.tape.require_forms([(s.name, s.module) for s in specs], self.name)
+
     def _allocate(self) -> None:
         assert self.state is not None and self.layout is not None
-        ready.tape.require_forms([(s.name, s.module) for s in self._specs], self.name)
         mean, hidden = self.state.mean, self._hidden
         g, h = torch.empty_like(mean), torch.empty_like(mean)
         g_hidden = [torch.empty_like(hp.param) for hp in hidden]
