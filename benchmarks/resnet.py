@@ -454,8 +454,17 @@ def main(argv: list[str] | None = None) -> dict:
         default="",
         help="comma-separated subset of the steps (e.g. mf_plain,meanfield,radial); default all",
     )
+    parser.add_argument(
+        "--shape", default="3,32,32", help="input shape C,H,W (e.g. 3,224,224 for ImageNet size)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args, _ = parser.parse_known_args(argv)  # run_all passes its own argv through
+    try:
+        shape = tuple(int(d) for d in args.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        parser.error(f"--shape: expected three positive integers C,H,W; got {args.shape!r}.")
     variants = [v for v in args.variants.split(",") if v] or None
     known = (
         "sgd",
@@ -486,7 +495,9 @@ def main(argv: list[str] | None = None) -> dict:
     figures: dict = {}
     for net in nets:
         for batch in batches:
-            r = measure(net, batch, args.device, rounds, variants, autocast=AUTOCAST[args.autocast])
+            r = measure(
+                net, batch, args.device, rounds, variants, shape, autocast=AUTOCAST[args.autocast]
+            )
             figures[f"{net}/B={batch}"] = r
             for key, v in r["ratios"].items():
                 q = v["time_quartiles_per_round"]
@@ -505,9 +516,10 @@ def main(argv: list[str] | None = None) -> dict:
         "N": N,
         "batch_sizes": batches,
         "nets": {
-            "resnet18": "torchvision resnet18(num_classes=10), 3x32x32 inputs",
-            "mlp": "3072-2048-2048-10 ReLU MLP, 3x32x32 inputs flattened",
+            "resnet18": "torchvision resnet18(num_classes=10)",
+            "mlp": "3072-2048-2048-10 ReLU MLP, inputs flattened (3x32x32 only)",
         },
+        "shape": shape,
         "device": args.device,
         "autocast": args.autocast,
         "threads": 1,
@@ -525,6 +537,8 @@ def main(argv: list[str] | None = None) -> dict:
         suffix = "" if args.device == "cpu" else f"_{args.device.split(':')[0]}"
         if args.autocast != "none":
             suffix += f"_{args.autocast}"
+        if shape != (3, 32, 32):
+            suffix += "_" + "x".join(map(str, shape))
         if args.quick:
             suffix += "_quick"
         if os.environ.get("MALLOC_MMAP_MAX_") == "0":
