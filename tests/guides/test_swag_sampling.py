@@ -188,8 +188,12 @@ def test_sampling_stays_on_the_gpu_without_host_device_copies(cache_std):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     # And no copy in either direction at all, synchronising or not.
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        sample()
-        torch.cuda.synchronize()
+    # torch ≥ 2.11 warns at exit that the profiler "clears events at the end of each cycle",
+    # which does not concern a single cycle (an error under filterwarnings=error).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Warning: Profiler clears events")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sample()
+            torch.cuda.synchronize()
     copies = [e.name for e in prof.events() if "HtoD" in e.name or "DtoH" in e.name]
     assert copies == []
