@@ -233,7 +233,6 @@ KL_FALLBACK_IS_DOCUMENTED = "ignore::pyro_bdl.infer.KLFallbackWarning"
 TORCHSCRIPT_DEPRECATED = "ignore:`torch.jit:FutureWarning"
 
 
-
 def not_reparameterized(*elbos: str, suffixes: tuple[str, ...] = ("",)) -> dict[str, Known]:
     """By design, a point-mass mixture or a MultiSWAG posterior has no reparameterized sample, so
     the ELBOs that need one (TraceMeanField_ELBO, TraceSuffStat_ELBO) refuse it with the fix in the
