@@ -244,6 +244,21 @@ _GROWS = (
 )
 
 
+def _grown_after_setup(entry):
+    """``(model, guide)``: the guide set up on a model of the site ``x``, after which the model
+    grew the site ``y`` (Pyro's dynamic model, as one model whose sites change)."""
+    grown = {"y": False}
+
+    def model():
+        x = pyro.sample("x", dist.Normal(0, 1))
+        y = pyro.sample("y", dist.Normal(0, 1)) if grown["y"] else 0.0
+        pyro.sample("obs", dist.Normal(x + y, 1), obs=torch.tensor(0.0))
+
+    guide = entry.make(model)
+    grown["y"] = True
+    return model, guide
+
+
 @pytest.mark.parametrize(
     "entry",
     cases(
@@ -267,32 +282,13 @@ def test_dynamic_model(entry):
     """After Pyro's ``test_autonormal_dynamic_model``, but with the same guide object: once the
     guide is set up on a model with the site ``x``, the model grows a site ``y``. The guide must
     cover ``y`` or refuse it with an error that names it, never leave it to the prior."""
-    grown = {"y": False}
-
-    def model():
-        x = pyro.sample("x", dist.Normal(0, 1))
-        y = pyro.sample("y", dist.Normal(0, 1)) if grown["y"] else 0.0
-        pyro.sample("obs", dist.Normal(x + y, 1), obs=torch.tensor(0.0))
-
-    guide = entry.make(model)
-    grown["y"] = True
+    _, guide = _grown_after_setup(entry)
     try:
         trace = poutine.trace(guide).get_trace()
     except (ValueError, RuntimeError, KeyError) as error:
         assert "'y'" in str(error) or '"y"' in str(error), str(error)
     else:
         assert "y" in trace.nodes, "the guide neither covers nor refuses the new site 'y'"
-
-
-@pytest.mark.parametrize("num_particles", [1, 3])
-@pytest.mark.parametrize("entry", cases(["laplace", "subnet_laplace"]))
-def test_lifted_network_map_phase_ok(entry, num_particles):
-    """``assert_ok`` for the Laplace guides before ``fit``: their MAP phase is SVI on
-    Trace_ELBO, with vectorized particles as any guide."""
-    model, x, y = lifted_classifier()
-    guide = entry.build(model)
-    elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=True)
-    assert_ok(model, guide, elbo, x=x[:4], y=y[:4])
 
 
 @pytest.mark.parametrize(
@@ -304,15 +300,7 @@ def test_grown_model_refused_by_the_elbo(entry, Elbo):
     """The same grown model and guide as ``test_dynamic_model``, under SVI: Pyro's model-guide
     check warns naming ``y``, and TraceSuffStat_ELBO refuses it with the fix instead of a bare
     ``KeyError`` (Trace_ELBO goes on, ``y`` drawn from its prior, after the warning)."""
-    grown = {"y": False}
-
-    def model():
-        x = pyro.sample("x", dist.Normal(0, 1))
-        y = pyro.sample("y", dist.Normal(0, 1)) if grown["y"] else 0.0
-        pyro.sample("obs", dist.Normal(x + y, 1), obs=torch.tensor(0.0))
-
-    guide = entry.make(model)
-    grown["y"] = True
+    model, guide = _grown_after_setup(entry)
     svi = SVI(model, guide, Adam({"lr": 1e-2}), Elbo())
     with pytest.warns(UserWarning, match=r"Found vars in model but not guide: \{'y'\}"):
         if Elbo is TraceSuffStat_ELBO:
@@ -320,3 +308,14 @@ def test_grown_model_refused_by_the_elbo(entry, Elbo):
                 svi.step()
         else:
             svi.step()
+
+
+@pytest.mark.parametrize("num_particles", [1, 3])
+@pytest.mark.parametrize("entry", cases(["laplace", "subnet_laplace"]))
+def test_lifted_network_map_phase_ok(entry, num_particles):
+    """``assert_ok`` for the Laplace guides before ``fit``: their MAP phase is SVI on
+    Trace_ELBO, with vectorized particles as any guide."""
+    model, x, y = lifted_classifier()
+    guide = entry.build(model)
+    elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=True)
+    assert_ok(model, guide, elbo, x=x[:4], y=y[:4])
