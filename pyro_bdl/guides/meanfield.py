@@ -94,7 +94,8 @@ class AutoMeanField(AutoLocScaleGuide):
         weights (0.1 × their RMS) did no better than 0.01. The price is on small models whose
         posterior is wide: from 0.01 the scale of an N(0, 1) latent reaches only 0.67 within
         Pyro's 100-step quantile test (Adam 0.05), 0.03 reaches 0.92 and 0.1 1.00. Pass
-        ``init_scale=0.1`` for such models.
+        ``init_scale=0.1`` for such models. With Adam 1e-2 the networks' gap closes (0.03 did
+        best there, 0.1 close); the figures are in docs/methods/meanfield_radial.md.
     :param callable init_loc_fn: initial locations (default: the network's own weights).
     :param callable create_plates: optional, as in :class:`~pyro.infer.autoguide.AutoGuide`.
 

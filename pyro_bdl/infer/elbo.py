@@ -142,6 +142,28 @@ def _exact_kl(q: Distribution, p: Distribution) -> torch.Tensor | None:
     return sum_rightmost(kl.expand(q.batch_shape + q.event_shape), len(q.event_shape))
 
 
+def _refuse_unguided(model_trace, guide_trace) -> None:
+    """Refuse latent model sites without a guide site: their KL has no ``q``.
+
+    The usual cause is a model that grew a site after its autoguide was set up. An autoguide
+    fixes its sites on its first call and, called alone, never sees the model again, so only
+    the step that runs both can notice (Pyro's own ELBOs warn there, "Found vars in model but
+    not guide")."""
+    missing = [
+        name
+        for name, site in model_trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and name not in guide_trace.nodes
+    ]
+    if missing:
+        raise ValueError(
+            f"TraceSuffStat_ELBO: the model samples latent sites {missing} that the guide does "
+            "not, so their KL has no guide distribution. If the model grew them after the guide "
+            "was set up (an autoguide fixes its sites on its first call), build a new guide over "
+            "the model as it is now, after pyro.clear_param_store() (or under another name); "
+            "otherwise give the guide a sample site of the same name for each."
+        )
+
+
 @dataclass
 class _StepGuard:
     """Per-ELBO bookkeeping: the layers to save (known after the first step) and the steps done.
@@ -349,6 +371,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                     "own distribution"
                 )
                 terms.append(("KL", name, self._fallback(name, None, site, reason)))
+        _refuse_unguided(model_trace, guide_trace)
         for name, site in model_trace.nodes.items():
             if site["type"] != "sample":
                 continue

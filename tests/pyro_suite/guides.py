@@ -76,6 +76,9 @@ def _members(model, args: Args, count: int) -> list[dict]:
     members = []
     for k in range(count):
         pyro.set_rng_seed(k)
+        # Every AutoDelta names its parameters alike in the store: without clearing it, each
+        # member would read the first one's values instead of drawing its own.
+        pyro.clear_param_store()
         delta = AutoDelta(model, init_loc_fn=init_to_sample)
         delta(*args)
         members.append({k: v.detach().clone() for k, v in delta.median(*args).items()})
@@ -228,10 +231,6 @@ def cases(
 KL_FALLBACK_IS_DOCUMENTED = "ignore::pyro_bdl.infer.KLFallbackWarning"
 #: torch deprecates TorchScript; Pyro's tests trace guides and predictives all the same.
 TORCHSCRIPT_DEPRECATED = "ignore:`torch.jit:FutureWarning"
-ENSEMBLE_JIT = (
-    "ensembles under JitTrace / jit.trace_module (issue item): member membership is traced as "
-    "a shape"
-)
 
 
 def not_reparameterized(*elbos: str, suffixes: tuple[str, ...] = ("",)) -> dict[str, Known]:
