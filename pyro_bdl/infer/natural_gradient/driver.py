@@ -1,5 +1,7 @@
 r"""The natural-gradient driver shared by VOGN and IVON: set-up, the step template, refusal and
-rollback, the Gaussian prior and its KL, the checks, the state_dict and ``reduce_fn``.
+rollback, the state_dict and ``reduce_fn``. The Gaussian prior and its KL live in
+:mod:`~pyro_bdl.infer.natural_gradient.prior`, the checks in
+:mod:`~pyro_bdl.infer.natural_gradient.checks`.
 
 Both methods fit a diagonal Gaussian :math:`q = \mathcal N(\mu, \operatorname{diag}\sigma^2)`
 over a lifted network's weights under a diagonal Gaussian prior, and keep the same state
@@ -27,9 +29,7 @@ first step forgets everything it set up. Reading a step: this module and the met
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pyro
@@ -37,13 +37,18 @@ import torch
 import torch.distributed as dist
 
 from pyro_bdl._validation import (
-    check_finite,
     check_positive,
     check_positive_int,
     check_probability,
 )
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
+from pyro_bdl.infer.natural_gradient.checks import (
+    all_finite,
+    check_hyperparameters,
+    check_inputs,
+    check_loss,
+)
 from pyro_bdl.infer.natural_gradient.model import (
     Hidden,
     Prepared,
@@ -51,6 +56,7 @@ from pyro_bdl.infer.natural_gradient.model import (
     prepare,
     run_substituted,
 )
+from pyro_bdl.infer.natural_gradient.prior import GaussianPrior
 from pyro_bdl.infer.natural_gradient.state import (
     NaturalGradientState,
     StateFormat,
@@ -62,17 +68,7 @@ from pyro_bdl.infer.natural_gradient.state import (
 from pyro_bdl.infer.rollback import Rollback, refused
 from pyro_bdl.layout import SiteLayout
 
-__all__ = [
-    "GaussianPrior",
-    "NaturalGradientOptimizer",
-    "NaturalGradientVI",
-    "all_finite",
-    "as_float",
-    "check_hyperparameters",
-    "check_inputs",
-    "check_loss",
-    "check_range",
-]
+__all__ = ["NaturalGradientOptimizer", "NaturalGradientVI"]
 
 
 class NaturalGradientOptimizer(torch.optim.Optimizer):
@@ -100,169 +96,6 @@ class NaturalGradientOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable | None = None):  # type: ignore[override]
         return closure() if closure is not None else None
-
-
-@dataclass(frozen=True)
-class GaussianPrior:
-    """The diagonal Gaussian prior N(μ₀, diag δ⁻¹) over the flat weight vector, read once from
-    the lifted sites (docs/design/vogn.md). A prior that is the same on every weight is kept as
-    one number, so that the update and the KL take the scalar path.
-
-    :ivar precision: δ, a number or a ``(D,)`` tensor.
-    :ivar mean: μ₀, a ``(D,)`` tensor, or ``None`` for zero.
-    """
-
-    precision: float | torch.Tensor
-    mean: torch.Tensor | None = None
-
-    @classmethod
-    def read(cls, layout: SiteLayout, prior_precision: float | None) -> GaussianPrior:
-        """The prior declared in :func:`~pyro_bdl.bayesianize` for the sites of ``layout``, or
-        N(0, δ⁻¹ I) for an explicit δ.
-
-        :raises NonGaussianPriorError: a lifted prior is not Gaussian (and no δ was given).
-        """
-        if prior_precision is not None:
-            return cls(float(prior_precision))
-        like = layout[0].spec.init_value  # type: ignore[union-attr]
-        mean, precision = layout.gaussian_prior()
-        mean = mean.to(like)
-        precision = precision.to(like)
-        first = precision[:1]
-        uniform: float | torch.Tensor = (
-            float(first) if bool((precision == first).all()) else precision.contiguous()
-        )
-        return cls(uniform, None if not bool(mean.any()) else mean.contiguous())
-
-    @property
-    def mean_precision(self) -> float:
-        """δ averaged over the weights (the δ that damps the hidden parameters' step)."""
-        if isinstance(self.precision, torch.Tensor):
-            return float(self.precision.mean())
-        return self.precision
-
-    def tilde(self, temperature: float, effective_size: float) -> float | torch.Tensor:
-        """δ̃ = τδ/Ñ."""
-        if isinstance(self.precision, torch.Tensor):
-            return self.precision * (temperature / effective_size)
-        return temperature * self.precision / effective_size
-
-    @torch.no_grad()
-    def variance_sums(self, scale: torch.Tensor, log_scale: torch.Tensor) -> tuple[float, float]:
-        """(Σ δσ², Σ log σ²) of the KL (Σ σ² for a scalar δ), kept while σ does not change."""
-        if isinstance(self.precision, torch.Tensor):
-            return float(torch.dot(self.precision, scale.square())), 2.0 * float(log_scale.sum())
-        return float(torch.dot(scale, scale)), 2.0 * float(log_scale.sum())
-
-    @torch.no_grad()
-    def kl(self, loc: torch.Tensor, sums: tuple[float, float]) -> float:
-        r"""KL(N(μ, σ²) ‖ N(μ₀, δ⁻¹)) in closed form, given :meth:`variance_sums` of σ."""
-        weighted_var, sum_log_var = sums
-        dim = loc.numel()
-        offset = loc if self.mean is None else loc - self.mean
-        if isinstance(self.precision, torch.Tensor):
-            quad = weighted_var + float(torch.dot(self.precision, offset.square()))
-            log_det = float(self.precision.log().sum())
-        else:
-            quad = self.precision * (weighted_var + float(torch.dot(offset, offset)))
-            log_det = dim * math.log(self.precision)
-        return 0.5 * (quad - dim - log_det - sum_log_var)
-
-
-# -- checks ------------------------------------------------------------------------------------
-
-
-def as_float(value: object) -> float | None:
-    """``value`` as a float if it is a real number (or a one-element tensor), else ``None``."""
-    if type(value) is float:  # the common case, before the slower checks below
-        return value
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex():
-            return None
-        return float(value.item())
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return None
-
-
-def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: str) -> None:
-    """Refuse a learning rate or betas in ``optimizer.param_groups[0]`` that the update cannot
-    use (set there by a scheduler or by hand): lr must be finite and >= 0 (a schedule may end at
-    0), each beta in [0, 1)."""
-    group = optimizer.param_groups[0]
-    where = f"{method} step {step}: {method.lower()}.optimizer.param_groups[0]"
-    lr = as_float(group.get("lr"))
-    if lr is None or not math.isfinite(lr) or lr < 0:
-        raise ValueError(
-            f"{where}['lr'] must be a finite number >= 0; got {group.get('lr')!r}. A "
-            "learning-rate scheduler or an assignment set it; nothing was updated. Set a finite "
-            f"lr, for example {method.lower()}.optimizer.param_groups[0]['lr'] = 1e-3."
-        )
-    betas = group.get("betas")
-    pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
-    if len(pair) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in pair):
-        raise ValueError(
-            f"{where}['betas'] must be a pair (beta1, beta2), each in [0, 1); got {betas!r}. "
-            "Nothing was updated; set for example (0.9, 0.999)."
-        )
-
-
-def check_range(method: str, name: str, value: object, low: float, high: float, why: str) -> float:
-    """Refuse a hyperparameter that is not a finite number in [``low``, ``high``], naming it, the
-    range, the value and ``why`` the range (what breaks outside it); returns it as a float."""
-    number = as_float(value)
-    if number is None or not math.isfinite(number) or not low <= number <= high:
-        raise ValueError(
-            f"{method}: {name} must be a finite number in [{low:g}, {high:g}]; got {value!r}. {why}"
-        )
-    return number
-
-
-def check_inputs(args: tuple, kwargs: dict, where: str) -> None:
-    """Refuse NaN or inf in any floating-point tensor among the step's arguments (also inside
-    tuples, lists and dicts), naming the argument, the count and the first index, before the
-    model sees them (Pyro's own message names a distribution's parameter instead)."""
-    stack: list[tuple[str, object]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
-    stack += [(f"{k}=", v) for k, v in kwargs.items()]
-    while stack:
-        label, value = stack.pop(0)
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() or value.is_complex():
-                try:
-                    check_finite(f"the argument {label}", value)
-                except ValueError as err:
-                    raise ValueError(
-                        f"{where}: {err} Nothing was updated; the batch was refused before the "
-                        "model ran."
-                    ) from None
-        elif isinstance(value, (tuple, list)):
-            stack += [(f"{label}[{i}]", v) for i, v in enumerate(value)]
-        elif isinstance(value, dict):
-            stack += [(f"{label}[{k!r}]", v) for k, v in value.items()]
-
-
-def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
-    """Refuse a non-finite loss, naming its term (each site's likelihood is checked earlier, so a
-    non-finite total here is an overflow of the sum, or the KL)."""
-    for term, value in (("likelihood (the sum over the data sites)", likelihood), ("KL", kl)):
-        if not math.isfinite(value):
-            raise ValueError(
-                f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
-                "nothing was updated. Lower the learning rate, check the data, or check the prior."
-            )
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite, by one number and one synchronisation:
-    the sum of their sums, finite only if every element is (a sum that overflows counts as not
-    finite, on the safe side of a refusal)."""
-    total = sum(t.detach().sum() for t in tensors)
-    return math.isfinite(float(total))
-
-
-# -- the driver --------------------------------------------------------------------------------
 
 
 class NaturalGradientVI:

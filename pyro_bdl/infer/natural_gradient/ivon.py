@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, check_range
+from pyro_bdl.infer.natural_gradient.checks import check_range
+from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI
 from pyro_bdl.infer.natural_gradient.model import Prepared
 from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
 

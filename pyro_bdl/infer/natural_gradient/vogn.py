@@ -46,7 +46,8 @@ import torch
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.curvature.per_example import PerExampleGradients
-from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI, as_float, check_range
+from pyro_bdl.infer.natural_gradient.checks import as_float, check_range
+from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI
 from pyro_bdl.infer.natural_gradient.model import Prepared, per_example_nll
 from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
 

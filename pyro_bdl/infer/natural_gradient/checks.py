@@ -1,0 +1,114 @@
+"""The checks a natural-gradient step makes before it changes anything: hyperparameters, inputs,
+the loss, and the finiteness of a candidate update. Each refusal names the argument, what was
+expected and what to do."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from pyro_bdl._validation import check_finite
+
+__all__ = [
+    "all_finite",
+    "as_float",
+    "check_hyperparameters",
+    "check_inputs",
+    "check_loss",
+    "check_range",
+]
+
+
+def as_float(value: object) -> float | None:
+    """``value`` as a float if it is a real number (or a one-element tensor), else ``None``."""
+    if type(value) is float:  # the common case, before the slower checks below
+        return value
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        return float(value.item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: str) -> None:
+    """Refuse a learning rate or betas in ``optimizer.param_groups[0]`` that the update cannot
+    use (set there by a scheduler or by hand): lr must be finite and >= 0 (a schedule may end at
+    0), each beta in [0, 1)."""
+    group = optimizer.param_groups[0]
+    where = f"{method} step {step}: {method.lower()}.optimizer.param_groups[0]"
+    lr = as_float(group.get("lr"))
+    if lr is None or not math.isfinite(lr) or lr < 0:
+        raise ValueError(
+            f"{where}['lr'] must be a finite number >= 0; got {group.get('lr')!r}. A "
+            "learning-rate scheduler or an assignment set it; nothing was updated. Set a finite "
+            f"lr, for example {method.lower()}.optimizer.param_groups[0]['lr'] = 1e-3."
+        )
+    betas = group.get("betas")
+    pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
+    if len(pair) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in pair):
+        raise ValueError(
+            f"{where}['betas'] must be a pair (beta1, beta2), each in [0, 1); got {betas!r}. "
+            "Nothing was updated; set for example (0.9, 0.999)."
+        )
+
+
+def check_range(method: str, name: str, value: object, low: float, high: float, why: str) -> float:
+    """Refuse a hyperparameter that is not a finite number in [``low``, ``high``], naming it, the
+    range, the value and ``why`` the range (what breaks outside it); returns it as a float."""
+    number = as_float(value)
+    if number is None or not math.isfinite(number) or not low <= number <= high:
+        raise ValueError(
+            f"{method}: {name} must be a finite number in [{low:g}, {high:g}]; got {value!r}. {why}"
+        )
+    return number
+
+
+def check_inputs(args: tuple, kwargs: dict, where: str) -> None:
+    """Refuse NaN or inf in any floating-point tensor among the step's arguments (also inside
+    tuples, lists and dicts), naming the argument, the count and the first index, before the
+    model sees them (Pyro's own message names a distribution's parameter instead)."""
+    stack: list[tuple[str, object]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    stack += [(f"{k}=", v) for k, v in kwargs.items()]
+    while stack:
+        label, value = stack.pop(0)
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() or value.is_complex():
+                try:
+                    check_finite(f"the argument {label}", value)
+                except ValueError as err:
+                    raise ValueError(
+                        f"{where}: {err} Nothing was updated; the batch was refused before the "
+                        "model ran."
+                    ) from None
+        elif isinstance(value, (tuple, list)):
+            stack += [(f"{label}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            stack += [(f"{label}[{k!r}]", v) for k, v in value.items()]
+
+
+def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
+    """Refuse a non-finite loss, naming its term (each site's likelihood is checked earlier, so a
+    non-finite total here is an overflow of the sum, or the KL)."""
+    for term, value in (("likelihood (the sum over the data sites)", likelihood), ("KL", kl)):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
+                "nothing was updated. Lower the learning rate, check the data, or check the prior."
+            )
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite, by one number and one synchronisation:
+    the sum of their sums, finite only if every element is (a sum that overflows counts as not
+    finite, on the safe side of a refusal)."""
+    total = sum(t.detach().sum() for t in tensors)
+    return math.isfinite(float(total))
+
+
+# -- the driver --------------------------------------------------------------------------------
