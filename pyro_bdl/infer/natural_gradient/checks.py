@@ -104,11 +104,16 @@ def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite, by one number and one synchronisation:
-    the sum of their sums, finite only if every element is (a sum that overflows counts as not
-    finite, on the safe side of a refusal)."""
-    total = sum(t.detach().sum() for t in tensors)
-    return math.isfinite(float(total))
-
-
-# -- the driver --------------------------------------------------------------------------------
+    """Whether every element of ``tensors`` is finite, with one read back to the host per dtype
+    and device (normally one): the largest absolute value of each tensor, finite exactly when
+    every element is and, unlike a sum, unable to overflow. On a GPU ``_foreach_norm`` takes
+    them all in one multi-tensor kernel; a sum per tensor was a launch each, and the step is
+    bound by the host's launches (docs/gpu.md)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    return all(
+        math.isfinite(float(torch.stack(torch._foreach_norm(group, math.inf)).max()))
+        for group in groups.values()
+    )
