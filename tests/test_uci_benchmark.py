@@ -4,6 +4,7 @@ Everything runs on a tiny generated folder; the real benchmark is not run here."
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -244,6 +245,18 @@ def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path
     # dataset only, so the "at least two datasets" target is not met.
     assert figures["targets"]["after"]["best_method_at_least_deep_ensemble"] == ["yacht"]
     assert not figures["targets"]["after"]["deep_ensemble_target_met"]
+
+
+def test_multiswag_trains_at_least_its_step_budget_and_swags_with_swags_rate():
+    # 100 rows in minibatches of 64: 2 steps an epoch, so 800 steps need 400 epochs, not 60;
+    # 6,400 rows: 100 steps an epoch, and the 60-epoch floor holds.
+    for rows, epochs in ((100, 400), (6400, 60)):
+        x, y = torch.zeros(rows, 3), torch.zeros(rows)
+        problem = uci.regression_problem(x, y, None, uci.DEFAULTS, 0, None, "heteroscedastic")
+        fields, keywords = uci.method_settings("multiswag", problem, uci.DEFAULTS)
+        assert fields["epochs"] == epochs
+        assert fields["epochs"] * math.ceil(rows / fields["batch_size"]) >= 800
+    assert keywords["optimizer"] == "adam" and keywords["swa_lr"] == uci.DEFAULTS.swag_lr
 
 
 # ----------------------------------------------------------------------------- selection
