@@ -989,11 +989,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge:
         config, figures = merge([Path(p) for p in args.merge])
         names = config["datasets"]
-        done = config["splits_done"]
-        full = set(names) == set(DATASETS) and all(len(done[n]) == 20 for n in names)
+        merged: dict[str, list[int]] = config["splits_done"]
+        full = set(names) == set(DATASETS) and all(len(merged[n]) == 20 for n in names)
         write("uci" if full else "uci-" + "-".join(names), config, figures)
-        counts = "/".join(str(len(done[n])) for n in names)
-        print(markdown_table(figures["results"], counts))
+        print(markdown_table(figures["results"], "/".join(str(len(merged[n])) for n in names)))
         for name, row in figures["targets"].items():
             print(f"targets {name}: {json.dumps(row, default=float)}")
         return
