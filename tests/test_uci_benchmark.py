@@ -4,6 +4,7 @@ Everything runs on a tiny generated folder; the real benchmark is not run here."
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -220,6 +221,53 @@ def _result_file(path, lls: dict[str, list[float]]):
     return path
 
 
+def _run_file(path, name: str, lls: dict[str, list[float]]):
+    figs = {
+        m: {"per_split_ll": v, "test_ll": list(uci.mean_se(v)), "test_rmse": [1.0, 0.1]}
+        for m, v in lls.items()
+    }
+    splits = list(range(len(next(iter(lls.values())))))
+    config = {"noise_model": "heteroscedastic", "splits_done": {name: splits}, "wall_seconds": 1}
+    figures = {"results": {name: figs}, "selected_settings": {name: {"split": 0}}}
+    path.write_text(json.dumps({"config": config, "figures": figures}))
+    return path
+
+
+def test_merge_joins_runs_per_dataset_and_checks_the_targets(tmp_path, monkeypatch, capsys):
+    written = {}
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
+    yacht = _run_file(
+        tmp_path / "y.json",
+        "yacht",
+        {
+            "map": [-1.0, -1.1],
+            "ensemble": [-1.0, -1.2],  # −1.1: 0.08 above the published −1.18 ± 0.21
+            "meanfield": [-0.9, -1.0],  # above both ensembles, 0.1 above MAP on each split
+            "vogn": [-3.0, -3.2],  # 2 below MAP on each split
+        },
+    )
+    energy = _run_file(
+        tmp_path / "e.json",
+        "energy",
+        {"map": [0.4, 0.6], "ensemble": [0.5, 0.7], "meanfield": [0.4, 0.6], "vogn": [0.4, 0.6]},
+    )
+    uci.main(["--merge", str(yacht), str(energy)])
+    figures = written["uci-yacht-energy"]
+    assert set(figures["results"]) == {"yacht", "energy"}
+    assert figures["selected_settings"]["energy"] == {"split": 0}
+    targets = figures["targets"]
+    assert targets["yacht"]["ensemble_vs_published"]["within"]
+    assert targets["yacht"]["bayesian_at_or_above_published"] == ["meanfield"]
+    assert targets["yacht"]["bayesian_at_or_above_ensemble"] == ["meanfield"]
+    versus = targets["yacht"]["bayesian_vs_map"]
+    assert versus["meanfield"]["ok"] and not versus["vogn"]["ok"]
+    # Energy's published deep ensemble is −1.38 ± 0.22: 0.6 is 1.98 above it, outside one SE.
+    assert not targets["energy"]["ensemble_vs_published"]["within"]
+    assert "| meanfield test LL |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="'yacht' is in two of the files"):
+        uci.merge([yacht, yacht])
+
+
 def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path, monkeypatch):
     from benchmarks import uci_before_after as ba
 
@@ -244,6 +292,18 @@ def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path
     # dataset only, so the "at least two datasets" target is not met.
     assert figures["targets"]["after"]["best_method_at_least_deep_ensemble"] == ["yacht"]
     assert not figures["targets"]["after"]["deep_ensemble_target_met"]
+
+
+def test_multiswag_trains_at_least_its_step_budget_and_swags_with_swags_rate():
+    # 100 rows in minibatches of 64: 2 steps an epoch, so 800 steps need 400 epochs, not 60;
+    # 6,400 rows: 100 steps an epoch, and the 60-epoch floor holds.
+    for rows, epochs in ((100, 400), (6400, 60)):
+        x, y = torch.zeros(rows, 3), torch.zeros(rows)
+        problem = uci.regression_problem(x, y, None, uci.DEFAULTS, 0, None, "heteroscedastic")
+        fields, keywords = uci.method_settings("multiswag", problem, uci.DEFAULTS)
+        assert fields["epochs"] == epochs
+        assert fields["epochs"] * math.ceil(rows / fields["batch_size"]) >= 800
+    assert keywords["optimizer"] == "adam" and keywords["swa_lr"] == uci.DEFAULTS.swag_lr
 
 
 # ----------------------------------------------------------------------------- selection

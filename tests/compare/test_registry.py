@@ -110,6 +110,7 @@ def test_uci_runs_every_method_through_the_registry(noise_model):
         vogn_steps=20,
         ensemble_members=2,
         multiswag_epochs=2,
+        multiswag_steps=2,
         dropout_rates=(0.01, 0.1),
         num_samples=4,
     )
@@ -201,6 +202,34 @@ def test_multiswag_recovers_from_a_diverging_rate_by_retrying_lower():
     assert len(predict.notes) == 4 and "retried from scratch at 0.125" in predict.notes[-1]
     x_test, y_test = problem.dataset.x_test, problem.dataset.y_test
     assert torch.isfinite(predict(x_test).log_prob(y_test)).all()
+
+
+def test_a_sigma_driven_out_of_range_mid_training_is_a_divergence_but_not_at_the_first_step():
+    from pyro_bdl.app.compare.recovery import diverged
+    from pyro_bdl.models.noise import check_likelihood_range
+
+    # A heteroscedastic network's σ(x) = exp(s/2) overflows while its weights are still
+    # moderate, so the parameter-size check alone misses it; the likelihood's refusal of
+    # σ = inf after a step is the divergence. At the first step nothing has been trained yet:
+    # the refusal is about the data or the start, and retrying lower would not help.
+    problem = _problem(epochs=2, batch_size=48)  # one step an epoch
+
+    def blows_up_at(step_number: int):
+        count = [0]
+
+        def step(x, y):
+            count[0] += 1
+            if count[0] == step_number:
+                check_likelihood_range(y, y, torch.tensor(float("inf")), 1.0, where="σ(x)")
+            return 0.0
+
+        with pytest.raises(ValueError) as info:
+            train_loop(problem, step, "toy")
+        return info.value
+
+    later = blows_up_at(2)
+    assert diverged(later) and "so training diverged" in later.__notes__[-1]
+    assert not diverged(blows_up_at(1))
 
 
 def test_retry_lower_gives_up_with_a_note_and_passes_other_errors_through():

@@ -244,7 +244,7 @@ def train_loop(
             try:
                 loss = float(step(x, y))
             except Exception as err:
-                err.add_note(_where_training_failed(problem, desc, epoch, count + 1))
+                err.add_note(_where_training_failed(problem, desc, epoch, count + 1, err))
                 raise
             if not math.isfinite(loss):
                 raise FloatingPointError(
@@ -264,12 +264,25 @@ def train_loop(
 #: Parameters past this magnitude mean training diverged: network weights stay O(1) to O(100),
 #: and float32 products of two weights past 1e19 overflow to inf, giving NaN logits.
 _DIVERGED = 1e8
+#: The Gaussian likelihood's refusal of a σ that an earlier step made inf, NaN or 0
+#: (``pyro_bdl.models.noise.check_likelihood_range``). Raised after the first step it means
+#: training diverged even with moderate weights: a heteroscedastic network's log-variance output
+#: of a few hundred already overflows exp.
+_SIGMA_OUT_OF_RANGE = "drove it out of range"
 
 
-def _where_training_failed(problem: Problem, desc: str, epoch: int, step: int) -> str:
-    """Where a step raised, and whether the parameters had diverged by then (a huge or NaN
-    parameter makes Pyro's distribution checks fail with an error that does not say why)."""
+def _where_training_failed(
+    problem: Problem, desc: str, epoch: int, step: int, err: BaseException
+) -> str:
+    """Where a step raised, and whether training had diverged by then: a huge or NaN parameter
+    (it makes Pyro's distribution checks fail with an error that does not say why), or, after
+    the first step, a likelihood σ driven out of range."""
     where = f"while training {desc.strip()}: epoch {epoch + 1} of {problem.epochs}, step {step}"
+    if step > 1 and isinstance(err, ValueError) and _SIGMA_OUT_OF_RANGE in str(err):
+        return where + (
+            f"; an earlier step drove the likelihood's σ out of range, so training diverged: "
+            f"lower the learning rate (lr={problem.lr:g}; pyro-bdl compare --lr)"
+        )
     largest = max(
         (
             float(value.detach().abs().max())
