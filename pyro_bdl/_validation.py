@@ -73,6 +73,23 @@ def finite_probe(tensor: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(tensor.detach().sum())
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite, with one read back to the host per dtype
+    and device (normally one): the largest absolute value of each tensor, finite exactly when
+    every element is and, unlike a sum, unable to overflow. On a GPU ``_foreach_norm`` takes
+    them all in one multi-tensor kernel; a sum per tensor was a launch each, and the step is
+    bound by the host's launches (docs/gpu.md). :func:`finite_probe` is the one-tensor form that
+    leaves its verdict on the device."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    return all(
+        math.isfinite(float(torch.stack(torch._foreach_norm(group, math.inf)).max()))
+        for group in groups.values()
+    )
+
+
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """Refuse NaN/inf, naming the tensor, the count and the first offending index."""
     if tensor.is_floating_point() or tensor.is_complex():

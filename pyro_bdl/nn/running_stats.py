@@ -29,10 +29,12 @@ from torch import nn
 __all__ = ["note_unvectorized_pass", "refuse_training_mode"]
 
 
-def _training_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _training_layers(module: nn.Module) -> list[nn.Module]:
+    # modules(), not named_modules(): this runs on every forward inside Pyro, and only a refusal
+    # needs a layer's dotted name.
     return [
-        (name, sub)
-        for name, sub in module.named_modules()
+        sub
+        for sub in module.modules()
         if isinstance(sub, nn.modules.batchnorm._BatchNorm)
         and sub.training
         and sub.track_running_stats
@@ -92,7 +94,7 @@ def note_unvectorized_pass(module: nn.Module):
         return _nothing
     run = _RUNS.get(module)
     if run is None or run.after != _versions(module):
-        ids = tuple(id(sub) for _, sub in layers)
+        ids = tuple(id(sub) for sub in layers)
         if run is not None and run.layers == ids:
             run.restart()
         else:
@@ -121,7 +123,7 @@ def refuse_training_mode(module: nn.Module) -> None:
     run = _RUNS.pop(module, None)
     if run is not None and run.after == _versions(module):
         run.rollback.restore()
-    name = layers[0][0]
+    name = next(n for n, sub in module.named_modules() if sub is layers[0])
     raise RuntimeError(
         f"BatchNorm layer {name!r} is in training mode while the weights carry sample "
         "dims (vectorized particles or Predictive(parallel=True)): its running "

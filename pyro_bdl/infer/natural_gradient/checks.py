@@ -12,7 +12,6 @@ import torch
 from pyro_bdl._validation import check_finite
 
 __all__ = [
-    "all_finite",
     "as_float",
     "check_hyperparameters",
     "check_inputs",
@@ -101,19 +100,3 @@ def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
                 f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
                 "nothing was updated. Lower the learning rate, check the data, or check the prior."
             )
-
-
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite, with one read back to the host per dtype
-    and device (normally one): the largest absolute value of each tensor, finite exactly when
-    every element is and, unlike a sum, unable to overflow. On a GPU ``_foreach_norm`` takes
-    them all in one multi-tensor kernel; a sum per tensor was a launch each, and the step is
-    bound by the host's launches (docs/gpu.md)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    return all(
-        math.isfinite(float(torch.stack(torch._foreach_norm(group, math.inf)).max()))
-        for group in groups.values()
-    )

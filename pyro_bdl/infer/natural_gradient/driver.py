@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pyro_bdl._validation import (
+    all_finite,
     check_positive,
     check_positive_int,
     check_probability,
@@ -44,7 +45,6 @@ from pyro_bdl._validation import (
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.natural_gradient.checks import (
-    all_finite,
     check_hyperparameters,
     check_inputs,
     check_loss,
