@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 OUTPUT ?= results
 
-.PHONY: venv run test test-slow test-all lint format bench docs clean gpu-wheels gpu-check
+.PHONY: venv run test test-slow test-all lint format bench docs clean gpu-wheels gpu-check \
+	gpu-payload gpu-quality
 
 venv: $(STAMP)
 
@@ -72,6 +73,24 @@ gpu-check:
 	$(PYTHON) -c "import pyro, arviz" 2>/dev/null || $(PYTHON) -m pip install -q --no-index --no-deps \
 		--no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
 	PYTHONPATH=$(GPU_SITE):$$PWD $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The full-size quality benchmarks on the GPU machine (benchmarks/gpu_quality.py). `make
+# gpu-payload` here: the data folders and all-MiniLM-L6-v2 (float16-rounded weights, to fit the
+# transfer limit) into the git-ignored .gpu_payload/ that travels with the working tree.
+GPU_PAYLOAD ?= .gpu_payload
+GPU_QUALITY_OUTPUT ?= results/gpu-quality
+gpu-payload: $(STAMP)
+	test -n "$$PYRO_BDL_DATA" || (echo "set PYRO_BDL_DATA to the data folder" >&2; exit 2)
+	rm -rf $(GPU_PAYLOAD) && mkdir -p $(GPU_PAYLOAD)/data
+	cp -r "$$PYRO_BDL_DATA"/uci "$$PYRO_BDL_DATA"/mnist-test "$$PYRO_BDL_DATA"/sst2 $(GPU_PAYLOAD)/data/
+	$(BIN)/python -m benchmarks.lora --export-fp16 $(GPU_PAYLOAD)/minilm-fp16
+	du -sh $(GPU_PAYLOAD)
+
+gpu-quality:
+	$(PYTHON) -c "import pyro, arviz" 2>/dev/null || $(PYTHON) -m pip install -q --no-index --no-deps \
+		--no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE):$$PWD $(PYTHON) -m benchmarks.gpu_quality --output $(GPU_QUALITY_OUTPUT) \
+		--data-dir $(GPU_PAYLOAD)/data --model-dir $(GPU_PAYLOAD)/minilm-fp16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache docs/_build docs/tutorials

@@ -1,0 +1,124 @@
+"""``make gpu-quality``: the quality benchmarks at full size, side by side, on a lent GPU machine.
+
+Three benchmarks that take hours on the 2-core development machine and minutes on a machine with
+a GPU and 16 cores (docs/gpu.md), each in its own process, started together under one deadline:
+
+===============  ================================================================================
+``uci``          :mod:`benchmarks.uci` on the CPU cores (a process pool of ``--jobs`` workers):
+                 every method, the four datasets, all 20 standard splits
+``mnist_table``  :mod:`benchmarks.mnist_table` on the GPU: every method, 3 seeds
+``lora``         :mod:`benchmarks.lora` on the GPU: MiniLM + LoRA on SST-2, every method
+===============  ================================================================================
+
+Each benchmark writes its JSON after every finished unit of work, so one killed at the deadline
+keeps what it finished; ``quality-summary.json`` records how each ended (return code, seconds,
+the tail of its output). The data and the model travel with the working tree (the machine has no
+network): ``make gpu-payload`` here copies the data folders into ``.gpu_payload/data`` and writes
+all-MiniLM-L6-v2 with float16-rounded weights to ``.gpu_payload/minilm-fp16`` (the float32
+weights, 91 MB, exceed the 64 MiB that travels).
+
+Usage (on the GPU machine, after installing the carried wheels as ``make gpu-check`` does)::
+
+    python3 -m benchmarks.gpu_quality --output OUT --data-dir .gpu_payload/data \\
+        --model-dir .gpu_payload/minilm-fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import machine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Seconds for the three together; the call on the GPU machine is limited to 10 minutes.
+DEADLINE = 500.0
+
+
+def commands(output: Path, jobs: int, model_dir: str | None) -> dict[str, list[str]]:
+    """The command of each benchmark, writing into ``output``."""
+    py = sys.executable
+    lora = [py, "-m", "benchmarks.lora", "--device", "cuda", "--out", str(output / "lora.json")]
+    if model_dir:
+        lora += ["--model-dir", model_dir]
+    return {
+        "uci": [py, "-m", "benchmarks.uci", "--jobs", str(jobs), "--out", str(output / "uci.json")],
+        "mnist_table": [
+            py, "-m", "benchmarks.mnist_table", "--device", "cuda",
+            "--out", str(output / "mnist_table.json"),
+        ],
+        "lora": lora,
+    }  # fmt: skip
+
+
+def run_together(cmds: dict[str, list[str]], deadline: float, output: Path) -> dict:
+    """Start every command at once, each in a process group of its own (its workers die with
+    it); past ``deadline`` seconds kill what still runs. Returns each one's rc (``None`` if
+    killed), seconds and output tail; the full output is in ``output/<name>.log``."""
+    start = time.monotonic()
+    procs = {}
+    for name, cmd in cmds.items():
+        log = open(output / f"{name}.log", "w")  # noqa: SIM115 - closed below, after the wait
+        procs[name] = (
+            subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True),
+            log,
+            time.monotonic(),
+        )  # fmt: skip
+    ended: dict[str, dict] = {}
+    while len(ended) < len(procs):
+        for name, (proc, log, began) in procs.items():
+            if name in ended:
+                continue
+            rc = proc.poll()
+            late = time.monotonic() - start > deadline
+            if rc is None and not late:
+                continue
+            if rc is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+            tail = (output / f"{name}.log").read_text(errors="replace")[-3000:]
+            ended[name] = {"rc": rc, "seconds": time.monotonic() - began, "output_tail": tail}
+            print(f"[gpu_quality] {name}: rc={rc} after {ended[name]['seconds']:.0f} s", flush=True)
+        time.sleep(1.0)
+    return ended
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True, help="folder for the JSON files and logs")
+    parser.add_argument("--data-dir", default=None, help="the data folder (sets PYRO_BDL_DATA)")
+    parser.add_argument("--model-dir", default=None, help="all-MiniLM-L6-v2's folder for lora")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 4) - 3),
+                        help="UCI worker processes (default: the cores less three)")  # fmt: skip
+    parser.add_argument("--deadline", type=float, default=DEADLINE, help="seconds in all")
+    parser.add_argument("--only", default=None, help="comma-separated subset of the benchmarks")
+    args = parser.parse_args(argv)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    if args.data_dir:
+        os.environ["PYRO_BDL_DATA"] = str(Path(args.data_dir).resolve())
+    model_dir = str(Path(args.model_dir).resolve()) if args.model_dir else None
+    cmds = commands(output.resolve(), args.jobs, model_dir)
+    if args.only:
+        unknown = set(args.only.split(",")) - set(cmds)
+        if unknown:
+            parser.error(f"--only: unknown {sorted(unknown)}; choose from {sorted(cmds)}.")
+        cmds = {k: v for k, v in cmds.items() if k in args.only.split(",")}
+    ended = run_together(cmds, args.deadline, output)
+    summary = {"machine": machine(), "deadline_s": args.deadline, "jobs": args.jobs,
+               "commands": {k: " ".join(v[1:]) for k, v in cmds.items()}, "ended": ended}  # fmt: skip
+    (output / "quality-summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
