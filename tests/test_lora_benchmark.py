@@ -3,6 +3,8 @@ tokens) runs every method and forms every figure; the full run skips with a mess
 data is missing; the shifted text sets are deterministic (the figures themselves are not
 checked)."""
 
+import json
+
 import pyro
 import pytest
 import torch
@@ -55,3 +57,72 @@ def test_shifted_sets_are_deterministic():
     docs = lora.docstring_sentences(20, 0)
     assert docs == lora.docstring_sentences(20, 0) and len(set(docs)) == 20
     assert all(d == d.lower() and 4 <= len(d.split()) <= 30 for d in docs)
+
+
+def test_laplace_prior_is_the_evidence_multiple_with_the_best_validation_nll():
+    """The refined λ is the candidate multiple of the evidence's λ whose GLM predictive has the
+    lowest NLL on the validation batches given (checked against each candidate's own
+    predictive); the guide is left at that λ."""
+    import pyro_bdl as bdl
+    from pyro_bdl.diagnostics.metrics import nll
+
+    torch.manual_seed(0)
+    x = torch.randn(80, 3)
+    y = (x[:, 0] + 0.5 * torch.randn(80) > 0).long()
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = bdl.models.classifier(bdl.bayesianize(net), 60)
+    guide = bdl.guides.AutoSubnetLaplace(model, subnetwork="all", hessian_structure="diag")
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), pyro.infer.Trace_ELBO())
+    for _ in range(100):
+        svi.step(x[:60], y[:60])
+    guide.fit((x[:60], y[:60]))
+    validation = [(x[60:70], y[60:70]), (x[70:], y[70:])]
+    multiples = [1.0, 10.0, 100.0, 1000.0]
+    prior = lora.refine_prior_precision(guide, validation, multiples)
+    lam = prior["prior_precision_evidence"]
+    assert prior["prior_precision"] == pytest.approx(lam * prior["prior_multiple"])
+    assert float(guide.prior_precision) == pytest.approx(prior["prior_precision"])
+    scores = []
+    for m in multiples:
+        one = torch.tensor([lam * m], dtype=torch.float64)
+        guide.tune_prior_precision(validation, method="val_ll", grid=one, refine=False)
+        scores.append(nll(guide.predict(x[60:]), y[60:]))
+    best = multiples[min(range(len(multiples)), key=scores.__getitem__)]
+    assert prior["prior_multiple"] == pytest.approx(best), (scores, prior)
+
+
+def test_results_are_written_after_each_method(tmp_path, monkeypatch):
+    """A run stopped after some methods (here interrupted in the third) leaves a complete JSON of
+    those finished, marked partial, and no temporary file."""
+    out = tmp_path / "lora.json"
+
+    def stopped(b):
+        raise KeyboardInterrupt  # what a timeout's signal would do mid-method
+
+    monkeypatch.setitem(lora.METHODS, "laplace_last_layer", stopped)
+    methods = ["map", "map_temperature", "laplace_last_layer", "ivon"]
+    with pytest.raises(KeyboardInterrupt):
+        lora.main(["--quick", "--device", "cpu", "--methods", *methods, "--out", str(tmp_path)])
+    doc = json.loads(out.read_text())
+    assert set(doc["figures"]["methods"]) == {"map", "map_temperature"}
+    assert doc["figures"]["partial"] and doc["config"]["device"] == "cpu"
+    assert [p.name for p in tmp_path.iterdir()] == ["lora.json"]
+
+
+def test_ivon_candidates_zip_the_three_lists():
+    args = lora.parse(["--ivon-lrs", "0.1", "0.3", "--ivon-ess", "1e6", "--ivon-h0", "0.1", "1"])
+    assert lora.ivon_settings(args) == [
+        {"lr": 0.1, "ess": 1e6, "hess_init": 0.1},
+        {"lr": 0.3, "ess": 1e6, "hess_init": 1.0},
+    ]
+    args = lora.parse(["--ivon-lrs", "0.1", "0.3", "--ivon-h0", "0.1", "0.2", "0.3"])
+    with pytest.raises(ValueError, match="--ivon-"):
+        lora.ivon_settings(args)
+
+
+def test_cuda_is_refused_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="--device"):
+        lora.resolve_device("cuda")
+    assert lora.resolve_device("auto").type == "cpu"

@@ -574,6 +574,23 @@ def test_fit_on_cuda_matches_cpu():
     assert_close(guide.covariance.cpu(), cpu, rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_val_ll_grid_on_cuda_matches_cpu(structure):
+    """The validation grid search builds its trial priors on the posterior's device (a host
+    prior beside device curvature would fail), and picks the same λ as on the CPU."""
+    guide, model, _, x, y = _trained("all", steps=20, hessian_structure=structure)
+    grid = torch.tensor([0.1, 1.0, 10.0])
+    guide.fit((x, y))
+    cpu = guide.tune_prior_precision((x, y), method="val_ll", grid=grid, refine=False)
+    model.net.to("cuda")
+    guide.to("cuda")
+    guide.fit((x.cuda(), y.cuda()))
+    lam = guide.tune_prior_precision((x.cuda(), y.cuda()), method="val_ll", grid=grid, refine=False)
+    assert lam == cpu
+    assert guide.predict(x.cuda()).device.type == "cuda"
+
+
 @pytest.mark.slow
 def test_digits_under_rotation_subnetwork_beats_map_diagonal_and_random():
     """The issue's quality check under the protocol of ``benchmarks/laplace_quality.py`` (one λ

@@ -301,10 +301,11 @@ def structure_val_ll_score(
     """:func:`val_ll_score` for any posterior structure: λ ↦ the validation log-likelihood of
     the linearized predictive under ``structure.with_prior(λ·ratio, c)``."""
     parts = list(parts)
-    count = parts[0][1].shape[-1]
+    count, device = parts[0][1].shape[-1], parts[0][1].device
 
     def score(lam: torch.Tensor) -> torch.Tensor:
-        trial = structure.with_prior(lam * ratio * torch.ones(count, dtype=torch.float64), c)
+        ones = torch.ones(count, dtype=torch.float64, device=device)
+        trial = structure.with_prior(lam.to(device) * ratio * ones, c)
         total: float | torch.Tensor = 0.0
         for out, jac, y in parts:
             var = trial.apply_scale(jac).square().sum(-1)

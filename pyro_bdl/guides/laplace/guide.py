@@ -704,7 +704,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             c = self._noise_scale()
             score = structure_val_ll_score(self.posterior, parts, obs.likelihood, noise, c, ratio)
         best = tune_grid(score, grid, refine=refine)
-        self._set_prior(torch.full((s,), best * ratio, dtype=torch.float64), None)
+        lam_s = torch.full((s,), best * ratio, dtype=torch.float64, device=theta.device)
+        self._set_prior(lam_s, None)
         return best
 
     # ---- the state -------------------------------------------------------------------------
