@@ -499,16 +499,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
 
     def _jacobians(self, data: Any, obs: Observation, transform=None):
         """``(outputs, J_S, batch)`` at the MAP values (:func:`~.model.jacobians`)."""
-        return jacobians(
-            self._raw_model,
-            self.layout,
-            self.map_loc,
-            data,
-            obs,
-            self.subnet_index,
-            batch_size=self.batch_size,
-            transform=transform,
-        )
+        at = (self._raw_model, self.layout, self.map_loc, data, obs, self.subnet_index)
+        return jacobians(*at, batch_size=self.batch_size, transform=transform)
 
     def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
         r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
@@ -532,10 +524,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
         obs = self._observe((x,), without_targets=True)
         posterior = self.posterior
-        # Two classes: the Jacobian of the logit difference alone (one backward pass a batch).
         two_class = obs.likelihood == "categorical" and link != "bridge"
-        transform = logit_difference if two_class else None
-        parts = self._jacobians((x,), obs, transform)
+        parts = self._jacobians((x,), obs, logit_difference if two_class else None)
         chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
         noise = obs.noise if self._noise is None else self._noise
         return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
