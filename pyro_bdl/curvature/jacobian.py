@@ -8,7 +8,9 @@ and ``Conv2d`` layers a forward hook keeps the layer's input :math:`a`, one back
 output gives the gradient :math:`g` at the layer's output, and the per-example derivative with
 respect to weight :math:`W_{ij}` is :math:`g_i a_j` (summed over positions for convolutions and
 sequence dims), evaluated only at the selected entries. Any other parameter falls back to one
-backward pass per (example, output) pair that reads the gradient of that tensor only.
+backward pass per (example, output) pair that reads the gradient of that tensor only. A
+``transform`` of the outputs (the difference of two logits, say) is differentiated instead of
+them where fewer rows carry all that the caller needs: one backward pass per transformed output.
 
 Memory is :math:`O(B \cdot C \cdot S)` for the result plus the forward graph of the network. The
 same hooks give the diagonal GGN over all weights (:func:`~pyro_bdl.curvature.ggn.diagonal_ggn`).
@@ -106,11 +108,21 @@ def _select(slot: ParamSlot, a, g, local: torch.Tensor, budget: int = 1 << 20):
     from :func:`input_factor` and :func:`grad_factor`."""
     if slot.name == "bias":
         return g.sum(-1)[:, local]
-    k = a.shape[1]
+    b, o, k = a.shape[0], g.shape[1], a.shape[1]
+    if 4 * local.numel() >= o * k:
+        # A dense selection (a whole adapter, say): one batched matrix product per chunk of
+        # examples, B × O × K × T multiply-adds at BLAS speed, beats gathering B × S × T numbers
+        # one column at a time; each chunk's product holds at most ``budget`` numbers.
+        examples = max(1, budget // (o * k))
+        parts = [
+            torch.einsum("bot,bkt->bok", gp, ap).flatten(1)[:, local]
+            for gp, ap in zip(g.split(examples), a.split(examples))
+        ]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
     out = []
     # Chunk the columns: each of the three temporaries below holds B × chunk × T ≤ ``budget``
     # numbers (for chunks of at least one column), not B × S × T.
-    chunk = max(1, budget // (a.shape[0] * a.shape[2]))
+    chunk = max(1, budget // (b * a.shape[2]))
     for part in local.split(chunk):
         rows, cols = part // k, part % k
         out.append((g[:, rows, :] * a[:, cols, :]).sum(-1))
@@ -186,6 +198,7 @@ def subnet_jacobian(
     *,
     return_outputs: bool = False,
     select_numbers: int = 1 << 20,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ):
     r"""Jacobian of the outputs with respect to the packed weights at ``index``: (B, C, S).
 
@@ -199,24 +212,37 @@ def subnet_jacobian(
     :param bool return_outputs: also return the detached outputs (B, C).
     :param int select_numbers: numbers in each of the three temporaries that pick the selected
         entries of a layer (B × columns × positions); bounds their memory.
+    :param transform: differentiate ``transform(outputs)`` (B, K) instead of the outputs: a map
+        acting on each example's row alone, such as the difference of two logits, so that the
+        Jacobian takes K backward passes rather than C (the returned outputs stay untransformed).
     """
     index = index.to(torch.long)
     placed = placements(slots, index.cpu())
     fast_modules = list({id(s.module): s.module for s, k, _, _ in placed if k}.values())
     with capture(fast_modules) as calls:  # type: ignore[arg-type]
         out = as_matrix(forward())
-    b, c = out.shape
-    jac = widened(out).new_zeros(b, c, index.numel())
+    target = out if transform is None else as_matrix(transform(out))
+    if target.shape[0] != out.shape[0]:
+        raise ValueError(
+            f"transform must keep the batch dimension: outputs of shape {tuple(out.shape)} gave "
+            f"{tuple(target.shape)}. Map each example's outputs alone."
+        )
+    b, c = target.shape
+    jac = widened(target).new_zeros(b, c, index.numel())
     pairs = [(m, call) for m in fast_modules for call in calls[m]]
     zs = [z for _, (_, z) in pairs]
     fallback = [(s, loc, pos) for s, k, loc, pos in placed if not k]
     unfolded: dict[int, torch.Tensor] = {}
     for j in range(c):
         if zs:
-            v = torch.zeros_like(out)
+            v = torch.zeros_like(target)
             v[:, j] = 1
             grads = torch.autograd.grad(
-                out, zs, grad_outputs=v, retain_graph=True, allow_unused=True
+                target,
+                zs,
+                grad_outputs=v,
+                retain_graph=j < c - 1 or bool(fallback),
+                allow_unused=True,
             )
             g_of = {id(z): g for z, g in zip(zs, grads)}
             for slot, kind, loc, pos in placed:
@@ -240,7 +266,7 @@ def subnet_jacobian(
                     jac[:, j, pos.to(jac.device)] += part
         for i in range(b if fallback else 0):
             values = [s.value for s, _, _ in fallback]
-            grads = torch.autograd.grad(out[i, j], values, retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(target[i, j], values, retain_graph=True, allow_unused=True)
             for (_, loc, pos), g in zip(fallback, grads):
                 if g is not None:
                     jac[i, j, pos.to(jac.device)] = g.reshape(-1)[loc.to(g.device)].to(jac)

@@ -81,6 +81,7 @@ from pyro_bdl.guides.laplace.posterior import (
     accumulation_dtype,
     check_blockwise,
     kron_blocks,
+    logit_difference,
     posterior_factor,
     predictive,
 )
@@ -496,25 +497,19 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
 
     # ---- predicting ------------------------------------------------------------------------
 
-    def _jacobians(self, data: Any, obs: Observation):
+    def _jacobians(self, data: Any, obs: Observation, transform=None):
         """``(outputs, J_S, batch)`` at the MAP values (:func:`~.model.jacobians`)."""
-        return jacobians(
-            self._raw_model,
-            self.layout,
-            self.map_loc,
-            data,
-            obs,
-            self.subnet_index,
-            batch_size=self.batch_size,
-        )
+        at = (self._raw_model, self.layout, self.map_loc, data, obs, self.subnet_index)
+        return jacobians(*at, batch_size=self.batch_size, transform=transform)
 
     def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
         r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
 
         Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
         closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
-        ``link``: ``"probit"`` (per logit), ``"bridge"`` (Laplace bridge) or ``"mc"``
-        (``num_samples`` draws):
+        ``link``: ``"probit"`` (per logit; for two classes the binary probit of the logit
+        difference :math:`f_1 - f_0`, which needs one backward pass a batch rather than two),
+        ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws):
         :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
 
         :param x: inputs, the model's first argument: a tensor or a dict of tensors.
@@ -529,7 +524,9 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
         obs = self._observe((x,), without_targets=True)
         posterior = self.posterior
-        chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in self._jacobians((x,), obs))
+        two_class = obs.likelihood == "categorical" and link != "bridge"
+        parts = self._jacobians((x,), obs, logit_difference if two_class else None)
+        chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
         noise = obs.noise if self._noise is None else self._noise
         return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
 

