@@ -42,10 +42,20 @@ ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 500.0
 
 
+def lora_methods() -> list[str]:
+    """The methods of :mod:`benchmarks.lora`, in its order (imported lazily: it is heavy)."""
+    from benchmarks.lora import METHODS
+
+    return list(METHODS)
+
+
 def commands(output: Path, jobs: int, model_dir: str | None) -> dict[str, list[str]]:
     """The command of each benchmark, writing into ``output``."""
     py = sys.executable
-    lora = [py, "-m", "benchmarks.lora", "--device", "cuda", "--out", str(output / "lora.json")]
+    # Every method but the peer (laplace-torch is not installed there; its cost is a CPU figure).
+    methods = [m for m in lora_methods() if m != "laplace_torch"]
+    lora = [py, "-m", "benchmarks.lora", "--device", "cuda", "--out", str(output / "lora.json"),
+            "--methods", *methods]  # fmt: skip
     if model_dir:
         lora += ["--model-dir", model_dir]
     return {

@@ -143,6 +143,26 @@ def test_val_ll_score_is_the_log_likelihood_of_the_categorical_probit_predictive
         )
 
 
+def test_val_ll_score_of_two_classes_is_the_log_likelihood_of_the_binary_probit():
+    # With the Jacobian of the logit difference (B, 1, S), what val_ll tuning maximises is the
+    # log-likelihood of the two-class predictive that predict() returns, exactly.
+    g = torch.Generator().manual_seed(1)
+    b, s = 11, 5
+    out = torch.randn(b, 2, generator=g, dtype=F64)
+    jd = torch.randn(b, 1, s, generator=g, dtype=F64)
+    y = torch.randint(0, 2, (b,), generator=g)
+    a = torch.randn(s, s, generator=g, dtype=F64)
+    evals, evecs = torch.linalg.eigh(a @ a.T)
+    score = val_ll_score([(out, jd, y)], "categorical", None, evals, evecs, 1.0)
+    for lam in (0.1, 1.0, 10.0):
+        jl = (jd @ evecs) * (evals + lam).rsqrt()
+        p = linearized_predictive(out, jl, "categorical", link="probit")
+        expected = p[torch.arange(b), y].log().sum()
+        assert float(score(torch.tensor(lam, dtype=F64))) == pytest.approx(
+            float(expected), rel=1e-10
+        )
+
+
 def test_probit_logits_scale_each_logit_by_its_own_variance():
     f = torch.tensor([[2.0, -1.0, 0.5]], dtype=F64)
     var = torch.tensor([[0.0, 8 / math.pi, 24 / math.pi]], dtype=F64)

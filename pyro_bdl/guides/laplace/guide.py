@@ -678,7 +678,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             if len(first) < 2:
                 raise ValueError("validation data must be (x, y).")
             obs = self._observe(first)
-            parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs))
+            two = logit_difference if obs.likelihood == "categorical" else None  # as predict()
+            parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs, two))
         if self.hessian_structure == "full" and self._noise is None:
             # In the GGN's eigenbasis every isotropic λ of the grid costs O(S).
             evals, evecs = eigenbasis(self.ggn)

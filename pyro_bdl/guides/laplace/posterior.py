@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import pyro.distributions as dist
 import torch
+import torch.nn.functional as F
 from pyro.distributions.torch_distribution import TorchDistribution
 from torch.distributions import constraints
 
@@ -679,11 +680,17 @@ def predictive_log_likelihood(
     f: torch.Tensor, var: torch.Tensor, y: torch.Tensor, likelihood: str, noise: float | None
 ) -> torch.Tensor:
     """Log-likelihood of targets ``y`` under the linearized predictive with MAP outputs ``f``
-    (n, C) and output variances ``var``: the probit (classification) or the Gaussian with the
-    noise σ added (regression; ``var`` (n, 1), one output)."""
+    (n, C) and output variances ``var``: the probit (classification; for two classes and
+    ``var`` (n, 1), the variance of the logit difference, the binary probit of
+    :func:`linearized_predictive`) or the Gaussian with the noise σ added (regression; ``var``
+    (n, 1), one output)."""
     if likelihood == "gaussian":
         assert noise is not None
         return dist.Normal(f.squeeze(-1), (var.squeeze(-1) + noise**2).sqrt()).log_prob(y).sum()
+    if likelihood == "categorical" and f.shape[-1] == 2 and var.shape[-1] == 1:
+        # The variance of the logit difference: the binary probit that predict() returns.
+        z = probit_logits(logit_difference(f), var).squeeze(-1)
+        return torch.where(y == 1, F.logsigmoid(z), F.logsigmoid(-z)).sum()
     logits = probit_logits(f, var)
     if likelihood == "bernoulli":
         return dist.Bernoulli(logits=logits.reshape(y.shape)).log_prob(y.to(f)).sum()
