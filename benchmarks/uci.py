@@ -419,6 +419,14 @@ class UCIProblem(Problem):
     #: deep-ensembles paper's).
     variance: str = "exp"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.variance not in VARIANCES:
+            raise ValueError(
+                f"UCIProblem.variance must be one of {VARIANCES}; got {self.variance!r} "
+                "(Config.variance)."
+            )
+
     def bayesian_model(self, noise: str = "fixed"):
         if not (self.heteroscedastic and self.variance == "softplus"):
             return super().bayesian_model(noise)
@@ -437,6 +445,10 @@ class UCIProblem(Problem):
             order = torch.randperm(self.num_train, generator=g)
         for idx in order.split(self.batch_size):
             yield x[idx].to(self.device), y[idx].to(self.device)
+
+
+#: ``Config.variance``: how σ²(x) follows from the network's second output.
+VARIANCES = ("exp", "softplus")
 
 
 def softplus_variance(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -459,3 +459,14 @@ def test_a_blown_up_fit_is_retrained_at_a_lower_rate_and_noted(monkeypatch):
     row = uci.select_one(d, cfg, "vogn", {"vogn_lr": 0.3})
     assert row["validation_ll"] == -math.inf and "training log-likelihood" in row["error"]
     assert rates == [0.3]
+
+
+def test_the_variance_parameterisation_is_checked_and_softplus_bounds_sigma():
+    x, y = torch.zeros(4, 3), torch.zeros(4)
+    bad = dataclasses.replace(uci.DEFAULTS, variance="square")
+    with pytest.raises(ValueError, match=r"variance must be one of \('exp', 'softplus'\)"):
+        uci.regression_problem(x, y, None, bad, 0, None, "heteroscedastic")
+    # σ² = softplus(r) + 1e-6: never below 1e-6, linear in r for large r.
+    _, log_var = uci.softplus_variance(torch.tensor([[0.0, -50.0], [0.0, 30.0]]))
+    assert log_var.exp()[0] == pytest.approx(1e-6, rel=1e-3)
+    assert log_var.exp()[1] == pytest.approx(30.0, rel=1e-6)
