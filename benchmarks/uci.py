@@ -30,7 +30,11 @@ mean-field as a latent site, VOGN with the MAP's point estimate, Laplace with th
 Every method trains on the whole training split (the settings per method are
 :func:`method_settings`):
 
-- ``map``: ``AutoDelta``, full-batch Adam with a decaying rate; predictive N(f(x), σ²).
+- ``map``: ``AutoDelta``, full-batch Adam with a decaying rate; predictive N(f(x), σ²). Under
+  ``--noise heteroscedastic`` the deep-ensembles recipe instead: minibatches of ``map_batch``
+  (100) rows shuffled per epoch with the seed, Adam at a constant rate, ``map_epochs`` epochs
+  (the paper's 40; the selection may pick 100). Full-batch Adam over 600 steps let σ(x) collapse
+  on a few training rows (wine test LL −3.31 ± 1.03, one split's test rows at −6 to −10).
 - ``meanfield``: ``AutoMeanField`` (initialised at the MAP) with ``TraceSuffStat_ELBO`` (exact
   KL); predictive: a mixture of N(f_s(x), σ²) over posterior draws.
 - ``swag``: ``AutoSWAG`` from the MAP, minibatch Adam at a constant rate, one snapshot per
@@ -47,8 +51,8 @@ Every method trains on the whole training split (the settings per method are
   the equal-weight mixture of their N(f_k(x), σ²).
   Under ``--noise heteroscedastic`` this is the deep-ensembles recipe (M = 5 mean-and-variance
   networks, random inits, the Gaussian NLL as the proper scoring rule); ``--adversarial`` adds
-  its adversarial training (fast-gradient-sign inputs, ε = 0.01 × each input's range). The
-  members train full batch, so there is no shuffle to vary.
+  its adversarial training (fast-gradient-sign inputs, ε = 0.01 × each input's range). Each
+  member trains by MAP's recipe (under σ(x): minibatches shuffled with the member's seed).
 - ``multiswag``: ``ensemble_members`` SWAG runs from scratch, each minibatch SGD with momentum
   for three quarters of its epochs and then the SWAG phase with ``swag``'s optimiser and rate
   (Adam at ``swag_lr``, about 2 × rank snapshots); at least ``multiswag_epochs`` epochs and at
@@ -79,18 +83,38 @@ are never read for a choice (a test fills them with NaN and checks the choice is
 ``--tune`` still prints the older grid (``GRID``) on split 0's training rows, 80/20.
 
 Noise model (``--noise``): ``heteroscedastic`` (the default, as in the deep-ensembles paper) gives
-every network a second output, the log-variance s(x), and trains every method on the Gaussian
-NLL with σ(x) = exp(s(x)/2): MAP from scratch (no σ fit), mean-field, SWAG and the ensembles by
-their usual loops, VOGN and IVON (σ(x) is a network output, not a site, so both run), MC dropout
+every network a second output s(x) and trains every method on the Gaussian NLL with
+σ²(x) = softplus(s(x)) + 1e-6 (``Config.variance``, the paper's: bounded below and linear rather
+than exponential in s, so one step cannot shrink it by orders of magnitude; ``"exp"`` gives
+σ²(x) = exp s(x), which MC dropout keeps, its network being its own): MAP from scratch (no σ
+fit), mean-field, SWAG and the ensembles by their usual loops, VOGN and IVON (σ(x) is a network
+output, not a site, so both run), MC dropout
 with both heads under dropout. ``laplace`` is refused (and left out of the default methods): the
 linearized Laplace takes σ as known, and with σ(x) from the same network the likelihood's
 curvature couples the mean and log-variance heads, which its GGN does not model; linearising the
 mean head alone with the MAP's σ(x) as known noise would be a different method, not done here.
 ``homoscedastic`` keeps the validation-σ pipeline above (``--sigma``).
 
+Recovery: every fit is checked on its training rows (:func:`check_fit`): a training
+log-likelihood that is not finite or is 1 nat per row below the constant forecast N(0, 1) of the
+standardised target means it blew up (VOGN's selected rate on concrete's later splits scored
+−2953 on the test rows and −6166 on the training rows). Such a fit, or one whose loss diverged,
+is retrained from scratch at a 10× lower rate (:func:`checked_fit`, up to 4 tries), each retry
+noted in the JSON (``chosen_per_split[...]["retries"]``); in the selection such a setting scores
+−inf instead, so it is not chosen.
+
+Jobs (``--jobs N``): the selection runs as independent (dataset, method, setting) jobs, then
+the evaluation as (dataset, split, method) jobs, each training its own MAP where it starts from
+one, seeded as in the serial run, so ``--jobs 1`` and ``--jobs N`` give the same figures; N
+processes of one thread each. The JSON (``--out PATH``, default under benchmarks/results/) is
+rewritten atomically after every finished job, with every job's CPU seconds
+(``job_cpu_seconds``); the summaries are over the splits that every method finished
+(``splits_done``), so a run killed by a timeout keeps every finished split.
+
 Usage::
 
     PYRO_BDL_DATA=../shared/data nice -n 19 python -m benchmarks.uci            # 20 splits
+    PYRO_BDL_DATA=../shared/data python -m benchmarks.uci --jobs 14 --out results/uci.json
     python -m benchmarks.uci --quick --dataset yacht --data-dir ../shared/data   # development
     python -m benchmarks.uci --dataset protein-tertiary-structure --splits 0-4 --data-dir DIR
     python -m benchmarks.uci --tune                                              # the grid
@@ -117,10 +141,12 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +154,10 @@ import torch
 from torch import nn
 
 import pyro_bdl as bdl
-from benchmarks.common import write
+from benchmarks.common import RESULTS, machine
 from pyro_bdl.app.compare import METHODS, Problem
 from pyro_bdl.app.compare.problem import seed_everything
+from pyro_bdl.app.compare.recovery import retry_lower
 from pyro_bdl.app.compare.swag import RANK as SWAG_RANK
 from pyro_bdl.app.data import DATA_ENV, UCI_DEFAULT_HIDDEN, Dataset, load_uci, uci_folder
 
@@ -217,8 +244,20 @@ class Config:
     noise_rounds: int = 2
     map_steps: int = 600  # full-batch ClippedAdam, rate decayed 10× over the run
     map_lr: float = 1e-2
+    #: Under ``--noise heteroscedastic`` MAP, the ensemble's members and the MAP that mean-field
+    #: and SWAG start from follow the deep-ensembles recipe instead: minibatches of
+    #: ``map_batch`` rows (shuffled per member and epoch with the member's seed), Adam at the
+    #: constant rate ``map_lr``, ``map_epochs`` epochs (Lakshminarayanan et al. 2017: 100, 40).
+    map_batch: int = 100
+    map_epochs: int = 40
+    #: σ²(x) = exp(r) or softplus(r) + 1e-6 of the network's second output r (UCIProblem).
+    variance: str = "softplus"
     mf_steps: int = 600
     mf_lr: float = 3e-3
+    #: Under σ(x) mean-field trains by MAP's minibatch recipe for ``mf_epochs`` from the MAP:
+    #: 600 more full-batch steps overfit σ(x) again (wine, selection rows: validation LL −2.2
+    #: to −4.2 at rates 1e-3 to 1e-2, against the MAP's −1.1 to −1.2).
+    mf_epochs: int = 20
     mf_init_scale: float = 1e-3
     swag_epochs: int = 20  # one snapshot per epoch
     swag_batch: int = 64
@@ -316,8 +355,21 @@ GRID: dict[str, list[dict]] = {
 #: method's own epochs; the one with the best log-likelihood on the validation rows of the
 #: dataset's first selected split (:func:`select_settings`) is used on every split.
 SELECT: dict[str, list[dict]] = {
-    "map": [{"map_lr": 3e-3}, {"map_lr": 1e-2}, {"map_lr": 3e-2}],
-    "meanfield": [{"mf_lr": 1e-3}, {"mf_lr": 3e-3}, {"mf_lr": 1e-2}],
+    # Under σ(x) the deep-ensembles recipe (minibatch Adam at a constant rate): on wine split
+    # 0-2 and yacht split 0-1, 40 epochs at 3e-3 to 1e-2 suited wine (100 epochs overfit σ(x):
+    # test LL -1.8 to -1.9 on split 2) and yacht needed 100 (its 3 minibatches an epoch).
+    "map": [
+        {"map_lr": 3e-3, "map_epochs": 40},
+        {"map_lr": 1e-2, "map_epochs": 40},
+        {"map_lr": 1e-2, "map_epochs": 100},
+    ],
+    # Under σ(x): a few minibatch epochs from the MAP (Config.mf_epochs); the rate alone under
+    # --noise homoscedastic, where mf_epochs is not read.
+    "meanfield": [
+        {"mf_lr": 1e-3, "mf_epochs": 10},
+        {"mf_lr": 3e-3, "mf_epochs": 20},
+        {"mf_lr": 1e-2, "mf_epochs": 10},
+    ],
     "swag": [{"swag_lr": 1e-3}, {"swag_lr": 3e-3}, {"swag_lr": 1e-2}],
     "laplace": [
         {"laplace_tuning": "validation"},
@@ -325,7 +377,11 @@ SELECT: dict[str, list[dict]] = {
         {"laplace_tuning": "prior"},
     ],
     "vogn": [{"vogn_lr": 3e-2}, {"vogn_lr": 0.1}, {"vogn_lr": 0.3}],
-    "ensemble": [{"map_lr": 3e-3}, {"map_lr": 1e-2}, {"map_lr": 3e-2}],
+    "ensemble": [
+        {"map_lr": 3e-3, "map_epochs": 40},
+        {"map_lr": 1e-2, "map_epochs": 40},
+        {"map_lr": 1e-2, "map_epochs": 100},
+    ],
     "multiswag": [{"multiswag_sgd_lr": r} for r in (3e-4, 1e-3, 3e-3)],
     "ivon": [{"ivon_lr": 0.1}, {"ivon_lr": 0.3}, {"ivon_lr": 1.0}],
     "mc_dropout": [{"dropout_rates": (r,)} for r in (0.01, 0.05, 0.1)],
@@ -358,6 +414,27 @@ class UCIProblem(Problem):
     permutation of the rows per epoch, so the order of epoch e is the e-th permutation drawn.
     """
 
+    #: How a heteroscedastic network's second output r gives the variance: ``"exp"``
+    #: (σ² = exp r, the library's default) or ``"softplus"`` (σ² = softplus(r) + 1e-6, the
+    #: deep-ensembles paper's).
+    variance: str = "exp"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.variance not in VARIANCES:
+            raise ValueError(
+                f"UCIProblem.variance must be one of {VARIANCES}; got {self.variance!r} "
+                "(Config.variance)."
+            )
+
+    def bayesian_model(self, noise: str = "fixed"):
+        if not (self.heteroscedastic and self.variance == "softplus"):
+            return super().bayesian_model(noise)
+        bnn = bdl.bayesianize(self.net(), self.prior)
+        return bnn, bdl.models.heteroscedastic_regressor(
+            bnn, self.num_train, split=softplus_variance
+        )
+
     def batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         x, y = self.dataset.x_train, self.dataset.y_train
         if self.batch_size >= self.num_train:
@@ -368,6 +445,17 @@ class UCIProblem(Problem):
             order = torch.randperm(self.num_train, generator=g)
         for idx in order.split(self.batch_size):
             yield x[idx].to(self.device), y[idx].to(self.device)
+
+
+#: ``Config.variance``: how σ²(x) follows from the network's second output.
+VARIANCES = ("exp", "softplus")
+
+
+def softplus_variance(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, log σ²)`` with σ² = softplus(out[..., 1]) + 1e-6 (Lakshminarayanan et al. 2017):
+    σ² grows linearly, not exponentially, in the raw output, so one step cannot move it by
+    orders of magnitude, and it never falls below 1e-6."""
+    return out[..., 0], torch.log(nn.functional.softplus(out[..., 1]) + 1e-6)
 
 
 def regression_problem(
@@ -387,6 +475,7 @@ def regression_problem(
         noise=noise,
         init=init,
         sigma=sigma,
+        variance=cfg.variance,
     )
 
 
@@ -404,12 +493,17 @@ def method_settings(name: str, problem: Problem, cfg: Config) -> tuple[dict, dic
     map_steps = cfg.map_steps if problem.init is None else cfg.map_steps // 2
     per_epoch = math.ceil(problem.num_train / cfg.multiswag_batch)
     multiswag_epochs = max(cfg.multiswag_epochs, math.ceil(cfg.multiswag_steps / per_epoch))
+    point: dict[str, Any] = {**full, "epochs": map_steps, "lr": cfg.map_lr, "lr_decay": 0.1}
+    if cfg.noise_model == "heteroscedastic":  # the deep-ensembles recipe (Config.map_batch)
+        point = {"batch_size": cfg.map_batch, "epochs": cfg.map_epochs, "lr": cfg.map_lr}
+        point["lr_decay"] = None
+    variational: dict[str, Any] = {**full, "epochs": cfg.mf_steps, "lr": cfg.mf_lr}
+    variational["lr_decay"] = 0.1
+    if cfg.noise_model == "heteroscedastic":
+        variational = {**point, "epochs": cfg.mf_epochs, "lr": cfg.mf_lr}
     settings: dict[str, tuple[dict, dict]] = {
-        "map": ({**full, "epochs": map_steps, "lr": cfg.map_lr, "lr_decay": 0.1}, {}),
-        "meanfield": (
-            {**full, "epochs": cfg.mf_steps, "lr": cfg.mf_lr, "lr_decay": 0.1},
-            {"init_scale": cfg.mf_init_scale},
-        ),
+        "map": (point, {}),
+        "meanfield": (variational, {"init_scale": cfg.mf_init_scale}),
         "swag": (
             {"epochs": cfg.swag_epochs, "batch_size": cfg.swag_batch},
             {"optimizer": "adam", "swa_lr": cfg.swag_lr, "snapshots": cfg.swag_epochs},
@@ -423,7 +517,7 @@ def method_settings(name: str, problem: Problem, cfg: Config) -> tuple[dict, dic
         ),
         # From scratch (init None): members started at the one MAP would all be that MAP.
         "ensemble": (
-            {**full, "epochs": cfg.map_steps, "lr": cfg.map_lr, "lr_decay": 0.1, "init": None},
+            {**point, "init": None},
             {"num_members": cfg.ensemble_members, "adversarial": cfg.adversarial},
         ),
         "multiswag": (
@@ -454,6 +548,64 @@ def fit(name: str, problem: Problem, cfg: Config, **keywords):
     return METHODS[name](dataclasses.replace(problem, **fields), **settings, **keywords)
 
 
+#: The ``Config`` field of each method's learning rate, which :func:`checked_fit` lowers 10× on
+#: each retry. MultiSWAG retries its members itself (``pyro_bdl.app.compare.recovery``).
+RATE_FIELDS = {
+    "map": "map_lr",
+    "ensemble": "map_lr",
+    "mc_dropout": "map_lr",
+    "meanfield": "mf_lr",
+    "swag": "swag_lr",
+    "vogn": "vogn_lr",
+    "ivon": "ivon_lr",
+}
+#: The least training log-likelihood per row (standardised target) of a fit that did not
+#: diverge: the constant forecast N(0, 1) scores −½ log(2πe) ≈ −1.42 on the standardised
+#: training rows, and every network here can represent it, so a fit 1 nat per row worse has
+#: blown up (a σ(x) or a weight out of range), not merely underfitted.
+TRAIN_LL_FLOOR = -0.5 * math.log(2 * math.pi * math.e) - 1.0
+
+
+def check_fit(name: str, predict, problem: Problem) -> None:
+    """Raise ``FloatingPointError`` (what :func:`~pyro_bdl.app.compare.recovery.retry_lower`
+    takes for a divergence) when ``predict`` scores non-finite, or below ``TRAIN_LL_FLOOR`` on
+    ``problem``'s training rows (under a known σ, below the constant forecast N(0, σ²) less 1
+    nat when that is lower). Reads only training rows."""
+    x, y = problem.dataset.x_train, problem.dataset.y_train
+    floor = TRAIN_LL_FLOOR
+    if problem.noise is not None:  # a known σ: the constant forecast N(0, σ²) may score lower
+        zero = torch.distributions.Normal(0.0, problem.noise).log_prob(y).mean()
+        floor = min(floor, float(zero) - 1.0)
+    ll = float(predict(x).log_prob(y).detach().mean())
+    if not ll >= floor:
+        raise FloatingPointError(
+            f"{name}: training log-likelihood {ll:.4g} per row (standardised), below the floor "
+            f"{floor:.3f} of a fit that did not diverge; lower its rate."
+        )
+
+
+def checked_fit(
+    name: str, problem: Problem, cfg: Config, notes: list[str] | None, recover: bool = True
+):
+    """:func:`fit` followed by :func:`check_fit`; with ``recover`` a fit that raises a divergence
+    or fails the check is retrained from scratch at its rate (``RATE_FIELDS``) divided by 10, up
+    to ``recovery.ATTEMPTS`` tries, each retry a line in ``notes``."""
+    field = RATE_FIELDS.get(name)
+
+    def attempt(rate: float):
+        lowered: dict[str, Any] = {} if field is None else {field: rate}
+        mine = dataclasses.replace(cfg, **lowered)
+        predict = fit(name, problem, mine)
+        check_fit(name, predict, problem)
+        return predict
+
+    rate = getattr(cfg, field) if field is not None else math.nan
+    if not recover or field is None:
+        return attempt(rate)
+    predict, _ = retry_lower(attempt, rate, f"{name} (seed {problem.seed})", notes)
+    return predict
+
+
 def site_values(predict) -> dict:
     """The MAP site values behind a ``map`` predictor."""
     return {k: v.detach().clone() for k, v in predict.guide.median().items()}
@@ -482,7 +634,9 @@ def fit_noise(x, y, cfg: Config, seed: int) -> tuple[float, Any, tuple]:
     return noise, init, (rows, val)
 
 
-def prepare(x, y, cfg: Config, seed: int) -> tuple:
+def prepare(
+    x, y, cfg: Config, seed: int, notes: list[str] | None = None, recover: bool = True
+) -> tuple:
     """(σ, MAP predictor, CPU seconds, held-out part): the noise fit, then MAP on the whole
     training split (warm-started from the noise fit's last network; under ``cfg.sigma == "own"``
     learning σ as a point estimate from the noise fit's σ: ``predictor.noise``). The held-out
@@ -491,7 +645,8 @@ def prepare(x, y, cfg: Config, seed: int) -> tuple:
     t0 = time.process_time()
     if cfg.noise_model == "heteroscedastic":  # no σ to fit: the MAP learns σ(x) from scratch
         problem = regression_problem(x, y, None, cfg, seed, sigma="heteroscedastic")
-        return math.nan, fit("map", problem, cfg), time.process_time() - t0, None
+        predict = checked_fit("map", problem, cfg, notes, recover)
+        return math.nan, predict, time.process_time() - t0, None
     noise, init, (rows, val) = fit_noise(x, y, cfg, seed)
     predict = fit("map", regression_problem(x, y, noise, cfg, seed, init, cfg.sigma), cfg)
     return noise, predict, time.process_time() - t0, (rows, val, init)
@@ -527,16 +682,32 @@ def chosen(predict) -> dict:
 
 
 def run_methods(
-    x, y, x_test, y_test, y_std, cfg: Config, methods, seed: int, prepared=None, configs=None
+    x,
+    y,
+    x_test,
+    y_test,
+    y_std,
+    cfg: Config,
+    methods,
+    seed: int,
+    prepared=None,
+    configs=None,
+    recover: bool = True,
 ):
     """Train every method on (x, y) and score it on (x_test, y_test); {method: (ll, rmse, s)}.
     ``prepared`` reuses the output of :func:`prepare` (σ and the MAP). ``meanfield``, ``swag``
     and ``laplace`` start from the MAP, ``vogn`` from the network's initial weights; ``map`` and
     ``laplace`` count the MAP's time in their own. ``configs`` maps a method to its own
-    settings (:func:`select_settings`); the others, and the network, take ``cfg``."""
+    settings (:func:`select_settings`); the others, and the network, take ``cfg``. Every fit is
+    checked on its training rows (:func:`checked_fit`): with ``recover`` one that fails is
+    retrained at a 10× lower rate (the retries in ``out["_chosen"][method]["retries"]``),
+    without it the failure raises."""
     configs = configs or {}
+    map_notes: list[str] = []
     noise, map_predict, t_map, holdout = (
-        prepared if prepared is not None else prepare(x, y, configs.get("map", cfg), seed)
+        prepared
+        if prepared is not None
+        else prepare(x, y, configs.get("map", cfg), seed, map_notes, recover)
     )
     values = site_values(map_predict)
     if cfg.noise_model == "heteroscedastic":
@@ -559,16 +730,20 @@ def run_methods(
     for name in methods:
         t0 = time.process_time()
         mine = configs.get(name, cfg)
+        notes: list[str] = list(map_notes) if name == "map" else []
         if name == "map":
             predict = map_predict  # trained by prepare, which the other methods start from
         elif name == "laplace":
             extra = laplace_keywords(x, y, noise, mine, seed, holdout)
             predict = fit(name, problem, mine, **extra)
         else:
-            predict = fit(name, own if cfg.sigma == "own" else problem, mine)
+            target = own if cfg.sigma == "own" else problem
+            predict = checked_fit(name, target, mine, notes, recover)
         seconds = time.process_time() - t0 + (t_map if name in ("map", "laplace") else 0.0)
         out[name] = (*scores(predict(x_test), y_test, y_std), seconds)
         out["_chosen"][name] = chosen(predict)
+        if notes:
+            out["_chosen"][name]["retries"] = notes
     out["_noise"] = noise
     out["_noise_map"] = math.nan if map_predict.noise is None else map_predict.noise
     return out
@@ -585,67 +760,138 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(values))
 
 
-def select_settings(d: Dataset, cfg: Config, methods) -> tuple[dict[str, Config], dict]:
-    """``({method: its Config}, record)``: every method's ``SELECT`` settings (the same number
-    for each, at the method's own epochs) trained on 80% of ``d``'s training rows and scored by
-    log-likelihood on the other 20% (seeded; standardised units); the best is kept. The test
-    rows are never read. A setting whose training fails (diverges) scores -inf, with the error
-    in the record. The methods that start from a MAP start from one at ``cfg``'s settings."""
+def selection_rows(d: Dataset, cfg: Config) -> tuple:
+    """``(fit rows, validation rows)`` of ``d``'s training split for the selection: 20% held out
+    by a generator seeded 12345 (the same for every method and setting)."""
     g = torch.Generator().manual_seed(12345)
     order = torch.randperm(len(d.y_train), generator=g)
     n_val = max(2, round(cfg.val_fraction * len(order)))
-    val, rows = order[:n_val], order[n_val:]
+    return order[n_val:], order[:n_val]
+
+
+def select_one(d: Dataset, cfg: Config, method: str, setting: dict) -> dict:
+    """One setting of ``method`` trained on the selection's fit rows of ``d`` and scored by
+    log-likelihood on its validation rows (standardised units): ``{"setting", "validation_ll"}``
+    and ``"error"`` when it diverged or failed :func:`check_fit` (scored -inf: no retry here,
+    so a setting that cannot train stably is not chosen). The methods that start from a MAP
+    start from one at ``cfg``'s settings (recovered if it diverges: it is not the candidate)."""
+    rows, val = selection_rows(d, cfg)
     x, y, xv, yv = d.x_train[rows], d.y_train[rows], d.x_train[val], d.y_train[val]
-    shared = None
+    c = dataclasses.replace(cfg, **setting)
+    row: dict[str, Any] = {"setting": setting}
+    try:
+        ready = prepare(x, y, c, 0, recover=False) if method == "map" else prepare(x, y, cfg, 0)
+        ll = run_methods(x, y, xv, yv, 1.0, c, [method], 0, ready, recover=False)[method][0]
+    except (FloatingPointError, ValueError, RuntimeError) as err:
+        ll = -math.inf
+        row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    row["validation_ll"] = ll if math.isfinite(ll) else -math.inf
+    return row
+
+
+def choose(cfg: Config, tried: dict[str, list[dict]], n_val: int) -> tuple[dict, dict]:
+    """``({method: its Config}, record)`` from each method's rows of :func:`select_one`: the
+    best validation LL wins (the first on a tie)."""
     configs, record = {}, {}
-    for m in methods:
-        tried = []
-        for setting in SELECT[m]:
-            c = dataclasses.replace(cfg, **setting)
-            row: dict[str, Any] = {"setting": setting}
-            try:
-                if m == "map":
-                    ready = prepare(x, y, c, 0)
-                else:
-                    shared = shared or prepare(x, y, cfg, 0)
-                    ready = shared
-                ll = run_methods(x, y, xv, yv, 1.0, c, [m], 0, ready)[m][0]
-            except (FloatingPointError, ValueError, RuntimeError) as err:
-                ll = -math.inf
-                row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
-            row["validation_ll"] = ll if math.isfinite(ll) else -math.inf
-            tried.append(row)
-        best = max(tried, key=lambda r: r["validation_ll"])
+    for m, rows in tried.items():
+        best = max(rows, key=lambda r: r["validation_ll"])
         configs[m] = dataclasses.replace(cfg, **best["setting"])
-        record[m] = {"chosen": best["setting"], "tried": tried}
+        record[m] = {"chosen": best["setting"], "tried": rows}
     return configs, {"validation_rows": n_val, "methods": record}
 
 
-def run_split(
-    name: str, data_dir, k: int, cfg: Config, methods, selected: dict | None = None
-) -> dict:
-    """Every method on split ``k`` of dataset ``name``; {method: (ll, rmse, s), "_noise": σ}.
-    ``selected``: the dataset's ``(configs, record)`` of :func:`select_settings`, made here on
-    split ``k``'s training rows when it is an empty dict (filled in place), not at all when None.
-    """
+def select_settings(d: Dataset, cfg: Config, methods) -> tuple[dict[str, Config], dict]:
+    """``({method: its Config}, record)``: every method's ``SELECT`` settings (the same number
+    for each, at the method's own epochs) trained on 80% of ``d``'s training rows and scored by
+    log-likelihood on the other 20% (:func:`select_one`); the best is kept. The test rows are
+    never read."""
+    tried = {m: [select_one(d, cfg, m, setting) for setting in SELECT[m]] for m in methods}
+    return choose(cfg, tried, len(selection_rows(d, cfg)[1]))
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def dataset_config(name: str, data_dir, k: int, cfg: Config) -> tuple[Dataset, Config]:
+    """Split ``k`` of dataset ``name`` and ``cfg`` at the folder's hidden width."""
     d = load_uci(name, data_dir, split=k)
+    return d, dataclasses.replace(cfg, hidden=d.info["n_hidden"])  # n_hidden.txt, else 50
+
+
+def selection_job(name: str, data_dir, k: int, cfg: Config, method: str, index: int) -> dict:
+    """One selection job: setting ``index`` of ``SELECT[method]`` on split ``k`` of ``name``
+    (:func:`select_one`), with the job's CPU seconds. Self-contained and seeded, so it gives
+    the same figures in any process and order."""
+    t0 = time.process_time()
+    d, cfg = dataset_config(name, data_dir, k, cfg)
+    row = select_one(d, cfg, method, SELECT[method][index])
+    return {"row": row, "n_val": len(selection_rows(d, cfg)[1]), "cpu": time.process_time() - t0}
+
+
+def split_job(name: str, data_dir, k: int, cfg: Config, configs, method: str) -> dict:
+    """One evaluation job: ``method`` trained on split ``k`` of ``name`` (with its MAP, when it
+    starts from one, trained here too) and scored on the split's test rows in original units.
+    Self-contained and seeded by ``k``, as :func:`selection_job`."""
+    t0 = time.process_time()
+    d, cfg = dataset_config(name, data_dir, k, cfg)
     y_std = d.info["y_std"]
-    cfg = dataclasses.replace(cfg, hidden=d.info["n_hidden"])  # n_hidden.txt, else 50
-    if selected is not None and not selected:
-        chosen, record = select_settings(d, cfg, methods)
-        selected.update(configs=chosen, record={**record, "split": k})
-        chosen_line = "  ".join(f"{m} {r['chosen']}" for m, r in record["methods"].items())
-        print(f"  {name} settings chosen on split {k}'s validation rows: {chosen_line}")
-    configs = None if selected is None else selected["configs"]
     res = run_methods(
-        d.x_train, d.y_train, d.x_test, d.y_test, y_std, cfg, methods, k, configs=configs
+        d.x_train, d.y_train, d.x_test, d.y_test, y_std, cfg, [method], k, configs=configs
     )
-    res["_noise"] *= y_std  # in original units
-    res["_noise_map"] *= y_std
-    line = "  ".join(f"{m} {res[m][0]:.2f}/{res[m][1]:.2f}" for m in methods)
-    sigmas = f"σ {res['_noise']:.3f} (MAP's own {res['_noise_map']:.3f})"
-    print(f"  {name} split {k}: {sigmas}  {line}  (LL/RMSE)", flush=True)
-    return res
+    ll, rmse, seconds = res[method]
+    return {
+        "ll": ll,
+        "rmse": rmse,
+        "seconds": seconds,
+        "chosen": res["_chosen"][method],
+        "noise": res["_noise"] * y_std,  # in original units
+        "noise_map": res["_noise_map"] * y_std,
+        "cpu": time.process_time() - t0,
+    }
+
+
+#: The methods that train several networks (about 5 to 10 times a MAP's CPU time).
+HEAVY = ("multiswag", "ensemble")
+
+
+def _worker_start() -> None:
+    torch.set_num_threads(1)  # one core per job: the pool's processes share the machine
+
+
+def run_jobs(calls: list[tuple], jobs: int) -> Iterator[tuple[Any, dict]]:
+    """``(key, result)`` of every ``(key, function, args)`` in ``calls``: in this process in
+    order when ``jobs`` is 1, else on a pool of ``jobs`` processes as they finish."""
+    if jobs <= 1:
+        for key, function, args in calls:
+            yield key, function(*args)
+        return
+    context = multiprocessing.get_context("spawn")  # no forked torch state
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start) as pool:
+        futures = {pool.submit(function, *args): key for key, function, args in calls}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
+def complete_splits(done: dict[int, dict], methods) -> list[int]:
+    """The splits of ``done`` ({split: {method: result}}) that every method finished."""
+    return sorted(k for k, row in done.items() if all(m in row for m in methods))
+
+
+def per_split_rows(done: dict[int, dict], methods) -> list[dict]:
+    """The finished splits of one dataset in :func:`summarise`'s layout."""
+    rows = []
+    for k in complete_splits(done, methods):
+        row = done[k]
+        first = row[methods[0]]
+        rows.append(
+            {
+                **{m: (row[m]["ll"], row[m]["rmse"], row[m]["seconds"]) for m in methods},
+                "_chosen": {m: row[m]["chosen"] for m in methods},
+                "_noise": first["noise"],
+                "_noise_map": first["noise_map"],
+            }
+        )
+    return rows
 
 
 def summarise(per_split: list[dict], methods) -> dict:
@@ -959,6 +1205,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge result files of this benchmark (one run per dataset) into one, with the "
         "targets over all, and print the table; trains nothing",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="processes: the selection runs as (dataset, method, setting) jobs, then the splits "
+        "as (dataset, split, method) jobs, each seeded as in a serial run (default 1: serial, "
+        "in this process)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="PATH",
+        help="the results JSON (default benchmarks/results/uci[-<datasets>...].json), rewritten "
+        "after every finished job",
+    )
     parser.add_argument("--quick", action="store_true", help="first 2 selected splits, few steps")
     parser.add_argument("--tune", action="store_true", help="score the grid on split 0's train")
     return parser
@@ -987,6 +1248,8 @@ def plan(args, data_dir) -> dict[str, list[int]]:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args([] if argv is None else argv)  # run_all calls main() bare
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1 (1: serial); got {args.jobs}.")
     if args.merge:
         config, figures = merge([Path(p) for p in args.merge])
         names = config["datasets"]
@@ -1040,27 +1303,91 @@ def main(argv: list[str] | None = None) -> None:
         stem += f"-{args.noise}"
     if args.sigma != DEFAULTS.sigma and not heteroscedastic:
         stem += f"-sigma-{args.sigma}"
-    # Splits in the outer loop and the JSON rewritten after each: a run cut short still has the
-    # first splits of every dataset.
-    per: dict[str, list] = {name: [] for name in args.datasets}
-    selected: dict[str, dict | None] = {n: ({} if args.select else None) for n in args.datasets}
+    out_path = Path(args.out) if args.out else None
     start = time.perf_counter()
-    for k in sorted({k for chosen in splits.values() for k in chosen}):
-        for name in args.datasets:
-            if k in splits[name]:
-                per[name].append(run_split(name, data_dir, k, cfg, args.methods, selected[name]))
-        results = {name: summarise(rows, args.methods) for name, rows in per.items() if rows}
-        settings = {n: (v or {}).get("record") for n, v in selected.items() if n in results}
-        if not args.quick:
-            done = {name: splits[name][: len(rows)] for name, rows in per.items()}
-            config = run_config(cfg, args, done, time.perf_counter() - start, data_dir)
-            write(
-                stem,
-                config,
-                {"results": results, "targets": verdicts(results), "selected_settings": settings},
+    methods = args.methods
+    selected: dict[str, dict | None] = {n: None for n in args.datasets}
+    # The longest jobs first (per split), so that a pool does not end waiting on one of them.
+    heavy_first = sorted(methods, key=lambda m: m not in HEAVY)
+    calls: list[tuple] = []
+    if args.select:
+        calls = [
+            ((name, m, i), selection_job, (name, data_dir, splits[name][0], cfg, m, i))
+            for m in heavy_first
+            for name in args.datasets
+            for i in range(len(SELECT[m]))
+        ]
+        tried: dict[str, dict[str, list]] = {n: {m: [] for m in methods} for n in args.datasets}
+        n_val: dict[str, int] = {}
+        for (name, m, i), job in run_jobs(calls, args.jobs):
+            tried[name][m].append((i, {**job["row"], "cpu_seconds": job["cpu"]}))
+            print(
+                f"  {name} select {m} {job['row']['setting']}: validation LL "
+                f"{job['row']['validation_ll']:.3f}  ({job['cpu']:.1f} CPU s)",
+                flush=True,
             )
-    counts = sorted({len(v) for v in splits.values()})
-    label = "/".join(map(str, counts))
+            n_val[name] = job["n_val"]
+        for name in args.datasets:
+            ordered = {
+                m: [r for _, r in sorted(tried[name][m], key=lambda t: t[0])] for m in methods
+            }
+            hidden = uci_folder(name, data_dir).n_hidden
+            configs, record = choose(dataclasses.replace(cfg, hidden=hidden), ordered, n_val[name])
+            selected[name] = {"configs": configs, "record": {**record, "split": splits[name][0]}}
+            line = "  ".join(f"{m} {r['chosen']}" for m, r in record["methods"].items())
+            first = splits[name][0]
+            print(
+                f"  {name} settings chosen on split {first}'s validation rows: {line}", flush=True
+            )
+    # Splits in the outer loop (every method of split 0 first), the JSON rewritten after each
+    # job: a run cut short keeps every finished job.
+    calls = [
+        (
+            (name, k, m),
+            split_job,
+            (name, data_dir, k, cfg, (selected[name] or {}).get("configs"), m),
+        )
+        for k in sorted({k for chosen in splits.values() for k in chosen})
+        for m in heavy_first
+        for name in args.datasets
+        if k in splits[name]
+    ]
+    done: dict[str, dict[int, dict]] = {name: {} for name in args.datasets}
+    results: dict = {}
+    for (name, k, m), job in run_jobs(calls, args.jobs):
+        done[name].setdefault(k, {})[m] = job
+        retried = " (retried)" if job["chosen"].get("retries") else ""
+        print(
+            f"  {name} split {k} {m}: LL {job['ll']:.3f} RMSE {job['rmse']:.3f}  "
+            f"({job['cpu']:.1f} CPU s){retried}",
+            flush=True,
+        )
+        results = {
+            n: summarise(per_split_rows(rows, methods), methods)
+            for n, rows in done.items()
+            if complete_splits(rows, methods)
+        }
+        if not args.quick:
+            complete = {n: complete_splits(rows, methods) for n, rows in done.items()}
+            config = run_config(cfg, args, complete, time.perf_counter() - start, data_dir)
+            config["job_cpu_seconds"] = {
+                n: {str(k): {m: j["cpu"] for m, j in row.items()} for k, row in rows.items()}
+                for n, rows in done.items()
+            }
+            settings = {n: (v or {}).get("record") for n, v in selected.items() if n in results}
+            figures = {
+                "results": results,
+                "targets": verdicts(results),
+                "selected_settings": settings,
+            }
+            path = write(stem, config, figures, **({"out": out_path} if out_path else {}))
+    if not args.quick and results:
+        print(f"wrote {path}")
+    elif not results:
+        print("no split finished for every method")
+        return
+    counts = [len(complete_splits(done[n], methods)) for n in results]
+    label = "/".join(map(str, sorted(set(counts))))
     brackets = "; published MC dropout in brackets" if set(results) & set(PUBLISHED) else ""
     print(f"\nUCI regression, {label} split(s), mean ± SE{brackets}")
     for name, figs in results.items():
@@ -1082,6 +1409,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"--quick: benchmarks/results/{stem}.json not written")
 
 
+def write(stem: str, config: dict, figures: dict, out: Path | None = None) -> Path:
+    """Write the results to ``out`` (default ``benchmarks/results/<stem>.json``) atomically:
+    to a temporary file beside it, then renamed over it, so a run killed mid-write leaves the
+    previous complete file."""
+    path = Path(out) if out is not None else RESULTS / f"{stem}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    record = {"machine": machine(), "config": config, "figures": figures}
+    tmp.write_text(json.dumps(record, indent=2, default=float))
+    os.replace(tmp, path)
+    return path
+
+
 def run_config(cfg: Config, args, splits_done: dict, wall: float, data_dir) -> dict:
     hidden = {name: uci_folder(name, data_dir).n_hidden for name in args.datasets}
     return {
@@ -1090,7 +1430,9 @@ def run_config(cfg: Config, args, splits_done: dict, wall: float, data_dir) -> d
         "quick": args.quick,
         "splits_requested": args.splits,
         "splits": max(len(v) for v in splits_done.values()),
+        #: The splits every method finished, per dataset: the summaries are over these.
         "splits_done": splits_done,
+        "jobs": getattr(args, "jobs", 1),
         "datasets": args.datasets,
         "methods": args.methods,
         "network": "Linear(d, H) - ReLU - Linear(H, 1), H from the folder's n_hidden.txt, else "

@@ -364,3 +364,109 @@ def test_adversarial_flag_reaches_the_ensemble_and_names_the_results_file(tmp_pa
     argv = ["--dataset", "toy", "--splits", "1", "--methods", "ensemble", "--no-select"]
     uci.main([*argv, "--adversarial", "--data-dir", str(tmp_path)])
     assert ("ensemble", 0.01) in seen and list(written) == ["uci-toy-adversarial"]
+
+
+# ----------------------------------------------------------------------------- jobs and recovery
+
+
+def _per_split(figures) -> dict:
+    return {
+        name: {m: figs[m]["per_split_ll"] for m in figs if not m.startswith("noise")}
+        for name, figs in figures["results"].items()
+    }
+
+
+def test_jobs_give_the_serial_figures(tmp_path, monkeypatch):
+    # Every job is self-contained and seeded, so a pool of 2 processes (in whatever order they
+    # finish) gives the serial run's figures exactly, selection included.
+    make_folder(tmp_path / "uci")
+    written = {}
+    monkeypatch.setattr(uci, "DEFAULTS", dataclasses.replace(TINY, map_epochs=3, vogn_steps=5))
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
+    argv = ["--dataset", "toy", "--splits", "0-1", "--methods", "map", "vogn"]
+    argv += ["--data-dir", str(tmp_path)]
+    uci.main([*argv, "--jobs", "1"])
+    serial = written.pop("uci-toy")
+    uci.main([*argv, "--jobs", "2"])
+    pooled = written.pop("uci-toy")
+    assert _per_split(pooled) == _per_split(serial)
+    assert (
+        pooled["selected_settings"]["toy"]["methods"]["vogn"]["chosen"]
+        == (serial["selected_settings"]["toy"]["methods"]["vogn"]["chosen"])
+    )
+
+
+def test_the_json_is_rewritten_after_every_job_and_survives_a_killed_run(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    monkeypatch.setattr(uci, "DEFAULTS", dataclasses.replace(TINY, map_epochs=3))
+    job = uci.split_job
+    finished = []
+
+    def killed_after_three(*args):
+        if len(finished) == 3:
+            raise KeyboardInterrupt  # the timeout's kill, during split 1's second method
+        finished.append(args[1:3])
+        return job(*args)
+
+    monkeypatch.setattr(uci, "split_job", killed_after_three)
+    out = tmp_path / "elsewhere" / "run.json"
+    argv = ["--dataset", "toy", "--splits", "0-2", "--methods", "map", "meanfield"]
+    with pytest.raises(KeyboardInterrupt):
+        uci.main([*argv, "--no-select", "--data-dir", str(tmp_path), "--out", str(out)])
+    run = json.loads(out.read_text())
+    assert not out.with_name("run.json.tmp").exists()  # written by rename
+    # Split 0 finished for both methods, split 1 for MAP only: the summary is over split 0, the
+    # job's CPU seconds are kept for all three.
+    assert run["config"]["splits_done"] == {"toy": [0]}
+    assert len(run["figures"]["results"]["toy"]["map"]["per_split_ll"]) == 1
+    cpu = run["config"]["job_cpu_seconds"]["toy"]
+    assert set(cpu["0"]) == {"map", "meanfield"} and set(cpu["1"]) == {"map"}
+    assert all(s > 0 for row in cpu.values() for s in row.values())
+
+
+class _Blown:
+    """A predictor whose σ collapsed: N(0, 10⁻³) for every row."""
+
+    def __call__(self, x):
+        return torch.distributions.Normal(torch.zeros(len(x)), 1e-3)
+
+
+def test_a_blown_up_fit_is_retrained_at_a_lower_rate_and_noted(monkeypatch):
+    from pyro_bdl.app.compare.recovery import DivergedWarning
+
+    x = torch.randn(40, 3)
+    y = x[:, 0] - x[:, 1]
+    y = (y - y.mean()) / y.std()
+    cfg = dataclasses.replace(TINY, hidden=4, vogn_steps=10, vogn_lr=0.3, map_epochs=3)
+    fit, rates = uci.fit, []
+
+    def blown_at_high_rates(name, problem, c, **keywords):
+        if name == "vogn":
+            rates.append(c.vogn_lr)
+            if c.vogn_lr > 0.01:  # 0.3 and 0.03 blow up, 0.003 trains
+                return _Blown()
+        return fit(name, problem, c, **keywords)
+
+    monkeypatch.setattr(uci, "fit", blown_at_high_rates)
+    with pytest.warns(DivergedWarning, match="vogn"):
+        out = uci.run_methods(x, y, x[:8], y[:8], 1.0, cfg, ["map", "vogn"], 0)
+    assert rates == pytest.approx([0.3, 0.03, 0.003])
+    assert len(out["_chosen"]["vogn"]["retries"]) == 2 and math.isfinite(out["vogn"][0])
+    assert "retries" not in out["_chosen"]["map"]
+    # In the selection the check scores the setting -inf, unretried, so it is not chosen.
+    d = data.Dataset("toy", x, y, x[:8], y[:8], num_classes=None)
+    rates.clear()
+    row = uci.select_one(d, cfg, "vogn", {"vogn_lr": 0.3})
+    assert row["validation_ll"] == -math.inf and "training log-likelihood" in row["error"]
+    assert rates == [0.3]
+
+
+def test_the_variance_parameterisation_is_checked_and_softplus_bounds_sigma():
+    x, y = torch.zeros(4, 3), torch.zeros(4)
+    bad = dataclasses.replace(uci.DEFAULTS, variance="square")
+    with pytest.raises(ValueError, match=r"variance must be one of \('exp', 'softplus'\)"):
+        uci.regression_problem(x, y, None, bad, 0, None, "heteroscedastic")
+    # σ² = softplus(r) + 1e-6: never below 1e-6, linear in r for large r.
+    _, log_var = uci.softplus_variance(torch.tensor([[0.0, -50.0], [0.0, 30.0]]))
+    assert log_var.exp()[0] == pytest.approx(1e-6, rel=1e-3)
+    assert log_var.exp()[1] == pytest.approx(30.0, rel=1e-6)
