@@ -28,11 +28,18 @@ from pyro_bdl.guides.laplace import AutoSubnetLaplace
 __all__ = ["fit_laplace"]
 
 
-def fit_laplace(problem: Problem, *, prior_precision: float | str | None = None) -> Predictor:
+def fit_laplace(
+    problem: Problem,
+    *,
+    prior_precision: float | str | None = None,
+    subnetwork: str = "all",
+) -> Predictor:
     """Fit the full GGN Laplace at the MAP; the predictor carries the fitted guide
     (``predictor.guide``, an :class:`~pyro_bdl.guides.laplace.AutoSubnetLaplace`).
 
     :param prior_precision: λ > 0, ``"marglik"``, or ``None`` (the declared prior).
+    :param str subnetwork: the weights the posterior covers: ``"all"`` (dense D × D), or
+        ``"last_layer"`` for networks too wide for that (e.g. the MNIST table's MLP).
     """
     if isinstance(prior_precision, str) and prior_precision != "marglik":
         raise ValueError(
@@ -57,7 +64,7 @@ def fit_laplace(problem: Problem, *, prior_precision: float | str | None = None)
     make = partial(
         AutoSubnetLaplace,
         model,
-        subnetwork="all",
+        subnetwork=subnetwork,
         accumulate_dtype=torch.float64,
         batch_size=256,
         init_loc_fn=problem.init_loc_fn(),
