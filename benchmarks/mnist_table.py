@@ -19,15 +19,19 @@ The shape of Table 1 of Osawa et al. (2019) (VOGN) at the size of the data this 
 4. **Methods** (the registry's fit functions, :mod:`pyro_bdl.app.compare`): ``map``, ``map_ts``
    (the MAP with one temperature fitted by validation NLL), ``mc_dropout``, ``meanfield``,
    ``vogn``, ``ivon``, ``swag``, ``multiswag`` and ``ensemble`` (M = 5 members each), and
-   ``laplace`` (the last-layer GGN Laplace at the MAP with the probit predictive; the full-network
-   Laplace's D × D posterior of 478,000 weights does not fit in memory).
+   ``laplace`` (the last-layer GGN Laplace at the MAP, dense over the last layer's 4,010
+   weights, with the probit predictive; the full-network Laplace's D × D posterior over 478,000
+   weights would take 1.8 TB in float64).
 5. **Tuning.** Every method gets the same budget: :data:`CANDIDATES` (3) trainings, one per
    setting of its key hyperparameter (the learning rate; IVON's own rate; SWAG's constant rate;
-   MC dropout's rate), all trained on the training split and scored by **validation NLL**; the
-   best is kept and scored on the test split once. ``map_ts`` and ``laplace`` reuse the MAP's
+   MC dropout's rate, at Adam's 1e-3), all trained on the training split and scored by
+   **validation NLL**; the best is kept. ``map_ts`` and ``laplace`` reuse the MAP's
    three trainings (same seed, same networks) and tune their post-hoc setting (temperature; prior
    precision λ on :data:`LAPLACE_GRID`) on the same validation rows. The test split and the OOD
-   set never reach a choice: :func:`choose` sees training and validation rows only.
+   set never reach a choice: :func:`choose` trains and scores on training and validation rows
+   only, and gets the test figures of each new best from a callback whose result it only
+   stores (``tests/test_mnist_table_benchmark.py`` fills the test rows with NaN and checks that
+   every choice stays the same).
 6. **Figures.** Per (method, seed): test accuracy, NLL, ECE (15 bins), OOD AUROC, seconds per
    epoch of the chosen setting's training (wall clock, CUDA-synchronised; an ensemble's epoch
    trains all M members) and the whole cell's seconds. Then mean ± standard error over seeds, and
@@ -38,9 +42,12 @@ after every finished (method, seed), so a run cut short keeps what finished.
 
 Run::
 
-    python -m benchmarks.mnist_table --device cuda --jobs 8        # the full table, GPU machine
-    python -m benchmarks.mnist_table --jobs 2                      # the full table, CPU
-    python -m benchmarks.mnist_table --quick                       # seconds, scikit-learn digits
+    PYRO_BDL_DATA=../shared/data python -m benchmarks.mnist_table --device cuda --jobs 8
+    PYRO_BDL_DATA=../shared/data python -m benchmarks.mnist_table --hidden 100 --jobs 2  # CPU
+    python -m benchmarks.mnist_table --quick      # seconds, scikit-learn digits, no data folder
+
+On CPU the 784-400-400-10 network's last-layer Laplace predictive (a dense 4,010² covariance
+per row block) takes minutes per seed, hence ``--hidden 100`` there.
 
 References:
     Osawa, Swaroop, Jain, Eschenhagen, Turner, Yokota & Khan, "Practical Deep Learning with
@@ -112,8 +119,10 @@ GRIDS: dict[str, tuple[dict[str, Any], ...]] = {
     # Adam at 1e-3 for each rate; the rate decides an MC-dropout fit more than the step size.
     "mc_dropout": ({"rate": 0.05}, {"rate": 0.1}, {"rate": 0.2}),
 }
-#: Laplace's prior precisions λ, searched on the validation rows after each MAP training.
-LAPLACE_GRID = torch.logspace(-2, 4, 13, dtype=torch.float64)
+#: Laplace's prior precisions λ, tried on the validation rows after each MAP training (five
+#: values, no refinement: each costs one linearized prediction of the validation rows, which on
+#: CPU is most of the method's post-hoc time).
+LAPLACE_GRID = torch.logspace(-1, 3, 5, dtype=torch.float64)
 #: Members of ``ensemble`` and ``multiswag`` (the deep-ensembles paper's M).
 MEMBERS = 5
 OOD_ROTATION = 90
@@ -236,20 +245,18 @@ def _map_family(
     wanted = list(wanted)
     out: dict[str, dict] = {m: {"grid": [], "val_nll": math.inf} for m in wanted}
     for setting in GRIDS["map"]:
-        predict, train_s = _timed(
-            settings.device, lambda s=setting: _fit("map", problem, s, settings)
-        )
+        predict, train_s = _timed(settings.device, partial(_fit, "map", problem, setting, settings))
         options: dict[str, tuple[Callable, float, dict]] = {"map": (predict, 0.0, {})}
         if "map_ts" in wanted:
             (tempered, temperature), post_s = _timed(
-                settings.device, lambda p=predict: _tempered(p, x_val, y_val)
+                settings.device, partial(_tempered, predict, x_val, y_val)
             )
             options["map_ts"] = (tempered, post_s, {"temperature": temperature})
         if "laplace" in wanted:
             values = {k: v.detach() for k, v in predict.guide.median().items()}
             at_map = dataclasses.replace(apply(problem, setting)[0], init=values)
             (laplace, extra), post_s = _timed(
-                settings.device, lambda c=at_map: _laplace(c, x_val, y_val)
+                settings.device, partial(_laplace, at_map, x_val, y_val)
             )
             options["laplace"] = (laplace, post_s, extra)
         for name in wanted:
@@ -262,7 +269,8 @@ def _keep(record, setting, predict, x_val, y_val, train_s, post_s, evaluate) -> 
     """Score a candidate on the validation rows; when it is the best so far, record it and its
     test figures (computed now: a later candidate's training may reuse the parameter store
     names its predictor reads, and the figures take no part in the choice)."""
-    score = validation_nll(predict, x_val, y_val)
+    # The metrics run on the host, whatever the device of the predictions.
+    score = validation_nll(lambda x: predict(x).detach().cpu(), x_val, y_val.cpu())
     score = score if math.isfinite(score) else math.inf
     record["grid"].append({"setting": setting, "val_nll": score})
     if "setting" not in record or score < record["val_nll"]:
@@ -276,7 +284,7 @@ def _keep(record, setting, predict, x_val, y_val, train_s, post_s, evaluate) -> 
 
 
 def _tempered(predict, x_val, y_val) -> tuple[Callable, float]:
-    temperature = validation_temperature(_logits(predict, x_val), y_val)
+    temperature = validation_temperature(_logits(predict, x_val).cpu(), y_val.cpu())
     return (lambda x: (_logits(predict, x) / temperature).softmax(-1)), temperature
 
 
@@ -287,9 +295,9 @@ def _laplace(problem: Problem, x_val, y_val) -> tuple[Callable, dict]:
     :data:`LAPLACE_GRID`; the guide warns of both, and the row records them instead."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        predict = REGISTRY["laplace"](problem, subnetwork="last_layer")
+        predict: Any = REGISTRY["laplace"](problem, subnetwork="last_layer")
         precision = predict.guide.tune_prior_precision(
-            (x_val, y_val), method="val_ll", grid=LAPLACE_GRID
+            (x_val, y_val), method="val_ll", grid=LAPLACE_GRID, refine=False
         )
     messages = [str(w.message) for w in caught]
     return predict, {
@@ -315,7 +323,7 @@ def choose(
     for setting in GRIDS[name]:
         try:
             predict, train_s = _timed(
-                settings.device, lambda s=setting: _fit(name, problem, s, settings)
+                settings.device, partial(_fit, name, problem, setting, settings)
             )
         except (FloatingPointError, ValueError, RuntimeError) as err:  # diverged: it loses
             error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
@@ -464,7 +472,11 @@ def run(
     if unknown:
         raise ValueError(f"methods: unknown {unknown}; expected some of {list(METHODS)}.")
     results: dict[str, dict[str, dict]] = {m: {} for m in methods}
-    payload = {"machine": common.machine(), "config": config or {}, "results": results}
+    payload: dict[str, Any] = {
+        "machine": common.machine(),
+        "config": config or {},
+        "results": results,
+    }
     splits = {seed: split_fn(x, y, seed) for seed in seeds}
     total = time.perf_counter()
 
