@@ -28,11 +28,21 @@ from pyro_bdl.guides.laplace import AutoSubnetLaplace
 __all__ = ["fit_laplace"]
 
 
-def fit_laplace(problem: Problem, *, prior_precision: float | str | None = None) -> Predictor:
+def fit_laplace(
+    problem: Problem,
+    *,
+    prior_precision: float | str | None = None,
+    subnetwork: str = "all",
+    hessian_structure: str = "full",
+) -> Predictor:
     """Fit the full GGN Laplace at the MAP; the predictor carries the fitted guide
     (``predictor.guide``, an :class:`~pyro_bdl.guides.laplace.AutoSubnetLaplace`).
 
     :param prior_precision: λ > 0, ``"marglik"``, or ``None`` (the declared prior).
+    :param str subnetwork: the weights the posterior covers: ``"all"`` (dense D × D), or
+        ``"last_layer"`` for networks too wide for that (e.g. the MNIST table's MLP).
+    :param str hessian_structure: ``"full"`` (dense), ``"kron"`` (KFAC per layer) or
+        ``"diag"``, as :class:`~pyro_bdl.guides.laplace.AutoSubnetLaplace` takes it.
     """
     if isinstance(prior_precision, str) and prior_precision != "marglik":
         raise ValueError(
@@ -57,7 +67,8 @@ def fit_laplace(problem: Problem, *, prior_precision: float | str | None = None)
     make = partial(
         AutoSubnetLaplace,
         model,
-        subnetwork="all",
+        subnetwork=subnetwork,
+        hessian_structure=hessian_structure,
         accumulate_dtype=torch.float64,
         batch_size=256,
         init_loc_fn=problem.init_loc_fn(),
