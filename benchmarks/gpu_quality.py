@@ -49,8 +49,11 @@ def lora_methods() -> list[str]:
     return list(METHODS)
 
 
-def commands(output: Path, jobs: int, model_dir: str | None) -> dict[str, list[str]]:
-    """The command of each benchmark, writing into ``output``."""
+def commands(
+    output: Path, jobs: int, model_dir: str | None, mnist_jobs: int = 4
+) -> dict[str, list[str]]:
+    """The command of each benchmark, writing into ``output``: ``jobs`` UCI worker processes,
+    ``mnist_jobs`` for the MNIST table (each mostly host work feeding the GPU)."""
     py = sys.executable
     # Every method but the peer (laplace-torch is not installed there; its cost is a CPU figure).
     methods = [m for m in lora_methods() if m != "laplace_torch"]
@@ -61,7 +64,7 @@ def commands(output: Path, jobs: int, model_dir: str | None) -> dict[str, list[s
     return {
         "uci": [py, "-m", "benchmarks.uci", "--jobs", str(jobs), "--out", str(output / "uci.json")],
         "mnist_table": [
-            py, "-m", "benchmarks.mnist_table", "--device", "cuda",
+            py, "-m", "benchmarks.mnist_table", "--device", "cuda", "--jobs", str(mnist_jobs),
             "--out", str(output / "mnist_table.json"),
         ],
         "lora": lora,
@@ -109,8 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--output", required=True, help="folder for the JSON files and logs")
     parser.add_argument("--data-dir", default=None, help="the data folder (sets PYRO_BDL_DATA)")
     parser.add_argument("--model-dir", default=None, help="all-MiniLM-L6-v2's folder for lora")
-    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 4) - 3),
-                        help="UCI worker processes (default: the cores less three)")  # fmt: skip
+    parser.add_argument("--mnist-jobs", type=int, default=4, help="MNIST table processes")
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 8) - 5),
+                        help="UCI worker processes (default: the cores less the MNIST table's "
+                        "and one for the LoRA benchmark)")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=DEADLINE, help="seconds in all")
     parser.add_argument("--only", default=None, help="comma-separated subset of the benchmarks")
     args = parser.parse_args(argv)
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.data_dir:
         os.environ["PYRO_BDL_DATA"] = str(Path(args.data_dir).resolve())
     model_dir = str(Path(args.model_dir).resolve()) if args.model_dir else None
-    cmds = commands(output.resolve(), args.jobs, model_dir)
+    cmds = commands(output.resolve(), args.jobs, model_dir, args.mnist_jobs)
     if args.only:
         unknown = set(args.only.split(",")) - set(cmds)
         if unknown:
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine(),
         "deadline_s": args.deadline,
         "jobs": args.jobs,
+        "mnist_jobs": args.mnist_jobs,
         "commands": {k: " ".join(v[1:]) for k, v in cmds.items()},
         "ended": ended,
     }

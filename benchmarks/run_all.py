@@ -23,13 +23,16 @@ BENCHMARKS: list[str] = [
     "ddp",  # spawns two gloo processes
     "tuned_vogn_adam",
     "rotated_mnist",  # needs $PYRO_BDL_DATA (or ../shared/data) for MNIST
+    "mnist_table",  # likewise; every method, 3 seeds (`--jobs N` for a process pool)
     "uci",  # needs $PYRO_BDL_DATA (or ../shared/data); skips with a message without it
     "lora",  # needs the hf extra and $PYRO_BDL_DATA/sst2; skips with a message without them
 ]
 #: Modules under benchmarks/ that are not benchmarks to run: shared code, this runner, a
-#: report that joins the JSON files of earlier `uci` runs (it takes their paths), and the check
-#: that needs a GPU (`make gpu-check`, docs/gpu.md).
-NOT_RUN: frozenset[str] = frozenset({"common", "run_all", "uci_before_after", "gpu_check"})
+#: report that joins the JSON files of earlier `uci` runs (it takes their paths), and the two
+#: runs made for a GPU machine (`make gpu-check`, `make gpu-quality`; docs/gpu.md).
+NOT_RUN: frozenset[str] = frozenset(
+    {"common", "run_all", "uci_before_after", "gpu_check", "gpu_quality"}
+)
 
 
 def main() -> int:

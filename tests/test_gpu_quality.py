@@ -28,7 +28,7 @@ def test_a_command_past_the_deadline_is_killed_and_the_others_kept(tmp_path):
 
 def test_only_selects_and_the_summary_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        gpu_quality, "commands", lambda output, jobs, model_dir: {
+        gpu_quality, "commands", lambda output, jobs, model_dir, mnist_jobs: {
             "uci": [sys.executable, "-c", "pass"], "lora": [sys.executable, "-c", "1/0"]
         },
     )  # fmt: skip
