@@ -137,7 +137,14 @@ def test_main_reports_a_missing_dataset_and_a_missing_split_file(tmp_path, capsy
 
 
 TINY = dataclasses.replace(
-    uci.DEFAULTS, noise_rounds=1, map_steps=20, mf_steps=10, swag_epochs=2, num_samples=4
+    uci.DEFAULTS,
+    noise_rounds=1,
+    map_steps=20,
+    mf_steps=10,
+    swag_epochs=2,
+    num_samples=4,
+    vogn_steps=10,
+    ivon_steps=10,
 )
 
 
@@ -304,6 +311,27 @@ def test_multiswag_trains_at_least_its_step_budget_and_swags_with_swags_rate():
         assert fields["epochs"] == epochs
         assert fields["epochs"] * math.ceil(rows / fields["batch_size"]) >= 800
     assert keywords["optimizer"] == "adam" and keywords["swa_lr"] == uci.DEFAULTS.swag_lr
+
+
+def test_vogn_and_ivon_take_minibatches_and_a_step_floor_under_sigma_x():
+    # 100 rows: one minibatch of 100 an epoch, so the step floors (600 and 1200) set the
+    # epochs; 6,400 rows: 64 minibatches an epoch, and the 40 epochs already exceed them.
+    for rows, vogn_epochs, ivon_epochs in ((100, 600, 1200), (6400, 40, 40)):
+        x, y = torch.zeros(rows, 3), torch.zeros(rows)
+        problem = uci.regression_problem(x, y, None, uci.DEFAULTS, 0, None, "heteroscedastic")
+        vogn, _ = uci.method_settings("vogn", problem, uci.DEFAULTS)
+        ivon, keywords = uci.method_settings("ivon", problem, uci.DEFAULTS)
+        assert vogn["batch_size"] == ivon["batch_size"] == uci.DEFAULTS.map_batch
+        assert (vogn["epochs"], ivon["epochs"]) == (vogn_epochs, ivon_epochs)
+        assert vogn["lr_decay"] == 0.1 and vogn["init"] is None is ivon["init"]
+        assert keywords == {"ivon_lr": uci.DEFAULTS.ivon_lr}
+    # Under one σ both keep their full-batch runs.
+    homo = dataclasses.replace(uci.DEFAULTS, noise_model="homoscedastic")
+    problem = uci.regression_problem(x, y, 1.0, homo, 0, None)
+    vogn, _ = uci.method_settings("vogn", problem, homo)
+    ivon, _ = uci.method_settings("ivon", problem, homo)
+    assert vogn["batch_size"] == ivon["batch_size"] == rows
+    assert (vogn["epochs"], vogn["lr_decay"], ivon["epochs"]) == (600, 0.01, homo.map_steps)
 
 
 # ----------------------------------------------------------------------------- selection
