@@ -66,6 +66,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -604,7 +605,8 @@ def run_laplace_torch(b: Bench) -> None:
         _run_laplace_torch(b)
 
 
-def _our_fit_s(b: Bench, structure: str, batches: list) -> float:
+def _our_fit(b: Bench, structure: str, batches: list) -> tuple[float, Any]:
+    """Seconds of our fit over ``batches`` (the peer's), and the fitted guide."""
     import pyro_bdl as bdl
 
     pyro.clear_param_store()
@@ -620,7 +622,17 @@ def _our_fit_s(b: Bench, structure: str, batches: list) -> float:
     start = time.perf_counter()
     guide.fit(batches)
     synchronize(b.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, guide
+
+
+def _ms_per_item(b: Bench, predict: Callable, batches: list) -> float:
+    """Milliseconds per item of ``predict`` over ``batches``, the device synchronized."""
+    synchronize(b.device)
+    start = time.perf_counter()
+    for x, _ in batches:
+        predict(x)
+    synchronize(b.device)
+    return 1e3 * (time.perf_counter() - start) / sum(len(y) for _, y in batches)
 
 
 def _unwrapped_heads(net: nn.Module) -> nn.Module:
@@ -671,7 +683,7 @@ def _run_laplace_torch(b: Bench) -> None:
     synchronize(b.device)
     figures["forward_backward_s"] = time.perf_counter() - start
     for structure in ("diag", "kron"):
-        figures[f"ours_{structure}_fit_s"] = _our_fit_s(b, structure, batches)
+        figures[f"ours_{structure}_fit_s"], ours = _our_fit(b, structure, batches)
         la = laplace.Laplace(
             net, "classification", subset_of_weights="all", hessian_structure=structure,
             backend=backend,
@@ -688,6 +700,15 @@ def _run_laplace_torch(b: Bench) -> None:
         figures[f"{structure}_ratio"] = (
             figures[f"ours_{structure}_fit_s"] / figures[f"{structure}_fit_s"]
         )
+        # The GLM predictive (probit) on the test phrases, back to back: ours, then the peer's,
+        # both in batches of 16 (the peer's vmap over B × C Jacobian rows outgrew 16 GB at 64).
+        test = [(x[i : i + 16], y[i : i + 16]) for x, y in b.batches("test")
+                for i in range(0, len(y), 16)]  # fmt: skip
+        ours_ms = _ms_per_item(b, partial(ours.predict, link="probit"), test)
+        peer_ms = _ms_per_item(b, partial(la, pred_type="glm", link_approx="probit"), test)
+        figures[f"ours_{structure}_predict_ms_per_item"] = ours_ms
+        figures[f"{structure}_predict_ms_per_item"] = peer_ms
+        figures[f"{structure}_predict_ratio"] = ours_ms / peer_ms
         del la
     print("  laplace_torch: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()), flush=True)
     b.results["laplace_torch"] = figures
