@@ -1019,24 +1019,31 @@ def verdicts(results: dict) -> dict:
 
 
 def merge(paths: list[Path]) -> tuple[dict, dict]:
-    """``(config, figures)`` of several result files of this benchmark (runs of different
-    datasets, e.g. one process per dataset) as one: each dataset's results and settings from the
-    file that holds it, the targets recomputed over all. Raises ``ValueError`` when two files
-    hold the same dataset or their noise models differ."""
+    """``(config, figures)`` of several result files of this benchmark as one: runs of
+    different datasets (e.g. one process per dataset), or of different splits of a dataset with
+    the same settings (a run continued with ``--settings-from``: :func:`join_splits`); the
+    targets recomputed over all. Raises ``ValueError`` when two files hold the same split of a
+    dataset, ran it with other settings, or their noise models differ."""
     results: dict = {}
     settings: dict = {}
+    splits_of: dict[str, list[int]] = {}
     configs = []
     for path in paths:
         run = json.loads(Path(path).read_text())
         configs.append(run["config"])
         for name, figs in run["figures"]["results"].items():
+            chosen = run["figures"].get("selected_settings", {}).get(name)
+            splits = run["config"]["splits_done"][name]
             if name in results:
-                raise ValueError(
-                    f"dataset {name!r} is in two of the files to merge ({path} and an earlier "
-                    "one); pass each dataset's run once."
-                )
-            results[name] = figs
-            settings[name] = run["figures"].get("selected_settings", {}).get(name)
+                results[name] = join_splits(name, results[name], splits_of[name], figs, splits)
+                if _chosen(settings[name]) != _chosen(chosen):
+                    raise ValueError(
+                        f"{path} ran {name!r} with other settings than an earlier file; join "
+                        "only runs made with the same settings (--settings-from)."
+                    )
+                splits_of[name] = sorted(splits_of[name] + splits)
+                continue
+            results[name], settings[name], splits_of[name] = figs, chosen, list(splits)
     models = {c["noise_model"] for c in configs}
     if len(models) > 1:
         raise ValueError(
@@ -1047,12 +1054,64 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
         **configs[0],
         "merged_from": [str(p) for p in paths],
         "datasets": list(results),
-        "splits_done": {k: v for c in configs for k, v in c["splits_done"].items()},
+        "splits_done": splits_of,
         "wall_seconds_per_file": [c["wall_seconds"] for c in configs],
     }
     config.pop("wall_seconds", None)
     figures = {"results": results, "targets": verdicts(results), "selected_settings": settings}
     return config, figures
+
+
+def _chosen(record: dict | None) -> dict | None:
+    """The chosen setting of each method in a ``selected_settings`` record."""
+    if record is None:
+        return None
+    return {m: row["chosen"] for m, row in record["methods"].items()}
+
+
+def join_splits(name: str, a: dict, splits_a: list[int], b: dict, splits_b: list[int]) -> dict:
+    """One dataset's figures (:func:`summarise`'s layout) from two runs over disjoint splits:
+    the per-split figures in split order and their mean ± SE anew. The σ summaries, not kept per
+    split, are pooled: the mean weighted by split counts, the SE √Σ(nᵢ·SEᵢ)²/n (the within-run
+    variation only)."""
+    if set(splits_a) & set(splits_b):
+        raise ValueError(
+            f"dataset {name!r}: splits {sorted(set(splits_a) & set(splits_b))} are in two of the "
+            "files to merge; pass each split's run once."
+        )
+    if set(a) != set(b):
+        raise ValueError(f"dataset {name!r}: the files ran different methods ({set(a) ^ set(b)}).")
+    order = sorted(range(len(splits_a) + len(splits_b)), key=lambda i: (splits_a + splits_b)[i])
+    n_a, n_b = len(splits_a), len(splits_b)
+    joined: dict[str, Any] = {}
+    for key in ("noise_original_units", "noise_map_original_units"):
+        (ma, sa), (mb, sb) = a[key], b[key]
+        joined[key] = (
+            (ma * n_a + mb * n_b) / (n_a + n_b),
+            math.sqrt((n_a * sa) ** 2 + (n_b * sb) ** 2) / (n_a + n_b),
+        )
+    for m, fa in a.items():
+        if m in ("noise_original_units", "noise_map_original_units"):
+            continue
+        fb = b[m]
+
+        def both(field: str, fa=fa, fb=fb) -> list:
+            values = fa[field] + fb[field]
+            return [values[i] for i in order]
+
+        lls, rmses = both("per_split_ll"), both("per_split_rmse")
+        joined[m] = {
+            "chosen_per_split": both("chosen_per_split"),
+            "test_ll": mean_se(lls),
+            "test_rmse": mean_se(rmses),
+            "cpu_seconds_per_split": (
+                fa["cpu_seconds_per_split"] * n_a + fb["cpu_seconds_per_split"] * n_b
+            )
+            / (n_a + n_b),
+            "per_split_ll": lls,
+            "per_split_rmse": rmses,
+        }
+    return joined
 
 
 def _pm(value, se, digits: int = 2) -> str:
@@ -1248,8 +1307,16 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="FILE",
-        help="merge result files of this benchmark (one run per dataset) into one, with the "
-        "targets over all, and print the table; trains nothing",
+        help="merge result files of this benchmark (runs of other datasets, or of other splits "
+        "with the same settings) into one, with the targets over all, and print the table; "
+        "trains nothing",
+    )
+    parser.add_argument(
+        "--settings-from",
+        default=None,
+        metavar="FILE",
+        help="take each dataset's chosen settings from an earlier result file of this benchmark "
+        "instead of selecting them (to continue a run on more splits; join with --merge)",
     )
     parser.add_argument(
         "--jobs",
@@ -1289,6 +1356,26 @@ def plan(args, data_dir) -> dict[str, list[int]]:
                     )
         out[name] = chosen
     return out
+
+
+def settings_from(path: Path, names: list[str], methods, cfg: Config, data_dir) -> dict:
+    """Each dataset's ``{"configs", "record"}`` as an earlier run chose them (its JSON's
+    ``selected_settings``), so that a run over further splits uses the same settings."""
+    earlier = json.loads(path.read_text())["figures"].get("selected_settings", {})
+    selected = {}
+    for name in names:
+        record = earlier.get(name)
+        missing = [m for m in methods if record is None or m not in record["methods"]]
+        if missing:
+            raise ValueError(
+                f"--settings-from {path}: no chosen setting for {name!r} and {missing}; pass "
+                "a file whose run selected settings for these datasets and methods."
+            )
+        assert record is not None
+        base = dataclasses.replace(cfg, hidden=uci_folder(name, data_dir).n_hidden)
+        configs = {m: dataclasses.replace(base, **record["methods"][m]["chosen"]) for m in methods}
+        selected[name] = {"configs": configs, "record": record}
+    return selected
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1356,7 +1443,9 @@ def main(argv: list[str] | None = None) -> None:
     # The longest jobs first (per split), so that a pool does not end waiting on one of them.
     heavy_first = sorted(methods, key=lambda m: m not in HEAVY)
     calls: list[tuple] = []
-    if args.select:
+    if args.settings_from:
+        selected = settings_from(Path(args.settings_from), args.datasets, methods, cfg, data_dir)
+    elif args.select:
         calls = [
             ((name, m, i), selection_job, (name, data_dir, splits[name][0], cfg, m, i))
             for m in heavy_first
