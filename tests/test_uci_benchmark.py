@@ -271,7 +271,7 @@ def test_merge_joins_runs_per_dataset_and_checks_the_targets(tmp_path, monkeypat
     # Energy's published deep ensemble is −1.38 ± 0.22: 0.6 is 1.98 above it, outside one SE.
     assert not targets["energy"]["ensemble_vs_published"]["within"]
     assert "| meanfield test LL |" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="'yacht' is in two of the files"):
+    with pytest.raises(ValueError, match=r"'yacht': splits \[0, 1\] are in two of the files"):
         uci.merge([yacht, yacht])
 
 
@@ -498,3 +498,34 @@ def test_the_variance_parameterisation_is_checked_and_softplus_bounds_sigma():
     _, log_var = uci.softplus_variance(torch.tensor([[0.0, -50.0], [0.0, 30.0]]))
     assert log_var.exp()[0] == pytest.approx(1e-6, rel=1e-3)
     assert log_var.exp()[1] == pytest.approx(30.0, rel=1e-6)
+
+
+def test_a_run_continued_with_the_earlier_settings_merges_into_the_whole_run(tmp_path, monkeypatch):
+    # Splits 0 and 1 in one run equal split 0, then split 1 with --settings-from the first run,
+    # joined by --merge: the continuation selects nothing and trains with the same settings.
+    make_folder(tmp_path / "uci")
+    monkeypatch.setattr(uci, "DEFAULTS", dataclasses.replace(TINY, map_epochs=3))
+    argv = ["--dataset", "toy", "--methods", "map", "ivon", "--data-dir", str(tmp_path)]
+    whole, first, rest = (tmp_path / f"{n}.json" for n in ("whole", "first", "rest"))
+    uci.main([*argv, "--splits", "0-1", "--out", str(whole)])
+    uci.main([*argv, "--splits", "1", "--out", str(first)])  # the first split
+    selected = []
+    monkeypatch.setattr(uci, "selection_job", lambda *a: selected.append(a))
+    uci.main([*argv, "--splits", "1-1", "--settings-from", str(first), "--out", str(rest)])
+    assert selected == []
+    config, figures = uci.merge([rest, first])
+    expected = json.loads(whole.read_text())["figures"]
+    assert config["splits_done"] == {"toy": [0, 1]}
+    assert _per_split(figures) == _per_split(expected)
+    for m in ("map", "ivon"):
+        joined, whole_run = figures["results"]["toy"][m], expected["results"]["toy"][m]
+        assert list(joined["test_ll"]) == whole_run["test_ll"]
+    assert figures["selected_settings"] == expected["selected_settings"]
+
+
+def test_settings_from_a_file_without_the_dataset_is_refused(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"figures": {"selected_settings": {"yacht": None}}}))
+    with pytest.raises(ValueError, match="no chosen setting for 'toy'"):
+        uci.settings_from(earlier, ["toy"], ["map"], TINY, tmp_path)
