@@ -1036,7 +1036,7 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
             splits = run["config"]["splits_done"][name]
             if name in results:
                 results[name] = join_splits(name, results[name], splits_of[name], figs, splits)
-                if _chosen(settings[name]) != _chosen(chosen):
+                if chosen_settings(settings[name]) != chosen_settings(chosen):
                     raise ValueError(
                         f"{path} ran {name!r} with other settings than an earlier file; join "
                         "only runs made with the same settings (--settings-from)."
@@ -1062,7 +1062,7 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
     return config, figures
 
 
-def _chosen(record: dict | None) -> dict | None:
+def chosen_settings(record: dict | None) -> dict | None:
     """The chosen setting of each method in a ``selected_settings`` record."""
     if record is None:
         return None
