@@ -1027,10 +1027,11 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
     results: dict = {}
     settings: dict = {}
     splits_of: dict[str, list[int]] = {}
-    configs = []
+    configs, machines = [], []
     for path in paths:
         run = json.loads(Path(path).read_text())
         configs.append(run["config"])
+        machines.append(run.get("machine"))
         for name, figs in run["figures"]["results"].items():
             chosen = run["figures"].get("selected_settings", {}).get(name)
             splits = run["config"]["splits_done"][name]
@@ -1053,6 +1054,7 @@ def merge(paths: list[Path]) -> tuple[dict, dict]:
     config = {
         **configs[0],
         "merged_from": [str(p) for p in paths],
+        "machines": machines,
         "datasets": list(results),
         "splits_done": splits_of,
         "wall_seconds_per_file": [c["wall_seconds"] for c in configs],
@@ -1388,7 +1390,8 @@ def main(argv: list[str] | None = None) -> None:
         names = config["datasets"]
         merged: dict[str, list[int]] = config["splits_done"]
         full = set(names) == set(DATASETS) and all(len(merged[n]) == 20 for n in names)
-        write("uci" if full else "uci-" + "-".join(names), config, figures)
+        out = {"out": Path(args.out)} if args.out else {}
+        write("uci" if full else "uci-" + "-".join(names), config, figures, **out)
         print(markdown_table(figures["results"], "/".join(str(len(merged[n])) for n in names)))
         for name, row in figures["targets"].items():
             print(f"targets {name}: {json.dumps(row, default=float)}")
