@@ -405,11 +405,6 @@ SELECT: dict[str, list[dict]] = {
         {"vogn_lr": 3e-2, "vogn_epochs": 40},
         {"vogn_lr": 3e-2, "vogn_epochs": 300},
     ],
-    "ensemble": [
-        {"map_lr": 3e-3, "map_epochs": 40},
-        {"map_lr": 1e-2, "map_epochs": 40},
-        {"map_lr": 1e-2, "map_epochs": 100},
-    ],
     "multiswag": [{"multiswag_sgd_lr": r} for r in (3e-4, 1e-3, 3e-3)],
     "ivon": [
         {"ivon_lr": 3e-2, "ivon_epochs": 40},
@@ -418,6 +413,7 @@ SELECT: dict[str, list[dict]] = {
     ],
     "mc_dropout": [{"dropout_rates": (r,)} for r in (0.01, 0.05, 0.1)],
 }
+SELECT["ensemble"] = SELECT["map"]  # the members are MAP networks: MAP's candidates
 SELECT_SIZE = 3
 
 

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from tests.hf import tiny_bert_config
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
@@ -36,15 +38,7 @@ class Packed(nn.Module):
 
 def _model():
     torch.manual_seed(0)
-    config = transformers.BertConfig(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=20,
-        vocab_size=VOCAB,
-        num_labels=2,
-        attn_implementation="eager",
-    )
+    config = tiny_bert_config(VOCAB, 2)
     net = transformers.BertForSequenceClassification(config).double().eval()
     lora = peft.LoraConfig(r=8, target_modules=["query", "value"], task_type="SEQ_CLS")
     with warnings.catch_warnings():

@@ -8,6 +8,8 @@ import torch
 from pyro import poutine
 from torch.testing import assert_close
 
+from tests.hf import tiny_bert_config
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
@@ -17,15 +19,7 @@ VOCAB, CLASSES, ROWS = 50, 2, 5
 
 
 def _lora_bert():
-    config = transformers.BertConfig(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=20,
-        vocab_size=VOCAB,
-        num_labels=CLASSES,
-        attn_implementation="eager",  # vectorized draws: SDPA has no vmap rule on CPU
-    )
+    config = tiny_bert_config(VOCAB, CLASSES)
     net = transformers.BertForSequenceClassification(config).eval()
     lora = peft.LoraConfig(r=2, target_modules=["query", "value"], task_type="SEQ_CLS")
     with warnings.catch_warnings():

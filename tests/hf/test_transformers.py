@@ -11,6 +11,8 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.optim import SGD, Adam
 from torch.testing import assert_close
 
+from tests.hf import tiny_bert_config
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
@@ -20,18 +22,10 @@ VOCAB, CLASSES, N = 100, 3, 64
 
 
 def _config(**extra):
-    # Eager attention: the tests compare outputs exactly and run vectorized particles, and
-    # scaled_dot_product_attention has no vmap rule on CPU (a warning; docs/methods/layers.md).
-    return transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        vocab_size=VOCAB,
-        num_labels=CLASSES,
-        attn_implementation="eager",
-        **extra,
-    )
+    # Two layers of 32 units; eager attention: the tests compare outputs exactly and run
+    # vectorized particles (docs/methods/layers.md).
+    sizes = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=37)
+    return tiny_bert_config(VOCAB, CLASSES, **{**sizes, **extra})
 
 
 def _bert():
