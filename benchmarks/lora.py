@@ -490,6 +490,7 @@ def run_map(b: Bench) -> dict:
     _, b.forward_s = predict(
         b.point_fn(values), b.splits["test"], b.args.eval_batch, device=b.device
     )
+    b.results["map"]["forward_s"] = b.forward_s
     return values
 
 
@@ -918,8 +919,15 @@ def run(b: Bench, names: list[str], save: Callable[[dict], None] | None = None) 
             errors[name] = f"{type(err).__name__}: {err}"
             print(f"  {name} failed: {errors[name]}", flush=True)
         pyro.clear_param_store()
-        if save is not None:
-            save({"methods": b.results, "errors": errors, "partial": True})
+        if save is not None:  # the derived figures too, so that a run cut short keeps them
+            save({"methods": b.results, "errors": errors, "step_ratios": derived(b),
+                  "partial": True})  # fmt: skip
+    return {"methods": b.results, "errors": errors, "step_ratios": derived(b)}
+
+
+def derived(b: Bench) -> dict:
+    """The figures computed from others: each sampled method's S-sample prediction cost over S
+    point forward passes (filled into its row) and the step-time ratios (returned)."""
     for name in SAMPLED:
         if name in b.results and hasattr(b, "forward_s"):
             _sample_cost(b, name)
@@ -927,7 +935,7 @@ def run(b: Bench, names: list[str], save: Callable[[dict], None] | None = None) 
     for num, den in (("ivon", "map"), ("meanfield", "map")):
         if num in b.results and den in b.results:
             ratios[f"{num}/{den}_step"] = b.results[num]["step_s"] / b.results[den]["step_s"]
-    return {"methods": b.results, "errors": errors, "step_ratios": ratios}
+    return ratios
 
 
 def report(figures: dict) -> None:

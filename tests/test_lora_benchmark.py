@@ -92,19 +92,22 @@ def test_laplace_prior_is_the_evidence_multiple_with_the_best_validation_nll():
 
 
 def test_results_are_written_after_each_method(tmp_path, monkeypatch):
-    """A run stopped after some methods (here interrupted in the third) leaves a complete JSON of
-    those finished, marked partial, and no temporary file."""
+    """A run stopped after some methods (here interrupted in the fourth) leaves a complete JSON
+    of those finished, with their derived figures, marked partial, and no temporary file."""
     out = tmp_path / "lora.json"
 
     def stopped(b):
         raise KeyboardInterrupt  # what a timeout's signal would do mid-method
 
-    monkeypatch.setitem(lora.METHODS, "laplace_last_layer", stopped)
-    methods = ["map", "map_temperature", "laplace_last_layer", "ivon"]
+    monkeypatch.setitem(lora.METHODS, "meanfield", stopped)
+    methods = ["map", "map_temperature", "ivon", "meanfield"]
     with pytest.raises(KeyboardInterrupt):
         lora.main(["--quick", "--device", "cpu", "--methods", *methods, "--out", str(tmp_path)])
     doc = json.loads(out.read_text())
-    assert set(doc["figures"]["methods"]) == {"map", "map_temperature"}
+    assert set(doc["figures"]["methods"]) == {"map", "map_temperature", "ivon"}
+    assert doc["figures"]["methods"]["ivon"]["sample_cost_over_forwards"] > 0
+    assert doc["figures"]["methods"]["map"]["forward_s"] > 0
+    assert "ivon/map_step" in doc["figures"]["step_ratios"]
     assert doc["figures"]["partial"] and doc["config"]["device"] == "cpu"
     assert [p.name for p in tmp_path.iterdir()] == ["lora.json"]
 
