@@ -102,7 +102,8 @@ def sample_outputs(
         tensor, a mapping of tensors or a tuple; no labels, so the outputs are predictions).
     :param int num_samples: S, the number of posterior draws.
     :param bool parallel: draw the S samples in one vectorized pass (``True``) or one after the
-        other (``False``; same distribution, other random streams).
+        other (``False``; same distribution, other random streams). One sample (S = 1) is one
+        plain draw either way: a forward pass, not two.
     :param int max_parallel: at most this many samples per vectorized pass (default: all S).
     :param int max_memory: at most this many bytes for the returned outputs (default 4 GiB),
         checked from one draw before the S draws run.
@@ -136,7 +137,7 @@ def sample_outputs(
         except BaseException:
             call.restore()
             raise
-        if not parallel:
+        if not parallel or num_samples == 1:  # one draw: the checking draw is the sample
             outputs = [one] + [
                 _draw(model, guide, args, kwargs, None, 0) for _ in range(num_samples - 1)
             ]

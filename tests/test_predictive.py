@@ -75,6 +75,22 @@ def test_chunks_of_max_parallel_give_all_samples():
     assert not torch.allclose(out[0], out[6])
 
 
+def test_one_sample_is_one_forward_pass():
+    # The draw that checks the output's memory is the sample itself: S = 1 costs one forward
+    # pass of the network (an ensemble member's prediction), S > 1 one more than S draws' pass.
+    model, guide, x = _fit("meanfield", "mlp")
+    calls = []
+    handle = model.net.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        out = sample_outputs(model, guide, x, num_samples=1)
+        assert out.shape == (1, 12, 3) and len(calls) == 1
+        calls.clear()
+        sample_outputs(model, guide, x, num_samples=4)
+        assert len(calls) == 2  # the checking draw, then one vectorized pass of the four
+    finally:
+        handle.remove()
+
+
 def test_a_hand_written_model_returning_the_network_output_works_too():
     model, guide, x = _fit("meanfield", "cnn")
 
