@@ -1,8 +1,11 @@
-"""Shared helpers of the benchmarks: the machine description and the JSON writer."""
+"""Shared helpers of the benchmarks: the machine description, timing, mean ± SE and the JSON
+writer."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import platform
 import statistics
 import time
@@ -68,13 +71,36 @@ def gpu_times(fn: Callable[[], object], *, warmup: int = 4, repeats: int = 15) -
     return {"median": statistics.median(times), "min": min(times), "wall_median": None}
 
 
-def write(name: str, config: dict, figures: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(
-        json.dumps(
-            {"machine": machine(), "config": config, "figures": figures}, indent=2, default=float
-        )
-    )
-    print(f"wrote {path}")
+def synchronize(device: str | torch.device) -> None:
+    """Wait for a CUDA device's queued work, so that a wall-clock time covers it (no-op on CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of ``values`` (SE NaN for fewer than two)."""
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return m, float("nan")
+    var = sum((v - m) ** 2 for v in values) / (len(values) - 1)
+    return m, math.sqrt(var / len(values))
+
+
+def dump_json(path: Path, doc: dict) -> Path:
+    """``doc`` as JSON at ``path``, whole or not at all: written to a temporary file beside it,
+    then renamed over it, so a run killed mid-write keeps the previous complete file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=float))
+    os.replace(tmp, path)
+    return path
+
+
+def write(name: str, config: dict, figures: dict, out: Path | None = None) -> Path:
+    """The machine, ``config`` and ``figures`` to ``out`` (default
+    ``benchmarks/results/<name>.json``), atomically (:func:`dump_json`)."""
+    doc = {"machine": machine(), "config": config, "figures": figures}
+    path = dump_json(Path(out) if out is not None else RESULTS / f"{name}.json", doc)
+    print(f"wrote {path}", flush=True)
     return path

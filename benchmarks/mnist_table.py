@@ -61,10 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -197,16 +194,11 @@ def problem_for(splits: Splits, settings: Settings, seed: int) -> Problem:
     )
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _timed(device: str, fn: Callable[[], Any]) -> tuple[Any, float]:
-    _sync(device)
+    common.synchronize(device)
     start = time.perf_counter()
     out = fn()
-    _sync(device)
+    common.synchronize(device)
     return out, time.perf_counter() - start
 
 
@@ -391,8 +383,7 @@ def summary(results: dict[str, dict[str, dict]]) -> dict[str, dict]:
         out[name] = {"seeds": len(per_seed)}
         for metric in METRICS:
             values = [row[metric] for row in per_seed.values() if math.isfinite(row[metric])]
-            mean = statistics.fmean(values) if values else math.nan
-            se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+            mean, se = common.mean_se(values) if values else (math.nan, math.nan)
             out[name][metric] = {"mean": mean, "se": se}
     return out
 
@@ -442,14 +433,6 @@ def statement(table: dict[str, dict], won: dict[str, dict]) -> str:
     return "; ".join(lines)
 
 
-def _write(path: Path, payload: dict) -> None:
-    """Write ``payload`` to ``path`` atomically (a temporary file, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=float))
-    os.replace(tmp, path)
-
-
 def run(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -488,7 +471,7 @@ def run(
         payload.update(table=table, wins=wins(table), total_s=time.perf_counter() - total)
         payload["statement"] = statement(table, payload["wins"])
         if out is not None:
-            _write(out, payload)
+            common.dump_json(out, payload)
 
     work = jobs_for(methods, seeds)
     if jobs <= 1:

@@ -160,7 +160,7 @@ import torch
 from torch import nn
 
 import pyro_bdl as bdl
-from benchmarks.common import RESULTS, machine
+from benchmarks.common import RESULTS, dump_json, machine, mean_se
 from pyro_bdl.app.compare import METHODS, Problem
 from pyro_bdl.app.compare.problem import seed_everything
 from pyro_bdl.app.compare.recovery import retry_lower
@@ -792,14 +792,6 @@ def run_methods(
 
 
 # ----------------------------------------------------------------------------- driver
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    m = sum(values) / len(values)
-    if len(values) < 2:
-        return m, float("nan")
-    var = sum((v - m) ** 2 for v in values) / (len(values) - 1)
-    return m, math.sqrt(var / len(values))
 
 
 def selection_rows(d: Dataset, cfg: Config) -> tuple:
@@ -1544,16 +1536,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write(stem: str, config: dict, figures: dict, out: Path | None = None) -> Path:
-    """Write the results to ``out`` (default ``benchmarks/results/<stem>.json``) atomically:
-    to a temporary file beside it, then renamed over it, so a run killed mid-write leaves the
-    previous complete file."""
+    """Write the results to ``out`` (default ``benchmarks/results/<stem>.json``) atomically
+    (:func:`benchmarks.common.dump_json`), without a line per call: a run rewrites it per job."""
     path = Path(out) if out is not None else RESULTS / f"{stem}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    record = {"machine": machine(), "config": config, "figures": figures}
-    tmp.write_text(json.dumps(record, indent=2, default=float))
-    os.replace(tmp, path)
-    return path
+    return dump_json(path, {"machine": machine(), "config": config, "figures": figures})
 
 
 def run_config(cfg: Config, args, splits_done: dict, wall: float, data_dir) -> dict:

@@ -27,8 +27,8 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.common import write
-from benchmarks.uci import PUBLISHED, mean_se
+from benchmarks.common import mean_se, write
+from benchmarks.uci import PUBLISHED
 
 RULES = ("before", "after")
 LABELS = {"before": "σ fixed (validation RMSE of MAP)", "after": "each method's own σ"}

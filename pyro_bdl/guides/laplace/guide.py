@@ -80,8 +80,8 @@ from pyro_bdl.guides.laplace.posterior import (
     SubnetNormal,
     accumulation_dtype,
     check_blockwise,
+    jacobian_transform,
     kron_blocks,
-    logit_difference,
     posterior_factor,
     predictive,
 )
@@ -524,8 +524,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
         obs = self._observe((x,), without_targets=True)
         posterior = self.posterior
-        two_class = obs.likelihood == "categorical" and link != "bridge"
-        parts = self._jacobians((x,), obs, logit_difference if two_class else None)
+        parts = self._jacobians((x,), obs, jacobian_transform(obs.likelihood, link))
         chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
         noise = obs.noise if self._noise is None else self._noise
         return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
@@ -678,8 +677,8 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             if len(first) < 2:
                 raise ValueError("validation data must be (x, y).")
             obs = self._observe(first)
-            two = logit_difference if obs.likelihood == "categorical" else None  # as predict()
-            parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs, two))
+            transform = jacobian_transform(obs.likelihood)  # the probit predict() returns
+            parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs, transform))
         if self.hessian_structure == "full" and self._noise is None:
             # In the GGN's eigenbasis every isotropic λ of the grid costs O(S).
             evals, evecs = eigenbasis(self.ggn)

@@ -65,9 +65,11 @@ __all__ = [
     "accumulation_dtype",
     "check_blockwise",
     "cholesky_jitter",
+    "jacobian_transform",
     "kron_blocks",
     "laplace_bridge",
     "linearized_predictive",
+    "logit_difference",
     "posterior_factor",
     "predictive",
     "predictive_log_likelihood",
@@ -536,6 +538,13 @@ def logit_difference(outputs: torch.Tensor) -> torch.Tensor:
     :math:`d` alone, so its linearized predictive needs the Jacobian of :math:`d` only: one
     backward pass rather than one per class."""
     return outputs[:, 1:] - outputs[:, :1] if outputs.shape[-1] == 2 else outputs
+
+
+def jacobian_transform(likelihood: str, link: str = "probit"):
+    """What the linearized predictive differentiates: :func:`logit_difference` for a categorical
+    likelihood (it changes only two-class outputs), except under the Laplace bridge, which needs
+    every logit; ``None`` (the outputs themselves) otherwise."""
+    return logit_difference if likelihood == "categorical" and link != "bridge" else None
 
 
 def linearized_predictive(
