@@ -1,7 +1,9 @@
-"""Inference: the sufficient-statistic ELBO and its KL estimators, VOGN and IVON."""
+"""Inference: the sufficient-statistic ELBO and its KL estimators, VOGN and IVON, and the fused
+Pyro optimizer."""
 
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.elbo import KLFallbackWarning, TraceSuffStat_ELBO
+from pyro_bdl.infer.fused_optim import FusedOptim
 from pyro_bdl.infer.kl import KL_ESTIMATORS, find_kl_estimator, register_kl_estimator
 from pyro_bdl.infer.natural_gradient import (
     IVON,
@@ -20,6 +22,7 @@ __all__: list[str] = [
     "IVON",
     "KL_ESTIMATORS",
     "VOGN",
+    "FusedOptim",
     "IVONHyperparameters",
     "KLFallbackWarning",
     "TraceSuffStat_ELBO",
