@@ -6,7 +6,8 @@ model's checks, the guide, the ELBO's log-probs, the optimizers) takes more. Thi
 that work alone on a CPU: torchvision's ResNet-18 module tree (20 convolutions, 20 BatchNorms, one
 Linear) with every width divided by 32 (64 -> 2 channels, fc 16 -> 10), batch 2 of 3×8×8 inputs,
 one thread, so the arithmetic is negligible and the step time is host time. The plain SGD step is
-the floor; each method's step is set beside its plain reference as in :mod:`benchmarks.resnet`.
+the floor; each method's step is set beside its plain reference as in :mod:`benchmarks.resnet`
+(``swag@pyro``: the same step with Pyro's per-parameter optimizer and Trace_ELBO).
 
 Time: the variants alternate step by step in a new random order every round; each takes the
 median process time of its steps (ms). ``--profile VARIANT`` prints cProfile's top functions by
@@ -17,6 +18,7 @@ Usage::
     python -m benchmarks.host_overhead                      # writes results/host_overhead.json
     python -m benchmarks.host_overhead --rounds 40 --variants swag,sgd
     python -m benchmarks.host_overhead --profile swag --no-write
+    python -m benchmarks.host_overhead --variants sgd,swag,swag@pyro --no-write
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import write
-from benchmarks.resnet import CLASSES, REFERENCE, build_steps, interleaved, quartiles
+from benchmarks.resnet import CLASSES, build_steps, interleaved, quartiles, reference
 
 SHRINK = 32
 BATCH, SHAPE = 2, (3, 8, 8)
@@ -106,7 +108,7 @@ def measure(variants: list[str], rounds: int) -> dict:
         for name, ts in times.items()
     }
     for name in variants:
-        ref = REFERENCE.get(name)
+        ref = reference(name)
         if ref in times:
             per_round = [a / b for a, b in zip(times[name], times[ref])]
             out[name]["ratio_to"] = ref

@@ -4,16 +4,23 @@ A new user's view of the cost of each method: the network is lifted with ``bdl.b
 wrapped by ``bdl.models.classifier``; every method runs through its public API; each step is set
 beside the plain PyTorch step of the same kind on the same network, batch and device:
 
-=================  ==========================================================  ===============
-variant            the step                                                    reference
-=================  ==========================================================  ===============
-``meanfield``      ``SVI`` + ``AutoMeanField`` + ``TraceSuffStat_ELBO``, Adam   ``mf_plain``
-``radial``         ``SVI`` + ``AutoRadial`` + ``TraceSuffStat_ELBO``, Adam      ``mf_plain``
-``swag``           ``SVI`` + ``AutoSWAG`` + ``Trace_ELBO``, SGD (point step)    ``sgd``
-``laplace_map``    ``SVI`` + ``AutoSubnetLaplace`` + ``Trace_ELBO``, SGD (MAP)  ``sgd``
-``vogn``           ``VOGN.step`` (one MC sample)                                ``adam``
-``ivon``           ``IVON.step`` (one MC sample)                                ``adam``
-=================  ==========================================================  ===============
+=================  ==================================================  ===============
+variant            the step                                            reference
+=================  ==================================================  ===============
+``meanfield``      ``SVI`` + ``AutoMeanField``, Adam                   ``mf_plain``
+``radial``         ``SVI`` + ``AutoRadial``, Adam                      ``mf_plain``
+``swag``           ``SVI`` + ``AutoSWAG``, SGD (point step)            ``sgd``
+``laplace_map``    ``SVI`` + ``AutoSubnetLaplace``, SGD (MAP)          ``sgd``
+``vogn``           ``VOGN.step`` (one MC sample)                       ``adam``
+``ivon``           ``IVON.step`` (one MC sample)                       ``adam``
+=================  ==================================================  ===============
+
+The ``SVI`` steps use ``TraceSuffStat_ELBO`` (it sums every site's term on the device and reads
+the loss once per step; Pyro's ``Trace_ELBO`` reads each site's log-density, a GPU sync per site)
+and :class:`pyro_bdl.infer.FusedOptim` (one torch optimizer over every parameter, as the
+references hold). A variant name with ``@pyro`` appended (``swag@pyro``) steps with Pyro's own
+parts instead, as a user of Pyro's recipe does: a per-parameter ``pyro.optim`` optimizer and, for
+``swag`` and ``laplace_map``, ``Trace_ELBO``; it is set beside the same reference.
 
 ``mf_plain`` is the mean-field step written by hand: per lifted parameter a (loc, ρ) pair,
 w = loc + softplus(ρ)·ε through ``torch.func.functional_call``, cross-entropy × N/B plus the
@@ -78,6 +85,17 @@ REFERENCE = {
     "vogn": "adam",
     "ivon": "adam",
 }
+
+#: The variants that step through ``SVI`` with a Pyro optimizer.
+SVI_VARIANTS = ("meanfield", "radial", "swag", "laplace_map")
+#: Appended to an SVI variant: Pyro's own optimizer (and ELBO for the point estimates) instead.
+PYRO_PARTS = "@pyro"
+
+
+def reference(variant: str) -> str | None:
+    """The plain PyTorch reference of ``variant`` (``None`` for a reference itself)."""
+    return REFERENCE.get(variant.removesuffix(PYRO_PARTS))
+
 
 #: ``--autocast`` choices: the dtype every step runs under (``None``: no autocast, fp32).
 AUTOCAST: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
@@ -171,28 +189,35 @@ def _model(net: nn.Module):
     return bdl.models.classifier(bdl.bayesianize(net, bdl.priors.Normal(scale=1.0)), N)
 
 
-def svi_step(net: nn.Module, x, y, guide: str) -> Step:
-    """A pyro_bdl method's step through its public API (one fresh param store per variant)."""
+def svi_step(net: nn.Module, x, y, guide: str, *, pyro_parts: bool = False) -> Step:
+    """A pyro_bdl method's step through its public API (one fresh param store per variant), with
+    :class:`~pyro_bdl.infer.FusedOptim` and ``TraceSuffStat_ELBO``, or (``pyro_parts``) Pyro's
+    per-parameter optimizer and, for the point estimates, Pyro's ``Trace_ELBO``."""
     model = _model(net)
     if guide == "meanfield":
-        g, opt, elbo = bdl.guides.AutoMeanField(model, init_scale=1e-2), "adam", None
+        g, opt = bdl.guides.AutoMeanField(model, init_scale=1e-2), "adam"
     elif guide == "radial":
-        g, opt, elbo = bdl.guides.AutoRadial(model), "adam", None
+        g, opt = bdl.guides.AutoRadial(model), "adam"
     elif guide == "swag":
-        g, opt, elbo = bdl.guides.AutoSWAG(model, rank=20), "sgd", Trace_ELBO()
+        g, opt = bdl.guides.AutoSWAG(model, rank=20), "sgd"
     elif guide == "laplace_map":
-        g = bdl.guides.AutoSubnetLaplace(model, subnetwork="last_layer")
-        opt, elbo = "sgd", Trace_ELBO()
+        g, opt = bdl.guides.AutoSubnetLaplace(model, subnetwork="last_layer"), "sgd"
     else:
         raise ValueError(f"guide must be meanfield|radial|swag|laplace_map; got {guide!r}.")
     # The SVI loss sums the N/B-scaled NLL: the learning rate is per example (as the README's
     # SWAG recipe, lr / N), so the update size matches the plain step's on the mean loss.
-    optim = (
-        pyro.optim.SGD({"lr": LR_SGD / N, "momentum": 0.9})
+    constructor, args = (
+        (torch.optim.SGD, {"lr": LR_SGD / N, "momentum": 0.9})
         if opt == "sgd"
-        else pyro.optim.Adam({"lr": LR_ADAM})
+        else (torch.optim.Adam, {"lr": LR_ADAM})
     )
-    svi = SVI(model, g, optim, elbo or bdl.infer.TraceSuffStat_ELBO())
+    optim = (
+        pyro.optim.PyroOptim(constructor, args)
+        if pyro_parts
+        else bdl.infer.FusedOptim(constructor, args)
+    )
+    elbo = Trace_ELBO() if pyro_parts and opt == "sgd" else bdl.infer.TraceSuffStat_ELBO()
+    svi = SVI(model, g, optim, elbo)
     return lambda: svi.step(x, y)
 
 
@@ -237,11 +262,15 @@ def build_steps(
         "radial": lambda n: svi_step(n, x, y, "radial"),
         "swag": lambda n: svi_step(n, x, y, "swag"),
         "laplace_map": lambda n: svi_step(n, x, y, "laplace_map"),
+        **{
+            g + PYRO_PARTS: lambda n, g=g: svi_step(n, x, y, g, pyro_parts=True)
+            for g in SVI_VARIANTS
+        },
         "vogn": lambda n: vogn_step(n, x, y),
         "ivon": lambda n: ivon_step(n, x, y),
     }
     steps: dict[str, _WithStore] = {}
-    for name in variants or list(makers):
+    for name in variants or [n for n in makers if not n.endswith(PYRO_PARTS)]:
         # pyro's global param store: each variant builds and warms its own before the next.
         torch.manual_seed(0)
         pyro.clear_param_store()
@@ -427,8 +456,9 @@ def measure(
         "peak_bytes": peaks,
         "ratios": {},
     }
-    for name, ref in REFERENCE.items():
-        if name not in steps or ref not in steps:
+    for name in steps:
+        ref = reference(name)
+        if ref is None or ref not in steps:
             continue
         per_round = [a / b for a, b in zip(times[name], times[ref])]
         out["ratios"][f"{name}/{ref}"] = {
@@ -476,6 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
         "laplace_map",
         "vogn",
         "ivon",
+        *(g + PYRO_PARTS for g in SVI_VARIANTS),
     )
     if variants and set(variants) - set(known):
         parser.error(

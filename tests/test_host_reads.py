@@ -24,11 +24,13 @@ class _CountReads(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
+        self.read_from: list[object] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         if name in READS:
             self.reads.append(name)
+            self.read_from.append(args[0] if args else None)
         return func(*args, **(kwargs or {}))
 
 
@@ -78,3 +80,40 @@ def test_the_fused_batch_check_still_names_each_failure():
         model(x, torch.tensor([0, 1, 2, 3, 4, -1, 1, 1]))
     with pytest.raises(ValueError, match=r"binary labels 0 or 1.*2"):
         bdl.models.check_batch(x, torch.tensor([0, 1, 2, 1, 0, 0, 1, 1]), task="binary")
+
+
+@pytest.mark.parametrize(
+    ("guide_cls", "options"),
+    [
+        (bdl.guides.AutoSWAG, {"rank": 2}),
+        (bdl.guides.AutoSubnetLaplace, {"subnetwork": "last_layer"}),
+        (bdl.guides.AutoMeanField, {}),
+    ],
+)
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_a_whole_svi_step_reads_back_twice(guide_cls, options, optim):
+    """TraceSuffStat_ELBO sums every site's term on the device and reads the loss once, and
+    FusedOptim reads nothing: the step reads the batch check and the loss. Pyro's Trace_ELBO
+    reads each site's log-density (``.item()`` per model and guide site: a GPU sync each)."""
+    # Validation's own checks read (the prior's support check of each weight, per site): off,
+    # as in the benchmarks, before the model builds its priors.
+    pyro.enable_validation(False)
+    model, guide, x, y = _step_parts(guide_cls, **options)
+    constructor = torch.optim.SGD if optim == "sgd" else torch.optim.Adam
+    reads = {}
+    for elbo in (bdl.infer.TraceSuffStat_ELBO(), pyro.infer.Trace_ELBO()):
+        optimizer = bdl.infer.FusedOptim(constructor, {"lr": 1e-3})
+        svi = pyro.infer.SVI(model, guide, optimizer, elbo)
+        svi.step(x, y)  # the optimizer's set-up
+        with _CountReads() as counted:
+            svi.step(x, y)
+        # Adam's step counters are host tensors (on a GPU too, unless capturable): reading them
+        # waits for nothing.
+        assert optimizer.optimizer is not None
+        counters = {id(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s}
+        reads[type(elbo).__name__] = [
+            r for r, t in zip(counted.reads, counted.read_from) if id(t) not in counters
+        ]
+    assert reads["TraceSuffStat_ELBO"] == ["tolist", "item"]
+    # Four weight sites (the conv's and the linear layer's weight and bias) and the labels.
+    assert reads["Trace_ELBO"].count("item") >= 4

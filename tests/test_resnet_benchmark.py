@@ -92,3 +92,9 @@ def test_a_pair_measures_under_bf16_autocast(tiny_mlp):
         autocast=torch.bfloat16,
     )
     assert set(out["ratios"]) == {"ivon/adam"} and out["ratios"]["ivon/adam"]["time"] > 0
+
+
+def test_a_pyro_parts_variant_is_set_beside_the_same_reference(tiny_mlp):
+    variants = ["sgd", "swag", "swag" + resnet.PYRO_PARTS]
+    out = resnet.measure(tiny_mlp, 4, "cpu", rounds=1, variants=variants, shape=(3, 4, 4))
+    assert set(out["ratios"]) == {"swag/sgd", "swag@pyro/sgd"}

@@ -14,7 +14,7 @@ def test_every_variant_is_timed_and_every_ratio_formed():
     figures = both["tiny"]
     assert set(figures["seconds_per_step"]) == set(ddp.VARIANTS)
     assert all(v["median"] > 0 for v in figures["seconds_per_step"].values())
-    assert set(figures["ratio_to_ddp"]) == {"dpsvi", "dpsvi_no_overlap"}
+    assert set(figures["ratio_to_ddp"]) == {"dpsvi", "dpsvi_no_overlap", "dpsvi_pyro_optim"}
     assert figures["dpsvi_over_ddp_per_round"]["median"] > 0
 
 
