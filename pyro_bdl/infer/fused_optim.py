@@ -59,7 +59,7 @@ def _hyperparameters(group: dict) -> dict:
 
 
 class FusedOptim(PyroOptim):
-    """A :class:`pyro.optim.PyroOptim` that keeps ONE torch optimizer over every parameter.
+    """A :class:`pyro.optim.PyroOptim` that keeps one torch optimizer over every parameter.
 
     A drop-in for ``pyro.optim.Adam({...})`` and friends in :class:`pyro.infer.SVI` and
     :class:`~pyro_bdl.distributed.DataParallelSVI`, with the same trajectory (see the module
