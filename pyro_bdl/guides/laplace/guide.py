@@ -80,10 +80,13 @@ from pyro_bdl.guides.laplace.posterior import (
     SubnetNormal,
     accumulation_dtype,
     check_blockwise,
+    heteroscedastic_mixture,
     jacobian_transform,
     kron_blocks,
+    output_variance,
     posterior_factor,
     predictive,
+    standard_draws,
 )
 from pyro_bdl.guides.laplace.state import HESSIAN_STRUCTURES, one_precision, state_errors
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
@@ -104,7 +107,7 @@ __all__ = [
 #: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
 PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
 #: The likelihoods a fit reads ("" before any fit), in the order the packed state codes them.
-_LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian")
+_LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian", "heteroscedastic")
 
 
 class NotFittedError(RuntimeError, AttributeError):
@@ -502,11 +505,21 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         at = (self._raw_model, self.layout, self.map_loc, data, obs, self.subnet_index)
         return jacobians(*at, batch_size=self.batch_size, transform=transform)
 
-    def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
+    def predict(
+        self,
+        x: torch.Tensor,
+        *,
+        link: str = "probit",
+        num_samples: int = 1000,
+        generator: torch.Generator | None = None,
+    ):
         r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
 
         Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
-        closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
+        closed form ``(mean, variance)`` with the observation noise included (``link`` unused);
+        heteroscedastic Gaussian: ``(E[μ], Var[μ] + E[σ²])`` (n,) each over the linearized
+        outputs (μ, s), those of :meth:`predictive_distribution` (``num_samples`` draws from
+        ``generator``).
         ``link``: ``"probit"`` (per logit; for two classes the binary probit of the logit
         difference :math:`f_1 - f_0`, which needs one backward pass a batch rather than two),
         ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws):
@@ -517,6 +530,42 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         check_choice("link", link, LINKS)
         check_positive_int("num_samples", num_samples)
         self._check_fitted("predict")
+        if self._likelihood == "heteroscedastic":
+            mixture = self.predictive_distribution(x, num_samples=num_samples, generator=generator)
+            return mixture.mean, mixture.variance
+        obs, chunks = self._predictive_chunks(x, link)
+        noise = obs.noise if self._noise is None else self._noise
+        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+
+    def predictive_distribution(
+        self, x: torch.Tensor, *, num_samples: int = 1000, generator: torch.Generator | None = None
+    ) -> torch.distributions.Distribution:
+        r"""The linearized predictive of a regression model as a distribution over its targets
+        (batch shape (n,), float64): ``Normal(mean, √variance)`` of :meth:`predict` under a
+        Gaussian with one σ; under a heteroscedastic Gaussian the mixture of
+        :math:`N(\mu, \sigma^2(s))` over ``num_samples`` draws of the linearized outputs
+        :math:`(\mu, s) \sim N(f(x), J\Sigma J^\top)` from ``generator``
+        (:func:`~pyro_bdl.guides.laplace.posterior.heteroscedastic_mixture`, which gives its
+        Monte Carlo error), whose ``log_prob`` is the test log-likelihood.
+        """
+        check_positive_int("num_samples", num_samples)
+        self._check_fitted("predictive_distribution")
+        if self._likelihood not in ("gaussian", "heteroscedastic"):
+            raise ValueError(
+                f"predictive_distribution is the predictive of a regression model; this one's "
+                f"likelihood is {self._likelihood!r}. Use predict(x) for class probabilities."
+            )
+        if self._likelihood == "gaussian":
+            mean, var = self.predict(x)
+            return torch.distributions.Normal(mean.double(), var.double().sqrt())
+        obs, chunks = self._predictive_chunks(x, "probit")
+        assert obs.split is not None
+        outs, covs = zip(*((out, output_variance(jl, obs.likelihood)) for out, jl in chunks))
+        z = standard_draws(num_samples, obs.outputs, generator)
+        return heteroscedastic_mixture(torch.cat(outs), torch.cat(covs), obs.split, z)
+
+    def _predictive_chunks(self, x, link: str):
+        """``(observation, chunks (MAP outputs, J_S L))`` of the inputs ``x`` (checked)."""
         if not isinstance(x, (torch.Tensor, Mapping)):
             raise TypeError(
                 f"x must be a torch.Tensor or a dict of tensors (a structured batch); got "
@@ -525,9 +574,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         obs = self._observe((x,), without_targets=True)
         posterior = self.posterior
         parts = self._jacobians((x,), obs, jacobian_transform(obs.likelihood, link))
-        chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
-        noise = obs.noise if self._noise is None else self._noise
-        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+        return obs, ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
 
     # ---- the evidence and the prior precision ----------------------------------------------
 
@@ -630,8 +677,14 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
         if tune_noise and self._likelihood != "gaussian":
             raise ValueError(
-                "tune_noise=True needs a Gaussian likelihood; this model's is "
-                f"{self._likelihood!r}."
+                "tune_noise=True tunes the one σ of a Gaussian likelihood; this model's is "
+                f"{self._likelihood!r}"
+                + (
+                    ", whose σ(x) comes from the network (its posterior covers it); drop "
+                    "tune_noise."
+                    if self._likelihood == "heteroscedastic"
+                    else "."
+                )
             )
         if prior_structure == "diagonal" and self.hessian_structure == "kron":
             raise ValueError(
@@ -685,7 +738,9 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             if method == "marglik":
                 score = marglik_score(DiagPosterior(evals, evals.new_zeros(())), theta, ratio)
             else:
-                score = val_ll_score(parts, obs.likelihood, obs.noise, evals, evecs, ratio)
+                score = val_ll_score(
+                    parts, obs.likelihood, obs.noise, evals, evecs, ratio, split=obs.split
+                )
         elif method == "marglik":
             score = marglik_score(
                 self.posterior,
@@ -699,7 +754,9 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         else:
             noise = obs.noise if self._noise is None else self._noise
             c = self._noise_scale()
-            score = structure_val_ll_score(self.posterior, parts, obs.likelihood, noise, c, ratio)
+            score = structure_val_ll_score(
+                self.posterior, parts, obs.likelihood, noise, c, ratio, split=obs.split
+            )
         best = tune_grid(score, grid, refine=refine)
         lam_s = torch.full((s,), best * ratio, dtype=torch.float64, device=theta.device)
         self._set_prior(lam_s, None)
