@@ -101,7 +101,7 @@ def test_the_output_factor_is_the_expected_hessian_of_the_nll(kind):
         assert_close(factor[n] @ factor[n].T, expected, rtol=1e-12, atol=1e-12)
         assert_close(factor[n] @ factor[n].T, _fisher(f[n : n + 1], kind)[0], rtol=1e-12)
         # The exact Hessian at an observed y ≠ μ is indefinite: why the Fisher is used.
-        hess = torch.autograd.functional.hessian(lambda v: _nll(v, f[n, 0] + 0.3, kind), f[n])
+        hess = torch.autograd.functional.hessian(lambda v, y=f[n, 0] + 0.3: _nll(v, y, kind), f[n])
         assert float(torch.linalg.eigvalsh(hess)[0]) < 0
 
 
@@ -207,8 +207,11 @@ def _quadrature_density(m: torch.Tensor, cov: torch.Tensor, y: float) -> float:
         s = m[1] + math.sqrt(2 * cov[1][1]) * t
         mu = m[0] + cov[0][1] / cov[1][1] * (s - m[1])
         var = cov[0][0] - cov[0][1] ** 2 / cov[1][1] + math.exp(s)
-        total += w / math.sqrt(math.pi) * math.exp(-0.5 * (y - mu) ** 2 / var) / math.sqrt(
-            2 * math.pi * var
+        total += (
+            w
+            / math.sqrt(math.pi)
+            * math.exp(-0.5 * (y - mu) ** 2 / var)
+            / math.sqrt(2 * math.pi * var)
         )
     return total
 
@@ -272,6 +275,7 @@ def test_at_a_map_the_laplace_predictive_is_no_worse_than_the_map_and_tends_to_i
     f = _outputs_at(model, guide, guide.map_loc, x_test).detach()
     mean, log_var = softplus_split(f)
     plug_in = float(torch.distributions.Normal(mean, (0.5 * log_var).exp()).log_prob(y_test).mean())
+
     def test_ll() -> float:
         g = torch.Generator().manual_seed(0)
         return float(guide.predictive_distribution(x_test, generator=g).log_prob(y_test).mean())
@@ -292,7 +296,7 @@ def test_refusals_name_the_argument_and_change_nothing():
     model, x, y = _problem()
     guide = _fitted(model, x, y)
     before = {k: v.clone() for k, v in guide.state_dict().items()}
-    with pytest.raises(ValueError, match="tune_noise.*heteroscedastic.*σ\\(x\\)"):
+    with pytest.raises(ValueError, match=r"tune_noise.*heteroscedastic.*σ\(x\)"):
         guide.tune_prior_precision(tune_noise=True)
     with pytest.raises(ValueError, match="num_samples must exceed the 2 outputs"):
         guide.predict(x, num_samples=2)
