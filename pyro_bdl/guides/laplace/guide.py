@@ -677,7 +677,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
         if tune_noise and self._likelihood != "gaussian":
             raise ValueError(
-                "tune_noise=True tunes the one σ of a Gaussian likelihood; this model's is "
+                "tune_noise=True needs a Gaussian likelihood with one σ; this model's is "
                 f"{self._likelihood!r}"
                 + (
                     ", whose σ(x) comes from the network (its posterior covers it); drop "
