@@ -2,21 +2,25 @@ r"""The generalized Gauss-Newton matrix of a network: over a subnetwork from its
 diagonal over every weight.
 
 With :math:`\Lambda_n` the Hessian of the negative log-likelihood with respect to the outputs of
-example :math:`n` and :math:`L_n L_n^\top = \Lambda_n` (:func:`output_hessian_factor`), the GGN
-is :math:`\sum_n J_n^\top \Lambda_n J_n = \sum_n (L_n^\top J_n)^\top (L_n^\top J_n)`.
-:func:`subnet_ggn` accumulates it over a subnetwork from :math:`J_S`
-(:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`); :func:`diagonal_ggn` squares
-per-example gradients of :math:`L^\top f`, which diagonal Laplace and the largest-variance
-subnetwork rule need (docs/design/laplace.md).
+example :math:`n` (its expectation, the Fisher, for a heteroscedastic Gaussian, whose Hessian is
+indefinite: :func:`heteroscedastic_factor`) and :math:`L_n L_n^\top = \Lambda_n`
+(:func:`output_hessian_factor`), the GGN is :math:`\sum_n J_n^\top \Lambda_n J_n =
+\sum_n (L_n^\top J_n)^\top (L_n^\top J_n)`. :func:`subnet_ggn` accumulates it over a
+subnetwork from :math:`J_S` (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`);
+:func:`diagonal_ggn` squares per-example gradients of :math:`L^\top f`, which diagonal Laplace
+and the largest-variance subnetwork rule need (docs/design/laplace.md).
 
 References:
     Daxberger et al., "Bayesian Deep Learning via Subnetwork Inference", ICML 2021.
     Immer et al., "Improving predictions of Bayesian neural nets via local linearization",
     AISTATS 2021.
+    Immer, Palumbo, Marx & Vogt, "Effective Bayesian Heteroscedastic Regression with Deep
+    Neural Networks", NeurIPS 2023.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,18 +38,79 @@ from pyro_bdl.curvature.jacobian import (
 
 __all__ = [
     "LIKELIHOODS",
+    "Split",
     "diagonal_ggn",
+    "heteroscedastic_factor",
     "linear_layer_ggn",
+    "mean_and_log_variance",
     "output_hessian_factor",
     "residual_coefficients",
     "subnet_ggn",
 ]
 
-LIKELIHOODS = ("categorical", "bernoulli", "gaussian")
+#: ``"heteroscedastic"``: a Gaussian whose mean and variance both come from the network's
+#: outputs through a :data:`Split` (:func:`heteroscedastic_factor`).
+LIKELIHOODS = ("categorical", "bernoulli", "gaussian", "heteroscedastic")
+
+#: ``outputs (B, K) -> (mean, log σ²)``, each with one entry per example: how a heteroscedastic
+#: Gaussian reads its parameters from the network's outputs, row by row
+#: (:func:`pyro_bdl.models.mean_log_variance`, or a model's own ``split``).
+Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def mean_and_log_variance(outputs: torch.Tensor, split: Split) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, log σ²)``, each (B,), of a heteroscedastic Gaussian at the outputs (B, K)."""
+    mean, log_var = split(outputs)
+    rows = outputs.shape[0]
+    if mean.numel() != rows or log_var.numel() != rows:
+        raise ValueError(
+            f"the split of a heteroscedastic Gaussian must give one mean and one log-variance "
+            f"per example ({rows} each); got shapes {tuple(mean.shape)} and "
+            f"{tuple(log_var.shape)}. Pass split=lambda out: (mean, log_var), each (B,)."
+        )
+    return mean.reshape(rows), log_var.reshape(rows)
+
+
+def heteroscedastic_factor(outputs: torch.Tensor, split: Split) -> torch.Tensor:
+    r"""A factor :math:`L` (B, K, 2) of the Fisher of a heteroscedastic Gaussian with respect to
+    the network's outputs :math:`f` (B, K): :math:`LL^\top = D^\top \mathrm{diag}(1/\sigma^2,
+    \tfrac12) D`, :math:`D = \partial(\mu, v)/\partial f` the Jacobian (2 × K per example) of
+    ``split``, :math:`v = \log\sigma^2`.
+
+    The negative log-likelihood :math:`\tfrac12 v + (y-\mu)^2 / 2e^{v}` has, in :math:`(\mu,
+    v)`, the Hessian :math:`\begin{pmatrix}e^{-v} & (y-\mu)e^{-v}\\ (y-\mu)e^{-v} &
+    (y-\mu)^2 e^{-v}/2\end{pmatrix}`, indefinite at every :math:`y \ne \mu` (determinant
+    :math:`-(y-\mu)^2 e^{-2v}/2 < 0`), and under a nonlinear ``split`` a second term
+    weighted by the gradient, :math:`(1 - (y-\mu)^2/\sigma^2)/2`, which has either sign. Its
+    expectation under the model's own :math:`y \sim N(\mu, \sigma^2)` is the Fisher
+    :math:`\mathrm{diag}(1/\sigma^2, \tfrac12)`, positive definite and free of y (the
+    gradient term has mean zero), and the Fisher is the GGN of the Gaussian in its natural
+    parameters (Immer et al. 2023): with it the GGN :math:`\sum_n J_n^\top L_n L_n^\top J_n` is
+    positive semi-definite, as every structure's factorisation needs. With
+    :math:`\sigma^2 = \mathrm{softplus}(s) + \epsilon` of the output s, :math:`L =
+    \mathrm{diag}(1/\sigma, \sigma^{2\prime}/(\sqrt2\,\sigma^2))`; with
+    :math:`\sigma^2 = e^s`, :math:`\mathrm{diag}(1/\sigma, 1/\sqrt2)`.
+
+    :math:`D` comes from two backward passes through ``split`` on the (B, K) outputs, which
+    assumes, as every split does, that row n of the outputs gives example n's parameters alone.
+    """
+    with torch.enable_grad():
+        out = widened(as_matrix(outputs).detach()).requires_grad_(True)
+        mean, log_var = mean_and_log_variance(out, split)
+        rows = []
+        for part in (mean, log_var):
+            grad = torch.autograd.grad(part.sum(), out, retain_graph=True, allow_unused=True)[0]
+            rows.append(torch.zeros_like(out) if grad is None else grad)
+    inv_sigma = (-0.5 * log_var.detach()).exp()
+    return torch.stack([rows[0] * inv_sigma[:, None], rows[1] * math.sqrt(0.5)], -1)
 
 
 def output_hessian_factor(
-    outputs: torch.Tensor, likelihood: str, noise_scale: float | None = None
+    outputs: torch.Tensor,
+    likelihood: str,
+    noise_scale: float | None = None,
+    *,
+    split: Split | None = None,
 ) -> torch.Tensor:
     r"""A factor :math:`L` (B, C, K) with :math:`L L^\top = \Lambda`, the Hessian of the negative
     log-likelihood with respect to the outputs.
@@ -54,8 +119,17 @@ def output_hessian_factor(
     - p\sqrt p^\top`; with two classes :math:`\Lambda` has rank one and :math:`L` is its one
     column :math:`\sqrt{p_1 p_2}\,(1, -1)^\top` (B, 2, 1), so that every consumer runs one
     backward pass per example instead of two; Bernoulli (C independent logits, C = 1 for a
-    binary classifier): :math:`L = \mathrm{diag}(\sqrt{p(1-p)})`; Gaussian: :math:`I/\sigma`.
+    binary classifier): :math:`L = \mathrm{diag}(\sqrt{p(1-p)})`; Gaussian: :math:`I/\sigma`;
+    heteroscedastic Gaussian (mean and variance from the outputs through ``split``): the
+    factor of its Fisher, :func:`heteroscedastic_factor` (B, K, 2).
     """
+    if likelihood == "heteroscedastic":
+        if split is None:
+            raise ValueError(
+                "a heteroscedastic Gaussian likelihood needs split, the map outputs -> (mean, "
+                "log σ²) (pyro_bdl.models.mean_log_variance or the model's own split)."
+            )
+        return heteroscedastic_factor(outputs, split)
     out = widened(as_matrix(outputs).detach())
     b, c = out.shape
     if likelihood == "categorical" and c == 2:

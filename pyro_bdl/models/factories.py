@@ -7,9 +7,10 @@ Which inference method takes which likelihood (the others refuse with an error n
 - VOGN: every likelihood whose parameters all come from the lifted network (categorical,
   Bernoulli, fixed and heteroscedastic Gaussian); a learned or point σ is refused, since VOGN
   updates only lifted weights.
-- subnetwork Laplace: categorical, Bernoulli and a Gaussian with one known σ (fixed, or a point
-  estimate read when fitting); a learned or heteroscedastic σ is refused, since the linearized
-  Laplace treats the observation noise as known (docs/design/laplace.md).
+- subnetwork Laplace: categorical, Bernoulli, a Gaussian with one known σ (fixed, or a point
+  estimate read when fitting) and a heteroscedastic Gaussian (the Gaussian's Fisher over both
+  outputs); a learned σ is refused, since the posterior covers the weights only
+  (docs/methods/laplace.md).
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,12 +79,19 @@ from pyro_bdl.guides.laplace.posterior import (
     SubnetNormal,
     accumulation_dtype,
     check_blockwise,
+    heteroscedastic_mixture,
     jacobian_transform,
-    kron_blocks,
+    output_variance,
     posterior_factor,
     predictive,
+    standard_draws,
 )
-from pyro_bdl.guides.laplace.state import HESSIAN_STRUCTURES, one_precision, state_errors
+from pyro_bdl.guides.laplace.state import (
+    HESSIAN_STRUCTURES,
+    NotFittedError,
+    PackedState,
+    one_precision,
+)
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
@@ -103,14 +109,6 @@ __all__ = [
 
 #: Meanings of ``prior_precision`` over a subnetwork (see :class:`AutoSubnetLaplace`).
 PRIOR_SCALINGS = ("per_weight", "subnetwork_fraction")
-#: The likelihoods a fit reads ("" before any fit), in the order the packed state codes them.
-_LIKELIHOODS = ("", "categorical", "bernoulli", "gaussian")
-
-
-class NotFittedError(RuntimeError, AttributeError):
-    """Raised when a post-hoc posterior is used before it was fitted (also an
-    ``AttributeError``, so that ``hasattr`` probing, as ``torch.jit`` does, reads a property of
-    an unfitted guide as absent)."""
 
 
 class StructureAttributeError(ValueError, AttributeError):
@@ -118,7 +116,7 @@ class StructureAttributeError(ValueError, AttributeError):
     ``AttributeError``, so that ``hasattr`` probing reads it as absent)."""
 
 
-class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
+class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
     r"""Subnetwork linearized Laplace: a MAP guide while training, then a GGN Laplace posterior
     over a subnetwork S after :meth:`fit`, full-covariance by default, or Kronecker-factored or
     diagonal (``hessian_structure``); :class:`AutoLaplace` is the same family with
@@ -502,11 +500,21 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         at = (self._raw_model, self.layout, self.map_loc, data, obs, self.subnet_index)
         return jacobians(*at, batch_size=self.batch_size, transform=transform)
 
-    def predict(self, x: torch.Tensor, *, link: str = "probit", num_samples: int = 1000):
+    def predict(
+        self,
+        x: torch.Tensor,
+        *,
+        link: str = "probit",
+        num_samples: int = 1000,
+        generator: torch.Generator | None = None,
+    ):
         r"""The linearized predictive :math:`f(x,\theta^*) + J_S(x)(\theta_S - \theta_S^*)`.
 
         Categorical: class probabilities (n, C); Bernoulli: P(y = 1) (n,); Gaussian: the
-        closed form ``(mean, variance)`` with the observation noise included (``link`` unused).
+        closed form ``(mean, variance)`` with the observation noise included (``link`` unused);
+        heteroscedastic Gaussian: ``(E[μ], Var[μ] + E[σ²])`` (n,) each over the linearized
+        outputs (μ, s), those of :meth:`predictive_distribution` (``num_samples`` draws from
+        ``generator``).
         ``link``: ``"probit"`` (per logit; for two classes the binary probit of the logit
         difference :math:`f_1 - f_0`, which needs one backward pass a batch rather than two),
         ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws):
@@ -517,6 +525,42 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         check_choice("link", link, LINKS)
         check_positive_int("num_samples", num_samples)
         self._check_fitted("predict")
+        if self._likelihood == "heteroscedastic":
+            mixture = self.predictive_distribution(x, num_samples=num_samples, generator=generator)
+            return mixture.mean, mixture.variance
+        obs, chunks = self._predictive_chunks(x, link)
+        noise = obs.noise if self._noise is None else self._noise
+        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+
+    def predictive_distribution(
+        self, x: torch.Tensor, *, num_samples: int = 1000, generator: torch.Generator | None = None
+    ) -> torch.distributions.Distribution:
+        r"""The linearized predictive of a regression model as a distribution over its targets
+        (batch shape (n,), float64): ``Normal(mean, √variance)`` of :meth:`predict` under a
+        Gaussian with one σ; under a heteroscedastic Gaussian the mixture of
+        :math:`N(\mu, \sigma^2(s))` over ``num_samples`` draws of the linearized outputs
+        :math:`(\mu, s) \sim N(f(x), J\Sigma J^\top)` from ``generator``
+        (:func:`~pyro_bdl.guides.laplace.posterior.heteroscedastic_mixture`, which gives its
+        Monte Carlo error), whose ``log_prob`` is the test log-likelihood.
+        """
+        check_positive_int("num_samples", num_samples)
+        self._check_fitted("predictive_distribution")
+        if self._likelihood not in ("gaussian", "heteroscedastic"):
+            raise ValueError(
+                f"predictive_distribution is the predictive of a regression model; this one's "
+                f"likelihood is {self._likelihood!r}. Use predict(x) for class probabilities."
+            )
+        if self._likelihood == "gaussian":
+            mean, var = self.predict(x)
+            return torch.distributions.Normal(mean.double(), var.double().sqrt())
+        obs, chunks = self._predictive_chunks(x, "probit")
+        assert obs.split is not None
+        outs, covs = zip(*((out, output_variance(jl, obs.likelihood)) for out, jl in chunks))
+        z = standard_draws(num_samples, obs.outputs, generator)
+        return heteroscedastic_mixture(torch.cat(outs), torch.cat(covs), obs.split, z)
+
+    def _predictive_chunks(self, x, link: str):
+        """``(observation, chunks (MAP outputs, J_S L))`` of the inputs ``x`` (checked)."""
         if not isinstance(x, (torch.Tensor, Mapping)):
             raise TypeError(
                 f"x must be a torch.Tensor or a dict of tensors (a structured batch); got "
@@ -525,9 +569,7 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         obs = self._observe((x,), without_targets=True)
         posterior = self.posterior
         parts = self._jacobians((x,), obs, jacobian_transform(obs.likelihood, link))
-        chunks = ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
-        noise = obs.noise if self._noise is None else self._noise
-        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+        return obs, ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
 
     # ---- the evidence and the prior precision ----------------------------------------------
 
@@ -630,8 +672,14 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             )
         if tune_noise and self._likelihood != "gaussian":
             raise ValueError(
-                "tune_noise=True needs a Gaussian likelihood; this model's is "
-                f"{self._likelihood!r}."
+                "tune_noise=True needs a Gaussian likelihood with one σ; this model's is "
+                f"{self._likelihood!r}"
+                + (
+                    ", whose σ(x) comes from the network (its posterior covers it); drop "
+                    "tune_noise."
+                    if self._likelihood == "heteroscedastic"
+                    else "."
+                )
             )
         if prior_structure == "diagonal" and self.hessian_structure == "kron":
             raise ValueError(
@@ -685,7 +733,9 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
             if method == "marglik":
                 score = marglik_score(DiagPosterior(evals, evals.new_zeros(())), theta, ratio)
             else:
-                score = val_ll_score(parts, obs.likelihood, obs.noise, evals, evecs, ratio)
+                score = val_ll_score(
+                    parts, obs.likelihood, obs.noise, evals, evecs, ratio, split=obs.split
+                )
         elif method == "marglik":
             score = marglik_score(
                 self.posterior,
@@ -699,95 +749,13 @@ class AutoSubnetLaplace(CheckedLoad, SiteAccess, AutoContinuous):
         else:
             noise = obs.noise if self._noise is None else self._noise
             c = self._noise_scale()
-            score = structure_val_ll_score(self.posterior, parts, obs.likelihood, noise, c, ratio)
+            score = structure_val_ll_score(
+                self.posterior, parts, obs.likelihood, noise, c, ratio, split=obs.split
+            )
         best = tune_grid(score, grid, refine=refine)
         lam_s = torch.full((s,), best * ratio, dtype=torch.float64, device=theta.device)
         self._set_prior(lam_s, None)
         return best
-
-    # ---- the state -------------------------------------------------------------------------
-
-    def get_extra_state(self) -> torch.Tensor:
-        """What ``fit`` and the tuning hold beside the buffers, packed into one float64 tensor
-        (so that a state stays a dict of tensors): the Hessian structure, the likelihood, σ
-        (the model's and a tuned one; 0 for none, as σ > 0), the fit statistics (zeros for
-        none, as a fit sees at least one row), and for a ``kron`` or
-        ``diag`` posterior its GGN scale c, its prior precisions and its diagonal or
-        eigendecompositions (a ``full`` one lives in the buffers ``ggn`` and ``scale_tril``)."""
-        if self._structure is None and self._saved_state is not None:
-            return self._saved_state
-        stats = self._stats if self._stats is not None else torch.zeros(4)
-        head = [
-            float(HESSIAN_STRUCTURES.index(self.hessian_structure)),
-            float(_LIKELIHOODS.index(self._likelihood)),
-            0.0 if self._noise is None else self._noise,
-            0.0 if self._noise0 is None else self._noise0,
-        ]
-        parts = [torch.tensor(head, dtype=torch.float64), stats.double().cpu()]
-        post = self._structure
-        if post is not None:
-            lam = torch.as_tensor(post.lam, dtype=torch.float64).reshape(-1).cpu()
-            body = [post.diag] if isinstance(post, DiagPosterior) else [*sum(post.eigen, ())]
-            meta = torch.tensor([float(post.c), float(lam.numel())], dtype=torch.float64)
-            parts += [meta, lam, *(t.double().reshape(-1).cpu() for t in body)]
-        return torch.cat(parts)
-
-    def set_extra_state(self, state: Any) -> None:
-        if state is None:  # a state saved before the extra state existed: nothing to restore
-            return
-        values = state.tolist()[:8]
-        self._likelihood = _LIKELIHOODS[int(values[1])]
-        self._noise = values[2] or None
-        self._noise0 = values[3] or None
-        stats = state[4:8].clone()
-        self._stats = stats if values[4] > 0 else None
-        self._structure = None  # rebuilt from the state on first use (it needs the layout)
-        self._saved_state = state.clone()
-
-    def _structure_from_state(self):
-        """The ``kron``/``diag`` posterior from a loaded state (:meth:`set_extra_state`)."""
-        state = self._saved_state
-        if state is None or state.numel() <= 8:
-            raise NotFittedError(
-                f"the {self.hessian_structure!r} posterior is missing from the loaded state "
-                "(saved by an older version); call guide.fit(data) again."
-            )
-        device = self.map_loc.device
-        c, count = float(state[8]), int(state[9])
-        lam = state[10 : 10 + count].to(device)
-        lam = lam.reshape(()) if count == 1 else lam
-        rest = state[10 + count :].to(device)
-        if self.hessian_structure == "diag":
-            return DiagPosterior(rest, lam, c)
-        blocks = kron_blocks(self.layout, self.subnet_index)
-        eigen, start = [], 0
-        for block in blocks:
-            out, k = block.positions.shape
-            sizes = [(k,), (k, k), (out,), (out, out)]
-            tensors = []
-            for shape in sizes:
-                n = math.prod(shape)
-                t = rest[start : start + n].reshape(shape)
-                # Column-major, as torch.linalg.eigh returns its eigenvectors: the products
-                # then round as they did before saving.
-                tensors.append(t.T.contiguous().T if t.dim() == 2 else t)
-                start += n
-            eigen.append(tuple(tensors))
-        return KronPosterior(blocks, eigen, self.subnet_index.numel(), lam, c)
-
-    def _upgrade_state(self, state_dict: dict, prefix: str) -> None:
-        # A state saved before the extra state existed loads as before (a full posterior only).
-        state_dict.setdefault(prefix + "_extra_state", None)
-
-    def _state_errors(self, state_dict: Mapping[str, Any], prefix: str) -> list[str]:
-        return state_errors(
-            state_dict,
-            prefix,
-            hessian_structure=self.hessian_structure,
-            loc=getattr(self, "loc", None),
-            rule=getattr(self, "rule", None),
-            layout=getattr(self, "layout", None),
-        )
 
 
 class AutoLaplace(AutoSubnetLaplace):

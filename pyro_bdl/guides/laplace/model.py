@@ -11,8 +11,10 @@ model that computes its likelihood from the network works.
 
 The contract is explicit for a :class:`~pyro_bdl.models.NetworkModel` (what the factories of
 :mod:`pyro_bdl.models` return): the likelihood and the noise σ are the ones it declares (a point
-estimate of σ is read at its current value; a learned or heteroscedastic σ is refused by
-:func:`check_supported`), and its network is switched to eval mode
+estimate of σ is read at its current value; a learned σ is refused by :func:`check_supported`;
+a heteroscedastic regressor's outputs are the network's, the mean and the variance read from
+them by its ``split``, and its curvature is the Gaussian's Fisher,
+:func:`~pyro_bdl.curvature.ggn.heteroscedastic_factor`), and its network is switched to eval mode
 while ``fit`` and ``predict`` evaluate it, because the examples must be independent given the
 weights (BatchNorm then uses its running statistics). A hand-written model declares neither:
 the likelihood and σ are read from its one observed site's distribution, and its layers are
@@ -29,8 +31,6 @@ curvature block (the GGN, the diagonal, each Kronecker factor) and one for the s
 from __future__ import annotations
 
 import contextlib
-import math
-import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +44,10 @@ from torch import nn
 from pyro_bdl._validation import check_finite
 from pyro_bdl.curvature.ggn import (
     LIKELIHOODS,
+    Split,
     diagonal_ggn,
     linear_layer_ggn,
+    mean_and_log_variance,
     output_hessian_factor,
     subnet_ggn,
 )
@@ -53,12 +55,14 @@ from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian, widened
 from pyro_bdl.curvature.kfac import kfac_sums
 from pyro_bdl.curvature.memory import chunk_budget, chunk_rows, forward_rows
 from pyro_bdl.guides.laplace.evidence import fit_statistics
+from pyro_bdl.guides.laplace.mode import MODE_TOLERANCE_SD, NotAtModeWarning, warn_if_not_at_mode
 from pyro_bdl.guides.laplace.posterior import KronBlock, kron_blocks
 from pyro_bdl.layout import SiteLayout
-from pyro_bdl.models import NetworkModel
+from pyro_bdl.models import NetworkModel, mean_log_variance
 from pyro_bdl.priors import NonGaussianPriorError, gaussian_prior
 
 __all__ = [
+    "MODE_TOLERANCE_SD",
     "NotAtModeWarning",
     "Observation",
     "ReduceFn",
@@ -74,6 +78,7 @@ __all__ = [
     "forward_at",
     "forward_fn",
     "head",
+    "heteroscedastic_split",
     "iter_batches",
     "jacobians",
     "leaf_slots",
@@ -95,10 +100,13 @@ class Observation:
     """The observed site of a model and what the curvature needs to know of it.
 
     :ivar str name: the site's name.
-    :ivar str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
+    :ivar str likelihood: ``"categorical"``, ``"bernoulli"``, ``"gaussian"`` or
+        ``"heteroscedastic"`` (a Gaussian with σ(x) from the network).
     :ivar noise: the Gaussian observation noise σ (``None`` otherwise).
     :ivar int outputs: C, the number of outputs per example.
     :ivar bool vector: whether the model's outputs have shape ``(B,)`` rather than ``(B, C)``.
+    :ivar split: ``outputs -> (mean, log σ²)`` of a heteroscedastic Gaussian (``None``
+        otherwise); its outputs are the model's return value, the network's.
     """
 
     name: str
@@ -106,6 +114,7 @@ class Observation:
     noise: float | None
     outputs: int
     vector: bool
+    split: Split | None = None
 
 
 def network(model) -> nn.Module | None:
@@ -145,8 +154,10 @@ def read_likelihood(fn) -> tuple[str, float | None]:
         scale = torch.as_tensor(base.scale).detach()
         if scale.numel() > 1 and not torch.allclose(scale, scale.reshape(-1)[0].expand_as(scale)):
             raise ValueError(
-                "the Normal observation noise must be one fixed σ for the linearized Laplace; "
-                "got a scale that varies across examples. Use models.regressor(net, N, σ)."
+                "the Normal observation noise of a hand-written model must be one fixed σ for "
+                "the linearized Laplace; got a scale that varies across examples. Use "
+                "models.regressor(net, N, σ), or models.heteroscedastic_regressor(net, N) for "
+                "σ(x) from the network."
             )
         return "gaussian", float(scale.reshape(-1)[0])
     raise ValueError(
@@ -207,13 +218,25 @@ def observe(
             "argument."
         )
     fn = trace.nodes[observed[0]]["fn"]
-    if isinstance(model, NetworkModel):
+    split = heteroscedastic_split(model)
+    if split is not None:
+        likelihood, noise = "heteroscedastic", None
+    elif isinstance(model, NetworkModel):
         likelihood, noise = model.likelihood, model.noise_scale
     else:
         likelihood, noise = read_likelihood(fn)
-    out = read_outputs(fn)
+    out = trace.nodes["_RETURN"]["value"] if split is not None else read_outputs(fn)
     outputs = out.shape[-1] if out.dim() == 2 else 1
-    return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1)
+    return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1, split)
+
+
+def heteroscedastic_split(model) -> Split | None:
+    """The map ``outputs -> (mean, log σ²)`` of a
+    :func:`~pyro_bdl.models.heteroscedastic_regressor` (its ``split``, else
+    :func:`~pyro_bdl.models.mean_log_variance`); ``None`` for any other model."""
+    if isinstance(model, NetworkModel) and model.noise == "heteroscedastic":
+        return model.split or mean_log_variance
+    return None
 
 
 def _is_data_or_latent(site: dict) -> bool:
@@ -248,9 +271,9 @@ def check_same_sites(trace, layout: SiteLayout, known: Collection[str], *, targe
 
 def check_supported(model) -> None:
     """Refuse a :class:`~pyro_bdl.models.NetworkModel` whose likelihood the linearized Laplace
-    cannot take: a Gaussian whose σ is a latent site or comes from the network. The GGN and the
-    predictive treat the observation noise as one known σ. Other models pass (their likelihood
-    is read from the observed site at :meth:`fit`)."""
+    cannot take: a token-level model, or a Gaussian whose σ is a latent site (the GGN and the
+    predictive hold the weights' posterior only). Other models pass (a hand-written one's
+    likelihood is read from the observed site at :meth:`fit`)."""
     if not isinstance(model, NetworkModel):
         return
     if model.likelihood not in LIKELIHOODS:
@@ -260,17 +283,13 @@ def check_supported(model) -> None:
             "sequence classifier (pyro_bdl.models.classifier on a pooled output) for Laplace, or "
             "AutoSWAG or a variational guide for the language model."
         )
-    if model.likelihood == "gaussian" and model.noise in ("learned", "heteroscedastic"):
-        what = (
-            "σ is a latent site (noise='learned')"
-            if model.noise == "learned"
-            else "σ(x) comes from the network (heteroscedastic_regressor)"
-        )
+    if model.likelihood == "gaussian" and model.noise == "learned":
         raise ValueError(
-            f"AutoSubnetLaplace with a Gaussian likelihood needs one known noise σ, but {what}; "
-            "the linearized Laplace treats σ as fixed. Use regressor(..., noise='point') (σ "
-            "fitted with the MAP weights and held at its estimate) or noise='fixed', or a "
-            "variational guide (AutoMeanField, AutoRadial) or AutoSWAG for this model."
+            "AutoSubnetLaplace with a Gaussian likelihood needs σ known or from the network, "
+            "but σ is a latent site (noise='learned'), which the posterior over the weights "
+            "does not cover. Use regressor(..., noise='point') (σ fitted with the MAP weights "
+            "and held at its estimate), noise='fixed', heteroscedastic_regressor (σ(x) from "
+            "the network), or a variational guide (AutoMeanField, AutoRadial) or AutoSWAG."
         )
 
 
@@ -294,9 +313,13 @@ def leaf_slots(layout: SiteLayout, flat: torch.Tensor) -> tuple[dict, list[Param
     return values, slots
 
 
-def forward_fn(model, values: dict, args: tuple, obs_name: str) -> Callable[[], torch.Tensor]:
+def forward_fn(
+    model, values: dict, args: tuple, obs_name: str, *, returned: bool = False
+) -> Callable[[], torch.Tensor]:
     """A function running ``model(*args)`` with the weight sites at ``values`` and returning the
-    network outputs behind the observed site ``obs_name``."""
+    network outputs behind the observed site ``obs_name`` (with ``returned``, the model's return
+    value: a heteroscedastic regressor's network outputs, of which its ``split`` reads the mean
+    and the variance)."""
 
     def forward() -> torch.Tensor:
         with poutine.block():
@@ -304,6 +327,8 @@ def forward_fn(model, values: dict, args: tuple, obs_name: str) -> Callable[[], 
             trace = poutine.trace(conditioned).get_trace(*args)
         if obs_name not in trace.nodes:
             raise ValueError(f"the model has no site {obs_name!r} any more.")
+        if returned:
+            return trace.nodes["_RETURN"]["value"]
         return read_outputs(trace.nodes[obs_name]["fn"])
 
     return forward
@@ -416,7 +441,8 @@ def forward_at(model, layout: SiteLayout, flat: torch.Tensor, args: tuple, obs: 
     """``(forward function, slots)`` of the network of ``model`` with the weights at the packed
     ``flat`` (:func:`leaf_slots`, :func:`forward_fn`)."""
     values, slots = leaf_slots(layout, flat)
-    return forward_fn(model, values, args, obs.name), slots
+    returned = obs.split is not None
+    return forward_fn(model, values, args, obs.name, returned=returned), slots
 
 
 #: Set on an exception raised by ``reduce_fn`` itself (see :func:`raised_by_reduction`).
@@ -463,11 +489,11 @@ def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor, what: str) -> torch.Ten
 
 
 def _stats(out: torch.Tensor, batch: tuple, obs: Observation) -> torch.Tensor:
-    return fit_statistics(out, _targets(batch), obs.likelihood, obs.noise)
+    return fit_statistics(out, _targets(batch), obs.likelihood, obs.noise, obs.split)
 
 
 def _factor(obs: Observation):
-    return lambda f: output_hessian_factor(f, obs.likelihood, obs.noise)
+    return lambda f: output_hessian_factor(f, obs.likelihood, obs.noise, split=obs.split)
 
 
 def residual(f: torch.Tensor, y: torch.Tensor, obs: Observation) -> torch.Tensor:
@@ -580,7 +606,7 @@ def fit_full(
                 jac, out = subnet_jacobian(
                     forward, slots, index, return_outputs=True, select_numbers=select_numbers
                 )
-                subnet_ggn(jac, output_hessian_factor(out, obs.likelihood, obs.noise), out=ggn)
+                subnet_ggn(jac, _factor(obs)(out), out=ggn)
                 if residual_fn is not None and grad is not None:
                     r = residual_fn(out)
                     grad += torch.einsum("bc,bcs->s", r.to(grad.dtype), jac.to(grad.dtype))
@@ -711,12 +737,12 @@ def jacobians(
 # ---- is the network at a mode? ---------------------------------------------------------------
 
 
-class NotAtModeWarning(UserWarning):
-    """The Laplace posterior was fitted at weights far from a mode of the training loss: the
-    network does not look trained to a MAP estimate."""
-
-
 def _negative_log_likelihood(out: torch.Tensor, y: torch.Tensor, obs: Observation):
+    if obs.likelihood == "heteroscedastic":
+        assert obs.split is not None
+        mean, log_var = mean_and_log_variance(out, obs.split)
+        r = y.to(mean).reshape(mean.shape) - mean
+        return 0.5 * (log_var + r.square() * (-log_var).exp()).sum()
     if obs.likelihood == "gaussian":
         assert obs.noise is not None
         return (out - y.to(out).reshape(out.shape)).square().sum() / (2 * obs.noise**2)
@@ -753,43 +779,3 @@ def training_loss_gradient(
                 ]
             ).double()
     return _reduce(reduce_fn, grad[index.to(grad.device)], "gradient of the training loss")
-
-
-#: How many standard deviations of χ²_S above its mean S the squared Mahalanobis distance from
-#: the fitted weights to the mode of the quadratic model may lie before the fit warns.
-MODE_TOLERANCE_SD = 5.0
-
-
-def warn_if_not_at_mode(gradient: torch.Tensor, posterior) -> None:
-    r"""Warn (:class:`NotAtModeWarning`) when the fitted weights lie far from a mode.
-
-    With ``gradient`` :math:`g` of the training loss (negative log-likelihood plus the Gaussian
-    prior's :math:`\tfrac12\lambda\lVert\theta\rVert^2`) at the fitted weights and the
-    Laplace precision :math:`H` of ``posterior``, the quadratic model of the loss has its mode at
-    :math:`\delta = -H^{-1}g`, whose squared Mahalanobis distance under the posterior is
-    :math:`d^2 = g^\top H^{-1} g = \lVert L^\top g\rVert^2` (twice the Newton decrement: the
-    loss the quadratic model says one Newton step would still remove). The Laplace approximation
-    assumes :math:`g = 0`; an SGD-trained MAP sits inside its own posterior, and a draw from
-    :math:`N(\text{mode}, H^{-1})` has :math:`d^2 \sim \chi^2_S`, of mean S and standard
-    deviation :math:`\sqrt{2S}`. Past :math:`S + 5\sqrt{2S}` (:data:`MODE_TOLERANCE_SD`) the
-    fitted weights lie outside the posterior they define, so the Gaussian centred there
-    describes no posterior of the data: the network was not trained to a MAP. The bound is in
-    the loss's own units (nats scaled by the curvature), so it holds for any data size and
-    likelihood.
-    """
-    white = posterior.apply_scale(gradient.unsqueeze(0)).squeeze(0)
-    d2 = float(white.double().square().sum())
-    s = gradient.numel()
-    limit = s + MODE_TOLERANCE_SD * math.sqrt(2 * s)
-    if not d2 <= limit:
-        warnings.warn(
-            f"the network does not look trained to a MAP estimate: at the fitted weights the "
-            f"training loss's gradient puts its mode {math.sqrt(d2):.3g} posterior standard "
-            f"deviations away (squared {d2:.3g} > {limit:.3g}, {MODE_TOLERANCE_SD:g} standard "
-            f"deviations above the {s} expected of a point inside the posterior), so the Laplace "
-            "posterior is centred at the wrong place. Train the network to a MAP estimate first "
-            "(for example SVI with this guide and Trace_ELBO until the loss stops falling), then "
-            "call fit; pass check_mode=False to fit at these weights anyway.",
-            NotAtModeWarning,
-            stacklevel=3,
-        )
