@@ -14,8 +14,13 @@ whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
 ``torch.no_grad()``, as ``Predictive`` runs them. ``max_parallel`` bounds the memory (and, for
 convolutional networks on a CPU, keeps the activations in cache) by drawing at most that many
 samples per batched pass. ``max_memory`` (default 4 GiB) bounds the output itself: the bytes
-of ``num_samples`` outputs are estimated from one draw, before the S draws are allocated, and a
-larger request is refused with the fix.
+of ``num_samples`` outputs are estimated before the S draws are allocated, and a larger request
+is refused with the fix. A parallel run on a :class:`~pyro_bdl.models.NetworkModel` measures
+them with one draw on one row of the batch (its examples are along dim 0), so S draws cost one
+vectorized pass over the batch and a one-row pass; a sequential run measures them with its
+first draw (S draws, S passes), and a parallel run on another model with a draw of its own.
+:func:`draw_outputs` is the same with a hook on what the guide draws: an ensemble's
+:meth:`~pyro_bdl.guides.MemberGuide.member_outputs` draws all its members in one pass so.
 
 Usage::
 
@@ -89,21 +94,25 @@ def _check_output_memory(one: torch.Tensor, rows: int, num_samples: int, max_mem
         )
 
 
-def _probe_rows(model, args) -> tuple[tuple, int]:
+def _probe_inputs(model, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
     """The arguments of the draw that measures the output, and how many times its output is
     smaller than the whole batch's: one row of a :class:`~pyro_bdl.models.NetworkModel`'s
-    batch (the examples are along dim 0 of its every tensor), else all of the arguments of any
-    other model, whose output need not grow with a batch dim."""
+    batch (and labels, if given: the guide sees them too), whose examples are along dim 0 of
+    every tensor; else all of the arguments (another model's output need not grow with a
+    batch dim)."""
+    whole = (args, kwargs, 1)
     if not isinstance(model, NetworkModel) or not args:
-        return args, 1
+        return whole
+    items = [item for item in (*args, *kwargs.values()) if item is not None]
     try:
-        tensors = batch_tensors(args[0])
+        tensors = [t for item in items for t in batch_tensors(item).values()]
     except (TypeError, ValueError):  # not a batch the model's own checks pass: measure it whole
-        return args, 1
-    rows = {t.shape[0] if t.dim() else 0 for t in tensors.values()}
+        return whole
+    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
     if len(rows) != 1 or min(rows) <= 1:
-        return args, 1
-    return (rows_of(args[0], slice(0, 1)), *args[1:]), rows.pop()
+        return whole
+    first = slice(0, 1)
+    return rows_of(args, first), rows_of(kwargs, first), rows.pop()
 
 
 #: Makes the context a block of draws runs in: called with the block's first draw and its size.
@@ -155,10 +164,12 @@ def draw_outputs(
         # the measuring draw always in a parallel run, whose S draws then are those
         # sample_outputs gives without the check.
         probe = Rollback.saved(buffers)
-        probe_args, rows = (args, 1) if sequential else _probe_rows(model, args)
+        probe_args, probe_kwargs, rows = (
+            (args, kwargs, 1) if sequential else _probe_inputs(model, args, kwargs)
+        )
         try:
             with around(0, 1):
-                one = _draw(model, guide, probe_args, kwargs, None, 0)
+                one = _draw(model, guide, probe_args, probe_kwargs, None, 0)
             _check_output_memory(one, rows, num_samples, max_memory)
         except BaseException:
             call.restore()

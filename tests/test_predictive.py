@@ -101,6 +101,9 @@ def test_one_sample_is_one_forward_pass():
         sample_outputs(model, guide, x, num_samples=4)
         assert rows == [1, 12]
         rows.clear()
+        sample_outputs(model, guide, x, _data()[1], num_samples=4)  # labels: one row of them too
+        assert rows == [1, 12]
+        rows.clear()
         sample_outputs(model, guide, x, num_samples=4, parallel=False)
         assert rows == [12] * 4  # the first draw checks the memory: no pass of its own
     finally:

@@ -233,9 +233,7 @@ def test_member_outputs_refused_for_memory_change_nothing(make, parallel):
     rows, handle = _rows_per_forward(model.net)
     try:
         with pytest.raises(ValueError, match=r"num_samples=3000000 .* need 1440000000 bytes"):
-            guide.member_outputs(
-                model, x, num_samples=10**6, parallel=parallel, max_memory=10**9
-            )
+            guide.member_outputs(model, x, num_samples=10**6, parallel=parallel, max_memory=10**9)
     finally:
         handle.remove()
     assert rows == ([1] if parallel else [contract.N])
