@@ -244,6 +244,27 @@ def test_member_outputs_refused_for_memory_change_nothing(make, parallel):
     assert guide.member is None
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+def test_member_outputs_on_cuda_match_the_cpu(make):
+    # The member order lives on the host; each draw's member is gathered on the device.
+    model, guide = _set_up(make())
+    x, _ = contract.data()
+    pyro.set_rng_seed(3)
+    cpu = guide.member_outputs(model, x, num_samples=2)
+    model.net.to("cuda")  # the lifted network's initial values and the priors follow it
+    guide.to("cuda")
+    pyro.set_rng_seed(3)
+    cuda = guide.member_outputs(model, x.cuda(), num_samples=2)
+    sequential = guide.member_outputs(model, x.cuda(), num_samples=2, parallel=False)
+    assert cuda.device.type == "cuda"
+    if make is make_ensemble:  # point masses: the same networks (cuBLAS may add in other orders)
+        assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-5)
+        assert_close(cuda, sequential, rtol=1e-4, atol=1e-5)
+    else:  # the CUDA generator draws other numbers: same shape, distinct members
+        assert cuda.shape == cpu.shape and not torch.allclose(cuda[0], cuda[1])
+
+
 def test_a_member_per_draw_is_checked():
     _model, guide = _set_up(make_ensemble())
     with pytest.raises(ValueError, match=r"member indices in \[0, 3\)"):
