@@ -85,7 +85,7 @@ def _check_output_memory(one: torch.Tensor, rows: int, num_samples: int, max_mem
     per_draw = one.numel() * one.element_size() * rows
     needed = num_samples * per_draw
     if needed > max_memory:
-        shape = (one.shape[0] * rows, *one.shape[1:]) if rows > 1 else tuple(one.shape)
+        shape = (one.shape[0] * rows, *one.shape[1:]) if rows > 1 and one.dim() else one.shape
         raise ValueError(
             f"num_samples={num_samples} outputs of shape {tuple(shape)} ({one.dtype}) need "
             f"{needed} bytes ({needed / 2**30:.1f} GiB), more than max_memory={max_memory}. "

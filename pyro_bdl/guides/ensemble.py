@@ -163,7 +163,7 @@ class MemberMixture(TorchDistribution):
             return out.reshape(shape + self.event_shape)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        """:math:`\\log \\frac1M \\sum_m q_m(\\theta)`; for fixed member, that member's."""
+        """:math:`\\log \\frac1M \\sum_m q_m(\\theta)`; for a fixed member, that member's."""
         if isinstance(self.member, int):
             return self.members[self.member].log_prob(value)
         parts = torch.stack([m.log_prob(value) for m in self.members], -1)
