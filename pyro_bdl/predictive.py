@@ -14,8 +14,13 @@ whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
 ``torch.no_grad()``, as ``Predictive`` runs them. ``max_parallel`` bounds the memory (and, for
 convolutional networks on a CPU, keeps the activations in cache) by drawing at most that many
 samples per batched pass. ``max_memory`` (default 4 GiB) bounds the output itself: the bytes
-of ``num_samples`` outputs are estimated from one draw, before the S draws are allocated, and a
-larger request is refused with the fix.
+of ``num_samples`` outputs are estimated before the S draws are allocated, and a larger request
+is refused with the fix. A parallel run on a :class:`~pyro_bdl.models.NetworkModel` measures
+them with one draw on one row of the batch (its examples are along dim 0), so S draws cost one
+vectorized pass over the batch and a one-row pass; a sequential run measures them with its
+first draw (S draws, S passes), and a parallel run on another model with a draw of its own.
+:func:`draw_outputs` is the same with a hook on what the guide draws: an ensemble's
+:meth:`~pyro_bdl.guides.MemberGuide.member_outputs` draws all its members in one pass so.
 
 Usage::
 
@@ -25,6 +30,8 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import pyro
@@ -34,8 +41,10 @@ from pyro.infer.predictive import _guess_max_plate_nesting
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models import NetworkModel
+from pyro_bdl.models.checks import batch_tensors
+from pyro_bdl.models.structured import rows_of
 
-__all__ = ["sample_outputs"]
+__all__ = ["draw_outputs", "sample_outputs"]
 
 #: The default bound on the bytes of the stacked outputs (see :func:`sample_outputs`).
 DEFAULT_MAX_MEMORY = 4 * 2**30
@@ -69,17 +78,115 @@ def _draw(model, guide, args, kwargs, size: int | None, dim: int) -> torch.Tenso
     return out
 
 
-def _check_output_memory(one: torch.Tensor, num_samples: int, max_memory: int) -> None:
-    """Refuse ``num_samples`` outputs shaped like the one-draw output ``one`` beyond
-    ``max_memory`` bytes."""
-    needed = num_samples * one.numel() * one.element_size()
+def _check_output_memory(one: torch.Tensor, rows: int, num_samples: int, max_memory: int):
+    """Refuse ``num_samples`` outputs shaped like the one-draw output ``one`` of ``rows`` rows of
+    the batch (the outputs of the whole batch are ``rows`` times larger) beyond ``max_memory``
+    bytes."""
+    per_draw = one.numel() * one.element_size() * rows
+    needed = num_samples * per_draw
     if needed > max_memory:
+        shape = (one.shape[0] * rows, *one.shape[1:]) if rows > 1 and one.dim() else one.shape
         raise ValueError(
-            f"num_samples={num_samples} outputs of shape {tuple(one.shape)} ({one.dtype}) need "
+            f"num_samples={num_samples} outputs of shape {tuple(shape)} ({one.dtype}) need "
             f"{needed} bytes ({needed / 2**30:.1f} GiB), more than max_memory={max_memory}. "
-            f"Ask for at most {max(max_memory // max(needed // num_samples, 1), 1)} samples, "
+            f"Ask for at most {max(max_memory // max(per_draw, 1), 1)} samples, "
             "call sample_outputs on batches of the inputs, or raise max_memory."
         )
+
+
+def _probe_inputs(model, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
+    """The arguments of the draw that measures the output, and how many times its output is
+    smaller than the whole batch's: one row of a :class:`~pyro_bdl.models.NetworkModel`'s
+    batch (and labels, if given: the guide sees them too), whose examples are along dim 0 of
+    every tensor; else all of the arguments (another model's output need not grow with a
+    batch dim)."""
+    whole = (args, kwargs, 1)
+    if not isinstance(model, NetworkModel) or not args:
+        return whole
+    items = [item for item in (*args, *kwargs.values()) if item is not None]
+    try:
+        tensors = [t for item in items for t in batch_tensors(item).values()]
+    except (TypeError, ValueError):  # not a batch the model's own checks pass: measure it whole
+        return whole
+    rows = {t.shape[0] if t.dim() else 0 for t in tensors}
+    if len(rows) != 1 or min(rows) <= 1:
+        return whole
+    first = slice(0, 1)
+    return rows_of(args, first), rows_of(kwargs, first), rows.pop()
+
+
+#: Makes the context a block of draws runs in: called with the block's first draw and its size.
+Draws = Callable[[int, int], AbstractContextManager]
+
+
+def draw_outputs(
+    model,
+    guide,
+    args: tuple,
+    kwargs: dict,
+    *,
+    num_samples: int,
+    parallel: bool = True,
+    max_parallel: int | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    draws: Draws | None = None,
+) -> torch.Tensor:
+    """:func:`sample_outputs` with a hook on what the guide draws: draws ``start`` …
+    ``start + size − 1`` (``size`` of them under one plate, or one plain draw) run inside
+    ``draws(start, size)``; the draw that measures the output runs inside ``draws(0, 1)``.
+    :meth:`~pyro_bdl.guides.MemberGuide.member_outputs` chooses each draw's ensemble member so.
+    The arguments are :func:`sample_outputs`'s, with the model's ``args`` and ``kwargs`` given
+    as a tuple and a dict.
+    """
+    check_positive_int("num_samples", num_samples)
+    if max_parallel is not None:
+        check_positive_int("max_parallel", max_parallel)
+    check_positive_int("max_memory", max_memory)
+    around: Draws = draws if draws is not None else (lambda start, size: nullcontext())
+    # Imported here: pyro_bdl.infer imports the guides, which import this module.
+    from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
+
+    owners = (model.net if isinstance(model, NetworkModel) else model, guide)
+    buffers = norm_layer_buffers(m for m in owners if isinstance(m, torch.nn.Module))
+    call = Rollback.saved(buffers)
+    if isinstance(model, NetworkModel):
+        nesting = 1  # the data plate
+    else:
+        with torch.no_grad():
+            nesting = _guess_max_plate_nesting(model, args, kwargs)
+    sequential = not parallel or num_samples == 1
+    outputs = []
+    with torch.no_grad(), poutine.block():
+        # A draw measures the output before the S draws run. One row of a NetworkModel's batch
+        # measures it for a parallel run (the S draws' pass is then the only full pass); a
+        # sequential run's first draw is its first sample. The random streams and running
+        # statistics moved since the call began are put back when it is refused, and those of
+        # the measuring draw always in a parallel run, whose S draws then are those
+        # sample_outputs gives without the check.
+        probe = Rollback.saved(buffers)
+        probe_args, probe_kwargs, rows = (
+            (args, kwargs, 1) if sequential else _probe_inputs(model, args, kwargs)
+        )
+        try:
+            with around(0, 1):
+                one = _draw(model, guide, probe_args, probe_kwargs, None, 0)
+            _check_output_memory(one, rows, num_samples, max_memory)
+        except BaseException:
+            call.restore()
+            raise
+        if sequential:  # the measuring draw is the first sample
+            outputs = [one]
+            for i in range(1, num_samples):
+                with around(i, 1):
+                    outputs.append(_draw(model, guide, args, kwargs, None, 0))
+            return torch.stack(outputs)
+        probe.restore()
+        chunk = num_samples if max_parallel is None else max_parallel
+        for start in range(0, num_samples, chunk):
+            size = min(chunk, num_samples - start)
+            with around(start, size):
+                outputs.append(_draw(model, guide, args, kwargs, size, -nesting - 1))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def sample_outputs(
@@ -106,45 +213,18 @@ def sample_outputs(
         plain draw either way: a forward pass, not two.
     :param int max_parallel: at most this many samples per vectorized pass (default: all S).
     :param int max_memory: at most this many bytes for the returned outputs (default 4 GiB),
-        checked from one draw before the S draws run.
+        checked before the S draws run: from a draw on one row of a
+        :class:`~pyro_bdl.models.NetworkModel`'s batch (a parallel run), else from the first
+        draw.
     :returns: a tensor of shape ``(S, *output_shape)``.
     """
-    check_positive_int("num_samples", num_samples)
-    if max_parallel is not None:
-        check_positive_int("max_parallel", max_parallel)
-    check_positive_int("max_memory", max_memory)
-    # Imported here: pyro_bdl.infer imports the guides, which import this module.
-    from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
-
-    owners = (model.net if isinstance(model, NetworkModel) else model, guide)
-    buffers = norm_layer_buffers(m for m in owners if isinstance(m, torch.nn.Module))
-    call = Rollback.saved(buffers)
-    if isinstance(model, NetworkModel):
-        nesting = 1  # the data plate
-    else:
-        with torch.no_grad():
-            nesting = _guess_max_plate_nesting(model, args, kwargs)
-    outputs = []
-    with torch.no_grad(), poutine.block():
-        # One draw measures the output before the S draws run. The random streams and running
-        # statistics moved since the call began are put back when it is refused, and those of
-        # the draw alone always in a parallel run, whose S draws then are those sample_outputs
-        # gives without the check.
-        probe = Rollback.saved(buffers)
-        try:
-            one = _draw(model, guide, args, kwargs, None, 0)
-            _check_output_memory(one, num_samples, max_memory)
-        except BaseException:
-            call.restore()
-            raise
-        if not parallel or num_samples == 1:  # one draw: the checking draw is the sample
-            outputs = [one] + [
-                _draw(model, guide, args, kwargs, None, 0) for _ in range(num_samples - 1)
-            ]
-            return torch.stack(outputs)
-        probe.restore()
-        chunk = num_samples if max_parallel is None else max_parallel
-        for start in range(0, num_samples, chunk):
-            size = min(chunk, num_samples - start)
-            outputs.append(_draw(model, guide, args, kwargs, size, -nesting - 1))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return draw_outputs(
+        model,
+        guide,
+        args,
+        kwargs,
+        num_samples=num_samples,
+        parallel=parallel,
+        max_parallel=max_parallel,
+        max_memory=max_memory,
+    )

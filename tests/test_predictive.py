@@ -3,6 +3,7 @@
 import pyro
 import pytest
 import torch
+from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_bdl import bayesianize, infer, models
@@ -75,18 +76,59 @@ def test_chunks_of_max_parallel_give_all_samples():
     assert not torch.allclose(out[0], out[6])
 
 
+def _rows_per_forward(net):
+    """A forward pre-hook on ``net`` recording the rows of each call's first input tensor;
+    returns ``(rows list, handle)``."""
+    rows: list[int] = []
+
+    def hook(_module, inputs, kwargs):
+        first = next(iter(inputs), None)
+        first = next(iter(kwargs.values())) if first is None else first
+        rows.append(first.shape[0])
+
+    return rows, net.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def test_one_sample_is_one_forward_pass():
-    # The draw that checks the output's memory is the sample itself: S = 1 costs one forward
-    # pass of the network (an ensemble member's prediction), S > 1 one more than S draws' pass.
+    # S = 1: the draw that checks the output's memory is the sample itself (an ensemble member's
+    # prediction is one forward pass). S > 1: one row checks it, then one vectorized pass of S.
     model, guide, x = _fit("meanfield", "mlp")
-    calls = []
-    handle = model.net.register_forward_hook(lambda *_: calls.append(1))
+    rows, handle = _rows_per_forward(model.net)
     try:
         out = sample_outputs(model, guide, x, num_samples=1)
-        assert out.shape == (1, 12, 3) and len(calls) == 1
-        calls.clear()
+        assert out.shape == (1, 12, 3) and rows == [12]
+        rows.clear()
         sample_outputs(model, guide, x, num_samples=4)
-        assert len(calls) == 2  # the checking draw, then one vectorized pass of the four
+        assert rows == [1, 12]
+        rows.clear()
+        sample_outputs(model, guide, x, _data()[1], num_samples=4)  # labels: one row of them too
+        assert rows == [1, 12]
+        rows.clear()
+        sample_outputs(model, guide, x, num_samples=4, parallel=False)
+        assert rows == [12] * 4  # the first draw checks the memory: no pass of its own
+    finally:
+        handle.remove()
+
+
+def test_the_one_row_check_changes_no_draw_and_a_hand_written_model_checks_whole():
+    # The one-row draw's random streams are put back: the S draws are the plain vectorized
+    # draws, those of one plate over the guide replayed into the network.
+    model, guide, x = _fit("meanfield", "mlp")
+    rows, handle = _rows_per_forward(model.net)
+    try:
+        pyro.set_rng_seed(4)
+        ours = sample_outputs(model, guide, x, num_samples=5)
+        assert rows == [1, 12]
+        pyro.set_rng_seed(4)
+        with torch.no_grad(), pyro.plate("_num_predictive_samples", 5, dim=-2):
+            trace = poutine.trace(poutine.mask(guide, mask=False)).get_trace(x)
+            plain = poutine.replay(model.network_output, trace=trace)(x)
+        assert torch.equal(ours, plain)
+        # Of a hand-written model nothing says that dim 0 holds the examples: its check runs
+        # the whole batch (after Pyro's guess of its plate nesting, a run of the model).
+        rows.clear()
+        sample_outputs(lambda x, y=None: model(x, y), guide, x, num_samples=5)
+        assert rows == [12, 12, 12]
     finally:
         handle.remove()
 

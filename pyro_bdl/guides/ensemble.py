@@ -44,9 +44,29 @@ from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.guides.swag import AutoSWAG
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.nn import init_to_network
-from pyro_bdl.predictive import sample_outputs
+from pyro_bdl.predictive import DEFAULT_MAX_MEMORY, draw_outputs
 
 __all__ = ["AutoEnsemble", "AutoMultiSWAG", "MemberGuide", "MemberMixture"]
+
+
+def _check_member(member: object, count: int) -> int | torch.Tensor | None:
+    """``member`` if it chooses among ``count`` members: ``None`` (uniformly), an int in
+    ``[0, count)``, or a 1-D integer tensor (a member per draw; its values are not read here,
+    which would wait for the device on every draw)."""
+    if member is None:
+        return None
+    if isinstance(member, torch.Tensor):
+        if member.dim() == 1 and member.dtype in _INDEX_DTYPES:
+            return member
+    elif isinstance(member, int) and not isinstance(member, bool) and 0 <= member < count:
+        return member
+    raise ValueError(
+        f"member must be None or an int in [0, {count}) (there are {count} members), or a 1-D "
+        f"integer tensor of such (the member of each draw); got {member!r}."
+    )
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class MemberMixture(TorchDistribution):
@@ -61,7 +81,10 @@ class MemberMixture(TorchDistribution):
     draw and the picked ones gathered (``M · n`` draws, shapes that do not depend on the index).
 
     :param members: the M component distributions (point masses, SWAG Gaussians, ...).
-    :param int member: draw from this member only (``None``: pick uniformly per draw).
+    :param member: draw from this member only (an int); or draw ``i`` of the flattened
+        ``sample_shape + batch_shape`` from member ``member[i]`` (a 1-D integer tensor with an
+        entry per draw: a plate of draws enumerates the members so); or pick uniformly per draw
+        (``None``).
     """
 
     arg_constraints: dict = {}
@@ -72,15 +95,13 @@ class MemberMixture(TorchDistribution):
         self,
         members: Sequence[Distribution],
         *,
-        member: int | None = None,
+        member: int | torch.Tensor | None = None,
         batch_shape: torch.Size | tuple[int, ...] = (),
     ):
         self.members = tuple(members)
         if not self.members:
             raise ValueError("MemberMixture needs at least one member distribution; got none.")
-        if member is not None and not 0 <= member < len(self.members):
-            raise ValueError(f"member must be in [0, {len(self.members)}); got {member}.")
-        self.member = member
+        self.member = _check_member(member, len(self.members))
         event_shape = self.members[0].event_shape
         super().__init__(torch.Size(batch_shape), event_shape, validate_args=False)
 
@@ -109,11 +130,19 @@ class MemberMixture(TorchDistribution):
     def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
         shape = torch.Size(sample_shape) + self.batch_shape
         with torch.no_grad():
-            if self.member is not None:
+            if isinstance(self.member, int):
                 return self.members[self.member].sample(shape)
             n = shape.numel()
             device = self.members[0].mean.device
-            index = torch.randint(len(self.members), (n,), device=device)
+            if self.member is None:
+                index = torch.randint(len(self.members), (n,), device=device)
+            elif self.member.numel() == n:
+                index = self.member.to(device)
+            else:
+                raise ValueError(
+                    f"member names the members of {self.member.numel()} draws, but {n} are "
+                    f"drawn (sample and batch shape {tuple(shape)}); give one member per draw."
+                )
             if all(isinstance(m, dist.Delta) for m in self.members):
                 locs = torch.stack([cast(dist.Delta, m).v for m in self.members])
                 return locs.index_select(0, index).reshape(shape + self.event_shape)
@@ -134,11 +163,14 @@ class MemberMixture(TorchDistribution):
             return out.reshape(shape + self.event_shape)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        """:math:`\\log \\frac1M \\sum_m q_m(\\theta)`; for one fixed member, that member's."""
-        if self.member is not None:
+        """:math:`\\log \\frac1M \\sum_m q_m(\\theta)`; for a fixed member, that member's."""
+        if isinstance(self.member, int):
             return self.members[self.member].log_prob(value)
         parts = torch.stack([m.log_prob(value) for m in self.members], -1)
-        return parts.logsumexp(-1) - math.log(len(self.members))
+        if self.member is None:
+            return parts.logsumexp(-1) - math.log(len(self.members))
+        index = self.member.to(parts.device).reshape(parts.shape[:-1])
+        return parts.gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
 
 def _count(members: object) -> int | None:
@@ -213,7 +245,7 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
 
     def __init__(self, model: Callable, num_members: int, *, init_loc_fn=init_to_network):
         self.num_members = num_members
-        self._member: int | None = None
+        self._member: int | torch.Tensor | None = None
         super().__init__(model, init_loc_fn=init_loc_fn)
 
     def _setup_prototype(self, *args, **kwargs):
@@ -247,26 +279,28 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
     # ------------------------------------------------------------------ choosing members
 
     @property
-    def member(self) -> int | None:
-        """``None`` (each draw picks a member uniformly) or the one member every draw uses."""
+    def member(self) -> int | torch.Tensor | None:
+        """``None`` (each draw picks a member uniformly), the one member every draw uses, or
+        the member of each draw of a plate (a 1-D integer tensor; see :meth:`use_member`)."""
         return self._member
 
     @member.setter
-    def member(self, value: int | None) -> None:
-        if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not 0 <= value < self.num_members
+    def member(self, value: int | torch.Tensor | None) -> None:
+        value = _check_member(value, self.num_members)
+        if isinstance(value, torch.Tensor) and not bool(
+            ((value >= 0) & (value < self.num_members)).all()
         ):
             raise ValueError(
-                f"member must be None or an int in [0, {self.num_members}) (this guide has "
-                f"{self.num_members} members); got {value!r}."
+                f"member must hold member indices in [0, {self.num_members}) (this guide has "
+                f"{self.num_members} members); got values {value.unique().tolist()[:8]}."
             )
         self._member = value
 
     @contextmanager
-    def use_member(self, k: int) -> Iterator[None]:
-        """Draw from member ``k`` only inside the block."""
+    def use_member(self, k: int | torch.Tensor) -> Iterator[None]:
+        """Draw from member ``k`` only inside the block; or, for a 1-D integer tensor ``k``,
+        draw ``i`` of the guide's plate from member ``k[i]`` (``len(k)`` draws under one plate
+        then enumerate members in one vectorized pass, as :meth:`member_outputs` does)."""
         previous = self._member
         self.member = k
         try:
@@ -288,7 +322,16 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         return posterior.mean, posterior.variance.sqrt()
 
     @torch.no_grad()
-    def member_outputs(self, model, *args: Any, num_samples: int = 1, **kwargs: Any):
+    def member_outputs(
+        self,
+        model,
+        *args: Any,
+        num_samples: int = 1,
+        parallel: bool = True,
+        max_parallel: int | None = None,
+        max_memory: int = DEFAULT_MAX_MEMORY,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """The network outputs of every member: shape ``(M, num_samples, *output_shape)``.
 
         Member m's ``num_samples`` draws come from member m alone, in the order m = 0 … M − 1,
@@ -297,18 +340,39 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
 
             probs = guide.member_outputs(model, x_test).softmax(-1).mean((0, 1))
 
+        The M · ``num_samples`` draws run as :func:`~pyro_bdl.predictive.sample_outputs`'s
+        draws, the member of each chosen by :meth:`use_member`: by default in one vectorized
+        pass of the network (plus a pass on one row that checks the output's memory first),
+        which costs less than M plain forward passes.
+
         :param model: the model the guide belongs to (as for
             :func:`~pyro_bdl.predictive.sample_outputs`).
         :param int num_samples: draws per member (1 is exact for an ensemble of point masses).
+        :param bool parallel: all draws in one vectorized pass (``True``) or one after the other
+            (``False``, one forward pass each); as in ``sample_outputs``.
+        :param int max_parallel: at most this many draws per vectorized pass (default: all).
+        :param int max_memory: at most this many bytes for the returned outputs (default 4
+            GiB), checked before any member's draws run.
         """
         check_positive_int("num_samples", num_samples)
-        outputs = []
-        for k in range(self.num_members):
-            with self.use_member(k):
-                outputs.append(
-                    sample_outputs(model, self, *args, num_samples=num_samples, **kwargs)
-                )
-        return torch.stack(outputs)
+        order = torch.arange(self.num_members).repeat_interleave(num_samples)
+
+        def draws(start: int, size: int):
+            # One draw has no plate, so it takes the member as an int: the plain draw.
+            return self.use_member(int(order[start]) if size == 1 else order[start : start + size])
+
+        out = draw_outputs(
+            model,
+            self,
+            args,
+            kwargs,
+            num_samples=len(order),
+            parallel=parallel,
+            max_parallel=max_parallel,
+            max_memory=max_memory,
+            draws=draws,
+        )
+        return out.reshape(self.num_members, num_samples, *out.shape[1:])
 
     # ------------------------------------------------------------------ training members
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Batch", "Output", "call_network", "check_output", "select_output"]
+__all__ = ["Batch", "Output", "call_network", "check_output", "rows_of", "select_output"]
 
 #: A batch of inputs: one tensor, a mapping of tensors (keyword arguments) or a tuple of tensors.
 Batch = torch.Tensor | Mapping[str, torch.Tensor] | tuple[torch.Tensor, ...]
@@ -47,6 +47,17 @@ def call_network(net: nn.Module, x: Batch) -> Any:
     if isinstance(x, (tuple, list)):
         return net(*x)
     return net(x)
+
+
+def rows_of(item: Any, rows: slice) -> Any:
+    """``item`` with every tensor in it (inside mappings and tuples too) sliced along dim 0."""
+    if isinstance(item, torch.Tensor):
+        return item[rows]
+    if isinstance(item, Mapping):
+        return {k: rows_of(v, rows) for k, v in item.items()}
+    if isinstance(item, (tuple, list)):
+        return type(item)(rows_of(v, rows) for v in item)
+    return item
 
 
 def _describe(out: Any) -> str:

@@ -159,6 +159,127 @@ def test_multiswag_member_outputs_are_the_members_own_predictives():
     assert not torch.equal(mixed[0], mixed[1])
 
 
+def _rows_per_forward(net: nn.Module):
+    """``(rows, handle)``: a forward pre-hook on ``net`` appends each call's batch rows."""
+    rows: list[int] = []
+    return rows, net.register_forward_pre_hook(lambda _m, inputs: rows.append(len(inputs[0])))
+
+
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+def test_member_outputs_run_all_members_in_one_pass(make):
+    # Parallel: a one-row pass checks the output's memory, then ONE pass of the network for the
+    # M · S draws; sequential: one full pass per draw, no check of its own.
+    model, guide = _set_up(make())
+    x, _ = contract.data()
+    rows, handle = _rows_per_forward(model.net)
+    try:
+        out = guide.member_outputs(model, x, num_samples=2)
+        assert out.shape == (M, 2, contract.N, contract.CLASSES)
+        assert rows == [1, contract.N]
+        rows.clear()
+        guide.member_outputs(model, x, num_samples=2, parallel=False)
+        assert rows == [contract.N] * (M * 2)
+        rows.clear()
+        guide.member_outputs(model, x, num_samples=2, max_parallel=4)  # chunks of 4 and 2
+        assert rows == [1, contract.N, contract.N]
+    finally:
+        handle.remove()
+
+
+def test_parallel_member_outputs_equal_the_sequential_ones_exactly():
+    # Point masses: member m's draws are member m's network, whichever pass computes them;
+    # chunks of 4 + 2 and 5 + 1 (a one-draw chunk is a plain draw) put each where it belongs.
+    model, guide = _set_up(make_ensemble())
+    x, _ = contract.data()
+    sequential = guide.member_outputs(model, x, num_samples=2, parallel=False)
+    assert not torch.equal(sequential[0], sequential[1])
+    assert torch.equal(sequential[:, 0], sequential[:, 1])
+    for max_parallel in (None, 4, 5):
+        parallel = guide.member_outputs(model, x, num_samples=2, max_parallel=max_parallel)
+        assert torch.equal(parallel, sequential), max_parallel
+
+
+def test_multiswag_parallel_and_sequential_member_outputs_agree_in_distribution():
+    model, guide = _set_up(make_multiswag())
+    x, _ = contract.data()
+    pyro.set_rng_seed(6)
+    s = 200
+    par = guide.member_outputs(model, x, num_samples=s).softmax(-1)
+    seq = guide.member_outputs(model, x, num_samples=s, parallel=False).softmax(-1)
+    # Sequential: member m's draws are those of its own AutoSWAG drawn one by one.
+    pyro.set_rng_seed(7)
+    own = [sample_outputs(model, m, x, num_samples=3, parallel=False) for m in guide.members]
+    pyro.set_rng_seed(7)
+    assert_close(guide.member_outputs(model, x, num_samples=3, parallel=False), torch.stack(own))
+    # Per member, the means of two independent s-draw estimates differ with standard error
+    # sqrt((var_par + var_seq) / s) per entry; 6 SE over M · N · C = 360 entries makes a false
+    # failure below 360 · 2e-9 for Gaussian means (s = 200: the CLT is accurate for probabilities).
+    assert par.std(1).amax() > 0  # the draws differ: a distribution, not a point
+    se = ((par.var(1) + seq.var(1)) / s).sqrt()
+    assert ((par.mean(1) - seq.mean(1)).abs() <= 6 * se + 1e-6).all()
+    # ... and member m's draws are member m's: the members' predictives are told apart.
+    assert ((par.mean(1)[0] - seq.mean(1)[1]).abs() > 6 * se[0] + 1e-6).any()
+
+
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_member_outputs_refused_for_memory_change_nothing(make, parallel):
+    # 3 members x 10**6 draws of (40, 3) float32 outputs: 1.44e9 bytes, above a 1e9 bound. The
+    # check runs before any member's draws: one pass on one row (parallel) or the first draw.
+    model, guide = _set_up(make())
+    x, _ = contract.data()
+    state = {k: v.clone() for k, v in guide.state_dict().items()}
+    rng = torch.get_rng_state()
+    rows, handle = _rows_per_forward(model.net)
+    try:
+        with pytest.raises(ValueError, match=r"num_samples=3000000 .* need 1440000000 bytes"):
+            guide.member_outputs(model, x, num_samples=10**6, parallel=parallel, max_memory=10**9)
+    finally:
+        handle.remove()
+    assert rows == ([1] if parallel else [contract.N])
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = guide.state_dict()
+    assert state.keys() == after.keys()
+    assert all(torch.equal(v, after[k]) for k, v in state.items())
+    assert guide.member is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+def test_member_outputs_on_cuda_match_the_cpu(make):
+    # The member order lives on the host; each draw's member is gathered on the device.
+    model, guide = _set_up(make())
+    x, _ = contract.data()
+    pyro.set_rng_seed(3)
+    cpu = guide.member_outputs(model, x, num_samples=2)
+    model.net.to("cuda")  # the lifted network's initial values and the priors follow it
+    guide.to("cuda")
+    pyro.set_rng_seed(3)
+    cuda = guide.member_outputs(model, x.cuda(), num_samples=2)
+    sequential = guide.member_outputs(model, x.cuda(), num_samples=2, parallel=False)
+    assert cuda.device.type == "cuda"
+    if make is make_ensemble:  # point masses: the same networks (cuBLAS may add in other orders)
+        assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-5)
+        assert_close(cuda, sequential, rtol=1e-4, atol=1e-5)
+    else:  # the CUDA generator draws other numbers: same shape, distinct members
+        assert cuda.shape == cpu.shape and not torch.allclose(cuda[0], cuda[1])
+
+
+def test_a_member_per_draw_is_checked():
+    _model, guide = _set_up(make_ensemble())
+    with pytest.raises(ValueError, match=r"member indices in \[0, 3\)"):
+        guide.member = torch.tensor([0, 3])
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        guide.member = torch.tensor([0.0, 1.0])
+    posterior = MemberMixture(guide.member_posteriors(), member=torch.tensor([2, 0, 2]))
+    assert torch.equal(posterior.expand((3, 1)).sample().squeeze(1), guide.ensemble_locs[[2, 0, 2]])
+    with pytest.raises(ValueError, match="members of 3 draws, but 4 are drawn"):
+        posterior.sample((4,))
+    # log_prob: each draw's own member's (a point mass: 0 at it, -inf elsewhere).
+    values = guide.ensemble_locs[[2, 1, 2]]
+    assert posterior.log_prob(values).tolist() == [0.0, float("-inf"), 0.0]
+
+
 def test_sample_outputs_draw_from_every_member():
     model, guide = _set_up(make_ensemble())
     x, _ = contract.data()

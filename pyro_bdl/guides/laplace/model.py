@@ -59,6 +59,7 @@ from pyro_bdl.guides.laplace.mode import MODE_TOLERANCE_SD, NotAtModeWarning, wa
 from pyro_bdl.guides.laplace.posterior import KronBlock, kron_blocks
 from pyro_bdl.layout import SiteLayout
 from pyro_bdl.models import NetworkModel, mean_log_variance
+from pyro_bdl.models.structured import rows_of
 from pyro_bdl.priors import NonGaussianPriorError, gaussian_prior
 
 __all__ = [
@@ -367,17 +368,6 @@ def batch_leaves(item: Any, name: str = "x") -> dict[str, torch.Tensor]:
     else:
         return {}
     return {k: v for part in parts for k, v in part.items()}
-
-
-def rows_of(item: Any, rows: slice) -> Any:
-    """``item`` with every tensor in it (inside mappings and tuples too) sliced along dim 0."""
-    if isinstance(item, torch.Tensor):
-        return item[rows]
-    if isinstance(item, Mapping):
-        return {k: rows_of(v, rows) for k, v in item.items()}
-    if isinstance(item, (tuple, list)):
-        return type(item)(rows_of(v, rows) for v in item)
-    return item
 
 
 def head(batch: tuple, n: int) -> tuple:
