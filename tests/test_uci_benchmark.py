@@ -398,6 +398,33 @@ def test_the_choice_reads_only_training_rows(tmp_path):
     assert configs["map"].map_lr == record["methods"]["map"]["chosen"]["map_lr"]
 
 
+def test_the_methods_from_the_map_are_chosen_from_the_map_they_start_from(tmp_path, monkeypatch):
+    # MAP's second candidate wins; mean-field's candidates are then scored from that MAP (the
+    # one it starts from on every split), both in select_settings and in main's jobs.
+    make_folder(tmp_path / "uci")
+    seen = []
+
+    def fake(d, cfg, method, setting, start=None):
+        seen.append((method, start))
+        best = method == "map" and setting == uci.SELECT["map"][1]
+        return {"setting": setting, "validation_ll": 0.0 if best else -1.0}
+
+    monkeypatch.setattr(uci, "select_one", fake)
+    d = data.load_uci("toy", tmp_path, split=0)
+    configs, _ = uci.select_settings(d, TINY, ["meanfield", "map", "ivon"])
+    winner = uci.SELECT["map"][1]
+    assert {m: s for m, s in seen if m != "meanfield"} == {"map": None, "ivon": None}
+    assert [s for m, s in seen if m == "meanfield"] == [winner] * uci.SELECT_SIZE
+    assert configs["map"].map_lr == winner["map_lr"]
+    seen.clear()
+    monkeypatch.setattr(uci, "DEFAULTS", TINY)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: None)
+    argv = ["--dataset", "toy", "--splits", "1", "--methods", "meanfield", "map"]
+    uci.main([*argv, "--data-dir", str(tmp_path)])
+    assert [s for m, s in seen if m == "meanfield"] == [winner] * uci.SELECT_SIZE
+    assert seen.index(("map", None)) < seen.index(("meanfield", winner))
+
+
 def test_main_chooses_per_dataset_and_reports_the_choice(tmp_path, monkeypatch):
     make_folder(tmp_path / "uci")
     written = {}
