@@ -827,6 +827,7 @@ def run_methods(
         problem = regression_problem(x, y, None, cfg, seed, values, "heteroscedastic")
         own = problem
     else:
+        assert values is not None  # one σ: the MAP is always trained (it fits σ)
         problem = regression_problem(x, y, noise, cfg, seed, values)
         # Each method's own σ (SIGMA_RULES): the MAP's point estimate starts SWAG's,
         # initialises mean-field's latent σ and is VOGN's known σ; Laplace keeps the
