@@ -2,13 +2,13 @@
 
 ``ensemble`` trains M MAP networks exactly as ``map`` trains one, member k under the seed
 ``problem.seed + k`` (its own initial weights and minibatch order); ``multiswag`` runs ``swag``'s
-whole schedule M times the same way, or, given trained members (``starts``, e.g. a deep
-ensemble's: ``fit_ensemble``'s ``member_values``), only its SWAG phase from each of them, the
-MultiSWAG of Wilson & Izmailov (2020): SWAG from several independently trained solutions. Their predictive is the exact equal-weight mixture of the
-members' predictives, each member evaluated with its own network (its own BatchNorm statistics,
-refreshed per draw for MultiSWAG as ``swag`` does): mean class probabilities over members for
-classification, the mixture of N(f(x), σ²) over every member's draws for regression. The posterior
-exported to ArviZ is :class:`~pyro_bdl.guides.AutoEnsemble` /
+whole schedule M times the same way, or, given trained members (``starts``, e.g. a deep ensemble's:
+``fit_ensemble``'s ``member_values``), only its SWAG phase from each of them, the MultiSWAG of
+Wilson & Izmailov (2020): SWAG from several independently trained solutions. Their predictive is
+the exact equal-weight mixture of the members' predictives, each member evaluated with its own
+network (its own BatchNorm statistics, refreshed per draw for MultiSWAG as ``swag`` does): mean
+class probabilities over members for classification, the mixture of N(f(x), σ²) over every member's
+draws for regression. The posterior exported to ArviZ is :class:`~pyro_bdl.guides.AutoEnsemble` /
 :class:`~pyro_bdl.guides.AutoMultiSWAG` over the first member's model.
 
 References:
@@ -168,7 +168,8 @@ def fit_multiswag(
     The SGD rates are scaled to the data (:func:`~pyro_bdl.app.compare.swag.data_scaled`), and a
     member that diverges is trained again from scratch at a lower rate
     (:func:`~pyro_bdl.app.compare.recovery.retry_lower`); the predictor's ``notes`` list every
-    such retry and ``rates`` each member's SGD rate."""
+    such retry and ``rates`` each member's SGD rate (none when no step reads it: Adam from
+    ``starts``)."""
     members: list[Member] = []
     guides: list[AutoSWAG] = []
     notes: list[str] = []
@@ -196,7 +197,8 @@ def fit_multiswag(
         (bnn, model, guide), rate = retry_lower(attempt, sgd, desc, notes)
         members.append((bnn, model))
         guides.append(guide)
-        rates.append(rate)
+        if starts is None or optimizer == "sgd":  # else no step reads the SGD rate
+            rates.append(rate)
     per_member = math.ceil(problem.num_samples / num_members)
     x_train = problem.dataset.x_train.to(problem.device)
 
