@@ -1402,8 +1402,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const=0.01,
         default=None,
-        help="train the ensemble's members on fast-gradient-sign inputs too, ε = 0.01 × each "
-        "input's range (Lakshminarayanan et al. 2017)",
+        help="train the ensembles' members (ensemble, ensemble_paper, and the ensemble that "
+        "multiswag starts from) on fast-gradient-sign inputs too, ε = 0.01 × each input's "
+        "range (Lakshminarayanan et al. 2017)",
     )
     parser.add_argument(
         "--merge",
