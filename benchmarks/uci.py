@@ -890,6 +890,8 @@ def select_one(
     try:
         if method == "map":
             ready = prepare(x, y, c, 0, recover=False)
+        elif cfg.noise_model == "heteroscedastic" and method not in FROM_MAP:
+            ready = None  # no σ to fit and no MAP to start from: run_methods trains none
         else:
             ready = prepare(x, y, dataclasses.replace(cfg, **(start or {})), 0)
         ll = run_methods(x, y, xv, yv, 1.0, c, [method], 0, ready, recover=False)[method][0]
