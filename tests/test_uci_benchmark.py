@@ -249,6 +249,7 @@ def test_merge_joins_runs_per_dataset_and_checks_the_targets(tmp_path, monkeypat
         {
             "map": [-1.0, -1.1],
             "ensemble": [-1.0, -1.2],  # −1.1: 0.08 above the published −1.18 ± 0.21
+            "ensemble_paper": [-1.3, -1.5],  # −1.4 ± 0.1: 0.22 below, within √(0.1² + 0.21²)
             "meanfield": [-0.9, -1.0],  # above both ensembles, 0.1 above MAP on each split
             "vogn": [-3.0, -3.2],  # 2 below MAP on each split
         },
@@ -264,6 +265,8 @@ def test_merge_joins_runs_per_dataset_and_checks_the_targets(tmp_path, monkeypat
     assert figures["selected_settings"]["energy"] == {"split": 0}
     targets = figures["targets"]
     assert targets["yacht"]["ensemble_vs_published"]["within"]
+    paper = targets["yacht"]["ensemble_paper_vs_published"]
+    assert not paper["within"] and paper["within_combined"]
     assert targets["yacht"]["bayesian_at_or_above_published"] == ["meanfield"]
     assert targets["yacht"]["bayesian_at_or_above_ensemble"] == ["meanfield"]
     versus = targets["yacht"]["bayesian_vs_map"]
@@ -301,16 +304,47 @@ def test_before_after_compares_the_common_splits_and_checks_the_targets(tmp_path
     assert not figures["targets"]["after"]["deep_ensemble_target_met"]
 
 
-def test_multiswag_trains_at_least_its_step_budget_and_swags_with_swags_rate():
-    # 100 rows in minibatches of 64: 2 steps an epoch, so 800 steps need 400 epochs, not 60;
-    # 6,400 rows: 100 steps an epoch, and the 60-epoch floor holds.
-    for rows, epochs in ((100, 400), (6400, 60)):
-        x, y = torch.zeros(rows, 3), torch.zeros(rows)
-        problem = uci.regression_problem(x, y, None, uci.DEFAULTS, 0, None, "heteroscedastic")
-        fields, keywords = uci.method_settings("multiswag", problem, uci.DEFAULTS)
-        assert fields["epochs"] == epochs
-        assert fields["epochs"] * math.ceil(rows / fields["batch_size"]) >= 800
-    assert keywords["optimizer"] == "adam" and keywords["swa_lr"] == uci.DEFAULTS.swag_lr
+def test_multiswag_runs_swags_phase_from_the_ensembles_members(monkeypatch):
+    # MultiSWAG = the ensemble at the same settings, then SWAG's phase (its epochs, batch and
+    # Adam rate) from each member: the registry gets the ensemble's member values as starts.
+    x, y = torch.randn(30, 3), torch.randn(30)
+    cfg = dataclasses.replace(TINY, hidden=4, ensemble_members=2, map_epochs=2)
+    problem = uci.regression_problem(x, y, None, cfg, 0, None, "heteroscedastic")
+    fields, keywords = uci.method_settings("multiswag", problem, cfg)
+    assert (fields["epochs"], fields["batch_size"]) == (cfg.swag_epochs, cfg.swag_batch)
+    assert keywords == {"num_members": 2, "optimizer": "adam", "swa_lr": cfg.swag_lr}
+    seen: dict = {}
+    registry = dict(uci.METHODS)
+
+    def spy(name):
+        def run(problem, **keywords):
+            predict = registry[name](problem, **keywords)
+            seen[name] = (keywords, getattr(predict, "member_values", None))
+            return predict
+
+        return run
+
+    monkeypatch.setattr(uci, "METHODS", {m: spy(m) for m in ("ensemble", "multiswag")})
+    uci.fit("multiswag", problem, cfg)
+    assert seen["multiswag"][0]["starts"] is seen["ensemble"][1]
+    assert len(seen["ensemble"][1]) == 2
+
+
+def test_the_paper_recipe_is_fixed_whatever_the_noise_model_and_never_selected():
+    # Lakshminarayanan et al. (2017), Sec. 3.1 and 3.3: M = 5, 40 epochs, batch 100, Adam at a
+    # constant 0.1, mean-and-variance networks (softplus variance), maximum likelihood.
+    x, y = torch.randn(30, 3), torch.randn(30)
+    homo = dataclasses.replace(uci.DEFAULTS, noise_model="homoscedastic")
+    for cfg, noise, sigma in ((uci.DEFAULTS, None, "heteroscedastic"), (homo, 0.5, "fixed")):
+        problem = uci.regression_problem(x, y, noise, cfg, 0, None, sigma)
+        fields, keywords = uci.method_settings("ensemble_paper", problem, cfg)
+        mine = dataclasses.replace(problem, **fields)
+        assert mine.heteroscedastic and mine.variance == "softplus" and mine.init is None
+        assert (mine.batch_size, mine.epochs, mine.lr, mine.lr_decay) == (100, 40, 0.1, None)
+        assert mine.prior.scale == 1e3  # no prior in effect: maximum likelihood
+        assert keywords == {"num_members": 5, "adversarial": None}
+    assert "ensemble_paper" in uci.UNSELECTED and "ensemble_paper" not in uci.SELECT
+    assert uci.REGISTRY_NAMES["ensemble_paper"] == "ensemble"
 
 
 def test_vogn_and_ivon_take_minibatches_and_a_step_floor_under_sigma_x():
@@ -338,7 +372,7 @@ def test_vogn_and_ivon_take_minibatches_and_a_step_floor_under_sigma_x():
 
 
 def test_every_method_gets_the_same_number_of_settings_to_choose_from():
-    assert set(uci.SELECT) == set(uci.UCI_METHODS)
+    assert set(uci.SELECT) == set(uci.UCI_METHODS) - set(uci.UNSELECTED)
     assert {len(grid) for grid in uci.SELECT.values()} == {uci.SELECT_SIZE}
     fields = {f.name for f in dataclasses.fields(uci.Config)}
     assert all(set(s) <= fields for grid in uci.SELECT.values() for s in grid)
@@ -364,6 +398,33 @@ def test_the_choice_reads_only_training_rows(tmp_path):
     assert configs["map"].map_lr == record["methods"]["map"]["chosen"]["map_lr"]
 
 
+def test_the_methods_from_the_map_are_chosen_from_the_map_they_start_from(tmp_path, monkeypatch):
+    # MAP's second candidate wins; mean-field's candidates are then scored from that MAP (the
+    # one it starts from on every split), both in select_settings and in main's jobs.
+    make_folder(tmp_path / "uci")
+    seen = []
+
+    def fake(d, cfg, method, setting, start=None):
+        seen.append((method, start))
+        best = method == "map" and setting == uci.SELECT["map"][1]
+        return {"setting": setting, "validation_ll": 0.0 if best else -1.0}
+
+    monkeypatch.setattr(uci, "select_one", fake)
+    d = data.load_uci("toy", tmp_path, split=0)
+    configs, _ = uci.select_settings(d, TINY, ["meanfield", "map", "ivon"])
+    winner = uci.SELECT["map"][1]
+    assert {m: s for m, s in seen if m != "meanfield"} == {"map": None, "ivon": None}
+    assert [s for m, s in seen if m == "meanfield"] == [winner] * uci.SELECT_SIZE
+    assert configs["map"].map_lr == winner["map_lr"]
+    seen.clear()
+    monkeypatch.setattr(uci, "DEFAULTS", TINY)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: None)
+    argv = ["--dataset", "toy", "--splits", "1", "--methods", "meanfield", "map"]
+    uci.main([*argv, "--data-dir", str(tmp_path)])
+    assert [s for m, s in seen if m == "meanfield"] == [winner] * uci.SELECT_SIZE
+    assert seen.index(("map", None)) < seen.index(("meanfield", winner))
+
+
 def test_main_chooses_per_dataset_and_reports_the_choice(tmp_path, monkeypatch):
     make_folder(tmp_path / "uci")
     written = {}
@@ -374,6 +435,23 @@ def test_main_chooses_per_dataset_and_reports_the_choice(tmp_path, monkeypatch):
     chosen = written["uci-toy"]["selected_settings"]["toy"]
     assert chosen["split"] == 0 and set(chosen["methods"]) == {"map", "ivon"}
     uci.main([*argv, "--data-dir", str(tmp_path), "--no-select"])
+    assert written["uci-toy"]["selected_settings"] == {"toy": None}
+
+
+def test_the_paper_ensemble_runs_unselected_beside_the_selected_methods(tmp_path, monkeypatch):
+    make_folder(tmp_path / "uci")
+    written = {}
+    paper = dataclasses.replace(TINY, paper_members=2, paper_epochs=2)
+    monkeypatch.setattr(uci, "DEFAULTS", paper)
+    monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
+    argv = ["--dataset", "toy", "--splits", "0-1", "--data-dir", str(tmp_path)]
+    uci.main([*argv, "--methods", "map", "ensemble_paper"])
+    figures = written.pop("uci-toy")
+    assert set(figures["selected_settings"]["toy"]["methods"]) == {"map"}
+    assert len(figures["results"]["toy"]["ensemble_paper"]["per_split_ll"]) == 2
+    # Alone it needs neither a selection nor a MAP (under σ(x) nothing starts from one).
+    monkeypatch.setattr(uci, "prepare", lambda *a, **k: pytest.fail("trained a MAP"))
+    uci.main([*argv, "--methods", "ensemble_paper"])
     assert written["uci-toy"]["selected_settings"] == {"toy": None}
 
 

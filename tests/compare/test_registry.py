@@ -113,8 +113,8 @@ def test_uci_runs_every_method_through_the_registry(noise_model):
         swag_epochs=3,
         vogn_steps=20,
         ensemble_members=2,
-        multiswag_epochs=2,
-        multiswag_steps=2,
+        paper_members=2,
+        paper_epochs=2,
         dropout_rates=(0.01, 0.1),
         num_samples=4,
     )

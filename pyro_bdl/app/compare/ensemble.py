@@ -2,11 +2,13 @@
 
 ``ensemble`` trains M MAP networks exactly as ``map`` trains one, member k under the seed
 ``problem.seed + k`` (its own initial weights and minibatch order); ``multiswag`` runs ``swag``'s
-whole schedule M times the same way. Their predictive is the exact equal-weight mixture of the
-members' predictives, each member evaluated with its own network (its own BatchNorm statistics,
-refreshed per draw for MultiSWAG as ``swag`` does): mean class probabilities over members for
-classification, the mixture of N(f(x), σ²) over every member's draws for regression. The posterior
-exported to ArviZ is :class:`~pyro_bdl.guides.AutoEnsemble` /
+whole schedule M times the same way, or, given trained members (``starts``, e.g. a deep ensemble's:
+``fit_ensemble``'s ``member_values``), only its SWAG phase from each of them, the MultiSWAG of
+Wilson & Izmailov (2020): SWAG from several independently trained solutions. Their predictive is
+the exact equal-weight mixture of the members' predictives, each member evaluated with its own
+network (its own BatchNorm statistics, refreshed per draw for MultiSWAG as ``swag`` does): mean
+class probabilities over members for classification, the mixture of N(f(x), σ²) over every member's
+draws for regression. The posterior exported to ArviZ is :class:`~pyro_bdl.guides.AutoEnsemble` /
 :class:`~pyro_bdl.guides.AutoMultiSWAG` over the first member's model.
 
 References:
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from pyro.infer import Predictive
@@ -125,7 +127,8 @@ def fit_ensemble(
     its own initial weights and minibatch order); ``adversarial`` = ε adds the paper's
     adversarial training (:func:`~pyro_bdl.app.compare.map.train_map`; ε = 0.01 there). On a
     heteroscedastic problem this is the deep-ensembles recipe: M mean-and-variance networks
-    trained by the Gaussian NLL, a proper scoring rule."""
+    trained by the Gaussian NLL, a proper scoring rule. The predictor's ``member_values`` are
+    the members' trained site values (``starts`` of :func:`fit_multiswag`)."""
     members: list[Member] = []
     values = []
     for k, member in _member_problems(problem, num_members):
@@ -139,7 +142,9 @@ def fit_ensemble(
         with posterior.use_member(k):
             return predictive_probs(members[k][1], posterior, x, num_samples=1)
 
-    return mixture_predictor(problem, members, posterior, 1, member_probs)
+    predict = mixture_predictor(problem, members, posterior, 1, member_probs)
+    predict.member_values = values  # type: ignore[attr-defined]
+    return predict
 
 
 def fit_multiswag(
@@ -149,22 +154,36 @@ def fit_multiswag(
     swa_lr: float = SWA_LR,
     sgd_lr: float = SGD_LR,
     optimizer: str = "sgd",
+    starts: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> Predictor:
     """MultiSWAG: ``num_members`` SWAG runs (``swag``'s schedule each, SGD-phase per-example rate
     ``sgd_lr`` and SWAG-phase rate ``swa_lr`` with ``optimizer``), drawing
     ⌈``problem.num_samples`` / M⌉ weights from every member.
 
+    :param starts: member k's trained site values (one mapping per member, e.g. a deep
+        ensemble's ``member_values``): member k then runs only the SWAG phase, every epoch,
+        from ``starts[k]``, as ``swag`` does from a trained point estimate (``Problem.init``);
+        None: every member trains from its own initial weights first.
+
     The SGD rates are scaled to the data (:func:`~pyro_bdl.app.compare.swag.data_scaled`), and a
     member that diverges is trained again from scratch at a lower rate
     (:func:`~pyro_bdl.app.compare.recovery.retry_lower`); the predictor's ``notes`` list every
-    such retry and ``rates`` each member's SGD rate."""
+    such retry and ``rates`` each member's SGD rate (none when no step reads it: Adam from
+    ``starts``)."""
     members: list[Member] = []
     guides: list[AutoSWAG] = []
     notes: list[str] = []
     rates: list[float] = []
+    if starts is not None and len(starts) != num_members:
+        raise ValueError(
+            f"starts holds {len(starts)} members' values but num_members={num_members}; pass "
+            "one trained member per MultiSWAG member (or num_members=len(starts))."
+        )
     sgd = data_scaled(problem, sgd_lr)
     for k, member in _member_problems(problem, num_members):
         desc = f"multiswag {k + 1}/{num_members}"
+        if starts is not None:  # the SWAG phase only, from the trained member
+            member = dataclasses.replace(member, init=starts[k])
 
         def attempt(rate: float, member: Problem = member, desc: str = desc):
             seed_everything(member.seed)
@@ -178,7 +197,8 @@ def fit_multiswag(
         (bnn, model, guide), rate = retry_lower(attempt, sgd, desc, notes)
         members.append((bnn, model))
         guides.append(guide)
-        rates.append(rate)
+        if starts is None or optimizer == "sgd":  # else no step reads the SGD rate
+            rates.append(rate)
     per_member = math.ceil(problem.num_samples / num_members)
     x_train = problem.dataset.x_train.to(problem.device)
 
