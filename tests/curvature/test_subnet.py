@@ -336,3 +336,11 @@ def test_kfac_reduce_form_of_a_pooled_sequence():
     assert_close(a[0], mean.T @ mean, rtol=1e-12, atol=1e-14)
     root = 5 * factor(out)[..., 0]
     assert_close(g[0], root.T @ root, rtol=1e-12, atol=1e-14)
+    # Read at the first position only (a [CLS] pooler): the weights pick that position's input,
+    # where the paper's plain mean over positions would average in four inputs of no influence.
+    a[0].zero_(), g[0].zero_()
+    out = kfac_sums(lambda: q(x)[:, 0], [KronLayer(q, "linear", True)], factor, a, g)
+    first = torch.cat([x[:, 0], torch.ones(4, 1, dtype=torch.float64)], -1)
+    assert_close(a[0], first.T @ first, rtol=1e-12, atol=1e-14)
+    root = factor(out)[..., 0]
+    assert_close(g[0], root.T @ root, rtol=1e-12, atol=1e-14)
