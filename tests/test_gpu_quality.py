@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from benchmarks import gpu_quality
 
 
@@ -13,6 +15,15 @@ def test_every_benchmark_writes_into_the_output_folder(tmp_path):
     assert cmds["uci"][-4:] == ["--jobs", "5", "--out", str(tmp_path / "uci.json")]
     assert "--model-dir" in cmds["lora"] and "laplace_torch" not in cmds["lora"]
     assert all("cuda" in cmds[k] for k in ("mnist_table", "lora"))
+    chosen = gpu_quality.commands(tmp_path, jobs=5, model_dir=None, methods=["ivon", "ensemble"])
+    lora = chosen["lora"]
+    assert lora[lora.index("--methods") + 1 :] == ["ivon", "ensemble"]
+
+
+def test_unknown_lora_methods_are_refused_before_anything_runs(tmp_path):
+    with pytest.raises(SystemExit):
+        gpu_quality.main(["--output", str(tmp_path), "--only", "lora", "--lora-methods", "nope"])
+    assert not (tmp_path / "quality-summary.json").exists()
 
 
 def test_a_command_past_the_deadline_is_killed_and_the_others_kept(tmp_path):
@@ -28,7 +39,7 @@ def test_a_command_past_the_deadline_is_killed_and_the_others_kept(tmp_path):
 
 def test_only_selects_and_the_summary_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        gpu_quality, "commands", lambda output, jobs, model_dir, mnist_jobs: {
+        gpu_quality, "commands", lambda output, jobs, model_dir, mnist_jobs, methods: {
             "uci": [sys.executable, "-c", "pass"], "lora": [sys.executable, "-c", "1/0"]
         },
     )  # fmt: skip

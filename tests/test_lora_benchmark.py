@@ -112,11 +112,14 @@ def test_results_are_written_after_each_method(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["lora.json"]
 
 
-def test_ivon_candidates_zip_the_three_lists():
-    args = lora.parse(["--ivon-lrs", "0.1", "0.3", "--ivon-ess", "1e6", "--ivon-h0", "0.1", "1"])
+def test_ivon_candidates_zip_the_four_lists():
+    args = lora.parse(
+        ["--ivon-lrs", "0.1", "0.3", "--ivon-ess", "1e6", "--ivon-h0", "0.1", "1",
+         "--ivon-beta2", "0.999"]
+    )  # fmt: skip
     assert lora.ivon_settings(args) == [
-        {"lr": 0.1, "ess": 1e6, "hess_init": 0.1},
-        {"lr": 0.3, "ess": 1e6, "hess_init": 1.0},
+        {"lr": 0.1, "ess": 1e6, "hess_init": 0.1, "betas": (0.9, 0.999)},
+        {"lr": 0.3, "ess": 1e6, "hess_init": 1.0, "betas": (0.9, 0.999)},
     ]
     args = lora.parse(["--ivon-lrs", "0.1", "0.3", "--ivon-h0", "0.1", "0.2", "0.3"])
     with pytest.raises(ValueError, match="--ivon-"):

@@ -311,8 +311,36 @@ def test_kfac_input_factor_of_layers_sharing_one_input():
     a.append(torch.zeros(4, 4, dtype=torch.float64))
     g = [torch.zeros(2, 2, dtype=torch.float64) for _ in range(3)]
     factor = lambda o: output_hessian_factor(o, "categorical")  # noqa: E731
-    kfac_sums(lambda: (q(x) + v(x) + w(x)).sum(1), layers, factor, a, g)
+    # One output row per position (a token-level model): the expand form, A = Σ_t a aᵀ / T.
+    kfac_sums(lambda: (q(x) + v(x) + w(x)).reshape(20, 2), layers, factor, a, g)
     with_ones = torch.cat([x, torch.ones(4, 5, 1, dtype=torch.float64)], -1)
     for got, inp in zip(a, [with_ones, x, with_ones]):
         flat = inp.reshape(-1, inp.shape[-1])
         assert_close(got, flat.T @ flat / 5, rtol=1e-12, atol=1e-30)
+
+
+def test_kfac_reduce_form_of_a_pooled_sequence():
+    """One output row per sequence (positions summed): the reduce form of Eschenhagen et al.
+    Every position gets the same output gradient L_n, so each position's weight is 1/T: A is
+    Σ_n ā āᵀ of the positions' mean input and G is Σ_n (T L_n)(T L_n)ᵀ."""
+    from pyro_bdl.curvature.kfac import KronLayer, kfac_sums
+
+    torch.manual_seed(0)
+    q = nn.Linear(3, 2).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    a = [torch.zeros(4, 4, dtype=torch.float64)]
+    g = [torch.zeros(2, 2, dtype=torch.float64)]
+    factor = lambda o: output_hessian_factor(o, "categorical")  # noqa: E731
+    out = kfac_sums(lambda: q(x).sum(1), [KronLayer(q, "linear", True)], factor, a, g)
+    mean = torch.cat([x, torch.ones(4, 5, 1, dtype=torch.float64)], -1).mean(1)
+    assert_close(a[0], mean.T @ mean, rtol=1e-12, atol=1e-14)
+    root = 5 * factor(out)[..., 0]
+    assert_close(g[0], root.T @ root, rtol=1e-12, atol=1e-14)
+    # Read at the first position only (a [CLS] pooler): the weights pick that position's input,
+    # where the paper's plain mean over positions would average in four inputs of no influence.
+    a[0].zero_(), g[0].zero_()
+    out = kfac_sums(lambda: q(x)[:, 0], [KronLayer(q, "linear", True)], factor, a, g)
+    first = torch.cat([x[:, 0], torch.ones(4, 1, dtype=torch.float64)], -1)
+    assert_close(a[0], first.T @ first, rtol=1e-12, atol=1e-14)
+    root = factor(out)[..., 0]
+    assert_close(g[0], root.T @ root, rtol=1e-12, atol=1e-14)
