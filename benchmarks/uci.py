@@ -1700,13 +1700,15 @@ def run_config(cfg: Config, args, splits_done: dict, wall: float, data_dir) -> d
         "jobs": getattr(args, "jobs", 1),
         "datasets": args.datasets,
         "methods": args.methods,
-        "network": "Linear(d, H) - ReLU - Linear(H, 1), H from the folder's n_hidden.txt, else "
+        "network": "Linear(d, H) - ReLU - Linear(H, 1) (Linear(H, 2), the mean and s(x), "
+        "under σ(x)), H from the folder's n_hidden.txt, else "
         f"{UCI_DEFAULT_HIDDEN} (hidden_per_dataset)",
         "prior": f"Normal(0, {cfg.prior_scale}) on every weight",
-        "noise": "heteroscedastic: σ(x) = exp(s(x)/2) from the network's second output, every "
-        "method trained on the Gaussian NLL of the mean-and-variance network (the MAP from "
-        "scratch; no σ fitted); laplace over both outputs (μ, s) with the Gaussian's Fisher, its "
-        "predictive the mixture of N(μ, σ²(s)) over 1000 draws of the linearised outputs"
+        "noise": "heteroscedastic: σ²(x) = softplus(s(x)) + 1e-6 (exp(s(x)) under "
+        "variance='exp') from the network's second output s(x), every method trained on the "
+        "Gaussian NLL of the mean-and-variance network (the MAP from scratch; no σ fitted); "
+        "laplace over both outputs (μ, s) with the Gaussian's Fisher, its predictive the "
+        "mixture of N(μ, σ²(s)) over 1000 draws of the linearised outputs"
         if cfg.noise_model == "heteroscedastic"
         else SIGMA_RULES
         if cfg.sigma == "own"

@@ -582,11 +582,17 @@ def test_val_ll_grid_on_cuda_matches_cpu(structure):
     guide, model, _, x, y = _trained("all", steps=20, hessian_structure=structure)
     grid = torch.tensor([0.1, 1.0, 10.0])
     guide.fit((x, y))
-    cpu = guide.tune_prior_precision((x, y), method="val_ll", grid=grid, refine=False)
+    # Scored on the training rows, the MAP limit (the grid's top) wins on either device; the
+    # edge warning says so and is not what this test checks.
+    with pytest.warns(UserWarning, match="edge of the grid"):
+        cpu = guide.tune_prior_precision((x, y), method="val_ll", grid=grid, refine=False)
     model.net.to("cuda")
     guide.to("cuda")
     guide.fit((x.cuda(), y.cuda()))
-    lam = guide.tune_prior_precision((x.cuda(), y.cuda()), method="val_ll", grid=grid, refine=False)
+    with pytest.warns(UserWarning, match="edge of the grid"):
+        lam = guide.tune_prior_precision(
+            (x.cuda(), y.cuda()), method="val_ll", grid=grid, refine=False
+        )
     assert lam == cpu
     assert guide.predict(x.cuda()).device.type == "cuda"
 
