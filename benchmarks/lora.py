@@ -25,9 +25,10 @@ test phrases.
 
 Figures: accuracy, NLL, ECE, Brier on the test phrases; the two AUROCs; fit seconds; median step
 seconds and the ratios IVON/AdamW and mean-field/MAP; Laplace's GLM predictive ms per item;
-the cost of an S-sample prediction over S point forward passes; the ensemble's parameter bytes
-(one base + M adapters) and the process's peak resident memory after each method (monotone:
-the peak so far).
+the cost of an S-sample prediction over S point forward passes (the MAP's, timed in alternation
+with the prediction on the test phrases: the median and quartiles of ``--cost-rounds`` rounds
+after a warm-up); the ensemble's parameter bytes (one base + M adapters) and the process's peak
+resident memory after each method (monotone: the peak so far).
 
 Usage: ``python -m benchmarks.lora`` (writes ``benchmarks/results/lora.json`` after every method,
 atomically, marked ``partial`` until the end, so that a run cut short keeps what finished;

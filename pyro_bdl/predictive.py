@@ -269,8 +269,8 @@ def sample_outputs(
     :param int max_parallel: at most this many samples per vectorized pass (default: all S).
     :param int max_memory: at most this many bytes for the returned outputs (default 4 GiB),
         checked before the S draws run: from a draw on one row of a
-        :class:`~pyro_bdl.models.NetworkModel`'s batch (a parallel run), else from the first
-        draw.
+        :class:`~pyro_bdl.models.NetworkModel`'s batch (a parallel run; kept for later calls
+        on rows shaped alike, see :func:`forget_output_sizes`), else from the first draw.
     :returns: a tensor of shape ``(S, *output_shape)``.
     """
     return draw_outputs(

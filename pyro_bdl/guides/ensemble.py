@@ -345,8 +345,9 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
 
         The M · ``num_samples`` draws run as :func:`~pyro_bdl.predictive.sample_outputs`'s
         draws, the member of each chosen by :meth:`use_member`: by default in one vectorized
-        pass of the network (plus a pass on one row that checks the output's memory first),
-        which costs less than M plain forward passes.
+        pass of the network (plus, on the model's first call with rows of this shape, a pass
+        on one row that checks the output's memory first), which costs less than M plain
+        forward passes.
 
         :param model: the model the guide belongs to (as for
             :func:`~pyro_bdl.predictive.sample_outputs`).
