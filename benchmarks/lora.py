@@ -25,9 +25,10 @@ test phrases.
 
 Figures: accuracy, NLL, ECE, Brier on the test phrases; the two AUROCs; fit seconds; median step
 seconds and the ratios IVON/AdamW and mean-field/MAP; Laplace's GLM predictive ms per item;
-the cost of an S-sample prediction over S point forward passes; the ensemble's parameter bytes
-(one base + M adapters) and the process's peak resident memory after each method (monotone:
-the peak so far).
+the cost of an S-sample prediction over S point forward passes (the MAP's, timed in alternation
+with the prediction on the test phrases: the median and quartiles of ``--cost-rounds`` rounds
+after a warm-up); the ensemble's parameter bytes (one base + M adapters) and the process's peak
+resident memory after each method (monotone: the peak so far).
 
 Usage: ``python -m benchmarks.lora`` (writes ``benchmarks/results/lora.json`` after every method,
 atomically, marked ``partial`` until the end, so that a run cut short keeps what finished;
@@ -329,6 +330,50 @@ def predict(
     return probs, seconds
 
 
+def interleaved_cost(
+    sample_fn: Callable[[torch.Tensor], torch.Tensor],
+    point_fn: Callable[[torch.Tensor], torch.Tensor],
+    batches: list[torch.Tensor],
+    samples: int,
+    rounds: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
+    """The cost of ``sample_fn`` (S = ``samples`` draws) over S passes of ``point_fn`` on the
+    same ``batches``: timed in alternation (sample, point, sample, point, …) so that a drift of
+    the machine (clocks, other work) reaches both alike, one warm-up round left out, then
+    ``rounds`` rounds, the device synchronized around each timing. Returns the median ratio
+    (``sample_cost_over_forwards``), its quartiles and the rounds."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be a positive int (--cost-rounds); got {rounds}.")
+
+    def seconds(fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        synchronize(device)
+        start = clock()
+        for x in batches:
+            fn(x)
+        synchronize(device)
+        return clock() - start
+
+    ratios = []
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            sampled, point = seconds(sample_fn), seconds(point_fn)
+            if r:  # round 0 warms caches and allocators up
+                ratios.append(sampled / (samples * point))
+    q1, median, q3 = (
+        torch.tensor(ratios, dtype=torch.float64)
+        .quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+        .tolist()
+    )
+    return {
+        "sample_cost_over_forwards": median,
+        "sample_cost_q1": q1,
+        "sample_cost_q3": q3,
+        "sample_cost_rounds": rounds,
+    }
+
+
 def metrics(probs: torch.Tensor, y: torch.Tensor, shifted: dict[str, torch.Tensor]) -> dict:
     from pyro_bdl.diagnostics import metrics as m
     from pyro_bdl.diagnostics.ood import auroc, predictive_entropy
@@ -377,6 +422,13 @@ class Bench:
         if self.device.type == "cuda":
             figures["peak_cuda_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         figures.update(extra or {})
+        point = getattr(self, "map_fn", None)
+        if name in SAMPLED and point is not None:  # S-sample cost against the MAP forward
+            test = [x for x, _ in self.batches("test")]
+            samples = figures["samples"]
+            figures.update(
+                interleaved_cost(fn, point, test, samples, self.args.cost_rounds, self.device)
+            )
         self.results[name] = figures
         self.probs = getattr(self, "probs", {})
         self.probs[name] = probs
@@ -486,11 +538,11 @@ def run_map(b: Bench) -> dict:
     values, cost = b.tune("map", b.args.lrs, b.args.epochs, lambda lr, e, k: fit_map(b, lr, e, k))
     b.map_values, b.map_cost = values, cost
     b.evaluate("map", b.point_fn(values), cost)
-    # One point forward pass per item: the unit of the S-sample prediction cost.
-    _, b.forward_s = predict(
-        b.point_fn(values), b.splits["test"], b.args.eval_batch, device=b.device
-    )
-    b.results["map"]["forward_s"] = b.forward_s
+    # One point forward pass per item: the unit of the S-sample prediction cost, which
+    # interleaved_cost times afresh beside each sampled method's prediction.
+    b.map_fn = b.point_fn(values)
+    _, forward_s = predict(b.map_fn, b.splits["test"], b.args.eval_batch, device=b.device)
+    b.results["map"]["forward_s"] = forward_s
     return values
 
 
@@ -781,13 +833,6 @@ def _sampled(b: Bench, cost: dict) -> dict:
     return {**cost, "samples": b.args.samples}
 
 
-def _sample_cost(b: Bench, name: str) -> None:
-    fig = b.results[name]
-    items = len(b.splits["test"]) + sum(len(b.splits[k]) for k in b.shifted_names)
-    one = b.forward_s * items / len(b.splits["test"])
-    fig["sample_cost_over_forwards"] = fig["predict_s"] / (fig["samples"] * one)
-
-
 def run_meanfield(b: Bench) -> None:
     import pyro_bdl as bdl
 
@@ -943,11 +988,7 @@ def run(b: Bench, names: list[str], save: Callable[[dict], None] | None = None) 
 
 
 def derived(b: Bench) -> dict:
-    """The figures computed from others: each sampled method's S-sample prediction cost over S
-    point forward passes (filled into its row) and the step-time ratios (returned)."""
-    for name in SAMPLED:
-        if name in b.results and hasattr(b, "forward_s"):
-            _sample_cost(b, name)
+    """The figures computed from others: the step-time ratios."""
     ratios = {}
     for num, den in (("ivon", "map"), ("meanfield", "map")):
         if num in b.results and den in b.results:
@@ -1076,6 +1117,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--members", type=int, default=3)
     p.add_argument("--samples", type=int, default=4, help="S posterior draws per prediction")
     p.add_argument("--val-samples", type=int, default=2)
+    p.add_argument(
+        "--cost-rounds", type=int, default=5,
+        help="timed rounds (after a warm-up) of each sampled method's prediction against the "
+        "MAP forward; the median ratio and its quartiles are reported",
+    )  # fmt: skip
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA if any)")
@@ -1093,6 +1139,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "(FOLDER/lora.json); the quick run writes only when given",
     )  # fmt: skip
     args = p.parse_args(argv)
+    if args.cost_rounds < 1:
+        p.error(f"--cost-rounds must be at least 1; got {args.cost_rounds}")
     if args.quick:
         args.n_train, args.n_val, args.n_test, args.n_shift = 64, 16, 24, 12
         args.batch, args.eval_batch, args.rank, args.members = 16, 16, 2, 2

@@ -19,6 +19,12 @@ is refused with the fix. A parallel run on a :class:`~pyro_bdl.models.NetworkMod
 them with one draw on one row of the batch (its examples are along dim 0), so S draws cost one
 vectorized pass over the batch and a one-row pass; a sequential run measures them with its
 first draw (S draws, S passes), and a parallel run on another model with a draw of its own.
+The one-row measure of a :class:`~pyro_bdl.models.NetworkModel` is kept per model and per
+shapes, dtypes and devices of the measured row's tensors, so later calls on batches shaped alike
+run the S draws' pass alone (on a GPU, where a small batch's pass is bound by the host's Python
+work, the measuring pass cost as much as the S draws). The kept size is stale if the model's
+output shape changes for inputs shaped alike (its network or output selector replaced in
+place): call :func:`forget_output_sizes` then.
 :func:`draw_outputs` is the same with a hook on what the guide draws: an ensemble's
 :meth:`~pyro_bdl.guides.MemberGuide.member_outputs` draws all its members in one pass so.
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import pyro
 import torch
@@ -44,7 +51,7 @@ from pyro_bdl.models import NetworkModel
 from pyro_bdl.models.checks import batch_tensors
 from pyro_bdl.models.structured import rows_of
 
-__all__ = ["draw_outputs", "sample_outputs"]
+__all__ = ["draw_outputs", "forget_output_sizes", "sample_outputs"]
 
 #: The default bound on the bytes of the stacked outputs (see :func:`sample_outputs`).
 DEFAULT_MAX_MEMORY = 4 * 2**30
@@ -115,6 +122,36 @@ def _probe_inputs(model, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
     return rows_of(args, first), rows_of(kwargs, first), rows.pop()
 
 
+#: Per NetworkModel: the one-draw output of one row (a meta tensor: its shape and dtype) per
+#: signature of the row's tensors (see :func:`_row_signature`).
+_OUTPUT_SIZES: WeakKeyDictionary[Any, dict[tuple, torch.Tensor]] = WeakKeyDictionary()
+
+
+def forget_output_sizes(model=None) -> None:
+    """Forget the output sizes kept for ``model`` (every model if ``None``), so that the next
+    parallel :func:`sample_outputs` measures its output again: needed only where the model's
+    output shape changed for inputs of the same shapes (its network replaced in place)."""
+    if model is None:
+        _OUTPUT_SIZES.clear()
+    else:
+        _OUTPUT_SIZES.pop(model, None)
+
+
+def _row_signature(args: tuple, kwargs: dict) -> tuple | None:
+    """What the output size of a NetworkModel's draw depends on besides the model: where each
+    tensor of the (measured) arguments sits, and its shape, dtype and device; ``None`` for
+    arguments that are not batches the model's checks pass (not kept then)."""
+    try:
+        return tuple(
+            (where, name, tuple(t.shape), t.dtype, t.device)
+            for where, item in (*enumerate(args), *sorted(kwargs.items()))
+            if item is not None
+            for name, t in batch_tensors(item).items()
+        )
+    except (TypeError, ValueError):
+        return None
+
+
 #: Makes the context a block of draws runs in: called with the block's first draw and its size.
 Draws = Callable[[int, int], AbstractContextManager]
 
@@ -143,30 +180,37 @@ def draw_outputs(
         check_positive_int("max_parallel", max_parallel)
     check_positive_int("max_memory", max_memory)
     around: Draws = draws if draws is not None else (lambda start, size: nullcontext())
+    sequential = not parallel or num_samples == 1
+    chunk = num_samples if max_parallel is None else max_parallel
+    network = isinstance(model, NetworkModel)
+    probe_args, probe_kwargs, rows = (
+        (args, kwargs, 1) if sequential else _probe_inputs(model, args, kwargs)
+    )
+    signature = _row_signature(probe_args, probe_kwargs) if network and not sequential else None
+    kept = _OUTPUT_SIZES.get(model, {}).get(signature) if signature is not None else None
+    if kept is not None:  # measured before on rows shaped alike: the S draws' pass alone
+        _check_output_memory(kept, rows, num_samples, max_memory)
+        with torch.no_grad(), poutine.block():
+            return _draw_chunks(model, guide, args, kwargs, num_samples, chunk, 1, around)
     # Imported here: pyro_bdl.infer imports the guides, which import this module.
     from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
 
-    owners = (model.net if isinstance(model, NetworkModel) else model, guide)
+    owners = (model.net if network else model, guide)
     buffers = norm_layer_buffers(m for m in owners if isinstance(m, torch.nn.Module))
     call = Rollback.saved(buffers)
-    if isinstance(model, NetworkModel):
+    if network:
         nesting = 1  # the data plate
-    else:
+    else:  # a run of the model, after the save: undone if the call is refused
         with torch.no_grad():
             nesting = _guess_max_plate_nesting(model, args, kwargs)
-    sequential = not parallel or num_samples == 1
-    outputs = []
     with torch.no_grad(), poutine.block():
         # A draw measures the output before the S draws run. One row of a NetworkModel's batch
         # measures it for a parallel run (the S draws' pass is then the only full pass); a
         # sequential run's first draw is its first sample. The random streams and running
         # statistics moved since the call began are put back when it is refused, and those of
         # the measuring draw always in a parallel run, whose S draws then are those
-        # sample_outputs gives without the check.
+        # sample_outputs gives without the check (and with a kept measure).
         probe = Rollback.saved(buffers)
-        probe_args, probe_kwargs, rows = (
-            (args, kwargs, 1) if sequential else _probe_inputs(model, args, kwargs)
-        )
         try:
             with around(0, 1):
                 one = _draw(model, guide, probe_args, probe_kwargs, None, 0)
@@ -181,11 +225,22 @@ def draw_outputs(
                     outputs.append(_draw(model, guide, args, kwargs, None, 0))
             return torch.stack(outputs)
         probe.restore()
-        chunk = num_samples if max_parallel is None else max_parallel
-        for start in range(0, num_samples, chunk):
-            size = min(chunk, num_samples - start)
-            with around(start, size):
-                outputs.append(_draw(model, guide, args, kwargs, size, -nesting - 1))
+        if signature is not None:
+            meta = torch.empty(one.shape, dtype=one.dtype, device="meta")
+            _OUTPUT_SIZES.setdefault(model, {})[signature] = meta
+        return _draw_chunks(model, guide, args, kwargs, num_samples, chunk, nesting, around)
+
+
+def _draw_chunks(
+    model, guide, args: tuple, kwargs: dict, num_samples: int, chunk: int, nesting: int,
+    around: Draws,
+) -> torch.Tensor:  # fmt: skip
+    """The outputs of ``num_samples`` draws, ``chunk`` of them per vectorized pass."""
+    outputs = []
+    for start in range(0, num_samples, chunk):
+        size = min(chunk, num_samples - start)
+        with around(start, size):
+            outputs.append(_draw(model, guide, args, kwargs, size, -nesting - 1))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -214,8 +269,8 @@ def sample_outputs(
     :param int max_parallel: at most this many samples per vectorized pass (default: all S).
     :param int max_memory: at most this many bytes for the returned outputs (default 4 GiB),
         checked before the S draws run: from a draw on one row of a
-        :class:`~pyro_bdl.models.NetworkModel`'s batch (a parallel run), else from the first
-        draw.
+        :class:`~pyro_bdl.models.NetworkModel`'s batch (a parallel run; kept for later calls
+        on rows shaped alike, see :func:`forget_output_sizes`), else from the first draw.
     :returns: a tensor of shape ``(S, *output_shape)``.
     """
     return draw_outputs(

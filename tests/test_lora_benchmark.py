@@ -37,7 +37,10 @@ def test_quick_mode_runs_every_method_and_writes_nothing(tmp_path, monkeypatch):
         assert 0.0 <= fig["accuracy"] <= 1.0 and fig["nll"] > 0, name
         assert 0.0 <= fig["auroc_shift_docs"] <= 1.0, name
     for name in lora.SAMPLED:
-        assert methods[name]["sample_cost_over_forwards"] > 0, name
+        fig = methods[name]
+        assert fig["sample_cost_rounds"] == 5, name
+        assert 0 < fig["sample_cost_q1"] <= fig["sample_cost_over_forwards"], name
+        assert fig["sample_cost_over_forwards"] <= fig["sample_cost_q3"], name
     assert methods["laplace_kron"]["glm_ms_per_item"] > 0
     ensemble = methods["ensemble"]
     assert ensemble["ensemble_bytes"] == ensemble["base_bytes"] + 2 * ensemble["adapter_bytes"]
@@ -110,6 +113,68 @@ def test_results_are_written_after_each_method(tmp_path, monkeypatch):
     assert "ivon/map_step" in doc["figures"]["step_ratios"]
     assert doc["figures"]["partial"] and doc["config"]["device"] == "cpu"
     assert [p.name for p in tmp_path.iterdir()] == ["lora.json"]
+
+
+class _Clock:
+    """A clock that a point forward advances by one unit: the cost counts forward calls."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward(self, x):
+        self.now += 1.0
+        return x
+
+
+@pytest.mark.parametrize("samples,forwards", [(1, 2), (2, 2), (4, 3)])
+def test_interleaved_cost_is_forward_calls_over_samples(samples, forwards):
+    """A prediction that makes ``forwards`` point forwards per batch costs forwards / S of S
+    point forwards, in every round (the clock counts calls, so the ratio is exact); the warm-up
+    round runs but is not counted."""
+    clock = _Clock()
+    calls = []
+
+    def sampled(x):
+        calls.append(x)
+        for _ in range(forwards):
+            clock.forward(x)
+
+    batches = [torch.zeros(2, 3), torch.ones(1, 3)]
+    cost = lora.interleaved_cost(
+        sampled, clock.forward, batches, samples, 3, torch.device("cpu"), clock=clock
+    )
+    expected = forwards / samples
+    assert cost["sample_cost_over_forwards"] == pytest.approx(expected)
+    assert cost["sample_cost_q1"] == pytest.approx(expected)
+    assert cost["sample_cost_q3"] == pytest.approx(expected)
+    assert cost["sample_cost_rounds"] == 3
+    assert len(calls) == (3 + 1) * len(batches)  # the warm-up round ran too
+    assert clock.now == (3 + 1) * len(batches) * (forwards + 1)
+
+
+def test_interleaved_cost_reports_the_median_and_quartiles_of_the_rounds():
+    """Rounds whose sampled passes take 1, 2, … 5 forwards' time: median 3, quartiles 2 and 4
+    (linear interpolation over the five rounds), the warm-up round's 100 left out."""
+    clock = _Clock()
+    per_round = iter([100, 1, 2, 3, 4, 5])
+
+    def sampled(x):
+        clock.now += next(per_round)
+
+    cost = lora.interleaved_cost(
+        sampled, clock.forward, [torch.zeros(1)], 1, 5, torch.device("cpu"), clock=clock
+    )
+    assert cost["sample_cost_over_forwards"] == pytest.approx(3.0)
+    assert (cost["sample_cost_q1"], cost["sample_cost_q3"]) == pytest.approx((2.0, 4.0))
+
+
+def test_cost_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        lora.parse(["--quick", "--cost-rounds", "0"])
+    assert "--cost-rounds must be at least 1" in capsys.readouterr().err
 
 
 def test_ivon_candidates_zip_the_four_lists():

@@ -9,7 +9,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro_bdl import bayesianize, infer, models
 from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
-from pyro_bdl.predictive import sample_outputs
+from pyro_bdl.predictive import forget_output_sizes, sample_outputs
 
 N = 40
 
@@ -129,6 +129,54 @@ def test_the_one_row_check_changes_no_draw_and_a_hand_written_model_checks_whole
         rows.clear()
         sample_outputs(lambda x, y=None: model(x, y), guide, x, num_samples=5)
         assert rows == [12, 12, 12]
+    finally:
+        handle.remove()
+
+
+def test_the_output_size_is_measured_once_per_model_and_row_shape():
+    # A second call on batches shaped alike makes no one-row pass, nor one on another batch
+    # size (its row is shaped alike); other arguments (labels too) or forget_output_sizes
+    # measure again.
+    model, guide, x = _fit("meanfield", "mlp")
+    rows, handle = _rows_per_forward(model.net)
+    try:
+        sample_outputs(model, guide, x, num_samples=4)
+        assert rows == [1, 12]
+        rows.clear()
+        sample_outputs(model, guide, x, num_samples=4)
+        sample_outputs(model, guide, x[:5], num_samples=3)
+        assert rows == [12, 5]
+        rows.clear()
+        sample_outputs(model, guide, x, _data()[1], num_samples=2)
+        assert rows == [1, 12]  # labels too: other arguments, measured
+        rows.clear()
+        forget_output_sizes(model)
+        sample_outputs(model, guide, x, num_samples=4)
+        assert rows == [1, 12]
+        rows.clear()
+        forget_output_sizes()
+        sample_outputs(model, guide, x, num_samples=4)
+        assert rows == [1, 12]
+    finally:
+        handle.remove()
+
+
+def test_a_kept_output_size_gives_the_same_draws_and_still_refuses():
+    model, guide, x = _fit("meanfield", "mlp")
+    forget_output_sizes(model)
+    pyro.set_rng_seed(3)
+    measured = sample_outputs(model, guide, x, num_samples=4)
+    pyro.set_rng_seed(3)
+    kept = sample_outputs(model, guide, x, num_samples=4)
+    assert torch.equal(measured, kept)
+    # 10**6 draws of a (12, 3) float32 output: 1.44e8 bytes, above a 1e8-byte bound; refused
+    # from the kept size, before any pass and with the random stream untouched.
+    rows, handle = _rows_per_forward(model.net)
+    try:
+        rng = torch.get_rng_state()
+        with pytest.raises(ValueError, match="num_samples=1000000 outputs of shape \\(12, 3\\)"):
+            sample_outputs(model, guide, x, num_samples=10**6, max_memory=10**8)
+        assert rows == [] and torch.equal(torch.get_rng_state(), rng)
     finally:
         handle.remove()
 

@@ -137,7 +137,9 @@ class MemberMixture(TorchDistribution):
             if self.member is None:
                 index = torch.randint(len(self.members), (n,), device=device)
             elif self.member.numel() == n:
-                index = self.member.to(device)
+                # Kept where it was given: the rows of each member are found on the host for a
+                # host index (member_outputs' own), with no wait for the device.
+                index = self.member
             else:
                 raise ValueError(
                     f"member names the members of {self.member.numel()} draws, but {n} are "
@@ -145,9 +147,10 @@ class MemberMixture(TorchDistribution):
                 )
             if all(isinstance(m, dist.Delta) for m in self.members):
                 locs = torch.stack([cast(dist.Delta, m).v for m in self.members])
-                return locs.index_select(0, index).reshape(shape + self.event_shape)
+                return locs.index_select(0, index.to(device)).reshape(shape + self.event_shape)
             if torch.jit.is_tracing():
                 draws = torch.stack([m.sample(torch.Size([n])) for m in self.members])
+                index = index.to(device)
                 picked = index.view(1, n, *(1,) * len(self.event_shape)).expand(1, *draws.shape[1:])
                 return draws.gather(0, picked).reshape(shape + self.event_shape)
             out: torch.Tensor | None = None
@@ -158,7 +161,7 @@ class MemberMixture(TorchDistribution):
                 draw = member.sample(torch.Size([rows.numel()]))
                 if out is None:
                     out = draw.new_empty((n, *self.event_shape))
-                out[rows] = draw
+                out[rows.to(device)] = draw
             assert out is not None  # n >= 1, so some member was picked
             return out.reshape(shape + self.event_shape)
 
@@ -342,8 +345,9 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
 
         The M · ``num_samples`` draws run as :func:`~pyro_bdl.predictive.sample_outputs`'s
         draws, the member of each chosen by :meth:`use_member`: by default in one vectorized
-        pass of the network (plus a pass on one row that checks the output's memory first),
-        which costs less than M plain forward passes.
+        pass of the network (plus, on the model's first call with rows of this shape, a pass
+        on one row that checks the output's memory first), which costs less than M plain
+        forward passes.
 
         :param model: the model the guide belongs to (as for
             :func:`~pyro_bdl.predictive.sample_outputs`).

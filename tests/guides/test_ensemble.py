@@ -167,8 +167,9 @@ def _rows_per_forward(net: nn.Module):
 
 @pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
 def test_member_outputs_run_all_members_in_one_pass(make):
-    # Parallel: a one-row pass checks the output's memory, then ONE pass of the network for the
-    # M · S draws; sequential: one full pass per draw, no check of its own.
+    # Parallel: a one-row pass checks the output's memory (the first call on rows of this
+    # shape only), then ONE pass of the network for the M · S draws; sequential: one full pass
+    # per draw, no check of its own.
     model, guide = _set_up(make())
     x, _ = contract.data()
     rows, handle = _rows_per_forward(model.net)
@@ -177,11 +178,14 @@ def test_member_outputs_run_all_members_in_one_pass(make):
         assert out.shape == (M, 2, contract.N, contract.CLASSES)
         assert rows == [1, contract.N]
         rows.clear()
+        guide.member_outputs(model, x, num_samples=2)  # the output size is known now
+        assert rows == [contract.N]
+        rows.clear()
         guide.member_outputs(model, x, num_samples=2, parallel=False)
         assert rows == [contract.N] * (M * 2)
         rows.clear()
         guide.member_outputs(model, x, num_samples=2, max_parallel=4)  # chunks of 4 and 2
-        assert rows == [1, contract.N, contract.N]
+        assert rows == [contract.N, contract.N]
     finally:
         handle.remove()
 
