@@ -1,4 +1,5 @@
-"""The one assertion helper the suite uses for tensors."""
+"""Helpers the suite shares: the one assertion for tensors, a forward-call recorder, a tied-weight
+network."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ def assert_close(actual, expected, *, rtol: float = 1e-6, atol: float = 0.0, msg
     torch.testing.assert_close(
         actual, expected, rtol=rtol, atol=atol, msg=(lambda m: f"{msg}\n{m}") if msg else None
     )
+
+
+def rows_per_forward(net: nn.Module):
+    """``(rows, handle)``: a forward pre-hook on ``net`` appends the rows of each call's batch (its
+    first positional input, else its first keyword input, as a Hugging Face model's
+    ``input_ids``); ``handle.remove()`` takes it off."""
+    rows: list[int] = []
+
+    def hook(_module, inputs, kwargs):
+        first = next(iter(inputs), None)
+        first = next(iter(kwargs.values())) if first is None else first
+        rows.append(first.shape[0])
+
+    return rows, net.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class TiedLinear(nn.Module):

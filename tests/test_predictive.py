@@ -10,6 +10,7 @@ from pyro_bdl import bayesianize, infer, models
 from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.predictive import forget_output_sizes, sample_outputs
+from tests.common import rows_per_forward
 
 N = 40
 
@@ -76,24 +77,11 @@ def test_chunks_of_max_parallel_give_all_samples():
     assert not torch.allclose(out[0], out[6])
 
 
-def _rows_per_forward(net):
-    """A forward pre-hook on ``net`` recording the rows of each call's first input tensor;
-    returns ``(rows list, handle)``."""
-    rows: list[int] = []
-
-    def hook(_module, inputs, kwargs):
-        first = next(iter(inputs), None)
-        first = next(iter(kwargs.values())) if first is None else first
-        rows.append(first.shape[0])
-
-    return rows, net.register_forward_pre_hook(hook, with_kwargs=True)
-
-
 def test_one_sample_is_one_forward_pass():
     # S = 1: the draw that checks the output's memory is the sample itself (an ensemble member's
     # prediction is one forward pass). S > 1: one row checks it, then one vectorized pass of S.
     model, guide, x = _fit("meanfield", "mlp")
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         out = sample_outputs(model, guide, x, num_samples=1)
         assert out.shape == (1, 12, 3) and rows == [12]
@@ -114,7 +102,7 @@ def test_the_one_row_check_changes_no_draw_and_a_hand_written_model_checks_whole
     # The one-row draw's random streams are put back: the S draws are the plain vectorized
     # draws, those of one plate over the guide replayed into the network.
     model, guide, x = _fit("meanfield", "mlp")
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         pyro.set_rng_seed(4)
         ours = sample_outputs(model, guide, x, num_samples=5)
@@ -138,7 +126,7 @@ def test_the_output_size_is_measured_once_per_model_and_row_shape():
     # size (its row is shaped alike); other arguments (labels too) or forget_output_sizes
     # measure again.
     model, guide, x = _fit("meanfield", "mlp")
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         sample_outputs(model, guide, x, num_samples=4)
         assert rows == [1, 12]
@@ -171,7 +159,7 @@ def test_a_kept_output_size_gives_the_same_draws_and_still_refuses():
     assert torch.equal(measured, kept)
     # 10**6 draws of a (12, 3) float32 output: 1.44e8 bytes, above a 1e8-byte bound; refused
     # from the kept size, before any pass and with the random stream untouched.
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         rng = torch.get_rng_state()
         with pytest.raises(ValueError, match="num_samples=1000000 outputs of shape \\(12, 3\\)"):

@@ -21,7 +21,7 @@ from pyro_bdl.guides.ensemble import MemberMixture
 from pyro_bdl.guides.state_checks import StateDictMismatchError
 from pyro_bdl.guides.swag import NotCollectedError
 from pyro_bdl.predictive import sample_outputs
-from tests.common import assert_close
+from tests.common import assert_close, rows_per_forward
 from tests.guides import test_contract as contract
 from tests.guides.test_contract import (  # noqa: F401  (collected here with this module's cases)
     Case,
@@ -159,12 +159,6 @@ def test_multiswag_member_outputs_are_the_members_own_predictives():
     assert not torch.equal(mixed[0], mixed[1])
 
 
-def _rows_per_forward(net: nn.Module):
-    """``(rows, handle)``: a forward pre-hook on ``net`` appends each call's batch rows."""
-    rows: list[int] = []
-    return rows, net.register_forward_pre_hook(lambda _m, inputs: rows.append(len(inputs[0])))
-
-
 @pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
 def test_member_outputs_run_all_members_in_one_pass(make):
     # Parallel: a one-row pass checks the output's memory (the first call on rows of this
@@ -172,7 +166,7 @@ def test_member_outputs_run_all_members_in_one_pass(make):
     # per draw, no check of its own.
     model, guide = _set_up(make())
     x, _ = contract.data()
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         out = guide.member_outputs(model, x, num_samples=2)
         assert out.shape == (M, 2, contract.N, contract.CLASSES)
@@ -234,7 +228,7 @@ def test_member_outputs_refused_for_memory_change_nothing(make, parallel):
     x, _ = contract.data()
     state = {k: v.clone() for k, v in guide.state_dict().items()}
     rng = torch.get_rng_state()
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         with pytest.raises(ValueError, match=r"num_samples=3000000 .* need 1440000000 bytes"):
             guide.member_outputs(model, x, num_samples=10**6, parallel=parallel, max_memory=10**9)

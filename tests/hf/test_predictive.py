@@ -9,6 +9,7 @@ from pyro import poutine
 from pyro.infer.autoguide import AutoDelta
 from torch.testing import assert_close
 
+from tests.common import rows_per_forward
 from tests.hf import tiny_bert_config
 
 transformers = pytest.importorskip("transformers")
@@ -53,16 +54,6 @@ def test_sample_outputs_takes_a_dict_batch_and_reads_the_logits(parallel):
     assert not torch.allclose(out[0], out[1])
 
 
-def _rows_per_forward(net):
-    """``(rows, handle)``: a forward pre-hook on ``net`` appends the rows of each call's batch."""
-    rows: list[int] = []
-
-    def hook(_module, _args, kwargs):
-        rows.append(kwargs["input_ids"].shape[0])
-
-    return rows, net.register_forward_pre_hook(hook, with_kwargs=True)
-
-
 def _batch():
     batch = {
         "input_ids": torch.randint(1, VOCAB, (ROWS, 7)),
@@ -78,7 +69,7 @@ def test_sample_outputs_checks_memory_on_one_row_of_a_dict_batch():
     batch = _batch()
     guide = bdl.guides.AutoMeanField(model)
     guide(batch, torch.arange(ROWS) % CLASSES)
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         out = bdl.predictive.sample_outputs(model, guide, batch, num_samples=4)
         assert out.shape == (4, ROWS, CLASSES) and rows == [1, ROWS]
@@ -102,7 +93,7 @@ def test_adapter_ensemble_member_outputs_are_one_pass_and_each_members_own():
     members = [{k: v + 0.3 * torch.randn_like(v) for k, v in base.items()} for _ in range(3)]
     guide = bdl.guides.AutoEnsemble(model, members)
     guide(batch, y)
-    rows, handle = _rows_per_forward(model.net)
+    rows, handle = rows_per_forward(model.net)
     try:
         out = guide.member_outputs(model, batch)
         assert out.shape == (3, 1, ROWS, CLASSES) and rows == [1, ROWS]
