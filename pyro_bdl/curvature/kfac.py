@@ -233,16 +233,14 @@ def kfac_sums(
             )
         squared = max(0, min(columns.shape[0], kept - k))  # the columns of L in this group
         if squared > 0:
-            for i in (i for i, r in enumerate(reduced) if r):
-                xg = [
-                    (x, g)
-                    for j, x, g in zip(owner, inputs, grads)
-                    if j == i and x is not None and g is not None
-                ]
-                if xg:
-                    m, mean_in, g_sum = reduce_parts(layers[i], xg, squared)
-                    parts[i].append((m, mean_in))
-                    g_sums[i] += gram(g_sum.unsqueeze(-1)).to(g_sums[i].dtype)
+            xg: dict[int, list] = {}  # per reduce layer, its calls' (input, output gradients)
+            for i, layer_in, g in zip(owner, inputs, grads):
+                if reduced[i] and layer_in is not None and g is not None:
+                    xg.setdefault(i, []).append((layer_in, g))
+            for i, calls_xg in xg.items():
+                m, mean_in, g_sum = reduce_parts(layers[i], calls_xg, squared)
+                parts[i].append((m, mean_in))
+                g_sums[i] += gram(g_sum.unsqueeze(-1)).to(g_sums[i].dtype)
         for i, x_in, g in zip(owner, inputs, grads):
             if g is None:
                 continue

@@ -49,6 +49,10 @@ from pyro_bdl.predictive import DEFAULT_MAX_MEMORY, draw_outputs
 __all__ = ["AutoEnsemble", "AutoMultiSWAG", "MemberGuide", "MemberMixture"]
 
 
+#: The dtypes of a member index tensor (one member per draw).
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def _check_member(member: object, count: int) -> int | torch.Tensor | None:
     """``member`` if it chooses among ``count`` members: ``None`` (uniformly), an int in
     ``[0, count)``, or a 1-D integer tensor (a member per draw; its values are not read here,
@@ -64,9 +68,6 @@ def _check_member(member: object, count: int) -> int | torch.Tensor | None:
         f"member must be None or an int in [0, {count}) (there are {count} members), or a 1-D "
         f"integer tensor of such (the member of each draw); got {member!r}."
     )
-
-
-_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class MemberMixture(TorchDistribution):
