@@ -25,6 +25,7 @@ BENCHMARKS: list[str] = [
     "rotated_mnist",  # needs $PYRO_BDL_DATA (or ../shared/data) for MNIST
     "mnist_table",  # likewise; every method, 3 seeds (`--jobs N` for a process pool)
     "uci",  # needs $PYRO_BDL_DATA (or ../shared/data); skips with a message without it
+    "uci_paper_ensemble",  # likewise: the deep-ensembles recipe in plain PyTorch, 2 rates
     "lora",  # needs the hf extra and $PYRO_BDL_DATA/sst2; skips with a message without them
 ]
 #: Modules under benchmarks/ that are not benchmarks to run: shared code, this runner, a

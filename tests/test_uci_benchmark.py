@@ -330,9 +330,10 @@ def test_multiswag_runs_swags_phase_from_the_ensembles_members(monkeypatch):
     assert len(seen["ensemble"][1]) == 2
 
 
-def test_the_paper_recipe_is_fixed_whatever_the_noise_model_and_never_selected():
+def test_the_paper_recipe_is_fixed_whatever_the_noise_model_but_its_rate():
     # Lakshminarayanan et al. (2017), Sec. 3.1 and 3.3: M = 5, 40 epochs, batch 100, Adam at a
-    # constant 0.1, mean-and-variance networks (softplus variance), maximum likelihood.
+    # constant rate (the text's 0.1 by default), mean-and-variance networks (softplus
+    # variance), maximum likelihood; only the rate is chosen, from the text's and two below.
     x, y = torch.randn(30, 3), torch.randn(30)
     homo = dataclasses.replace(uci.DEFAULTS, noise_model="homoscedastic")
     for cfg, noise, sigma in ((uci.DEFAULTS, None, "heteroscedastic"), (homo, 0.5, "fixed")):
@@ -343,7 +344,7 @@ def test_the_paper_recipe_is_fixed_whatever_the_noise_model_and_never_selected()
         assert (mine.batch_size, mine.epochs, mine.lr, mine.lr_decay) == (100, 40, 0.1, None)
         assert mine.prior.scale == 1e3  # no prior in effect: maximum likelihood
         assert keywords == {"num_members": 5, "adversarial": None}
-    assert "ensemble_paper" in uci.UNSELECTED and "ensemble_paper" not in uci.SELECT
+    assert uci.SELECT["ensemble_paper"] == [{"paper_lr": r} for r in (0.1, 1e-2, 1e-3)]
     assert uci.REGISTRY_NAMES["ensemble_paper"] == "ensemble"
 
 
@@ -372,7 +373,7 @@ def test_vogn_and_ivon_take_minibatches_and_a_step_floor_under_sigma_x():
 
 
 def test_every_method_gets_the_same_number_of_settings_to_choose_from():
-    assert set(uci.SELECT) == set(uci.UCI_METHODS) - set(uci.UNSELECTED)
+    assert set(uci.SELECT) == set(uci.UCI_METHODS)
     assert {len(grid) for grid in uci.SELECT.values()} == {uci.SELECT_SIZE}
     fields = {f.name for f in dataclasses.fields(uci.Config)}
     assert all(set(s) <= fields for grid in uci.SELECT.values() for s in grid)
@@ -438,21 +439,22 @@ def test_main_chooses_per_dataset_and_reports_the_choice(tmp_path, monkeypatch):
     assert written["uci-toy"]["selected_settings"] == {"toy": None}
 
 
-def test_the_paper_ensemble_runs_unselected_beside_the_selected_methods(tmp_path, monkeypatch):
+def test_the_paper_ensemble_chooses_its_rate_without_a_map(tmp_path, monkeypatch):
     make_folder(tmp_path / "uci")
     written = {}
     paper = dataclasses.replace(TINY, paper_members=2, paper_epochs=2)
     monkeypatch.setattr(uci, "DEFAULTS", paper)
     monkeypatch.setattr(uci, "write", lambda name, config, figures: written.update({name: figures}))
     argv = ["--dataset", "toy", "--splits", "0-1", "--data-dir", str(tmp_path)]
-    uci.main([*argv, "--methods", "map", "ensemble_paper"])
-    figures = written.pop("uci-toy")
-    assert set(figures["selected_settings"]["toy"]["methods"]) == {"map"}
-    assert len(figures["results"]["toy"]["ensemble_paper"]["per_split_ll"]) == 2
-    # Alone it needs neither a selection nor a MAP (under σ(x) nothing starts from one).
+    # Under σ(x) nothing of the paper's recipe starts from a MAP: none is trained.
     monkeypatch.setattr(uci, "prepare", lambda *a, **k: pytest.fail("trained a MAP"))
     uci.main([*argv, "--methods", "ensemble_paper"])
-    assert written["uci-toy"]["selected_settings"] == {"toy": None}
+    figures = written["uci-toy"]
+    record = figures["selected_settings"]["toy"]["methods"]["ensemble_paper"]
+    assert [row["setting"] for row in record["tried"]] == uci.SELECT["ensemble_paper"]
+    best = max(record["tried"], key=lambda row: row["validation_ll"])
+    assert record["chosen"] == best["setting"]
+    assert len(figures["results"]["toy"]["ensemble_paper"]["per_split_ll"]) == 2
 
 
 def test_adversarial_flag_reaches_the_ensemble_and_names_the_results_file(tmp_path, monkeypatch):
@@ -609,3 +611,25 @@ def test_settings_from_a_file_without_the_dataset_is_refused(tmp_path, monkeypat
     earlier.write_text(json.dumps({"figures": {"selected_settings": {"yacht": None}}}))
     with pytest.raises(ValueError, match="no chosen setting for 'toy'"):
         uci.settings_from(earlier, ["toy"], ["map"], TINY, tmp_path)
+
+
+def test_the_plain_torch_paper_ensemble_learns_and_writes_its_summary(tmp_path, monkeypatch):
+    from benchmarks import uci_paper_ensemble as reference
+
+    make_folder(tmp_path / "uci", rows=406, splits=2)  # 400 training rows: 4 minibatches
+    written = {}
+    monkeypatch.setattr(
+        reference, "write", lambda name, config, figures, out: written.update(figures)
+    )
+    reference.main(["--data-dir", str(tmp_path), "--dataset", "toy", "--splits", "0-1",
+                    "--lrs", "0.01"])  # fmt: skip
+    toy = written["toy"]["0.01"]
+    assert len(toy["per_split"]) == 2
+    # y = x·(1, −2, 0.5) + 10 + 0.1 noise: std √5.25 ≈ 2.29, so the constant forecast scores
+    # −½ log(2πe) − log 2.29 ≈ −2.25 nats and the true model −½ log(2πe·0.01) ≈ 0.88. A
+    # calibrated Gaussian with RMSE 0.3 scores −½ log(2πe·0.09) ≈ −0.22: the bounds below ask
+    # for most of the linear map learnt in 160 Adam steps (the two splits score 0.5 and 0.7,
+    # RMSE 0.13 and 0.07, with these seeds).
+    assert toy["ll"][0] > -0.5 and toy["rmse"][0] < 0.3
+    means = [row["ll"] for row in toy["per_split"]]
+    assert toy["ll"][0] == pytest.approx(sum(means) / 2)
