@@ -4,6 +4,7 @@ positivity of h + δ, state, reduce_fn, refusals and the guide."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import itertools
 import math
@@ -144,6 +145,56 @@ def test_the_pure_update_with_a_per_weight_prior_and_a_hidden_parameter():
         ivon_update(new, [g_hat], h_hat, hyper)
 
 
+def test_the_clipped_update_bounds_each_step_and_changes_nothing_else():
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=torch.float64)
+
+    m, gm, h, theta, g_h, h_h = rand(6), rand(6), rand(6), rand(2), rand(2), rand(2) + 0.1
+    g_hat, h_hat, g_hid = 10 * rand(6) - 5, rand(6) - 0.5, 10 * rand(2) - 5
+    delta, mu0, r = rand(6) + 0.1, rand(6), 0.05
+    plain = IVONHyperparameters(
+        lr=0.3, betas=(0.8, 0.6), weight_decay=delta, prior_mean=mu0, hidden_weight_decay=0.05
+    )
+    clipped = dataclasses.replace(plain, clip_radius=r)
+
+    def state():
+        return VOGNState(m.clone(), gm.clone(), h.clone(), [theta.clone()], [g_h.clone()],
+                         [h_h.clone()], step=2)  # fmt: skip
+
+    a = ivon_update(state(), [g_hat, g_hid], h_hat, plain)
+    b = ivon_update(state(), [g_hat, g_hid], h_hat, clipped)
+    # The momentum and curvature do not see the clipping; the step is the unclipped one with
+    # each entry clamped to [−r, r], then scaled by α (so every weight moves by ≤ α·r).
+    for x, y in ((a.momentum, b.momentum), (a.curvature, b.curvature)):
+        assert torch.equal(x, y)
+    for new, old, clipped_new, hid in ((a.mean, m, b.mean, False), (a.hidden[0], theta,
+                                       b.hidden[0], True)):  # fmt: skip
+        step = (old - new) / 0.3
+        assert bool((step.abs() > r).any()), "the case must clip some entries"
+        assert_close(clipped_new, old - 0.3 * step.clamp(-r, r), rtol=1e-13, atol=1e-15)
+        assert bool(((clipped_new - old).abs() <= 0.3 * r * (1 + 1e-12)).all()), hid
+    with pytest.raises(ValueError, match="clip_radius must be > 0"):
+        dataclasses.replace(plain, clip_radius=0.0)
+    with pytest.raises(ValueError, match="clip_radius must be > 0"):
+        dataclasses.replace(plain, clip_radius=float("nan"))
+
+
+def test_an_infinite_clip_radius_is_the_unclipped_run_bit_for_bit():
+    runs = []
+    for keywords in ({}, {"clip_radius": float("inf")}, {"clip_radius": 1e-3}):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        model, x, y = small_classifier()
+        ivon = IVON(model, dataset_size=len(x), lr=0.1, **keywords)
+        for _ in range(3):
+            ivon.step(x, y)
+        runs.append(ivon.guide.loc.detach().clone())
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
 @pytest.mark.parametrize("beta2", [0.0, 0.5, 0.99999])
 def test_h_plus_delta_stays_positive_under_adversarial_estimates(beta2):
     # With a = h + δ and x = (h − ĥ)/a the new h + δ is a(½(1 − (1−β₂)x)² + ½) ≥ a/2: the least
@@ -253,6 +304,9 @@ def test_state_dicts_of_other_methods_and_models_are_refused():
         ({"num_particles": 0}, ValueError, "num_particles"),
         ({"reduce_fn": 3}, TypeError, "reduce_fn must be callable"),
         ({"dataset_size": 0}, ValueError, "dataset_size"),
+        ({"clip_radius": 0.0}, ValueError, "clip_radius"),
+        ({"clip_radius": -1e-3}, ValueError, "clip_radius"),
+        ({"clip_radius": float("nan")}, ValueError, "clip_radius"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, error, match):

@@ -96,6 +96,11 @@ class IVON(NaturalGradientVI):
     :param callable reduce_fn: optional ``reduce_fn(tensors)`` called once per step on
         ``[ĝ, ĥ, ĝ of each hidden parameter...]`` to average them in place across data-parallel
         ranks, so every rank applies the same update (docs/design/distributed.md).
+    :param float clip_radius: r (> 0, ``inf`` for none): each weight's preconditioned step
+        (g/(1 − β₁ᵗ) + δ(m − μ₀))/(h + δ) is clipped to [−r, r] before it is scaled by α, so no
+        weight moves by more than α·r per step (hidden parameters too). While h is still near
+        h₀ the step is large wherever the gradient is; a small r (IVON-LoRA: 10⁻³) makes the
+        first steps sign-like instead. The default keeps Algorithm 1 unchanged.
 
     References: Shen et al., "Variational Learning is Effective for Large Deep Networks",
     ICML 2024.
@@ -118,6 +123,7 @@ class IVON(NaturalGradientVI):
         prior_precision: float | None = None,
         num_particles: int = 1,
         reduce_fn: Callable[[list[torch.Tensor]], None] | None = None,
+        clip_radius: float = math.inf,
     ):
         super().__init__(
             model,
@@ -149,6 +155,17 @@ class IVON(NaturalGradientVI):
                 "dataset size, or leave it out to use dataset_size.",
             )
         self.effective_size = float(dataset_size if ess is None else ess)
+        if clip_radius != math.inf:
+            clip_radius = check_range(
+                "IVON",
+                "clip_radius",
+                clip_radius,
+                1e-12,
+                1e12,
+                "it bounds each weight's step to lr·clip_radius; pass e.g. 1e-3, or leave it "
+                "out (inf) for no clipping.",
+            )
+        self.clip_radius = float(clip_radius)
 
     def _initial_scale_problem(self) -> str:
         return (
@@ -234,6 +251,7 @@ class IVON(NaturalGradientVI):
             weight_decay=prior.tilde(1.0, ess),
             prior_mean=prior.mean,
             hidden_weight_decay=prior.mean_precision / ess,
+            clip_radius=self.clip_radius,
         )
 
     def _update(self, out: NaturalGradientState) -> NaturalGradientState:
@@ -288,6 +306,8 @@ class IVONHyperparameters:
     :ivar weight_decay: δ = prior precision / ess, a number or a ``(D,)`` tensor.
     :ivar prior_mean: μ₀, a ``(D,)`` tensor, or ``None`` for zero.
     :ivar float hidden_weight_decay: the δ that damps the hidden parameters' step.
+    :ivar float clip_radius: r, each weight's preconditioned step clipped to [−r, r] before
+        the factor α (``inf``: no clipping).
     """
 
     lr: float
@@ -295,6 +315,14 @@ class IVONHyperparameters:
     weight_decay: float | torch.Tensor
     prior_mean: torch.Tensor | None = None
     hidden_weight_decay: float = 0.0
+    clip_radius: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not self.clip_radius > 0:  # also NaN
+            raise ValueError(
+                f"IVONHyperparameters: clip_radius must be > 0 (inf for no clipping); got "
+                f"{self.clip_radius!r}. It bounds each weight's step to lr·clip_radius."
+            )
 
 
 @torch.no_grad()
@@ -324,6 +352,8 @@ def ivon_update(
     t = state.step + 1
     debias, c = 1.0 / (1.0 - beta1**t), 1.0 - beta2
     delta, mu0 = hyper.weight_decay, hyper.prior_mean
+    radius = hyper.clip_radius
+    clip = radius != math.inf
     into = state if out is None else out
     c_tensor = torch.tensor(c, dtype=state.curvature.dtype, device=state.curvature.device)
     # Block by block, so that the dozen element-wise operations of a block run in cache and
@@ -340,15 +370,30 @@ def ivon_update(
         r = torch.sub(hh, h)
         factor = torch.addcdiv(c_tensor, r, a, value=0.5 * c * c)  # one pass, not three
         torch.addcmul(h, r, factor, out=h1)
-        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new g and h.
+        # m ← m − α (g/(1−β₁ᵗ) + δ(m − μ₀))/(h + δ), with the new g and h; the quotient
+        # clipped to [−r, r] first when r is finite.
         offset = m if mu0 is None else torch.sub(m, mu0[block], out=r)
         numerator = torch.mul(offset, d, out=factor).add_(g1, alpha=debias)
-        torch.addcdiv(m, numerator, torch.add(h1, d, out=a), value=-hyper.lr, out=m1)
+        denominator = torch.add(h1, d, out=a)
+        if clip:
+            step = numerator.div_(denominator).clamp_(-radius, radius)
+            torch.add(m, step, alpha=-hyper.lr, out=m1)
+        else:
+            torch.addcdiv(m, numerator, denominator, value=-hyper.lr, out=m1)
     if state.hidden:
         torch._foreach_lerp_(state.hidden_momentum, list(g_hat[1:]), 1.0 - beta1)
         denominator = torch._foreach_add(state.hidden_curvature, hyper.hidden_weight_decay)
-        step_size = -hyper.lr * debias
-        torch._foreach_addcdiv_(state.hidden, state.hidden_momentum, denominator, value=step_size)
+        if clip:
+            steps = torch._foreach_div(state.hidden_momentum, denominator)
+            torch._foreach_mul_(steps, debias)
+            torch._foreach_clamp_min_(steps, -radius)
+            torch._foreach_clamp_max_(steps, radius)
+            torch._foreach_add_(state.hidden, steps, alpha=-hyper.lr)
+        else:
+            step_size = -hyper.lr * debias
+            torch._foreach_addcdiv_(
+                state.hidden, state.hidden_momentum, denominator, value=step_size
+            )
     return dataclasses.replace(
         state, mean=into.mean, momentum=into.momentum, curvature=into.curvature, step=t
     )
