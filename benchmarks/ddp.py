@@ -24,14 +24,18 @@ Usage::
 
     python -m benchmarks.ddp            # writes benchmarks/results/ddp.json
     python -m benchmarks.ddp --smoke    # a few steps of a tiny network (a test, not the protocol)
+    python -m benchmarks.ddp --profile digits_mlp   # cProfile of rank 0's DataParallelSVI steps
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
 import math
 import os
+import pstats
 import socket
 import statistics
 import tempfile
@@ -179,7 +183,13 @@ def _rank(rank: int, port: int, args: dict, out: str) -> None:
         results = {}
         for name, (hidden, batch, packed) in args["configs"].items():
             steps = _steps(hidden, batch, rank, packed)
-            results[name] = _measure(steps, args["rounds"], args["block"])
+            if args.get("profile"):
+                n = args["rounds"] * args["block"]
+                results[name] = "\n".join(
+                    f"== {v}\n{_profile(steps[v], n, rank)}" for v in ("ddp", "dpsvi")
+                )
+            else:
+                results[name] = _measure(steps, args["rounds"], args["block"])
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -209,6 +219,30 @@ def _measure(steps: dict, rounds: int, block: int) -> dict:
     return {"wall": times, "cpu": cpu}
 
 
+def _profile(step, steps: int, rank: int, top: int = 30) -> str:
+    """``cProfile`` of ``steps`` calls of ``step`` on rank 0 (the other rank steps along): the
+    functions with the largest own time, then the largest cumulative time."""
+    for _ in range(3):  # warm-up, and the buckets' reordering after the first step
+        step()
+    dist.barrier()
+    profiler = cProfile.Profile()
+    if rank == 0:
+        profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    dist.barrier()
+    text = io.StringIO()
+    if rank == 0:
+        stats = pstats.Stats(profiler, stream=text)
+        text.write(f"{steps} steps\n")
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        # Our share of a step, and Pyro's.
+        stats.sort_stats("cumulative").print_stats("pyro_bdl|pyro/", top)
+    return text.getvalue()
+
+
 def _quartiles(ts: list[float]) -> dict:
     q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
     return {"median": statistics.median(ts), "q1": q[0], "q3": q[2]}
@@ -234,16 +268,20 @@ def _summary(measured: dict[str, dict[str, list[float]]]) -> dict:
     return out
 
 
-def run(configs: dict[str, tuple[int, int, bool]], rounds: int, block: int) -> dict:
+def run(
+    configs: dict[str, tuple[int, int, bool]], rounds: int, block: int, *, profile: bool = False
+) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        args = {"configs": configs, "rounds": rounds, "block": block}
+        args = {"configs": configs, "rounds": rounds, "block": block, "profile": profile}
         try:
             mp.spawn(_rank, args=(store.port, args, out), nprocs=WORLD, join=True)
         finally:
             del store
         times = torch.load(out, weights_only=False)
+    if profile:
+        return times
     return {name: _summary(t) for name, t in times.items()}
 
 
@@ -253,7 +291,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--block", type=int, default=20, help="steps per timed block")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--profile",
+        choices=sorted(CONFIGS),
+        help="print cProfile's view of rank 0 over rounds x block steps of DDP and of "
+        "DataParallelSVI in this configuration, instead of timing them",
+    )
     args = parser.parse_args(argv)
+    if args.profile:
+        report = run({args.profile: CONFIGS[args.profile]}, args.rounds, args.block, profile=True)
+        print(report[args.profile])
+        return report
     if args.smoke:
         figures = run({"tiny": (8, 4, False), "tiny_packed": (8, 4, True)}, rounds=2, block=2)
     else:

@@ -27,7 +27,7 @@ def check_seed(seed: object) -> None:
         raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
 
 
-def grads(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+def grads_of(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     for _, p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
