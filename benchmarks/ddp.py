@@ -149,6 +149,11 @@ def _steps(hidden: int, batch: int, rank: int, packed: bool = False, lr: float =
         if packed:
             init = [torch.cat([t.reshape(-1) for t in init])]
         names = [f"{name}.{k}" for k in range(len(init))]
+        # Each variant's DataParallelSVI takes every parameter in the store when it is built:
+        # show it only its own (the others are put back for their own steps).
+        store = pyro.get_param_store()
+        others = store.get_state()
+        store.clear()
         for key, value in zip(names, init):
             pyro.param(key, value)
 
@@ -160,6 +165,7 @@ def _steps(hidden: int, batch: int, rank: int, packed: bool = False, lr: float =
 
         optim = FusedOptim(torch.optim.SGD, {"lr": lr}) if fused else pyro.optim.SGD({"lr": lr})
         svi = DataParallelSVI(_no_model, _no_model, optim, loss_fn, overlap=overlap)
+        store.set_state(others)
         steps[name] = lambda svi=svi: svi.step(x, y)
     return steps
 
@@ -225,7 +231,7 @@ def _profile(step, steps: int, rank: int, top: int = 30) -> str:
     for _ in range(3):  # warm-up, and the buckets' reordering after the first step
         step()
     dist.barrier()
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)
     if rank == 0:
         profiler.enable()
     for _ in range(steps):

@@ -187,18 +187,16 @@ def nonfinite_refusal(
     fix = "; nothing was updated. Lower the learning rate or check that rank's data for NaN/inf."
     if not math.isfinite(loss):
         return FloatingPointError(f"its loss is {loss}{fix}")
-    grads = [(n, p.grad) for n, p in named if p.grad is not None]
     if grads_finite is None:
         # One reduction per (device, dtype) over the gradients' sums (see all_finite).
         grads_finite = all(
             all_finite(torch.stack([g.sum() for g in bucket]))
-            for bucket in device_dtype_buckets(g for _, g in grads)
+            for bucket in device_dtype_buckets(p.grad for _, p in named if p.grad is not None)
         )
-    bad = (
-        None
-        if grads_finite
-        else next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
-    )
+    if grads_finite:
+        return None
+    grads = [(n, p.grad) for n, p in named if p.grad is not None]
+    bad = next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
     return (
         None if bad is None else FloatingPointError(f"the gradient of {bad!r} is not finite{fix}")
     )

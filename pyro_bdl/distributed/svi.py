@@ -38,7 +38,6 @@ from collections.abc import Callable
 
 import pyro
 import torch
-from pyro import poutine
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.util import zero_grads
@@ -64,6 +63,7 @@ from pyro_bdl.distributed.refusal import (
 )
 from pyro_bdl.distributed.svi_parts import (
     SEED_RANGE,
+    ParamRecorder,
     backward_passes,
     check_seed,
     crc,
@@ -363,10 +363,10 @@ class DataParallelSVI(SVI):
         traced: dict[int, str] = {}
         traced_params: list[torch.Tensor] = []
         try:
-            with poutine.trace(param_only=True) as capture:
+            with ParamRecorder() as capture:
                 loss = item(self.loss_and_grads(self.model, self.guide, *args, **kwargs))
-            traced_params = [site["value"].unconstrained() for site in capture.trace.nodes.values()]
-            traced = {id(p): name for p, name in zip(traced_params, capture.trace.nodes)}
+            traced_params = list(capture.params.values())
+            traced = {id(p): name for name, p in capture.params.items()}
         except Exception as refusal:
             return refusal, float("nan"), traced, traced_params
         nonfinite = None
