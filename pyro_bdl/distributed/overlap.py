@@ -148,6 +148,7 @@ class GradientBuckets:
 
         buckets.arm()               # before backward: every .grad becomes a view of a bucket
         loss.backward()             # hooks start the buckets as gradients arrive
+        stale = buckets.end_backward()
         buckets.launch_remaining(control)  # every rank starts every bucket
         rows = buckets.gathered()   # every rank's control values
         finite = buckets.finish(rereduce=stale_anywhere)  # wait, average: .grad holds the means
@@ -293,15 +294,20 @@ class GradientBuckets:
             self._next += 1
             self.started_in_backward += 1
 
-    def launch_remaining(self, control: Sequence[float] = ()) -> None:
-        """Start every bucket not started yet, in order (missing gradients count as zeros); the
-        last one carries this rank's ``control`` values (``control`` numbers, given when the
-        buckets were built), which :meth:`gathered` returns for every rank. A ``.grad`` replaced
-        after its bucket started makes the step stale."""
+    def end_backward(self) -> bool:
+        """Backward is over: hooks stop counting, and a ``.grad`` replaced after its bucket
+        started (copied into its view now) makes the step stale. Returns :attr:`stale`."""
         self._armed = False
         for bucket in self.buckets[: self._next]:
             if bucket.sync(self._had):
                 self.stale = True
+        return self.stale
+
+    def launch_remaining(self, control: Sequence[float] = ()) -> None:
+        """Start every bucket not started yet, in order (missing gradients count as zeros); the
+        last one carries this rank's ``control`` values (``control`` numbers, given when the
+        buckets were built), which :meth:`gathered` returns for every rank."""
+        self._armed = False
         last = self.buckets[-1]
         if self.control:
             row = [float(v) for v in control]

@@ -299,7 +299,7 @@ class DataParallelSVI(SVI):
                 else [p.grad is not None for p in self._params.values()]
             )
             has_grad = [id(p) in traced and g for p, g in zip(self._params.values(), grads)]
-            stale = float(buckets is not None and buckets.stale)
+            stale = float(buckets is not None and buckets.end_backward())
             # Every rank's refusal status, loss and checksums, exchanged before any gradient is
             # used: in the last gradient bucket (overlap), else in one all-gather. A refusal on
             # any rank raises here, on every rank.
