@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--block", type=int, default=20, help="steps per timed block")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--out", help="the JSON to write (default benchmarks/results/ddp.json)")
     parser.add_argument(
         "--profile",
         choices=sorted(CONFIGS),
@@ -308,10 +309,14 @@ def main(argv: list[str] | None = None) -> dict:
         report = run({args.profile: CONFIGS[args.profile]}, args.rounds, args.block, profile=True)
         print(report[args.profile])
         return report
+    load_before = os.getloadavg()
     if args.smoke:
         figures = run({"tiny": (8, 4, False), "tiny_packed": (8, 4, True)}, rounds=2, block=2)
     else:
         figures = run(CONFIGS, args.rounds, args.block)
+    # The ratios move with the load of the shared machine: record it with them.
+    load = {"before": list(load_before), "after": list(os.getloadavg())}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
     for name, f in figures.items():
         ratio = f["ratio_to_ddp"]
         print(
@@ -339,8 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
             "clock": "wall time on rank 0 between barriers, variants interleaved",
             "machine_note": "2 ranks share 2 cores with other work",
             "threads_per_rank": 1,
+            "load_average": load,
         }
-        write("ddp", config, {**figures, "machine": machine()})
+        write("ddp", config, {**figures, "machine": machine()}, out=args.out)
     return figures
 
 
