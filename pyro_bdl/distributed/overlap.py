@@ -75,6 +75,11 @@ def decode_rows(flat: torch.Tensor, k: int, world: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(chunks.tobytes(), dtype="<f8").reshape(world, k).copy())
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    # A sparse .grad (an embedding's) cannot be copied into a dense view as it is.
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 class _Bucket:
     """One flat buffer for the gradients of ``params`` (the views that become their ``.grad``),
     ``extra`` slots after them for the ranks' control rows, and, for a bucket that may start
@@ -107,7 +112,7 @@ class _Bucket:
                     if dirty:
                         view.zero_()
                 else:
-                    view.copy_(grad)
+                    view.copy_(_dense(grad))
                     had.add(id(p))
                 p.grad = view
 
@@ -125,7 +130,7 @@ class _Bucket:
                     view.zero_()
                     had.discard(id(p))
                 else:
-                    view.copy_(grad)
+                    view.copy_(_dense(grad))
                     had.add(id(p))
                 p.grad = view
         return replaced
@@ -295,11 +300,12 @@ class GradientBuckets:
             self.started_in_backward += 1
 
     def end_backward(self) -> bool:
-        """Backward is over: hooks stop counting, and a ``.grad`` replaced after its bucket
-        started (copied into its view now) makes the step stale. Returns :attr:`stale`."""
+        """Backward is over: hooks stop counting, and every ``.grad`` that is not its view (the
+        loss replaced or set it) is copied into its view now; one whose bucket had started makes
+        the step stale. Returns :attr:`stale`."""
         self._armed = False
-        for bucket in self.buckets[: self._next]:
-            if bucket.sync(self._had):
+        for index, bucket in enumerate(self.buckets):
+            if bucket.sync(self._had) and index < self._next:
                 self.stale = True
         return self.stale
 

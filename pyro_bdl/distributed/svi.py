@@ -293,13 +293,13 @@ class DataParallelSVI(SVI):
             # The buckets follow the list fixed (and checked equal on every rank) by
             # broadcast_parameters, so they line up even when ranks trace different parameters.
             # Like SVI, only parameters this step traced and differentiated are trained.
+            stale = float(buckets is not None and buckets.stale)
             grads = (
                 buckets.has_grad()
                 if buckets is not None
                 else [p.grad is not None for p in self._params.values()]
             )
             has_grad = [id(p) in traced and g for p, g in zip(self._params.values(), grads)]
-            stale = float(buckets is not None and buckets.end_backward())
             # Every rank's refusal status, loss and checksums, exchanged before any gradient is
             # used: in the last gradient bucket (overlap), else in one all-gather. A refusal on
             # any rank raises here, on every rank.
@@ -367,6 +367,8 @@ class DataParallelSVI(SVI):
                 loss = item(self.loss_and_grads(self.model, self.guide, *args, **kwargs))
             traced_params = list(capture.params.values())
             traced = {id(p): name for name, p in capture.params.items()}
+            if self._buckets is not None:
+                self._buckets.end_backward()  # a .grad the loss replaced is in its bucket now
         except Exception as refusal:
             return refusal, float("nan"), traced, traced_params
         nonfinite = None
