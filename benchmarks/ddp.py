@@ -24,14 +24,18 @@ Usage::
 
     python -m benchmarks.ddp            # writes benchmarks/results/ddp.json
     python -m benchmarks.ddp --smoke    # a few steps of a tiny network (a test, not the protocol)
+    python -m benchmarks.ddp --profile digits_mlp   # cProfile of rank 0's DataParallelSVI steps
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
 import math
 import os
+import pstats
 import socket
 import statistics
 import tempfile
@@ -145,6 +149,11 @@ def _steps(hidden: int, batch: int, rank: int, packed: bool = False, lr: float =
         if packed:
             init = [torch.cat([t.reshape(-1) for t in init])]
         names = [f"{name}.{k}" for k in range(len(init))]
+        # Each variant's DataParallelSVI takes every parameter in the store when it is built:
+        # show it only its own (the others are put back for their own steps).
+        store = pyro.get_param_store()
+        others = store.get_state()
+        store.clear()
         for key, value in zip(names, init):
             pyro.param(key, value)
 
@@ -156,6 +165,7 @@ def _steps(hidden: int, batch: int, rank: int, packed: bool = False, lr: float =
 
         optim = FusedOptim(torch.optim.SGD, {"lr": lr}) if fused else pyro.optim.SGD({"lr": lr})
         svi = DataParallelSVI(_no_model, _no_model, optim, loss_fn, overlap=overlap)
+        store.set_state(others)
         steps[name] = lambda svi=svi: svi.step(x, y)
     return steps
 
@@ -179,7 +189,13 @@ def _rank(rank: int, port: int, args: dict, out: str) -> None:
         results = {}
         for name, (hidden, batch, packed) in args["configs"].items():
             steps = _steps(hidden, batch, rank, packed)
-            results[name] = _measure(steps, args["rounds"], args["block"])
+            if args.get("profile"):
+                n = args["rounds"] * args["block"]
+                results[name] = "\n".join(
+                    f"== {v}\n{_profile(steps[v], n, rank)}" for v in ("ddp", "dpsvi")
+                )
+            else:
+                results[name] = _measure(steps, args["rounds"], args["block"])
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -209,6 +225,30 @@ def _measure(steps: dict, rounds: int, block: int) -> dict:
     return {"wall": times, "cpu": cpu}
 
 
+def _profile(step, steps: int, rank: int, top: int = 30) -> str:
+    """``cProfile`` of ``steps`` calls of ``step`` on rank 0 (the other rank steps along): the
+    functions with the largest own time, then the largest cumulative time."""
+    for _ in range(3):  # warm-up, and the buckets' reordering after the first step
+        step()
+    dist.barrier()
+    profiler = cProfile.Profile(time.process_time)
+    if rank == 0:
+        profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    dist.barrier()
+    text = io.StringIO()
+    if rank == 0:
+        stats = pstats.Stats(profiler, stream=text)
+        text.write(f"{steps} steps\n")
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        # Our share of a step, and Pyro's.
+        stats.sort_stats("cumulative").print_stats("pyro_bdl|pyro/", top)
+    return text.getvalue()
+
+
 def _quartiles(ts: list[float]) -> dict:
     q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
     return {"median": statistics.median(ts), "q1": q[0], "q3": q[2]}
@@ -234,16 +274,20 @@ def _summary(measured: dict[str, dict[str, list[float]]]) -> dict:
     return out
 
 
-def run(configs: dict[str, tuple[int, int, bool]], rounds: int, block: int) -> dict:
+def run(
+    configs: dict[str, tuple[int, int, bool]], rounds: int, block: int, *, profile: bool = False
+) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        args = {"configs": configs, "rounds": rounds, "block": block}
+        args = {"configs": configs, "rounds": rounds, "block": block, "profile": profile}
         try:
             mp.spawn(_rank, args=(store.port, args, out), nprocs=WORLD, join=True)
         finally:
             del store
         times = torch.load(out, weights_only=False)
+    if profile:
+        return times
     return {name: _summary(t) for name, t in times.items()}
 
 
@@ -253,11 +297,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--block", type=int, default=20, help="steps per timed block")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--out", help="the JSON to write (default benchmarks/results/ddp.json)")
+    parser.add_argument(
+        "--profile",
+        choices=sorted(CONFIGS),
+        help="print cProfile's view of rank 0 over rounds x block steps of DDP and of "
+        "DataParallelSVI in this configuration, instead of timing them",
+    )
     args = parser.parse_args(argv)
+    if args.profile:
+        report = run({args.profile: CONFIGS[args.profile]}, args.rounds, args.block, profile=True)
+        print(report[args.profile])
+        return report
+    load_before = os.getloadavg()
     if args.smoke:
         figures = run({"tiny": (8, 4, False), "tiny_packed": (8, 4, True)}, rounds=2, block=2)
     else:
         figures = run(CONFIGS, args.rounds, args.block)
+    # The ratios move with the load of the shared machine: record it with them.
+    load = {"before": list(load_before), "after": list(os.getloadavg())}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
     for name, f in figures.items():
         ratio = f["ratio_to_ddp"]
         print(
@@ -285,8 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
             "clock": "wall time on rank 0 between barriers, variants interleaved",
             "machine_note": "2 ranks share 2 cores with other work",
             "threads_per_rank": 1,
+            "load_average": load,
         }
-        write("ddp", config, {**figures, "machine": machine()})
+        write("ddp", config, {**figures, "machine": machine()}, out=args.out)
     return figures
 
 

@@ -3,10 +3,22 @@ r"""Gradient all-reduce overlapped with backward: :class:`GradientBuckets`.
 The parameters are split into buckets of at most ``bucket_cap_mb`` megabytes (one device and dtype
 per bucket), in reverse order of registration, because backward produces the gradients of the
 last layers first. Each parameter carries a ``register_post_accumulate_grad_hook``; when every
-parameter of the next bucket in line has its gradient, the bucket is copied into a flat buffer and
-an asynchronous ``all_reduce`` starts, while backward goes on computing the earlier layers'
-gradients. Buckets start strictly in order, so every rank issues the same sequence of collectives
-(Li et al., VLDB 2020, describe the same scheme for PyTorch's ``DistributedDataParallel``).
+parameter of the next bucket in line has its gradient, an asynchronous ``all_reduce`` of the
+bucket starts, while backward goes on computing the earlier layers' gradients. Buckets start
+strictly in order, so every rank issues the same sequence of collectives (Li et al., VLDB 2020,
+describe the same scheme for PyTorch's ``DistributedDataParallel``).
+
+**Gradients are views of the buckets** during a step (DDP's ``gradient_as_bucket_view``): each
+bucket owns one flat buffer, and :meth:`GradientBuckets.arm` makes every parameter's ``.grad`` a
+view of its slice, so backward accumulates straight into the buffer and no gradient is copied
+in or written back per parameter. The last bucket, which starts after backward, is reduced in
+place; the others, which start while backward may still write (see *stale* below), are reduced
+from a copy of the buffer (one copy each way per bucket, as DDP without bucket views pays). A
+``.grad`` that is not its view when the bucket starts (the loss replaced it, or a
+``create_graph`` backward made a new tensor) is copied into the view, which becomes ``.grad``
+again; one replaced after its bucket started makes the step stale. After the step,
+:meth:`GradientBuckets.release` zeroes the buffers; ``.grad`` stays a (zero) view where
+``SVI`` would have left zeros, and is ``None`` where it was ``None``.
 
 Every rank starts every bucket every step, also when its step failed or some parameters got no
 gradient (their slots hold zeros): the sequence of collectives never depends on one rank's data,
@@ -15,8 +27,10 @@ which is what lets :func:`~pyro_bdl.distributed.agree_on_refusal` follow the buc
 A bucket waits for each of its parameters to be hooked ``passes`` times (the number of backward
 passes per step: one per particle for Pyro's non-vectorised ``Trace_ELBO``). A gradient that
 arrives after its bucket started (more backward passes than expected) marks the step *stale*; the
-caller then re-reduces the final gradients synchronously (``DataParallelSVI`` agrees on this
-across ranks), so a wrong guess of ``passes`` costs time, never correctness.
+caller agrees on this across ranks, and :meth:`GradientBuckets.finish` then re-reduces the final
+gradients of the buckets that started early (their buffers still hold this rank's gradients; the
+last bucket started after backward, so its sum is final): a wrong guess of ``passes`` costs time,
+never correctness.
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pyro_bdl.distributed.comm import broadcast_, comm_device
+from pyro_bdl.distributed.comm import all_finite, broadcast_, comm_device
 
 __all__ = ["GradientBuckets", "decode_rows", "encode_row"]
 
@@ -61,24 +75,74 @@ def decode_rows(flat: torch.Tensor, k: int, world: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(chunks.tobytes(), dtype="<f8").reshape(world, k).copy())
 
 
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    # A sparse .grad (an embedding's) cannot be copied into a dense view as it is.
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 class _Bucket:
-    def __init__(self, params: list[torch.Tensor], extra: int = 0):
+    """One flat buffer for the gradients of ``params`` (the views that become their ``.grad``),
+    ``extra`` slots after them for the ranks' control rows, and, for a bucket that may start
+    during backward (``copy``), the buffer its all-reduce works on."""
+
+    def __init__(self, params: list[torch.Tensor], extra: int = 0, *, copy: bool = True):
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        # ``extra`` slots after the gradients carry the ranks' control rows (last bucket only).
         self.flat = torch.zeros(self.numel + extra, dtype=params[0].dtype, device=params[0].device)
+        self.grads = self.flat[: self.numel]
+        offsets = np.cumsum([0] + [p.numel() for p in params]).tolist()
+        self.views = [self.grads[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
+        self.sent = torch.empty_like(self.flat) if copy else self.flat
         self.work: dist.Work | None = None
+        # The buffer's version after release(): another value means something wrote into the
+        # views between steps (a backward pass outside step()).
+        self.clean = self.flat._version
 
-    def fill(self) -> None:
-        offset = 0
+    def bind(self, had: set[int]) -> None:
+        """Make every ``.grad`` its view; a gradient already there is kept (copied in), as
+        autograd would accumulate onto it, and noted in ``had``."""
+        dirty = self.flat._version != self.clean
         with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                if p.grad is None:
-                    self.flat[offset : offset + n].zero_()
+            for p, view in zip(self.params, self.views):
+                grad = p.grad
+                if grad is view:
+                    had.add(id(p))
+                    continue
+                if grad is None:
+                    if dirty:
+                        view.zero_()
                 else:
-                    self.flat[offset : offset + n].copy_(p.grad.reshape(-1))
-                offset += n
+                    view.copy_(_dense(grad))
+                    had.add(id(p))
+                p.grad = view
+
+    def sync(self, had: set[int]) -> bool:
+        """Copy into its view any ``.grad`` that is not its view (the loss replaced it), and make
+        the view ``.grad`` again; returns whether there was one."""
+        replaced = False
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views):
+                grad = p.grad
+                if grad is view:
+                    continue
+                replaced = True
+                if grad is None:
+                    view.zero_()
+                    had.discard(id(p))
+                else:
+                    view.copy_(_dense(grad))
+                    had.add(id(p))
+                p.grad = view
+        return replaced
+
+    def release(self, keep: set[int]) -> None:
+        """Zero the buffer; ``.grad`` stays the (zero) view for the parameters in ``keep`` and
+        becomes ``None`` for the other ones that still hold their view."""
+        self.flat.zero_()
+        self.clean = self.flat._version
+        for p, view in zip(self.params, self.views):
+            if p.grad is view and id(p) not in keep:
+                p.grad = None
 
 
 class GradientBuckets:
@@ -87,16 +151,20 @@ class GradientBuckets:
 
     Usage (one step)::
 
-        buckets.arm()               # before backward
+        buckets.arm()               # before backward: every .grad becomes a view of a bucket
         loss.backward()             # hooks start the buckets as gradients arrive
-        buckets.launch_remaining()  # every rank starts every bucket
-        ...                         # other collectives may follow here
-        finite = buckets.finish(trained)  # wait, average, write p.grad of ``trained``
+        stale = buckets.end_backward()
+        buckets.launch_remaining(control)  # every rank starts every bucket
+        rows = buckets.gathered()   # every rank's control values
+        finite = buckets.finish(rereduce=stale_anywhere)  # wait, average: .grad holds the means
+        ...                         # the optimizer step
+        buckets.release(keep)       # whatever happened: zero the buffers, end the views
 
     :param params: the parameters, the same list (names, shapes, dtypes, order) on every rank.
     :param process_group: the ``torch.distributed`` group.
     :param float bucket_cap_mb: the largest bucket, in megabytes (PyTorch DDP's default is 25).
     :param int passes: backward passes per step that accumulate into the gradients.
+    :param int control: how many control values each rank sends with the last bucket.
     """
 
     def __init__(
@@ -126,6 +194,7 @@ class GradientBuckets:
         ]
         self._armed = False
         self._seen: dict[int, int] = {}
+        self._had: set[int] = set()
         self._missing: list[int] = []
         self._next = 0
         self.stale = False
@@ -136,24 +205,24 @@ class GradientBuckets:
     def _build(self, launch_order: list[torch.Tensor]) -> None:
         """Cut ``launch_order`` (the first to start first) into buckets of at most the cap, one
         device and dtype each."""
-        self.buckets: list[_Bucket] = []
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        cut: list[list[torch.Tensor]] = []
         for p in launch_order:
             key = (p.device, p.dtype)
             nbytes = p.numel() * p.element_size()
             if groups.get(key) and sizes[key] + nbytes > self._cap:
-                self.buckets.append(_Bucket(groups.pop(key)))
+                cut.append(groups.pop(key))
             if key not in groups:
                 groups[key], sizes[key] = [], 0
             groups[key].append(p)
             sizes[key] += nbytes
-        self.buckets += [_Bucket(ps) for ps in groups.values()]
-        # The last bucket to start also carries every rank's control row (see launch_remaining).
-        last = self.buckets[-1]
-        bits = _chunk_bits(last.flat.dtype)
+        cut += list(groups.values())
+        # The last bucket to start also carries every rank's control row (see launch_remaining),
+        # and starts after backward: it is reduced in place.
+        bits = _chunk_bits(cut[-1][0].dtype)
         extra = self.world * self.control * (64 // bits)
-        self.buckets[-1] = _Bucket(last.params, extra)
+        self.buckets = [_Bucket(ps) for ps in cut[:-1]] + [_Bucket(cut[-1], extra, copy=False)]
         self._where = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
 
     def reorder(self) -> None:
@@ -176,14 +245,28 @@ class GradientBuckets:
         self._handles = []
 
     def arm(self) -> None:
-        """Start a step: count hooks from here, no bucket started."""
+        """Start a step: every ``.grad`` becomes a view of its bucket, hooks count from here, no
+        bucket started."""
         self._seen = {}
+        self._had = set()
         self._arrivals = []
         self._missing = [len(b.params) for b in self.buckets]
         self._next = 0
         self.stale = False
         self.started_in_backward = 0
+        for bucket in self.buckets:
+            bucket.bind(self._had)
         self._armed = True
+
+    def has_grad(self) -> list[bool]:
+        """Per parameter (in the order given), whether it has a gradient this step: one computed
+        by backward, or one it held before the step (as ``p.grad is not None`` in ``SVI``)."""
+        return [id(p) in self._seen or id(p) in self._had for p in self._params]
+
+    def local_finite(self) -> bool:
+        """Whether this rank's gradients are all finite (before any bucket is reduced in
+        place, that is before :meth:`launch_remaining`)."""
+        return all(all_finite(b.grads) for b in self.buckets)
 
     def _hook(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -195,24 +278,36 @@ class GradientBuckets:
         if count == 1:
             self._arrivals.append(key)
         if index < self._next:
-            self.stale = True  # more backward passes than expected: re-reduced by the caller
+            self.stale = True  # more backward passes than expected: re-reduced in finish()
         elif count == self.passes:
             self._missing[index] -= 1
             self._launch_ready()
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.fill()
+        bucket.sync(self._had)
+        if bucket.sent is not bucket.flat:
+            bucket.sent.copy_(bucket.flat)
         bucket.work = dist.all_reduce(
-            bucket.flat, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
+            bucket.sent, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True
         )
 
     def _launch_ready(self) -> None:
         # The last bucket waits for launch_remaining, which knows the control row.
-        last = len(self.buckets) - 1 if self.control else len(self.buckets)
+        last = len(self.buckets) - 1
         while self._next < last and self._missing[self._next] == 0:
             self._launch(self.buckets[self._next])
             self._next += 1
             self.started_in_backward += 1
+
+    def end_backward(self) -> bool:
+        """Backward is over: hooks stop counting, and every ``.grad`` that is not its view (the
+        loss replaced or set it) is copied into its view now; one whose bucket had started makes
+        the step stale. Returns :attr:`stale`."""
+        self._armed = False
+        for index, bucket in enumerate(self.buckets):
+            if bucket.sync(self._had) and index < self._next:
+                self.stale = True
+        return self.stale
 
     def launch_remaining(self, control: Sequence[float] = ()) -> None:
         """Start every bucket not started yet, in order (missing gradients count as zeros); the
@@ -243,28 +338,34 @@ class GradientBuckets:
                 bucket.work.wait()
                 bucket.work = None
 
-    def finish(self, trained: Sequence[torch.Tensor]) -> bool:
-        """Wait, divide by the world size and write the mean gradients of ``trained`` into their
-        ``.grad`` (the others are left as they are).
+    def finish(self, *, rereduce: bool = False) -> bool:
+        """Wait and divide by the world size: every ``.grad`` (a view) holds the mean gradient.
 
+        :param bool rereduce: a rank's step was stale (every rank must pass the same value): the
+            buckets that started during backward are reduced again, synchronously, from this
+            rank's final gradients.
         :returns: whether every averaged value is finite.
         """
         self.wait()
-        wanted = {id(p) for p in trained}
         finite = True
         with torch.no_grad():
             for bucket in self.buckets:
-                grads = bucket.flat[: bucket.numel]
-                grads /= self.world
-                finite = finite and bool(torch.isfinite(grads).all())
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
-                    if id(p) in wanted:
-                        mean = grads[offset : offset + n].view_as(p)
-                        if p.grad is None:
-                            p.grad = mean.clone()
-                        else:
-                            p.grad.copy_(mean)
-                    offset += n
+                if bucket.sent is bucket.flat:
+                    bucket.grads.div_(self.world)
+                elif rereduce:
+                    dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.process_group)
+                    bucket.flat.div_(self.world)
+                else:
+                    torch.div(bucket.sent, self.world, out=bucket.flat)
+                finite = all_finite(bucket.grads) and finite
         return finite
+
+    def release(self, keep: Sequence[torch.Tensor] = ()) -> None:
+        """End the step (also a failed one): zero the buffers; ``.grad`` stays a zero view for
+        the parameters in ``keep`` that had a gradient this step, and is ``None`` for the
+        others."""
+        self._armed = False
+        ids = {id(p) for p in keep}
+        kept = {k for k in ids if k in self._seen or k in self._had}
+        for bucket in self.buckets:
+            bucket.release(kept)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pyro_bdl.distributed.comm import (
+    all_finite,
     all_gather_scalars,
     comm_device,
     device_dtype_buckets,
@@ -176,20 +177,26 @@ def settle_refusal(
     raise agreed
 
 
-def nonfinite_refusal(loss: float, named: list[tuple[str, torch.Tensor]]) -> Exception | None:
+def nonfinite_refusal(
+    loss: float, named: list[tuple[str, torch.Tensor]], *, grads_finite: bool | None = None
+) -> Exception | None:
     """This rank's refusal of a non-finite loss or gradient (``None`` when all are finite), naming
-    the first parameter with a non-finite gradient: ``named`` holds (name, parameter) pairs."""
+    the first parameter with a non-finite gradient: ``named`` holds (name, parameter) pairs.
+    ``grads_finite`` is the answer where the caller has it already (checked on flat buffers
+    that hold the gradients); otherwise the gradients are checked here."""
     fix = "; nothing was updated. Lower the learning rate or check that rank's data for NaN/inf."
     if not math.isfinite(loss):
         return FloatingPointError(f"its loss is {loss}{fix}")
+    if grads_finite is None:
+        # One reduction per (device, dtype) over the gradients' sums (see all_finite).
+        grads_finite = all(
+            all_finite(torch.stack([g.sum() for g in bucket]))
+            for bucket in device_dtype_buckets(p.grad for _, p in named if p.grad is not None)
+        )
+    if grads_finite:
+        return None
     grads = [(n, p.grad) for n, p in named if p.grad is not None]
-    # One reduction per (device, dtype): a sum is finite when every element is (it can also
-    # overflow, which the element-wise search below tells apart).
-    finite = all(
-        bool(torch.isfinite(torch.stack([g.sum() for g in bucket])).all())
-        for bucket in device_dtype_buckets(g for _, g in grads)
-    )
-    bad = None if finite else next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
+    bad = next((n for n, g in grads if not bool(torch.isfinite(g).all())), None)
     return (
         None if bad is None else FloatingPointError(f"the gradient of {bad!r} is not finite{fix}")
     )

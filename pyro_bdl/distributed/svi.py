@@ -31,12 +31,13 @@ References:
 
 from __future__ import annotations
 
+import math
 import warnings
+import zlib
 from collections.abc import Callable
 
 import pyro
 import torch
-from pyro import poutine
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.util import zero_grads
@@ -62,10 +63,11 @@ from pyro_bdl.distributed.refusal import (
 )
 from pyro_bdl.distributed.svi_parts import (
     SEED_RANGE,
+    ParamRecorder,
     backward_passes,
     check_seed,
     crc,
-    grads,
+    grads_of,
     item,
     modules,
     unsynced_batchnorms,
@@ -185,9 +187,11 @@ class DataParallelSVI(SVI):
             )
         self._buffers = [b for m in batchnorms.values() for b in m.buffers()]
         self._norm_modules = list(modules(model, guide))
+        self._world = get_world_size(process_group)
+        self._snapshot = Rollback([])  # set in broadcast_parameters
         self._params: dict[str, torch.Tensor] = {}
         self._known: set[int] = set()
-        self._overlap = bool(overlap) and get_world_size(process_group) > 1
+        self._overlap = bool(overlap) and self._world > 1
         self._bucket_cap_mb = float(bucket_cap_mb)
         self._buckets: GradientBuckets | None = None
         self.broadcast_parameters()
@@ -228,6 +232,9 @@ class DataParallelSVI(SVI):
                 "pyro.clear_param_store() before setting up."
             )
         broadcast_(list(named.values()) + self._buffers, self.process_group)
+        # What a step may change outside the optimizer, saved before every step into storage
+        # kept between steps: the normalisation layers' statistics and the random streams.
+        self._snapshot = Rollback(norm_layer_buffers(self._norm_modules))
         self._params = named
         self._known = {id(p) for p in named.values()}
         if self._buckets is not None:
@@ -271,24 +278,32 @@ class DataParallelSVI(SVI):
 
         :returns: the loss averaged over the ranks.
         """
-        snapshot = Rollback.saved(norm_layer_buffers(self._norm_modules))
+        self._snapshot.save()
         trained: list[tuple[str, torch.Tensor]] = []
         traced_params: list[torch.Tensor] = []
+        traced: dict[int, str] = {}
         buckets = self._buckets
         try:
             if buckets is not None:
-                buckets.arm()  # the gradient hooks start the buckets' all-reduces in backward
+                # Every .grad becomes a view of its bucket; the gradient hooks start the
+                # buckets' all-reduces during backward.
+                buckets.arm()
             error, loss, traced, traced_params = self._local_step(args, kwargs)
             unknown = [name for key, name in traced.items() if key not in self._known]
             # The buckets follow the list fixed (and checked equal on every rank) by
             # broadcast_parameters, so they line up even when ranks trace different parameters.
             # Like SVI, only parameters this step traced and differentiated are trained.
-            has_grad = [id(p) in traced and p.grad is not None for p in self._params.values()]
             stale = float(buckets is not None and buckets.stale)
+            grads = (
+                buckets.has_grad()
+                if buckets is not None
+                else [p.grad is not None for p in self._params.values()]
+            )
+            has_grad = [id(p) in traced and g for p, g in zip(self._params.values(), grads)]
             # Every rank's refusal status, loss and checksums, exchanged before any gradient is
             # used: in the last gradient bucket (overlap), else in one all-gather. A refusal on
             # any rank raises here, on every rank.
-            values = [loss, len(unknown), crc([str(int(g)) for g in has_grad]), stale]
+            values = [loss, len(unknown), zlib.crc32(bytes(has_grad)), stale]
             step = self.num_steps_taken
             if buckets is not None:
                 # Every rank starts every bucket, even on a refusal.
@@ -298,14 +313,15 @@ class DataParallelSVI(SVI):
                 )
             else:
                 stats = agree_on_refusal(error, values, step=step, process_group=self.process_group)
-            if bool((stats[:, 1] > 0).any()):
+            rows = stats.tolist()
+            if any(row[1] > 0 for row in rows):
                 where = f"here: {', '.join(unknown[:5])}" if unknown else "on another rank"
                 raise GuideNotInitializedError(
                     f"step {self.num_steps_taken}: parameters were created after "
                     f"DataParallelSVI was built ({where}), so the ranks did not start from the "
                     "same values. " + _HOW_TO_INIT
                 )
-            if not bool((stats[:, 2] == stats[0, 2]).all()):
+            if any(row[2] != rows[0][2] for row in rows):
                 # Data-dependent control flow left some parameters without a gradient on some
                 # ranks only: a gradient on any rank makes the parameter trainable everywhere
                 # (the others contribute zeros to the average).
@@ -314,24 +330,27 @@ class DataParallelSVI(SVI):
                 all_reduce_([mask], self.process_group)
                 has_grad = (mask > 0).tolist()
             trained = [(n, p) for (n, p), g in zip(self._params.items(), has_grad) if g]
-            if buckets is not None and not bool((stats[:, 3] > 0).any()):
-                finite = buckets.finish([p for _, p in trained])
-            else:  # no overlap, or a rank ran more backward passes than its hooks expected
-                if buckets is not None:
-                    buckets.wait()
-                finite = all_reduce_(grads(trained), self.process_group)
+            if buckets is not None:
+                # A rank that ran more backward passes than its hooks expected re-reduces.
+                finite = buckets.finish(rereduce=any(row[3] > 0 for row in rows))
+            else:
+                finite = all_reduce_(grads_of(trained), self.process_group)
             mean_loss = float(stats[:, 0].mean())
-            if not finite or not torch.isfinite(torch.tensor(mean_loss)):
+            if not finite or not math.isfinite(mean_loss):
                 self._raise_nonfinite(mean_loss, trained)
             self.optim([p for _, p in trained])
         except BaseException:
-            snapshot.restore()
+            self._snapshot.restore()
             raise
         finally:
-            if buckets is not None:
+            # Gradients never outlive the step, also when it raised: zeros where SVI leaves
+            # zeros (the traced and trained parameters that have one), else None.
+            if buckets is None:
+                zero_grads(traced_params + [p for _, p in trained])
+            else:
                 buckets.wait()  # no all-reduce outlives the step
-            # Gradients never outlive the step, also when it raised.
-            zero_grads(traced_params + [p for _, p in trained])
+                buckets.release([*traced_params, *(p for _, p in trained)])
+                zero_grads([p for p in traced_params if id(p) not in self._known])
         if self._buffers:
             broadcast_(self._buffers, self.process_group)
         self.num_steps_taken += 1
@@ -344,16 +363,20 @@ class DataParallelSVI(SVI):
         traced: dict[int, str] = {}
         traced_params: list[torch.Tensor] = []
         try:
-            with poutine.trace(param_only=True) as capture:
+            with ParamRecorder() as capture:
                 loss = item(self.loss_and_grads(self.model, self.guide, *args, **kwargs))
-            traced_params = [site["value"].unconstrained() for site in capture.trace.nodes.values()]
-            traced = {id(p): name for p, name in zip(traced_params, capture.trace.nodes)}
+            traced_params = list(capture.params.values())
+            traced = {id(p): name for name, p in capture.params.items()}
+            if self._buckets is not None:
+                self._buckets.end_backward()  # a .grad the loss replaced is in its bucket now
         except Exception as refusal:
             return refusal, float("nan"), traced, traced_params
         nonfinite = None
-        if get_world_size(self.process_group) > 1:
+        if self._world > 1:
             # One process keeps SVI's errors; across ranks, name the rank whose values broke.
-            nonfinite = nonfinite_refusal(loss, [(traced[id(p)], p) for p in traced_params])
+            finite = None if self._buckets is None else self._buckets.local_finite()
+            named = [(traced[id(p)], p) for p in traced_params]
+            nonfinite = nonfinite_refusal(loss, named, grads_finite=finite)
         return nonfinite, loss, traced, traced_params
 
     def _raise_nonfinite(self, mean_loss: float, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -371,7 +394,7 @@ class DataParallelSVI(SVI):
     def evaluate_loss(self, *args, **kwargs) -> float:
         """The loss on this rank's batch, without gradients, averaged over the ranks. A batch
         refused on any rank raises on every rank, as in :meth:`step`."""
-        snapshot = Rollback.saved(norm_layer_buffers(self._norm_modules))
+        self._snapshot.save()
         error, loss = None, float("nan")
         try:
             with torch.no_grad():
@@ -383,6 +406,6 @@ class DataParallelSVI(SVI):
                 error, [loss], step=self.num_steps_taken, process_group=self.process_group
             )
         except BaseException:
-            snapshot.restore()
+            self._snapshot.restore()
             raise
         return float(stats[:, 0].mean())

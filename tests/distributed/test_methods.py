@@ -196,11 +196,56 @@ def _phase_overlap(rank: int) -> dict:
     }
 
 
+def _wb_loss(model, guide, x: torch.Tensor, replace: bool) -> float:
+    """½(x − w − b)², differentiated here; with ``replace`` the gradient of b is then replaced
+    by a new tensor three times as large (not the bucket's view that autograd wrote into)."""
+    w, b = pyro.param("w"), pyro.param("b")
+    loss = 0.5 * (x - w - b) ** 2
+    loss.backward()
+    if replace:
+        b.grad = 3 * b.grad
+    return loss.item()
+
+
+def _no_sites(x: torch.Tensor, replace: bool) -> None:
+    pass
+
+
+def _grad_view_run(rank: int, **options) -> dict:
+    pyro.clear_param_store()
+    w = pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    pyro.param("b", torch.tensor(0.0, dtype=torch.float64))
+    w.register_hook(lambda g: 2 * g)  # a user's gradient hook on w
+    svi = DataParallelSVI(_no_sites, _no_sites, pyro.optim.SGD({"lr": 1.0}), _wb_loss, **options)
+    x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
+    values, grads_after, stale = [], [], []
+    for _ in range(2):
+        svi.step(x, True)
+        store = pyro.get_param_store()
+        values.append((store["w"].item(), store["b"].item()))
+        grads = [p.grad for _, p in store.named_parameters()]
+        grads_after.append(all(g is None or not g.any() for g in grads))
+        if svi._buckets is not None:
+            stale.append(svi._buckets.stale)
+    return {"values": values, "grads_after": grads_after, "stale": stale}
+
+
+def _phase_grad_views(rank: int) -> dict:
+    """A gradient hook and a replaced ``.grad`` with the gradients as bucket views: one bucket,
+    a bucket per parameter (8 bytes each), and without overlap."""
+    return {
+        "one": _grad_view_run(rank),
+        "small": _grad_view_run(rank, bucket_cap_mb=8 / 2**20),
+        "off": _grad_view_run(rank, overlap=False),
+    }
+
+
 PHASES = {
     "swag": _phase_swag,
     "vogn": _phase_vogn,
     "metrics": _phase_metrics,
     "overlap": _phase_overlap,
+    "grad_views": _phase_grad_views,
 }
 
 
@@ -337,3 +382,20 @@ def test_control_rows_survive_the_sum_bit_for_bit(dtype):
     assert total.dtype == dtype
     back = decode_rows(total, len(values), 3)
     assert torch.equal(back.view(torch.int64), rows.view(torch.int64))
+
+
+def test_gradient_hooks_and_replaced_gradients_survive_bucket_views(ranks):
+    # ½(x − w − b)² at w = 1, b = 0 with x = 2 on rank 0 and 4 on rank 1: ∂/∂w = ∂/∂b = −1 and
+    # −3. The hook doubles w's gradients (mean −4) and the loss triples b's (mean −6), so SGD
+    # with lr 1 gives w = 5, b = 6; the second step's residuals −9 and −7 then give
+    # w = 5 − 2·8 = −11 and b = 6 − 3·8 = −18. Small integers: exact in float64.
+    for r in ranks:
+        for name, run in r["grad_views"].items():
+            assert run["values"] == [(5.0, 6.0), (-11.0, -18.0)], name
+            # Gradients do not outlive a step: none, or zeros, never the bucket's means.
+            assert run["grads_after"] == [True, True], name
+    # With a bucket per parameter, b's gradient arrives first in backward, so after the first
+    # step's reorder its bucket starts during backward; replacing b.grad after that makes the
+    # step stale, and the ranks reduce the replaced gradient again after backward.
+    assert ranks[0]["grad_views"]["small"]["stale"] == [False, True]
+    assert ranks[0]["grad_views"]["one"]["stale"] == [False, False]
