@@ -679,7 +679,8 @@ def run_laplace_torch(b: Bench) -> None:
     (``<s>_regrouped_fit_s``, see :func:`regrouped`). ``<s>_trimmed_ratio`` is ours trimmed over
     the peer as given, ``<s>_regrouped_ratio`` ours trimmed over the peer on the same groups;
     ``positions_*`` count the token positions each computes. Every timing runs
-    ``--peer-rounds`` times in turn; the figures are the medians, the rounds under ``rounds``.
+    ``--peer-rounds`` times in turn; the seconds are the medians, the ratios the medians of
+    each round's ratio, every round's seconds under ``rounds``.
 
     The peer runs with its ASDL backend on a copy whose PEFT head wrapper
     (``ModulesToSaveWrapper``) is replaced by the head it wraps (the same layer and weights):
@@ -835,18 +836,17 @@ def _run_laplace_torch(b: Bench) -> None:
             continue
         for key, values in rounds.items():
             figures[key] = statistics.median(values)
-        ours_s, trimmed = (
-            figures[f"ours_{structure}_fit_s"],
-            figures[f"ours_{structure}_trimmed_fit_s"],
-        )
-        peer, peer_regrouped = (
-            figures[f"{structure}_fit_s"],
-            figures[f"{structure}_regrouped_fit_s"],
-        )
-        figures[f"{structure}_ratio"] = ours_s / peer
+
+        def ratio(num: str, den: str) -> float:
+            # Per round (the two fits back to back), then the median over rounds.
+            return statistics.median(a / b for a, b in zip(rounds[num], rounds[den]))
+
+        ours_s, trimmed = f"ours_{structure}_fit_s", f"ours_{structure}_trimmed_fit_s"
+        peer, peer_regrouped = f"{structure}_fit_s", f"{structure}_regrouped_fit_s"
+        figures[f"{structure}_ratio"] = ratio(ours_s, peer)
         # (a) ours trimmed against the peer on the batches as given; (b) both on the groups.
-        figures[f"{structure}_trimmed_ratio"] = trimmed / peer
-        figures[f"{structure}_regrouped_ratio"] = trimmed / peer_regrouped
+        figures[f"{structure}_trimmed_ratio"] = ratio(trimmed, peer)
+        figures[f"{structure}_regrouped_ratio"] = ratio(trimmed, peer_regrouped)
         la = peers[""]
         # The GLM predictive (probit) on the test phrases, back to back: ours, then the peer's,
         # both in batches of 16 (the peer's vmap over B × C Jacobian rows outgrew 16 GB at 64).
