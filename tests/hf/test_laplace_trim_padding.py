@@ -2,14 +2,12 @@
 posterior of the batches as given (a tiny random BERT with LoRA adapters, ragged masks), and
 masks it cannot trim exactly are refused."""
 
-import warnings
-
 import pyro
 import pytest
 import torch
 from torch.testing import assert_close
 
-from tests.hf import tiny_bert_config
+from tests.hf import lora_bert, tiny_bert_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -32,16 +30,7 @@ RTOL = 1e-5
 
 def _model():
     torch.manual_seed(0)
-    net = transformers.BertForSequenceClassification(
-        tiny_bert_config(VOCAB, 2, num_hidden_layers=2)
-    ).eval()
-    lora = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
-        net = peft.get_peft_model(net, lora).eval()
-    for name, p in net.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero: a random B gives every weight a gradient
-            torch.nn.init.normal_(p, std=0.3)
+    net = lora_bert(tiny_bert_config(VOCAB, 2, num_hidden_layers=2), rank=4)
     bdl.bayesianize(net, expose=bdl.nn.lora_and_head)
     return bdl.models.classifier(net, ROWS)
 
