@@ -256,15 +256,40 @@ def check_on_device(net: nn.Module, device: torch.device) -> None:
 
 
 class PackedText(nn.Module):
-    """A sequence classifier over one tensor ``x`` (B, 2, T) = (token ids, attention mask):
-    Laplace's ``fit``/``predict`` slice tensor batches, so every method gets this form."""
+    """A sequence classifier over one tensor ``x`` (B, 2, T) = (token ids, attention mask),
+    the form every method gets, or over the tokenizer's mapping (``input_ids``,
+    ``attention_mask``: :func:`as_text`), which Laplace's ``fit(trim_padding=True)`` regroups."""
 
     def __init__(self, net: nn.Module):
         super().__init__()
         self.net = net
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(input_ids=x[:, 0], attention_mask=x[:, 1]).logits
+    def forward(self, x: torch.Tensor | None = None, **text: torch.Tensor) -> torch.Tensor:
+        if x is not None:
+            text = {"input_ids": x[:, 0], "attention_mask": x[:, 1]}
+        return self.net(**text).logits
+
+
+def as_text(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[dict, torch.Tensor]]:
+    """The packed ``(x (B, 2, T), y)`` batches as ``({input_ids, attention_mask}, y)``."""
+    return [({"input_ids": x[:, 0], "attention_mask": x[:, 1]}, y) for x, y in batches]
+
+
+def regrouped(batches: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> list[tuple]:
+    """The packed batches as ``fit(trim_padding=True)`` computes them (each batch's rows
+    regrouped by length, at most ``rows`` a group, each trimmed to its longest row), packed
+    again: what the peer is given in the comparison on the same positions."""
+    from pyro_bdl.guides.laplace.padding import ByLength
+
+    return [
+        (torch.stack([x["input_ids"], x["attention_mask"]], 1), y)
+        for x, y in ByLength(as_text(batches), rows)
+    ]
+
+
+def positions(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Token positions a forward pass over packed ``batches`` computes (rows × width)."""
+    return sum(x.shape[0] * x.shape[-1] for x, _ in batches)
 
 
 def build(net: nn.Module, rank: int, n_train: int):
@@ -581,10 +606,10 @@ def run_laplace(b: Bench, name: str, subnetwork: str, structure: str) -> None:
         batch_size=b.args.eval_batch,
     )
     guide(*b.first)
-    data = b.batches("train")
+    data = as_text(b.batches("train"))
     synchronize(b.device)
     start = time.perf_counter()
-    guide.fit(data)
+    guide.fit(data, trim_padding=True)
     synchronize(b.device)
     fit_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -645,7 +670,17 @@ def run_laplace_torch(b: Bench) -> None:
     MAP weights and batches (an unlifted copy of the network),
     each right after ours on the same batches (the load of a shared machine changes by the
     minute), and one forward and one backward pass of every training batch (the floor of an
-    exact fit with two classes).
+    exact fit with two classes), and one forward pass without autograd of the batches as given
+    and of the regrouped ones (the floor of a last-layer fit).
+
+    Ours runs twice per structure: on the batches as given (``ours_<s>_fit_s``, ``<s>_ratio``)
+    and on the same batches as text with ``fit(trim_padding=True)`` (``ours_<s>_trimmed_fit_s``);
+    the peer on the batches as given (``<s>_fit_s``) and on the groups our trimmed fit computes
+    (``<s>_regrouped_fit_s``, see :func:`regrouped`). ``<s>_trimmed_ratio`` is ours trimmed over
+    the peer as given, ``<s>_regrouped_ratio`` ours trimmed over the peer on the same groups;
+    ``positions_*`` count the token positions each computes. Every timing runs
+    ``--peer-rounds`` times in turn; the seconds are the medians, the ratios the medians of
+    each round's ratio, every round's seconds under ``rounds``.
 
     The peer runs with its ASDL backend on a copy whose PEFT head wrapper
     (``ModulesToSaveWrapper``) is replaced by the head it wraps (the same layer and weights):
@@ -659,8 +694,11 @@ def run_laplace_torch(b: Bench) -> None:
         _run_laplace_torch(b)
 
 
-def _our_fit(b: Bench, structure: str, batches: list, subnetwork: str = "all") -> tuple[float, Any]:
-    """Seconds of our fit over ``batches`` (the peer's), and the fitted guide."""
+def _our_fit(
+    b: Bench, structure: str, batches: list, subnetwork: str = "all", trim: bool = False
+) -> tuple[float, Any]:
+    """Seconds of our fit over ``batches`` (the peer's), and the fitted guide; ``trim``: over
+    the same batches as text mappings, regrouped and trimmed by ``fit(trim_padding=True)``."""
     import pyro_bdl as bdl
 
     pyro.clear_param_store()
@@ -672,11 +710,21 @@ def _our_fit(b: Bench, structure: str, batches: list, subnetwork: str = "all") -
         batch_size=b.args.eval_batch,
     )
     guide(*b.first)
+    data = as_text(batches) if trim else batches
     synchronize(b.device)
     start = time.perf_counter()
-    guide.fit(batches)
+    guide.fit(data, trim_padding=trim)
     synchronize(b.device)
     return time.perf_counter() - start, guide
+
+
+def _seconds(b: Bench, fn: Callable[[], Any]) -> float:
+    """Seconds of ``fn()``, the device synchronized around it."""
+    synchronize(b.device)
+    start = time.perf_counter()
+    fn()
+    synchronize(b.device)
+    return time.perf_counter() - start
 
 
 def _ms_per_item(b: Bench, predict: Callable, batches: list) -> float:
@@ -745,24 +793,61 @@ def _run_laplace_torch(b: Bench) -> None:
         ("kron", "all", "kron", "all", "kron"),
         ("last_layer", "last_layer", "full", "last_layer", "kron"),
     )
+    # Our fit with trim_padding=True regroups each batch by length and trims every group; the
+    # peer is timed on the batches as given and, separately, on the very groups ours computes
+    # (``regrouped``), so that both comparisons are on record.
+    groups = regrouped(batches, b.args.eval_batch)
+    figures["positions_as_given"] = positions(batches)
+    figures["positions_regrouped"] = positions(groups)
+    figures["positions_real"] = int(b.splits["train"].lengths.sum())
+    # Each timing repeated ``--peer-rounds`` times in turn (a shared machine's load changes by
+    # the minute); the figures are the medians, every round under ``rounds``.
+    rounds: dict[str, list[float]] = {}
+
+    def forward(data: list) -> None:
+        with torch.no_grad():
+            for x, _ in data:
+                net(x)
+
+    for _ in range(b.args.peer_rounds):
+        for key, data in (("forward_s", batches), ("forward_regrouped_s", groups)):
+            rounds.setdefault(key, []).append(_seconds(b, partial(forward, data)))
     for structure, subnetwork, our_structure, subset, peer_structure in pairs:
-        figures[f"ours_{structure}_fit_s"], ours = _our_fit(b, our_structure, batches, subnetwork)
-        la = laplace.Laplace(
-            net, "classification", subset_of_weights=subset, hessian_structure=peer_structure,
-            backend=backend,
-        )  # fmt: skip
-        synchronize(b.device)
-        start = time.perf_counter()
-        try:
-            la.fit(_Batches(batches, len(b.splits["train"])), progress_bar=False)
-        except Exception as err:  # the peer failing on the PEFT model: recorded
-            figures[f"{structure}_error"] = f"{type(err).__name__}: {err}"[:300]
+        peers: dict[str, Any] = {}
+        for _ in range(b.args.peer_rounds):
+            seconds, ours = _our_fit(b, our_structure, batches, subnetwork)
+            rounds.setdefault(f"ours_{structure}_fit_s", []).append(seconds)
+            seconds, _ = _our_fit(b, our_structure, batches, subnetwork, trim=True)
+            rounds.setdefault(f"ours_{structure}_trimmed_fit_s", []).append(seconds)
+            for name, data in (("", batches), ("_regrouped", groups)):
+                la = laplace.Laplace(
+                    net, "classification", subset_of_weights=subset,
+                    hessian_structure=peer_structure, backend=backend,
+                )  # fmt: skip
+                loader = _Batches(data, len(b.splits["train"]))
+                try:
+                    seconds = _seconds(b, partial(la.fit, loader, progress_bar=False))
+                except Exception as err:  # the peer failing on the PEFT model: recorded
+                    figures[f"{structure}{name}_error"] = f"{type(err).__name__}: {err}"[:300]
+                    break
+                rounds.setdefault(f"{structure}{name}_fit_s", []).append(seconds)
+                peers.setdefault(name, la)
+        if len(peers) < 2:
             continue
-        synchronize(b.device)
-        figures[f"{structure}_fit_s"] = time.perf_counter() - start
-        figures[f"{structure}_ratio"] = (
-            figures[f"ours_{structure}_fit_s"] / figures[f"{structure}_fit_s"]
-        )
+        for key, values in rounds.items():
+            figures[key] = statistics.median(values)
+
+        def ratio(num: str, den: str) -> float:
+            # Per round (the two fits back to back), then the median over rounds.
+            return statistics.median(a / b for a, b in zip(rounds[num], rounds[den]))
+
+        ours_s, trimmed = f"ours_{structure}_fit_s", f"ours_{structure}_trimmed_fit_s"
+        peer, peer_regrouped = f"{structure}_fit_s", f"{structure}_regrouped_fit_s"
+        figures[f"{structure}_ratio"] = ratio(ours_s, peer)
+        # (a) ours trimmed against the peer on the batches as given; (b) both on the groups.
+        figures[f"{structure}_trimmed_ratio"] = ratio(trimmed, peer)
+        figures[f"{structure}_regrouped_ratio"] = ratio(trimmed, peer_regrouped)
+        la = peers[""]
         # The GLM predictive (probit) on the test phrases, back to back: ours, then the peer's,
         # both in batches of 16 (the peer's vmap over B × C Jacobian rows outgrew 16 GB at 64).
         test = [(x[i : i + 16], y[i : i + 16]) for x, y in b.batches("test")
@@ -773,6 +858,7 @@ def _run_laplace_torch(b: Bench) -> None:
         figures[f"{structure}_predict_ms_per_item"] = peer_ms
         figures[f"{structure}_predict_ratio"] = ours_ms / peer_ms
         del la
+    figures["rounds"] = rounds
     print("  laplace_torch: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()), flush=True)
     b.results["laplace_torch"] = figures
 
@@ -1124,6 +1210,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--swag-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3])
     p.add_argument("--swag-epochs", type=int, default=1)
+    p.add_argument(
+        "--peer-rounds", type=int, default=1,
+        help="times each fit of the laplace_torch comparison runs (figures: the medians)",
+    )  # fmt: skip
     p.add_argument("--swag-every", type=int, default=4)
     p.add_argument("--swag-rank", type=int, default=8)
     p.add_argument("--members", type=int, default=3)

@@ -34,6 +34,11 @@ def test_quick_mode_runs_every_method_and_writes_nothing(tmp_path, monkeypatch):
         assert peer["forward_backward_s"] > 0 and peer["ours_kron_fit_s"] > 0, peer
         assert peer["kron_ratio"] > 0 and peer["diag_ratio"] > 0, peer
         assert peer["last_layer_ratio"] > 0 and peer["ours_last_layer_fit_s"] > 0, peer
+        for structure in ("last_layer", "kron", "diag"):
+            assert peer[f"{structure}_trimmed_ratio"] > 0, peer
+            assert peer[f"{structure}_regrouped_ratio"] > 0, peer
+        assert peer["positions_real"] <= peer["positions_regrouped"], peer
+        assert peer["positions_regrouped"] <= peer["positions_as_given"], peer
     for name, fig in methods.items():
         assert 0.0 <= fig["accuracy"] <= 1.0 and fig["nll"] > 0, name
         assert 0.0 <= fig["auroc_shift_docs"] <= 1.0, name

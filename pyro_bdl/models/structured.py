@@ -49,8 +49,9 @@ def call_network(net: nn.Module, x: Batch) -> Any:
     return net(x)
 
 
-def rows_of(item: Any, rows: slice) -> Any:
-    """``item`` with every tensor in it (inside mappings and tuples too) sliced along dim 0."""
+def rows_of(item: Any, rows: slice | torch.Tensor) -> Any:
+    """``item`` with every tensor in it (inside mappings and tuples too) indexed along dim 0 by
+    ``rows`` (a slice, or a tensor of row indices)."""
     if isinstance(item, torch.Tensor):
         return item[rows]
     if isinstance(item, Mapping):

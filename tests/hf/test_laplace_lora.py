@@ -3,7 +3,6 @@ PEFT head take the hook path of the subnetwork Jacobian, and two classes cost on
 one backward pass a batch."""
 
 import math
-import warnings
 
 import pyro
 import pytest
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from tests.hf import tiny_bert_config
+from tests.hf import lora_bert, tiny_bert_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -38,15 +37,7 @@ class Packed(nn.Module):
 
 def _model():
     torch.manual_seed(0)
-    config = tiny_bert_config(VOCAB, 2)
-    net = transformers.BertForSequenceClassification(config).double().eval()
-    lora = peft.LoraConfig(r=8, target_modules=["query", "value"], task_type="SEQ_CLS")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
-        net = peft.get_peft_model(net, lora).eval()
-    for name, p in net.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero: a random B gives every weight a gradient
-            nn.init.normal_(p, std=0.3)
+    net = lora_bert(tiny_bert_config(VOCAB, 2), dtype=torch.float64)
     packed = Packed(net).eval()
     bdl.bayesianize(packed, expose=bdl.nn.lora_and_head)
     return bdl.models.classifier(packed, 40)

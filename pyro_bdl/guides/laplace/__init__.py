@@ -5,7 +5,8 @@ and :class:`AutoSubnetLaplace`) and :mod:`~pyro_bdl.guides.laplace.model` (the p
 network); the mathematics is in :mod:`~pyro_bdl.guides.laplace.posterior` (the structures, their
 factorisation, the linearized predictive) and :mod:`~pyro_bdl.guides.laplace.evidence` (the
 marginal likelihood and the search over λ and σ); :mod:`~pyro_bdl.guides.laplace.subnetwork`
-chooses the subnetwork.
+chooses the subnetwork; :mod:`~pyro_bdl.guides.laplace.padding` regroups right-padded text
+batches by length for a fit (``fit(trim_padding=True)``).
 """
 
 from pyro_bdl.guides.laplace.guide import (

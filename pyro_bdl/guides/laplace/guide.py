@@ -70,6 +70,7 @@ from pyro_bdl.guides.laplace.model import (
     raised_by_reduction,
     warn_if_not_at_mode,
 )
+from pyro_bdl.guides.laplace.padding import ByLength
 from pyro_bdl.guides.laplace.posterior import (
     LINKS,
     DiagPosterior,
@@ -391,7 +392,9 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         )
         return 1.0 / (diag + lam)
 
-    def fit(self, data: Any, *, reduce_fn=None, check_mode: bool = True) -> AutoSubnetLaplace:
+    def fit(
+        self, data: Any, *, reduce_fn=None, check_mode: bool = True, trim_padding: bool = False
+    ) -> AutoSubnetLaplace:
         r"""Compute the GGN Laplace posterior over the subnetwork at the current MAP values.
 
         :param data: the training data, a tuple ``(x, y)`` of tensors or a DataLoader yielding
@@ -404,13 +407,25 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
             :class:`~pyro_bdl.guides.laplace.model.NotAtModeWarning` when they are far from it
             (:func:`~pyro_bdl.guides.laplace.model.warn_if_not_at_mode`); ``False`` fits at
             any weights silently.
+        :param bool trim_padding: the batches are a tokenizer's right-padded text batches
+            (``x`` a mapping with an ``attention_mask`` of ones then zeros in each row): the
+            rows of each batch are regrouped by length and every group trimmed to its longest
+            row, so that no padding position beyond a group's width is computed
+            (:class:`~pyro_bdl.guides.laplace.padding.ByLength`). The same posterior to float
+            rounding for a network whose output for a row ignores its masked trailing positions
+            (BERT-style encoders, right-padded causal decoders); not for a network that pools
+            over padding. A batch without such a mask (a tensor ``x``, left padding, a mask
+            not of zeros and ones, a row without a real token; for ``"kron"``, a row of one
+            token) is refused.
         :returns: ``self``.
         :raises NonGaussianPriorError: when no ``prior_precision`` was given and a weight's
             declared prior is not Gaussian (before anything changes).
         """
         check_reduce_fn(reduce_fn)
+        if not isinstance(trim_padding, bool):
+            raise TypeError(f"trim_padding must be True or False; got {trim_padding!r}.")
         try:
-            return self._fit(data, reduce_fn, check_mode)
+            return self._fit(data, reduce_fn, check_mode, trim_padding)
         except BaseException as err:
             # Data parallel: a rank refusing before a reduction the others wait in joins their
             # agreement instead, so that every rank raises (the reduction's own errors are agreed).
@@ -419,9 +434,13 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
                 refuse(err)
             raise
 
-    def _fit(self, data: Any, reduce_fn, check_mode: bool) -> AutoSubnetLaplace:
+    def _fit(self, data: Any, reduce_fn, check_mode: bool, trim_padding: bool) -> AutoSubnetLaplace:
         """:meth:`fit` (its arguments checked)."""
         first = next(iter_batches(data, self.batch_size))
+        if trim_padding:
+            # Every pass below sums over rows; ``first`` (the set-up and the memory measure)
+            # keeps the untrimmed width, so the chunk sizes are those of the data as given.
+            data = ByLength(data, self.batch_size, 2 if self.hessian_structure == "kron" else 1)
         if self.prototype_trace is None:
             self._setup_prototype(*first)
         obs = self._observe(first)

@@ -294,12 +294,20 @@ def check_supported(model) -> None:
         )
 
 
-def leaf_slots(layout: SiteLayout, flat: torch.Tensor) -> tuple[dict, list[ParamSlot]]:
+def leaf_slots(
+    layout: SiteLayout, flat: torch.Tensor, index: torch.Tensor | None = None
+) -> tuple[dict, list[ParamSlot]]:
     """Every site's value from the packed unconstrained ``flat`` (fresh leaves that require
-    grad, views of ``flat``), and the :class:`~pyro_bdl.curvature.ParamSlot` of each site."""
+    grad, views of ``flat``), and the :class:`~pyro_bdl.curvature.ParamSlot` of each site.
+
+    With ``index`` (packed positions of a subnetwork) only the sites holding one of them require
+    grad: nothing is differentiated with respect to the others, so a forward pass records no
+    graph before the first layer of the subnetwork (the last-layer fit's base runs as under
+    ``no_grad``); the values are the same."""
+    wanted = None if index is None else _sites_touched(layout, index)
     values, slots = {}, []
-    for site, block in zip(layout, layout.split(flat.detach())):
-        u = block.detach().requires_grad_(True)
+    for k, (site, block) in enumerate(zip(layout, layout.split(flat.detach()))):
+        u = block.detach().requires_grad_(wanted is None or k in wanted)
         value = site.constrain(u)
         # The hook path needs the layer to use u itself; a constrained site (value ≠ u) takes
         # the generic path, which differentiates through the transform.
@@ -312,6 +320,13 @@ def leaf_slots(layout: SiteLayout, flat: torch.Tensor) -> tuple[dict, list[Param
             slots.append(ParamSlot(u, None, ""))
         values[site.name] = value
     return values, slots
+
+
+def _sites_touched(layout: SiteLayout, index: torch.Tensor) -> set[int]:
+    """Positions in ``layout`` of the sites holding at least one packed position of ``index``."""
+    starts = torch.tensor([site.start for site in layout], dtype=torch.long)
+    owners = torch.searchsorted(starts, index.detach().cpu().long(), right=True) - 1
+    return set(owners.unique().tolist())
 
 
 def forward_fn(
@@ -427,10 +442,18 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
 # ---- the passes ----------------------------------------------------------------------------
 
 
-def forward_at(model, layout: SiteLayout, flat: torch.Tensor, args: tuple, obs: Observation):
+def forward_at(
+    model,
+    layout: SiteLayout,
+    flat: torch.Tensor,
+    args: tuple,
+    obs: Observation,
+    index: torch.Tensor | None = None,
+):
     """``(forward function, slots)`` of the network of ``model`` with the weights at the packed
-    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`)."""
-    values, slots = leaf_slots(layout, flat)
+    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`); with ``index``, only the subnetwork's
+    sites require grad."""
+    values, slots = leaf_slots(layout, flat, index)
     returned = obs.split is not None
     return forward_fn(model, values, args, obs.name, returned=returned), slots
 
@@ -559,7 +582,7 @@ def fit_full(
     exclude = [loc, *tensors, *owned]
     layer = single_linear(layout, index)
     with eval_mode(model):
-        at = lambda n: forward_at(model, layout, loc, head(first, n), obs)  # noqa: E731
+        at = lambda n: forward_at(model, layout, loc, head(first, n), obs, index)  # noqa: E731
         if layer is not None:
             # Per row: the forward graph, one row of the O·k products, the layer input, the
             # gradients at the layer's output (O × C) and their products (O × O).
@@ -577,7 +600,7 @@ def fit_full(
     stats = torch.zeros(4, dtype=torch.float64)
     with eval_mode(model):
         for batch in iter_batches(data, rows):
-            forward, slots = forward_at(model, layout, loc, batch, obs)
+            forward, slots = forward_at(model, layout, loc, batch, obs, index)
             out = None
             residual_fn = _residual_fn(batch, obs, grad)
             if layer is not None:
@@ -679,7 +702,7 @@ def fit_kron(
     grad_sums = None if grad is None else [torch.zeros(b.positions.shape, **kw) for b in blocks]
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            forward, _ = forward_at(model, layout, loc, batch, obs)
+            forward, _ = forward_at(model, layout, loc, batch, obs, index)
             residual_fn = _residual_fn(batch, obs, grad)
             out = kfac_sums(
                 forward,
@@ -717,7 +740,7 @@ def jacobians(
     (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`)."""
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            forward, slots = forward_at(model, layout, loc, batch[:1], obs)
+            forward, slots = forward_at(model, layout, loc, batch[:1], obs, index)
             jac, out = subnet_jacobian(
                 forward, slots, index, return_outputs=True, transform=transform
             )
