@@ -195,6 +195,12 @@ def test_ivon_candidates_zip_the_four_lists():
     args = lora.parse(["--ivon-lrs", "0.1", "0.3", "--ivon-h0", "0.1", "0.2", "0.3"])
     with pytest.raises(ValueError, match="--ivon-"):
         lora.ivon_settings(args)
+    # A finite clip radius is passed on to IVON; inf (no clipping) is left out.
+    args = lora.parse(
+        ["--ivon-lrs", "0.03", "0.1", "--ivon-ess", "1e7", "--ivon-clip", "1e-3", "inf"]
+    )
+    first, second = lora.ivon_settings(args)
+    assert first["clip_radius"] == 1e-3 and "clip_radius" not in second
 
 
 def test_cuda_is_refused_without_a_gpu():
