@@ -64,6 +64,7 @@ from pyro_bdl.infer.kl import (
     kl_direct,
 )
 from pyro_bdl.infer.kl_transform import reduce_transformed
+from pyro_bdl.infer.normal_sites import NormalSites
 from pyro_bdl.infer.rollback import BufferRecorder, Rollback, refused
 
 __all__ = ["KLFallbackWarning", "TraceSuffStat_ELBO"]
@@ -246,6 +247,8 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         self.chunk_size = chunk_size
         super().__init__(num_particles=num_particles, **kwargs)
         self.kl_methods: dict[str, str] = {}
+        # Off only in tests, for the site-by-site reference of the same loss.
+        self._group_normal_sites = True
         self._warned: set[str] = set()
         self._guard = _StepGuard()
 
@@ -348,7 +351,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         return loss
 
     def _differentiable_loss_particle(self, model_trace, guide_trace):
-        terms: list[tuple[str, str, torch.Tensor]] = []
+        terms: list[tuple[str, Any, torch.Tensor]] = []
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample":
                 continue
@@ -372,13 +375,26 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 )
                 terms.append(("KL", name, self._fallback(name, None, site, reason)))
         _refuse_unguided(model_trace, guide_trace)
+        # The lifted weights' closed-form terms, summed per prior in one pass
+        # (pyro_bdl.infer.normal_sites); every other site is evaluated on its own.
+        grouped = NormalSites() if self._group_normal_sites else None
+        exact = self.kl in ("auto", "exact")
         for name, site in model_trace.nodes.items():
             if site["type"] != "sample":
                 continue
             if site["is_observed"]:
                 terms.append(("likelihood", name, site["log_prob_sum"]))
+                continue
+            guide_site = guide_trace.nodes[name]
+            method = (
+                None if grouped is None else grouped.add(name, site, guide_site, exact_kl=exact)
+            )
+            if method is not None:
+                self.kl_methods[name] = method
             else:
-                terms.append(("KL", name, self._site_elbo(name, site, guide_trace.nodes[name])))
+                terms.append(("KL", name, self._site_elbo(name, site, guide_site)))
+        if grouped:
+            terms.append(("KL", grouped, grouped.total()))
         elbo = sum(t for _, _, t in terms)
         loss = torch_item(-elbo) if isinstance(elbo, torch.Tensor) else -float(elbo)
         if not math.isfinite(loss):
@@ -387,7 +403,13 @@ class TraceSuffStat_ELBO(Trace_ELBO):
 
     def _raise_non_finite(self, terms, loss: float) -> None:
         where = "" if self._guard.current is None else f" at step {self._guard.current}"
+        named: list[tuple[str, str, Any]] = []
         for term, name, value in terms:
+            if isinstance(name, NormalSites):
+                named += [(term, n, v) for n, v in name.site_terms()]
+            else:
+                named.append((term, name, value))
+        for term, name, value in named:
             value = torch.as_tensor(value).detach().sum()
             if not torch.isfinite(value):
                 raise ValueError(
