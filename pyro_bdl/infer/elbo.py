@@ -379,6 +379,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         # (pyro_bdl.infer.normal_sites); every other site is evaluated on its own.
         grouped = NormalSites() if self._group_normal_sites else None
         exact = self.kl in ("auto", "exact")
+        place: int | None = None
         for name, site in model_trace.nodes.items():
             if site["type"] != "sample":
                 continue
@@ -389,12 +390,16 @@ class TraceSuffStat_ELBO(Trace_ELBO):
             method = (
                 None if grouped is None else grouped.add(name, site, guide_site, exact_kl=exact)
             )
-            if method is not None:
-                self.kl_methods[name] = method
-            else:
+            if method is None:
                 terms.append(("KL", name, self._site_elbo(name, site, guide_site)))
-        if grouped:
-            terms.append(("KL", grouped, grouped.total()))
+                continue
+            self.kl_methods[name] = method
+            if place is None:  # the group's term stands where its first site does
+                place = len(terms)
+                terms.append(("KL", grouped, 0.0))
+        if place is not None:
+            assert grouped is not None
+            terms[place] = ("KL", grouped, grouped.total())
         elbo = sum(t for _, _, t in terms)
         loss = torch_item(-elbo) if isinstance(elbo, torch.Tensor) else -float(elbo)
         if not math.isfinite(loss):
