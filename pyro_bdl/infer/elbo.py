@@ -64,7 +64,7 @@ from pyro_bdl.infer.kl import (
     kl_direct,
 )
 from pyro_bdl.infer.kl_transform import reduce_transformed
-from pyro_bdl.infer.normal_sites import NormalSites
+from pyro_bdl.infer.normal_sites import NormalSites, zero_density
 from pyro_bdl.infer.rollback import BufferRecorder, Rollback, refused
 
 __all__ = ["KLFallbackWarning", "TraceSuffStat_ELBO"]
@@ -363,9 +363,11 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 )
             if name not in model_trace.nodes and isinstance(_unwrap(site["fn"])[0], Delta):
                 # A point-mass auxiliary site (AutoSWAG's packed point estimate): its
-                # Trace_ELBO term is exact, as for a Delta on a latent site.
+                # Trace_ELBO term is exact, as for a Delta on a latent site; a PointMass at its
+                # own draw without a Jacobian has the term 0, added as nothing.
                 self.kl_methods[name] = "delta"
-                terms.append(("KL", name, self._trace_elbo_term(None, site)))
+                if not (zero_density(site) and self._group_normal_sites):
+                    terms.append(("KL", name, self._trace_elbo_term(None, site)))
             elif name not in model_trace.nodes:
                 reason = (
                     "the guide site has no model site (an auxiliary site, as in AutoNormal's "

@@ -35,7 +35,7 @@ from torch.distributions import Independent, Normal
 
 from pyro_bdl.guides.flat_sites import PointMass
 
-__all__ = ["NormalSites", "prior_numbers"]
+__all__ = ["NormalSites", "prior_numbers", "zero_density"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -55,6 +55,20 @@ def prior_numbers(fn: Any) -> tuple[float, float] | None:
     if numbers is None or base.event_shape or dims != len(base.batch_shape):
         return None
     return numbers
+
+
+def zero_density(guide_site: dict) -> bool:
+    """Whether the guide site is a :class:`PointMass` without a Jacobian at its own draw, with
+    no scale or mask: its log-density, the guide's half of its ELBO term, is exactly 0."""
+    q = guide_site["fn"]
+    return (
+        isinstance(q, PointMass)
+        and q.zero_density
+        and q.v is guide_site["value"]
+        and guide_site["mask"] is None
+        and not isinstance(guide_site["scale"], torch.Tensor)
+        and guide_site["scale"] == 1.0
+    )
 
 
 def _plain(site: dict) -> bool:
@@ -163,7 +177,7 @@ class NormalSites:
             return None
         value, q = guide_site["value"], guide_site["fn"]
         if isinstance(q, PointMass):
-            if not (q.zero_density and q.v is value and q.event_shape == value.shape):
+            if not zero_density(guide_site) or q.event_shape != value.shape:
                 return None
             group = self._group(numbers, value)
             group.point_names.append(name)
