@@ -37,11 +37,15 @@ class PointMass(dist.Delta):
         density of its own draw is exactly 0, which an ELBO may use without evaluating it.
     """
 
-    zero_density = False  # an expanded copy (no __init__) evaluates its density
-
     def __init__(self, v, log_density=0.0, event_dim=0, validate_args=None):
         self.zero_density = isinstance(log_density, (int, float)) and log_density == 0
         super().__init__(v, log_density, event_dim, validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(PointMass, _instance)
+        new = super().expand(batch_shape, _instance=new)
+        new.zero_density = self.zero_density
+        return new
 
     def rsample(self, sample_shape=torch.Size()):
         return self.v if not sample_shape else super().rsample(sample_shape)

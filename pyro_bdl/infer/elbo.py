@@ -20,6 +20,11 @@ prior, a guide that is not location-scale, AutoNormal's auxiliary sites) enters 
 Trace_ELBO's one-sample term, with a :class:`KLFallbackWarning` naming it; a ``Delta`` guide site
 (AutoDelta) takes that term silently, as it is exact for a point mass.
 
+The lifted weights' terms (a point mass's log prior, a Normal guide's exact KL, under a prior of
+:mod:`pyro_bdl.priors` built from two numbers) are summed in one pass per prior, not evaluated
+site by site (:mod:`pyro_bdl.infer.normal_sites`); any site under a handler that changes its term
+(scale, mask, a plate) or with another prior or guide takes the per-site path described here.
+
 Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``/``mask``, the
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
 ``scale * KL``). A prior masked out whole (``.mask(False)``) contributes no KL, as under Pyro's
