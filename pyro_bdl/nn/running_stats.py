@@ -50,7 +50,8 @@ _Holders = list[dict]
 def _walk(module: nn.Module) -> tuple[list[nn.Module], _Holders]:
     """The training-mode normalisation layers and every layer's parameter and buffer dicts,
     in one walk over the modules (this runs on every forward inside Pyro)."""
-    layers, holders = [], []
+    layers: list[nn.Module] = []
+    holders: _Holders = []
     # A plain stack over the children's dicts: modules() builds a memo set and a generator per
     # layer. A layer reachable twice is listed twice, which changes nothing compared.
     stack = [module]
