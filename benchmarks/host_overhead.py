@@ -29,6 +29,7 @@ import io
 import pstats
 import statistics
 
+import pyro
 import torch
 from torch import nn
 
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="host_overhead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    pyro.enable_validation(False)  # as benchmarks.gpu_check times the steps: no argument checks
     if args.profile:
         profile(args.profile)
         return

@@ -21,10 +21,8 @@ refused pass; a training step is never undone, since its optimiser step starts a
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 
 import pyro
-import torch
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
 
@@ -64,35 +62,39 @@ def _walk(module: nn.Module) -> tuple[list[nn.Module], _Holders]:
     return layers, holders
 
 
-def _tensors(holders: _Holders) -> Iterator[torch.Tensor]:
-    """Everything a writer between two passes would change: the network's parameters and
-    buffers (read from ``holders``, the layers' live dicts, so a replaced tensor shows), and
-    the param store's (unconstrained) parameters (an optimiser step writes them in place, a
-    load may replace them)."""
+def _versions(holders: _Holders) -> list[int]:
+    """The identities and in-place version counters of everything a writer between two passes
+    would change: the network's parameters and buffers (read from ``holders``, the layers' live
+    dicts, so a replaced tensor shows), and the param store's (unconstrained) parameters (an
+    optimiser step writes them in place, a load may replace them)."""
+    # Plain loops: this runs twice per forward pass inside Pyro, over every tensor.
+    fingerprint: list[int] = []
     for tensors in holders:
         for t in tensors.values():
             if t is not None:
-                yield t
+                fingerprint += (id(t), t._version)
     for _, p in pyro.get_param_store().named_parameters():
-        yield p
+        fingerprint += (id(p), p._version)
+    return fingerprint
 
 
-def _versions(holders: _Holders) -> tuple[int, ...]:
-    """The identities and in-place version counters of :func:`_tensors`."""
-    return tuple(n for t in _tensors(holders) for n in (id(t), t._version))
-
-
-def _unchanged(holders: _Holders, versions: tuple[int, ...] | None) -> bool:
+def _unchanged(holders: _Holders, versions: list[int] | None) -> bool:
     """``_versions(holders) == versions``, stopping at the first difference (after a training
     step, one of the first normalisation layer's parameters)."""
     if versions is None:
         return False
-    i = 0
-    for t in _tensors(holders):
-        if i + 1 >= len(versions) or versions[i] != id(t) or versions[i + 1] != t._version:
+    i, n = 0, len(versions)
+    for tensors in holders:
+        for t in tensors.values():
+            if t is not None:
+                if i + 1 >= n or versions[i] != id(t) or versions[i + 1] != t._version:
+                    return False
+                i += 2
+    for _, p in pyro.get_param_store().named_parameters():
+        if i + 1 >= n or versions[i] != id(p) or versions[i + 1] != p._version:
             return False
         i += 2
-    return i == len(versions)
+    return i == n
 
 
 class _Run:
@@ -109,7 +111,7 @@ class _Run:
 
         self.rollback = Rollback.saved(norm_layer_buffers([module]))
         self.layers = layers
-        self.after: tuple[int, ...] | None = None
+        self.after: list[int] | None = None
 
     def restart(self) -> None:
         """Begin a new run (every training step does): save the buffers again, into the copies

@@ -33,7 +33,7 @@ def test_every_writer_between_passes_changes_the_fingerprint():
     assert _unchanged(holders, before)
     assert not _unchanged(holders, None)
     assert not _unchanged(holders, before[:-2])  # a tensor more than then
-    assert not _unchanged(holders, (*before, 0, 0))  # a tensor fewer
+    assert not _unchanged(holders, [*before, 0, 0])  # a tensor fewer
     writers = [
         lambda: net(torch.randn(5, 3)),  # a training-mode forward moves the statistics
         lambda: dict(pyro.get_param_store().named_parameters())["guide_loc"].add_(1),
