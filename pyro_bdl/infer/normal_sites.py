@@ -11,8 +11,10 @@ on a per-step path give each site a term in closed form:
 
 Evaluated site by site, each term is a ``log_prob`` or ``kl_divergence`` call and half a dozen
 small operations (on a GPU, kernel launches; with Pyro's validation, a support check that reads a
-value back to the host per site). Summed over the sites of one (m, s, dtype, device), it is one
-concatenation and three reductions, whatever the number of sites.
+value back to the host per site). Summed over the sites of one (m, s, dtype, device), the squared
+norms are one multi-tensor reduction (``torch._foreach_norm``) and a point mass needs nothing
+else; a Normal adds Σ log σ, a logarithm and a sum per site. Nothing is concatenated, so the step
+holds no copy of the weights.
 
 :class:`NormalSites` accepts a site only when its trace entries are exactly what the lift and
 these guides emit: the prior :func:`~pyro_bdl.bayesianize` built (``Independent`` over every dim
@@ -96,27 +98,29 @@ def _normal_posterior(q: Any, value: torch.Tensor) -> tuple[torch.Tensor, torch.
     return loc, scale
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+def _sum_of_squares(tensors: list[torch.Tensor], m: float) -> torch.Tensor:
+    """Σ ‖t − m‖² over ``tensors`` from one multi-tensor norm: no concatenated copy, and its
+    backward saves only the tensors themselves (views the step keeps anyway)."""
+    if m:
+        tensors = list(torch._foreach_sub(tensors, m))
+    return torch.stack(torch._foreach_norm(tensors)).square().sum()
 
 
 def _point_log_prior(values: list[torch.Tensor], m: float, s: float) -> torch.Tensor:
     """Σ log N(w | m, s²) over every number of ``values``."""
-    w = _flat(values)
-    diff = w - m if m else w
-    return torch.dot(diff, diff) * (-0.5 / s**2) - w.numel() * (math.log(s) + _HALF_LOG_2PI)
+    n = sum(v.numel() for v in values)
+    return _sum_of_squares(values, m) * (-0.5 / s**2) - n * (math.log(s) + _HALF_LOG_2PI)
 
 
 def _negative_kl(
     locs: list[torch.Tensor], scales: list[torch.Tensor], m: float, s: float
 ) -> torch.Tensor:
     """−Σ KL(N(μ, σ²) ‖ N(m, s²)) over every number of ``locs`` and ``scales``."""
-    mu, sigma = _flat(locs), _flat(scales)
-    diff = mu - m if m else mu
-    quadratic = (torch.dot(sigma, sigma) + torch.dot(diff, diff)) * (0.5 / s**2)
-    return sigma.log().sum() - quadratic - mu.numel() * (math.log(s) - 0.5)
+    n = sum(loc.numel() for loc in locs)
+    # Σ log σ site by site: a multi-tensor log would hold every site's logarithm at once.
+    log_scales = torch.stack([scale.log().sum() for scale in scales]).sum()
+    quadratic = (_sum_of_squares(scales, 0.0) + _sum_of_squares(locs, m)) * (0.5 / s**2)
+    return log_scales - quadratic - n * (math.log(s) - 0.5)
 
 
 class _Group:
