@@ -5,8 +5,9 @@ Python and dispatcher work per step (Pyro's trace of every weight site, the lift
 model's checks, the guide, the ELBO's log-probs, the optimizers) takes more. This proxy measures
 that work alone on a CPU: torchvision's ResNet-18 module tree (20 convolutions, 20 BatchNorms, one
 Linear) with every width divided by 32 (64 -> 2 channels, fc 16 -> 10), batch 2 of 3×8×8 inputs,
-one thread, so the arithmetic is negligible and the step time is host time. The plain SGD step is
-the floor; each method's step is set beside its plain reference as in :mod:`benchmarks.resnet`
+one thread, so the arithmetic is negligible and the step time is host time. Pyro's validation is
+off, as ``benchmarks.gpu_check`` times the steps. The plain SGD step is the floor; each method's
+step is set beside its plain reference as in :mod:`benchmarks.resnet`
 (``swag@pyro``: the same step with Pyro's per-parameter optimizer and Trace_ELBO).
 
 Time: the variants alternate step by step in a new random order every round; each takes the
@@ -29,6 +30,7 @@ import io
 import pstats
 import statistics
 
+import pyro
 import torch
 from torch import nn
 
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="host_overhead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    pyro.enable_validation(False)  # as benchmarks.gpu_check times the steps: no argument checks
     if args.profile:
         profile(args.profile)
         return

@@ -67,13 +67,17 @@ class Prior(abc.ABC):
             return d.sample().detach()
 
     def _tensor(self, value: float, like: torch.Tensor) -> torch.Tensor:
-        # A fill on the device: as_tensor of a Python number would be a blocking host→device
-        # copy on CUDA, once per weight site per forward pass.
-        return torch.full((), value, dtype=like.dtype, device=like.device)
+        return _filled(value, like)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
+
+
+def _filled(value: float, like: torch.Tensor) -> torch.Tensor:
+    # A fill on the device: as_tensor of a Python number would be a blocking host→device copy
+    # on CUDA, once per weight site per forward pass.
+    return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
 class Normal(Prior):
@@ -91,7 +95,7 @@ class Normal(Prior):
         self.loc, self.scale = float(loc), float(scale)
 
     def element(self, module, name, param):
-        return _BroadcastNormal(self._tensor(self.loc, param), self._tensor(self.scale, param))
+        return _BroadcastNormal.of_numbers(self.loc, self.scale, param)
 
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -104,16 +108,30 @@ class _BroadcastNormal(dist.Normal):
     logarithm of the *expanded* scale, two passes over every weight that allocate a copy of it,
     and four more for the quadratic form; here it is two passes (the standardised value, then
     one fused ``addcmul``). Everything else (sampling, KL registrations, ``mean``) is Normal's.
+
+    :ivar numbers: ``(loc, scale)`` as Python floats when built by :meth:`of_numbers` (read
+        without a device→host copy: ``TraceSuffStat_ELBO`` groups the sites of one prior by
+        them, :mod:`pyro_bdl.infer.normal_sites`), else ``None``.
     """
+
+    numbers: tuple[float, float] | None = None
 
     def __init__(self, loc: torch.Tensor, scale: torch.Tensor, validate_args=None):
         super().__init__(loc, scale, validate_args=validate_args)
         self._scalars = (loc, scale) if loc.dim() == 0 and scale.dim() == 0 else None
 
+    @classmethod
+    def of_numbers(cls, loc: float, scale: float, like: torch.Tensor) -> _BroadcastNormal:
+        """N(loc, scale²) on ``like``'s dtype and device, remembering the two numbers."""
+        new = cls(_filled(loc, like), _filled(scale, like))
+        new.numbers = (loc, scale)
+        return new
+
     def expand(self, batch_shape, _instance=None):
         new = self._get_checked_instance(_BroadcastNormal, _instance)
         new = super().expand(batch_shape, _instance=new)
         new._scalars = self._scalars
+        new.numbers = self.numbers
         return new
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
@@ -174,7 +192,7 @@ class LayerwiseNormal(Prior):
 
     def element(self, module, name, param):
         scale = self.scale_for(module, param)
-        return _BroadcastNormal(self._tensor(0.0, param), self._tensor(scale, param))
+        return _BroadcastNormal.of_numbers(0.0, scale, param)
 
 
 class Laplace(Prior):

@@ -117,3 +117,33 @@ def test_a_whole_svi_step_reads_back_twice(guide_cls, options, optim):
     assert reads["TraceSuffStat_ELBO"] == ["tolist", "item"]
     # Four weight sites (the conv's and the linear layer's weight and bias) and the labels.
     assert reads["Trace_ELBO"].count("item") >= 4
+
+
+@pytest.mark.parametrize(
+    ("guide_cls", "options", "support_checks"),
+    [
+        # A point mass's term is the prior's log-density, whose support check reads once per
+        # weight site (the conv's and the linear layer's weight and bias); a mean-field site's
+        # is its exact KL, which checks nothing.
+        (bdl.guides.AutoSWAG, {"rank": 2}, 4),
+        (bdl.guides.AutoSubnetLaplace, {"subnetwork": "last_layer"}, 4),
+        (bdl.guides.AutoMeanField, {}, 0),
+    ],
+)
+def test_with_validation_on_the_weights_add_no_read(guide_cls, options, support_checks):
+    """The lifted weights' terms are summed in one pass (pyro_bdl.infer.normal_sites), with no
+    support check per site: Pyro's validation adds only Categorical's check of the logits and
+    its NaN and inf warnings on the likelihood's log-density, three reads whatever the number of
+    weight sites."""
+    model, guide, x, y = _step_parts(guide_cls, **options)
+    elbo = bdl.infer.TraceSuffStat_ELBO()
+    svi = pyro.infer.SVI(model, guide, bdl.infer.FusedOptim(torch.optim.SGD, {"lr": 1e-3}), elbo)
+    svi.step(x, y)
+    with _CountReads() as counted:
+        svi.step(x, y)
+    one_pass = ["tolist", "__bool__", "__bool__", "__bool__", "item"]
+    assert counted.reads == one_pass
+    elbo._group_normal_sites = False  # site by site
+    with _CountReads() as counted:
+        svi.step(x, y)
+    assert len(counted.reads) == len(one_pass) + support_checks

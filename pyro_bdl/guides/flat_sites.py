@@ -31,7 +31,21 @@ class PointMass(dist.Delta):
     """A ``Delta`` that knows its own draw: ``rsample()`` returns ``v`` itself, and the density
     of that draw is ``log_density`` without the elementwise test ``x == v`` and its logarithm
     (two passes over every weight per training step whose result is always 0). Build it with
-    ``validate_args=False``: validating the constant log-density is a device→host sync."""
+    ``validate_args=False``: validating the constant log-density is a device→host sync.
+
+    :ivar bool zero_density: built with the number 0 as ``log_density`` (no Jacobian): the
+        density of its own draw is exactly 0, which an ELBO may use without evaluating it.
+    """
+
+    def __init__(self, v, log_density=0.0, event_dim=0, validate_args=None):
+        self.zero_density = isinstance(log_density, (int, float)) and log_density == 0
+        super().__init__(v, log_density, event_dim, validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(PointMass, _instance)
+        new = super().expand(batch_shape, _instance=new)
+        new.zero_density = self.zero_density
+        return new
 
     def rsample(self, sample_shape=torch.Size()):
         return self.v if not sample_shape else super().rsample(sample_shape)

@@ -21,6 +21,10 @@ class _SiteNormal(dist.Normal):
     respect it is an ordinary ``Normal`` (log_prob, entropy, expand, KL).
     """
 
+    #: Its KL to a Normal prior is the Normal–Normal closed form (``_kl_site_normal_normal``),
+    #: which ``TraceSuffStat_ELBO`` may evaluate for many sites at once.
+    normal_kl = True
+
     def __init__(self, loc, scale, value=None):
         self.loc, self.scale = loc, scale
         self._value = value

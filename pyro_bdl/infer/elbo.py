@@ -20,6 +20,11 @@ prior, a guide that is not location-scale, AutoNormal's auxiliary sites) enters 
 Trace_ELBO's one-sample term, with a :class:`KLFallbackWarning` naming it; a ``Delta`` guide site
 (AutoDelta) takes that term silently, as it is exact for a point mass.
 
+The lifted weights' terms (a point mass's log prior, a Normal guide's exact KL, under a prior of
+:mod:`pyro_bdl.priors` built from two numbers) are summed in one pass per prior, not evaluated
+site by site (:mod:`pyro_bdl.infer.normal_sites`); any site under a handler that changes its term
+(scale, mask, a plate) or with another prior or guide takes the per-site path described here.
+
 Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``/``mask``, the
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
 ``scale * KL``). A prior masked out whole (``.mask(False)``) contributes no KL, as under Pyro's
@@ -64,6 +69,7 @@ from pyro_bdl.infer.kl import (
     kl_direct,
 )
 from pyro_bdl.infer.kl_transform import reduce_transformed
+from pyro_bdl.infer.normal_sites import NormalSites, zero_density
 from pyro_bdl.infer.rollback import BufferRecorder, Rollback, refused
 
 __all__ = ["KLFallbackWarning", "TraceSuffStat_ELBO"]
@@ -246,6 +252,8 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         self.chunk_size = chunk_size
         super().__init__(num_particles=num_particles, **kwargs)
         self.kl_methods: dict[str, str] = {}
+        # Off only in tests, for the site-by-site reference of the same loss.
+        self._group_normal_sites = True
         self._warned: set[str] = set()
         self._guard = _StepGuard()
 
@@ -348,7 +356,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         return loss
 
     def _differentiable_loss_particle(self, model_trace, guide_trace):
-        terms: list[tuple[str, str, torch.Tensor]] = []
+        terms: list[tuple[str, Any, torch.Tensor]] = []
         for name, site in guide_trace.nodes.items():
             if site["type"] != "sample":
                 continue
@@ -360,9 +368,11 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 )
             if name not in model_trace.nodes and isinstance(_unwrap(site["fn"])[0], Delta):
                 # A point-mass auxiliary site (AutoSWAG's packed point estimate): its
-                # Trace_ELBO term is exact, as for a Delta on a latent site.
+                # Trace_ELBO term is exact, as for a Delta on a latent site; a PointMass at its
+                # own draw without a Jacobian has the term 0, added as nothing.
                 self.kl_methods[name] = "delta"
-                terms.append(("KL", name, self._trace_elbo_term(None, site)))
+                if not (zero_density(site) and self._group_normal_sites):
+                    terms.append(("KL", name, self._trace_elbo_term(None, site)))
             elif name not in model_trace.nodes:
                 reason = (
                     "the guide site has no model site (an auxiliary site, as in AutoNormal's "
@@ -372,13 +382,31 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 )
                 terms.append(("KL", name, self._fallback(name, None, site, reason)))
         _refuse_unguided(model_trace, guide_trace)
+        # The lifted weights' closed-form terms, summed per prior in one pass
+        # (pyro_bdl.infer.normal_sites); every other site is evaluated on its own.
+        grouped = NormalSites() if self._group_normal_sites else None
+        exact = self.kl in ("auto", "exact")
+        place: int | None = None
         for name, site in model_trace.nodes.items():
             if site["type"] != "sample":
                 continue
             if site["is_observed"]:
                 terms.append(("likelihood", name, site["log_prob_sum"]))
-            else:
-                terms.append(("KL", name, self._site_elbo(name, site, guide_trace.nodes[name])))
+                continue
+            guide_site = guide_trace.nodes[name]
+            method = (
+                None if grouped is None else grouped.add(name, site, guide_site, exact_kl=exact)
+            )
+            if method is None:
+                terms.append(("KL", name, self._site_elbo(name, site, guide_site)))
+                continue
+            self.kl_methods[name] = method
+            if place is None:  # the group's term stands where its first site does
+                place = len(terms)
+                terms.append(("KL", grouped, 0.0))
+        if place is not None:
+            assert grouped is not None
+            terms[place] = ("KL", grouped, grouped.total())
         elbo = sum(t for _, _, t in terms)
         loss = torch_item(-elbo) if isinstance(elbo, torch.Tensor) else -float(elbo)
         if not math.isfinite(loss):
@@ -387,7 +415,13 @@ class TraceSuffStat_ELBO(Trace_ELBO):
 
     def _raise_non_finite(self, terms, loss: float) -> None:
         where = "" if self._guard.current is None else f" at step {self._guard.current}"
+        named: list[tuple[str, str, Any]] = []
         for term, name, value in terms:
+            if isinstance(name, NormalSites):
+                named += [(term, n, v) for n, v in name.site_terms()]
+            else:
+                named.append((term, name, value))
+        for term, name, value in named:
             value = torch.as_tensor(value).detach().sum()
             if not torch.isfinite(value):
                 raise ValueError(

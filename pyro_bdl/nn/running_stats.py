@@ -29,33 +29,72 @@ from torch import nn
 __all__ = ["note_unvectorized_pass", "refuse_training_mode"]
 
 
-def _training_layers(module: nn.Module) -> list[nn.Module]:
-    # modules(), not named_modules(): this runs on every forward inside Pyro, and only a refusal
-    # needs a layer's dotted name.
-    return [
-        sub
-        for sub in module.modules()
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+def _is_training_norm(sub: nn.Module) -> bool:
+    return (
+        isinstance(sub, nn.modules.batchnorm._BatchNorm)
         and sub.training
         and sub.track_running_stats
-    ]
+    )
 
 
-def _versions(module: nn.Module) -> tuple[int, ...]:
+def _training_layers(module: nn.Module) -> list[nn.Module]:
+    # modules(), not named_modules(): only a refusal needs a layer's dotted name.
+    return [sub for sub in module.modules() if _is_training_norm(sub)]
+
+
+_Holders = list[dict]
+
+
+def _walk(module: nn.Module) -> tuple[list[nn.Module], _Holders]:
+    """The training-mode normalisation layers and every layer's parameter and buffer dicts,
+    in one walk over the modules (this runs on every forward inside Pyro)."""
+    layers: list[nn.Module] = []
+    holders: _Holders = []
+    # A plain stack over the children's dicts: modules() builds a memo set and a generator per
+    # layer. A layer reachable twice is listed twice, which changes nothing compared.
+    stack = [module]
+    while stack:
+        sub = stack.pop()
+        holders += (sub._parameters, sub._buffers)
+        if _is_training_norm(sub):
+            layers.append(sub)
+        stack += [child for child in sub._modules.values() if child is not None]
+    return layers, holders
+
+
+def _versions(holders: _Holders) -> list[int]:
     """The identities and in-place version counters of everything a writer between two passes
-    would change: the network's parameters and buffers, and the param store's (unconstrained)
-    parameters (an optimiser step writes them in place, a load may replace them)."""
-    # One walk over the modules' own tensor dicts: ``parameters()`` and ``buffers()`` would walk
-    # the tree twice, building every dotted name, on each forward pass of every training step.
+    would change: the network's parameters and buffers (read from ``holders``, the layers' live
+    dicts, so a replaced tensor shows), and the param store's (unconstrained) parameters (an
+    optimiser step writes them in place, a load may replace them)."""
+    # Plain loops: this runs twice per forward pass inside Pyro, over every tensor.
     fingerprint: list[int] = []
-    for sub in module.modules():
-        for tensors in (sub._parameters, sub._buffers):
-            for t in tensors.values():
-                if t is not None:
-                    fingerprint += (id(t), t._version)
+    for tensors in holders:
+        for t in tensors.values():
+            if t is not None:
+                fingerprint += (id(t), t._version)
     for _, p in pyro.get_param_store().named_parameters():
         fingerprint += (id(p), p._version)
-    return tuple(fingerprint)
+    return fingerprint
+
+
+def _unchanged(holders: _Holders, versions: list[int] | None) -> bool:
+    """``_versions(holders) == versions``, stopping at the first difference (after a training
+    step, one of the first normalisation layer's parameters)."""
+    if versions is None:
+        return False
+    i, n = 0, len(versions)
+    for tensors in holders:
+        for t in tensors.values():
+            if t is not None:
+                if i + 1 >= n or versions[i] != id(t) or versions[i + 1] != t._version:
+                    return False
+                i += 2
+    for _, p in pyro.get_param_store().named_parameters():
+        if i + 1 >= n or versions[i] != id(p) or versions[i + 1] != p._version:
+            return False
+        i += 2
+    return i == n
 
 
 class _Run:
@@ -72,7 +111,7 @@ class _Run:
 
         self.rollback = Rollback.saved(norm_layer_buffers([module]))
         self.layers = layers
-        self.after: tuple[int, ...] | None = None
+        self.after: list[int] | None = None
 
     def restart(self) -> None:
         """Begin a new run (every training step does): save the buffers again, into the copies
@@ -88,12 +127,12 @@ _RUNS: weakref.WeakKeyDictionary[nn.Module, _Run] = weakref.WeakKeyDictionary()
 def note_unvectorized_pass(module: nn.Module):
     """Call before an unvectorized forward of the lifted ``module``; call the returned function
     after it. Outside Pyro, or without training-mode BatchNorm, no run is kept."""
-    layers = _training_layers(module) if _PYRO_STACK else []
+    layers, holders = _walk(module) if _PYRO_STACK else ([], [])
     if not layers:
         _RUNS.pop(module, None)
         return _nothing
     run = _RUNS.get(module)
-    if run is None or run.after != _versions(module):
+    if run is None or not _unchanged(holders, run.after):
         ids = tuple(id(sub) for sub in layers)
         if run is not None and run.layers == ids:
             run.restart()
@@ -101,7 +140,9 @@ def note_unvectorized_pass(module: nn.Module):
             run = _RUNS[module] = _Run(module, ids)
 
     def done() -> None:
-        run.after = _versions(module)
+        # The same layers' dicts: a layer added during the pass only makes the next pass's
+        # fingerprint differ, which starts a new run (the safe side).
+        run.after = _versions(holders)
 
     return done
 
@@ -121,7 +162,7 @@ def refuse_training_mode(module: nn.Module) -> None:
     if not layers:
         return
     run = _RUNS.pop(module, None)
-    if run is not None and run.after == _versions(module):
+    if run is not None and _unchanged(_walk(module)[1], run.after):
         run.rollback.restore()
     name = next(n for n, sub in module.named_modules() if sub is layers[0])
     raise RuntimeError(

@@ -77,7 +77,11 @@ class SiteSpec:
         """The prior distribution, built once per device and dtype (``PyroSample`` calls this,
         with the layer that reads the site: the owner or an alias layer)."""
         tied.check_alias_read(self, module)
-        like = self.init_value
+        # Straight from the layer's buffers: PyroModule's attribute lookup runs Python code
+        # first, and this runs per weight site on every forward pass.
+        like = self.module._buffers.get(INIT_PREFIX + self.param_name)
+        if like is None:
+            like = self.init_value
         key = (like.device, like.dtype)
         d = self._cache.get(key)
         if d is None:
