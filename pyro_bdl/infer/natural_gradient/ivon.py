@@ -374,12 +374,12 @@ def ivon_update(
         # clipped to [−r, r] first when r is finite.
         offset = m if mu0 is None else torch.sub(m, mu0[block], out=r)
         numerator = torch.mul(offset, d, out=factor).add_(g1, alpha=debias)
-        denominator = torch.add(h1, d, out=a)
+        damped = torch.add(h1, d, out=a)  # h + δ
         if clip:
-            step = numerator.div_(denominator).clamp_(-radius, radius)
+            step = numerator.div_(damped).clamp_(-radius, radius)
             torch.add(m, step, alpha=-hyper.lr, out=m1)
         else:
-            torch.addcdiv(m, numerator, denominator, value=-hyper.lr, out=m1)
+            torch.addcdiv(m, numerator, damped, value=-hyper.lr, out=m1)
     if state.hidden:
         torch._foreach_lerp_(state.hidden_momentum, list(g_hat[1:]), 1.0 - beta1)
         denominator = torch._foreach_add(state.hidden_curvature, hyper.hidden_weight_decay)
