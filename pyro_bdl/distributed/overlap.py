@@ -19,7 +19,7 @@ from a copy of the buffer (one copy each way per bucket, as DDP without bucket v
 again (one that carries a graph only after backward, as the loss may differentiate through it);
 one replaced, or written in place, after its bucket started makes the step stale. After the step,
 :meth:`GradientBuckets.release` zeroes the buffers; ``.grad`` stays a (zero) view where
-``SVI`` would have left zeros, and is ``None`` where it was ``None``.
+``SVI`` would have left a gradient, and is ``None`` where it would be ``None``.
 
 Every rank starts every bucket every step, also when its step failed or some parameters got no
 gradient (their slots hold zeros): the sequence of collectives never depends on one rank's data,
@@ -374,11 +374,11 @@ class GradientBuckets:
         return finite
 
     def release(self, keep: Sequence[torch.Tensor] = ()) -> None:
-        """End the step (also a failed one): zero the buffers; ``.grad`` stays a zero view for
-        the parameters in ``keep`` that had a gradient this step, and is ``None`` for the
-        others."""
+        """End the step (also a failed one): zero the buffers; ``.grad`` stays a zero view where
+        ``SVI`` leaves a gradient (a parameter that had one before the step, got one in it, or is
+        in ``keep``: the trained ones, whose gradients the step filled with zeros where this rank
+        had none), and is ``None`` for the others."""
         self._armed = False
-        ids = {id(p) for p in keep}
-        kept = {k for k in ids if k in self._seen or k in self._had}
+        kept = {id(p) for p in keep} | self._had | self._seen.keys()
         for bucket in self.buckets:
             bucket.release(kept)

@@ -343,13 +343,13 @@ class DataParallelSVI(SVI):
             self._snapshot.restore()
             raise
         finally:
-            # Gradients never outlive the step, also when it raised: zeros where SVI leaves
-            # zeros (the traced and trained parameters that have one), else None.
+            # Gradients never outlive the step, also when it raised: zeros where SVI leaves a
+            # gradient (the parameters that have one, and the trained ones), else None.
             if buckets is None:
                 zero_grads(traced_params + [p for _, p in trained])
             else:
                 buckets.wait()  # no all-reduce outlives the step
-                buckets.release([*traced_params, *(p for _, p in trained)])
+                buckets.release([p for _, p in trained])
                 zero_grads([p for p in traced_params if id(p) not in self._known])
         if self._buffers:
             broadcast_(self._buffers, self.process_group)

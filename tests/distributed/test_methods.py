@@ -246,10 +246,38 @@ def _grad_view_run(rank: int, replace: str = "new", **options) -> dict:
     return {"values": values, "grads_after": grads_after, "stale": stale}
 
 
+def _skip_loss(model, guide, x: torch.Tensor, use: str) -> float:
+    """½(x − w − b)², where b is read and differentiated ("yes"), not read ("no": ½(x − w)²),
+    or read but not differentiated ("detached")."""
+    w = pyro.param("w")
+    b = torch.zeros((), dtype=w.dtype) if use == "no" else pyro.param("b")
+    loss = 0.5 * (x - w - (b.detach() if use == "detached" else b)) ** 2
+    loss.backward()
+    return loss.item()
+
+
+def _skip_run(rank: int, **options) -> list[tuple[float, float]]:
+    pyro.clear_param_store()
+    pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    pyro.param("b", torch.tensor(0.0, dtype=torch.float64))
+    optim = pyro.optim.SGD({"lr": 1.0, "momentum": 0.5})
+    svi = DataParallelSVI(_no_sites, _no_sites, optim, _skip_loss, **options)
+    x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
+    values = []
+    for use in ("yes", "no", "detached"):
+        svi.step(x, use)
+        store = pyro.get_param_store()
+        values.append((store["w"].item(), store["b"].item()))
+    return values
+
+
 def _phase_grad_views(rank: int) -> dict:
     """A gradient hook and a replaced ``.grad`` with the gradients as bucket views: one bucket,
-    a bucket per parameter (8 bytes each), and without overlap."""
+    a bucket per parameter (8 bytes each), and without overlap; a gradient scaled in place and a
+    gradient penalty; a parameter skipped for a step, then read without a gradient."""
     return {
+        "skip_one": _skip_run(rank),
+        "skip_off": _skip_run(rank, overlap=False),
         "one": _grad_view_run(rank),
         "small": _grad_view_run(rank, bucket_cap_mb=8 / 2**20),
         "off": _grad_view_run(rank, overlap=False),
@@ -449,3 +477,15 @@ def test_a_gradient_penalty_reads_the_graph_of_the_gradients(ranks):
             run = r["grad_views"][name]
             assert run["values"] == [(7.0, 6.0), (-23.0, -24.0)], name
             assert run["grads_after"] == [True, True], name
+
+
+def test_a_parameter_skipped_for_a_step_keeps_its_zero_gradient(ranks):
+    # SVI leaves the zero gradient of a parameter that a step does not read, so when a later
+    # step reads it without differentiating it, the optimizer still steps it (SGD's momentum
+    # moves it). Step 0: ∂/∂w = ∂/∂b = −1 and −3 (mean −2): w = 3, b = 2 (momentum buffers −2).
+    # Step 1 reads w only: ∂/∂w = 1 and −1 (mean 0), buffer −1: w = 4. Step 2 reads b detached:
+    # ∂/∂w = 4 and 2 (mean 3), buffer 2.5: w = 1.5; b's zero gradient, buffer −1: b = 3.
+    # Halves and integers: exact. With and without overlap alike.
+    for r in ranks:
+        for name in ("skip_one", "skip_off"):
+            assert r["grad_views"][name] == [(3.0, 2.0), (4.0, 2.0), (1.5, 3.0)], name
