@@ -146,13 +146,15 @@ class _Bucket:
         return replaced
 
     def release(self, keep: set[int]) -> None:
-        """Zero the buffer; ``.grad`` stays the (zero) view for the parameters in ``keep`` and
-        becomes ``None`` for the other ones that still hold their view."""
+        """Zero the buffer; ``.grad`` becomes the (zero) view for the parameters in ``keep`` that
+        have a gradient, and ``None`` for the others. A ``.grad`` that is not its view (the loss
+        replaced it after its bucket started, then raised) goes too: no gradient outlives the
+        step."""
         self.flat.zero_()
         self.clean = self.flat._version
         for p, view in zip(self.params, self.views):
-            if p.grad is view and id(p) not in keep:
-                p.grad = None
+            if p.grad is not None:
+                p.grad = view if id(p) in keep else None
 
 
 class GradientBuckets:

@@ -219,6 +219,9 @@ def _wb_loss(model, guide, x: torch.Tensor, replace: str) -> float:
     elif replace == "inplace":
         with torch.no_grad():
             b.grad.mul_(3)
+    elif replace == "raise":
+        b.grad = 3 * b.grad
+        raise ValueError("this batch is refused after backward")
     return loss.item()
 
 
@@ -271,6 +274,26 @@ def _skip_run(rank: int, **options) -> list[tuple[float, float]]:
     return values
 
 
+def _refused_run(rank: int, **options) -> dict:
+    """Good steps around one that rank 1 refuses after its loss replaced b's gradient."""
+    pyro.clear_param_store()
+    pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    pyro.param("b", torch.tensor(0.0, dtype=torch.float64))
+    svi = DataParallelSVI(_no_sites, _no_sites, pyro.optim.SGD({"lr": 1.0}), _wb_loss, **options)
+    x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
+    store = pyro.get_param_store()
+    values, refused, grads_after = [], [], []
+    for replace in ("none", "raise" if rank == 1 else "none", "none"):
+        try:
+            svi.step(x, replace)
+        except ValueError as error:
+            refused.append(str(error))
+        values.append((store["w"].item(), store["b"].item()))
+        grads = [p.grad for _, p in store.named_parameters()]
+        grads_after.append(all(g is None or not g.any() for g in grads))
+    return {"values": values, "refused": refused, "grads_after": grads_after}
+
+
 def _phase_grad_views(rank: int) -> dict:
     """A gradient hook and a replaced ``.grad`` with the gradients as bucket views: one bucket,
     a bucket per parameter (8 bytes each), and without overlap; a gradient scaled in place and a
@@ -278,6 +301,8 @@ def _phase_grad_views(rank: int) -> dict:
     return {
         "skip_one": _skip_run(rank),
         "skip_off": _skip_run(rank, overlap=False),
+        "refused_small": _refused_run(rank, bucket_cap_mb=8 / 2**20),
+        "refused_off": _refused_run(rank, overlap=False),
         "one": _grad_view_run(rank),
         "small": _grad_view_run(rank, bucket_cap_mb=8 / 2**20),
         "off": _grad_view_run(rank, overlap=False),
@@ -489,3 +514,15 @@ def test_a_parameter_skipped_for_a_step_keeps_its_zero_gradient(ranks):
     for r in ranks:
         for name in ("skip_one", "skip_off"):
             assert r["grad_views"][name] == [(3.0, 2.0), (4.0, 2.0), (1.5, 3.0)], name
+
+
+def test_a_gradient_replaced_before_a_refusal_does_not_outlive_the_step(ranks):
+    # ∂/∂w = ∂/∂b = −1 and −3 (mean −2): w = 3, b = 2. Rank 1's loss then triples b.grad (whose
+    # bucket started during backward) and refuses: nothing changes, and no gradient of the
+    # refused step reaches the next one: ∂ = 3 and 1 (mean 2) give w = 1, b = 0 on both ranks.
+    for r in ranks:
+        for name in ("refused_small", "refused_off"):
+            run = r["grad_views"][name]
+            assert run["values"] == [(3.0, 2.0), (3.0, 2.0), (1.0, 0.0)], name
+            assert len(run["refused"]) == 1 and "rank 1 refused" in run["refused"][0], name
+            assert run["grads_after"] == [True, True, True], name
