@@ -49,7 +49,7 @@ class ParamRecorder(Messenger):
 
     def __enter__(self) -> ParamRecorder:
         self._values: dict[str, torch.Tensor] = {}
-        self.params: dict[str, torch.Tensor] = {}
+        self.params = {}
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
