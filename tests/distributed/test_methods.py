@@ -229,24 +229,30 @@ def _no_sites(x: torch.Tensor, replace: str) -> None:
     pass
 
 
-def _grad_view_run(rank: int, replace: str = "new", **options) -> dict:
+def _wb_run(rank: int, loss, steps: list[str], *, momentum=0.0, hook=False, **options) -> dict:
+    """Steps of SGD (learning rate 1) on w = 1 and b = 0 with ``loss(..., x, steps[t])``, where
+    x = 2 on rank 0 and 4 on rank 1; ``hook`` doubles w's gradients (a user's gradient hook)."""
     pyro.clear_param_store()
     w = pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
     pyro.param("b", torch.tensor(0.0, dtype=torch.float64))
-    if replace == "new":
-        w.register_hook(lambda g: 2 * g)  # a user's gradient hook on w
-    svi = DataParallelSVI(_no_sites, _no_sites, pyro.optim.SGD({"lr": 1.0}), _wb_loss, **options)
+    if hook:
+        w.register_hook(lambda g: 2 * g)
+    optim = pyro.optim.SGD({"lr": 1.0, "momentum": momentum})
+    svi = DataParallelSVI(_no_sites, _no_sites, optim, loss, **options)
     x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
-    values, grads_after, stale = [], [], []
-    for _ in range(2):
-        svi.step(x, replace)
-        store = pyro.get_param_store()
-        values.append((store["w"].item(), store["b"].item()))
+    store = pyro.get_param_store()
+    out: dict = {"values": [], "grads_after": [], "stale": [], "refused": []}
+    for arg in steps:
+        try:
+            svi.step(x, arg)
+        except ValueError as error:
+            out["refused"].append(str(error))
+        out["values"].append((store["w"].item(), store["b"].item()))
         grads = [p.grad for _, p in store.named_parameters()]
-        grads_after.append(all(g is None or not g.any() for g in grads))
+        out["grads_after"].append(all(g is None or not g.any() for g in grads))
         if svi._buckets is not None:
-            stale.append(svi._buckets.stale)
-    return {"values": values, "grads_after": grads_after, "stale": stale}
+            out["stale"].append(svi._buckets.stale)
+    return out
 
 
 def _skip_loss(model, guide, x: torch.Tensor, use: str) -> float:
@@ -259,61 +265,27 @@ def _skip_loss(model, guide, x: torch.Tensor, use: str) -> float:
     return loss.item()
 
 
-def _skip_run(rank: int, **options) -> list[tuple[float, float]]:
-    pyro.clear_param_store()
-    pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
-    pyro.param("b", torch.tensor(0.0, dtype=torch.float64))
-    optim = pyro.optim.SGD({"lr": 1.0, "momentum": 0.5})
-    svi = DataParallelSVI(_no_sites, _no_sites, optim, _skip_loss, **options)
-    x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
-    values = []
-    for use in ("yes", "no", "detached"):
-        svi.step(x, use)
-        store = pyro.get_param_store()
-        values.append((store["w"].item(), store["b"].item()))
-    return values
-
-
-def _refused_run(rank: int, **options) -> dict:
-    """Good steps around one that rank 1 refuses after its loss replaced b's gradient."""
-    pyro.clear_param_store()
-    pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
-    pyro.param("b", torch.tensor(0.0, dtype=torch.float64))
-    svi = DataParallelSVI(_no_sites, _no_sites, pyro.optim.SGD({"lr": 1.0}), _wb_loss, **options)
-    x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
-    store = pyro.get_param_store()
-    values, refused, grads_after = [], [], []
-    for replace in ("none", "raise" if rank == 1 else "none", "none"):
-        try:
-            svi.step(x, replace)
-        except ValueError as error:
-            refused.append(str(error))
-        values.append((store["w"].item(), store["b"].item()))
-        grads = [p.grad for _, p in store.named_parameters()]
-        grads_after.append(all(g is None or not g.any() for g in grads))
-    return {"values": values, "refused": refused, "grads_after": grads_after}
-
-
 def _phase_grad_views(rank: int) -> dict:
     """A gradient hook and a replaced ``.grad`` with the gradients as bucket views: one bucket,
-    a bucket per parameter (8 bytes each), and without overlap; a gradient scaled in place and a
-    gradient penalty; a parameter skipped for a step, then read without a gradient."""
+    a bucket per parameter (8 bytes each), and without overlap; a gradient scaled in place, a
+    gradient penalty, a parameter skipped for a step then read without a gradient, and a loss
+    that raises after replacing a gradient."""
+    small, off = {"bucket_cap_mb": 8 / 2**20}, {"overlap": False}
+    skipping = ["yes", "no", "detached"]
+    refusing = ["none", "raise" if rank == 1 else "none", "none"]
     return {
-        "skip_one": _skip_run(rank),
-        "skip_off": _skip_run(rank, overlap=False),
-        "refused_small": _refused_run(rank, bucket_cap_mb=8 / 2**20),
-        "refused_off": _refused_run(rank, overlap=False),
-        "one": _grad_view_run(rank),
-        "small": _grad_view_run(rank, bucket_cap_mb=8 / 2**20),
-        "off": _grad_view_run(rank, overlap=False),
+        "one": _wb_run(rank, _wb_loss, ["new"] * 2, hook=True),
+        "small": _wb_run(rank, _wb_loss, ["new"] * 2, hook=True, **small),
+        "off": _wb_run(rank, _wb_loss, ["new"] * 2, hook=True, **off),
         **{
-            f"{how}_{name}": _grad_view_run(rank, how, **options)
+            f"{how}_{name}": _wb_run(rank, _wb_loss, [how] * 2, **options)
             for how in ("inplace", "graph")
-            for name, options in (
-                ("small", {"bucket_cap_mb": 8 / 2**20}),
-                ("off", {"overlap": False}),
-            )
+            for name, options in (("small", small), ("off", off))
         },
+        "skip_one": _wb_run(rank, _skip_loss, skipping, momentum=0.5),
+        "skip_off": _wb_run(rank, _skip_loss, skipping, momentum=0.5, **off),
+        "refused_small": _wb_run(rank, _wb_loss, refusing, **small),
+        "refused_off": _wb_run(rank, _wb_loss, refusing, **off),
     }
 
 
@@ -513,7 +485,7 @@ def test_a_parameter_skipped_for_a_step_keeps_its_zero_gradient(ranks):
     # Halves and integers: exact. With and without overlap alike.
     for r in ranks:
         for name in ("skip_one", "skip_off"):
-            assert r["grad_views"][name] == [(3.0, 2.0), (4.0, 2.0), (1.5, 3.0)], name
+            assert r["grad_views"][name]["values"] == [(3.0, 2.0), (4.0, 2.0), (1.5, 3.0)], name
 
 
 def test_a_gradient_replaced_before_a_refusal_does_not_outlive_the_step(ranks):
