@@ -93,6 +93,7 @@ def all_finite(t: torch.Tensor) -> bool:
     """Whether every element of ``t`` is finite. A sum of finite numbers is finite unless it
     overflows and a NaN or inf makes it non-finite, so one reduction decides in the usual case
     (an order of magnitude faster than the element-wise test, which settles the rest)."""
+    t = t.detach()  # a create_graph gradient carries a graph: no scalar of it may warn
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 

@@ -16,9 +16,10 @@ place; the others, which start while backward may still write (see *stale* below
 from a copy of the buffer (one copy each way per bucket, as DDP without bucket views pays). A
 ``.grad`` that is not its view when the bucket starts (the loss replaced it, or a
 ``create_graph`` backward made a new tensor) is copied into the view, which becomes ``.grad``
-again; one replaced after its bucket started makes the step stale. After the step,
+again (one that carries a graph only after backward, as the loss may differentiate through it);
+one replaced, or written in place, after its bucket started makes the step stale. After the step,
 :meth:`GradientBuckets.release` zeroes the buffers; ``.grad`` stays a (zero) view where
-``SVI`` would have left zeros, and is ``None`` where it was ``None``.
+``SVI`` would have left a gradient, and is ``None`` where it would be ``None``.
 
 Every rank starts every bucket every step, also when its step failed or some parameters got no
 gradient (their slots hold zeros): the sequence of collectives never depends on one rank's data,
@@ -94,6 +95,8 @@ class _Bucket:
         self.views = [self.grads[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
         self.sent = torch.empty_like(self.flat) if copy else self.flat
         self.work: dist.Work | None = None
+        #: The buffer's version when the bucket started (see sync).
+        self.version = self.flat._version
         # The buffer's version after release(): another value means something wrote into the
         # views between steps (a backward pass outside step()).
         self.clean = self.flat._version
@@ -116,9 +119,11 @@ class _Bucket:
                     had.add(id(p))
                 p.grad = view
 
-    def sync(self, had: set[int]) -> bool:
+    def sync(self, had: set[int], *, keep_graphs: bool = False) -> bool:
         """Copy into its view any ``.grad`` that is not its view (the loss replaced it), and make
-        the view ``.grad`` again; returns whether there was one."""
+        the view ``.grad`` again; returns whether there was one. With ``keep_graphs`` (during
+        backward) a ``.grad`` that carries a graph (``create_graph=True``) stays ``.grad``: the
+        loss may still differentiate through it."""
         replaced = False
         with torch.no_grad():
             for p, view in zip(self.params, self.views):
@@ -132,17 +137,24 @@ class _Bucket:
                 else:
                     view.copy_(_dense(grad))
                     had.add(id(p))
+                    if keep_graphs and grad.requires_grad:
+                        continue
                 p.grad = view
+        # Taken after the copies: another version at the end of backward means something wrote
+        # into the views since (a late gradient, or the loss scaling .grad in place).
+        self.version = self.flat._version
         return replaced
 
     def release(self, keep: set[int]) -> None:
-        """Zero the buffer; ``.grad`` stays the (zero) view for the parameters in ``keep`` and
-        becomes ``None`` for the other ones that still hold their view."""
+        """Zero the buffer; ``.grad`` becomes the (zero) view for the parameters in ``keep`` that
+        have a gradient, and ``None`` for the others. A ``.grad`` that is not its view (the loss
+        replaced it after its bucket started, then raised) goes too: no gradient outlives the
+        step."""
         self.flat.zero_()
         self.clean = self.flat._version
         for p, view in zip(self.params, self.views):
-            if p.grad is view and id(p) not in keep:
-                p.grad = None
+            if p.grad is not None:
+                p.grad = view if id(p) in keep else None
 
 
 class GradientBuckets:
@@ -284,7 +296,7 @@ class GradientBuckets:
             self._launch_ready()
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.sync(self._had)
+        bucket.sync(self._had, keep_graphs=self._armed)
         if bucket.sent is not bucket.flat:
             bucket.sent.copy_(bucket.flat)
         bucket.work = dist.all_reduce(
@@ -302,10 +314,13 @@ class GradientBuckets:
     def end_backward(self) -> bool:
         """Backward is over: hooks stop counting, and every ``.grad`` that is not its view (the
         loss replaced or set it) is copied into its view now; one whose bucket had started makes
-        the step stale. Returns :attr:`stale`."""
+        the step stale, as does a write into a started bucket's views (a gradient scaled in
+        place). Returns :attr:`stale`."""
         self._armed = False
         for index, bucket in enumerate(self.buckets):
-            if bucket.sync(self._had) and index < self._next:
+            started = index < self._next
+            version = bucket.version
+            if (bucket.sync(self._had) or bucket.flat._version != version) and started:
                 self.stale = True
         return self.stale
 
@@ -361,11 +376,11 @@ class GradientBuckets:
         return finite
 
     def release(self, keep: Sequence[torch.Tensor] = ()) -> None:
-        """End the step (also a failed one): zero the buffers; ``.grad`` stays a zero view for
-        the parameters in ``keep`` that had a gradient this step, and is ``None`` for the
-        others."""
+        """End the step (also a failed one): zero the buffers; ``.grad`` stays a zero view where
+        ``SVI`` leaves a gradient (a parameter that had one before the step, got one in it, or is
+        in ``keep``: the trained ones, whose gradients the step filled with zeros where this rank
+        had none), and is ``None`` for the others."""
         self._armed = False
-        ids = {id(p) for p in keep}
-        kept = {k for k in ids if k in self._seen or k in self._had}
+        kept = {id(p) for p in keep} | self._had | self._seen.keys()
         for bucket in self.buckets:
             bucket.release(kept)

@@ -343,13 +343,13 @@ class DataParallelSVI(SVI):
             self._snapshot.restore()
             raise
         finally:
-            # Gradients never outlive the step, also when it raised: zeros where SVI leaves
-            # zeros (the traced and trained parameters that have one), else None.
+            # Gradients never outlive the step, also when it raised: zeros where SVI leaves a
+            # gradient (the parameters that have one, and the trained ones), else None.
             if buckets is None:
                 zero_grads(traced_params + [p for _, p in trained])
             else:
                 buckets.wait()  # no all-reduce outlives the step
-                buckets.release([*traced_params, *(p for _, p in trained)])
+                buckets.release([p for _, p in trained])
                 zero_grads([p for p in traced_params if id(p) not in self._known])
         if self._buffers:
             broadcast_(self._buffers, self.process_group)
@@ -360,17 +360,17 @@ class DataParallelSVI(SVI):
 
     def _local_step(self, args, kwargs):
         """This rank's loss and gradients, and its refusal (an exception, or ``None``)."""
-        traced: dict[int, str] = {}
-        traced_params: list[torch.Tensor] = []
+        capture = ParamRecorder()
         try:
-            with ParamRecorder() as capture:
+            with capture:
                 loss = item(self.loss_and_grads(self.model, self.guide, *args, **kwargs))
-            traced_params = list(capture.params.values())
-            traced = {id(p): name for name, p in capture.params.items()}
             if self._buckets is not None:
                 self._buckets.end_backward()  # a .grad the loss replaced is in its bucket now
         except Exception as refusal:
-            return refusal, float("nan"), traced, traced_params
+            # The parameters read before the loss raised: a backward pass (an earlier particle)
+            # may have given them gradients, which step() zeroes.
+            return refusal, float("nan"), *self._traced(capture)
+        traced, traced_params = self._traced(capture)
         nonfinite = None
         if self._world > 1:
             # One process keeps SVI's errors; across ranks, name the rank whose values broke.
@@ -378,6 +378,11 @@ class DataParallelSVI(SVI):
             named = [(traced[id(p)], p) for p in traced_params]
             nonfinite = nonfinite_refusal(loss, named, grads_finite=finite)
         return nonfinite, loss, traced, traced_params
+
+    @staticmethod
+    def _traced(capture: ParamRecorder) -> tuple[dict[int, str], list[torch.Tensor]]:
+        params = capture.params
+        return {id(p): name for name, p in params.items()}, list(params.values())
 
     def _raise_nonfinite(self, mean_loss: float, named: list[tuple[str, torch.Tensor]]) -> None:
         bad = next(

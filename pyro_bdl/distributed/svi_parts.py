@@ -43,9 +43,13 @@ class ParamRecorder(Messenger):
     :ivar dict params: ``{name: unconstrained tensor}`` after the pass.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.params: dict[str, torch.Tensor] = {}
+
     def __enter__(self) -> ParamRecorder:
         self._values: dict[str, torch.Tensor] = {}
-        self.params: dict[str, torch.Tensor] = {}
+        self.params = {}
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:

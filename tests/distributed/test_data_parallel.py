@@ -340,6 +340,24 @@ def test_non_finite_loss_stops_before_updating():
     assert all(p.grad is None or not p.grad.any() for _, p in store.named_parameters())
 
 
+def test_a_loss_that_raises_after_backward_leaves_no_gradient():
+    x, y, model, guide = _single_process_parts()
+    guide(x[:2], y[:2])
+
+    def failing_loss(model, guide, *args):  # as a second particle refusing after the first
+        Trace_ELBO().differentiable_loss(model, guide, *args).backward()
+        raise ValueError("the second particle refuses")
+
+    svi = DataParallelSVI(model, guide, pyro.optim.Adam({"lr": 0.01}), failing_loss)
+    before = _flat_params().clone()
+    with pytest.raises(ValueError, match="second particle"):
+        svi.step(x[:4], y[:4])
+    assert torch.equal(_flat_params(), before)
+    # The refused step's gradients would otherwise be added to the next step's.
+    store = pyro.get_param_store()
+    assert all(p.grad is None or not p.grad.any() for _, p in store.named_parameters())
+
+
 def test_bad_arguments_are_refused():
     x, y, model, guide = _single_process_parts()
     guide(x[:2], y[:2])

@@ -7,6 +7,8 @@ concatenated batches. The set-up (data, model, shards) is shared with test_data_
 
 from __future__ import annotations
 
+import warnings
+
 import pyro
 import pytest
 import torch
@@ -196,47 +198,94 @@ def _phase_overlap(rank: int) -> dict:
     }
 
 
-def _wb_loss(model, guide, x: torch.Tensor, replace: bool) -> float:
-    """½(x − w − b)², differentiated here; with ``replace`` the gradient of b is then replaced
-    by a new tensor three times as large (not the bucket's view that autograd wrote into)."""
+def _wb_loss(model, guide, x: torch.Tensor, replace: str) -> float:
+    """½(x − w − b)², differentiated here. ``replace``: "new" replaces the gradient of b by a new
+    tensor three times as large (not the bucket's view that autograd wrote into); "inplace"
+    triples it in place, as ``clip_grad_norm_`` scales gradients; "graph" differentiates with
+    ``create_graph=True`` and adds the penalty ½(w.grad² + b.grad²), which reads the gradients'
+    graph (the double-backward pattern of a gradient penalty)."""
     w, b = pyro.param("w"), pyro.param("b")
     loss = 0.5 * (x - w - b) ** 2
+    if replace == "graph":
+        with warnings.catch_warnings():
+            # torch's note that .grad and the parameter now form a reference cycle.
+            warnings.filterwarnings("ignore", "Using backward\\(\\) with create_graph=True")
+            loss.backward(create_graph=True)
+        (0.5 * (w.grad**2 + b.grad**2)).backward()
+        return loss.item()
     loss.backward()
-    if replace:
+    if replace == "new":
         b.grad = 3 * b.grad
+    elif replace == "inplace":
+        with torch.no_grad():
+            b.grad.mul_(3)
+    elif replace == "raise":
+        b.grad = 3 * b.grad
+        raise ValueError("this batch is refused after backward")
     return loss.item()
 
 
-def _no_sites(x: torch.Tensor, replace: bool) -> None:
+def _no_sites(x: torch.Tensor, replace: str) -> None:
     pass
 
 
-def _grad_view_run(rank: int, **options) -> dict:
+def _wb_run(rank: int, loss, steps: list[str], *, momentum=0.0, hook=False, **options) -> dict:
+    """Steps of SGD (learning rate 1) on w = 1 and b = 0 with ``loss(..., x, steps[t])``, where
+    x = 2 on rank 0 and 4 on rank 1; ``hook`` doubles w's gradients (a user's gradient hook)."""
     pyro.clear_param_store()
     w = pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
     pyro.param("b", torch.tensor(0.0, dtype=torch.float64))
-    w.register_hook(lambda g: 2 * g)  # a user's gradient hook on w
-    svi = DataParallelSVI(_no_sites, _no_sites, pyro.optim.SGD({"lr": 1.0}), _wb_loss, **options)
+    if hook:
+        w.register_hook(lambda g: 2 * g)
+    optim = pyro.optim.SGD({"lr": 1.0, "momentum": momentum})
+    svi = DataParallelSVI(_no_sites, _no_sites, optim, loss, **options)
     x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
-    values, grads_after, stale = [], [], []
-    for _ in range(2):
-        svi.step(x, True)
-        store = pyro.get_param_store()
-        values.append((store["w"].item(), store["b"].item()))
+    store = pyro.get_param_store()
+    out: dict = {"values": [], "grads_after": [], "stale": [], "refused": []}
+    for arg in steps:
+        try:
+            svi.step(x, arg)
+        except ValueError as error:
+            out["refused"].append(str(error))
+        out["values"].append((store["w"].item(), store["b"].item()))
         grads = [p.grad for _, p in store.named_parameters()]
-        grads_after.append(all(g is None or not g.any() for g in grads))
+        out["grads_after"].append(all(g is None or not g.any() for g in grads))
         if svi._buckets is not None:
-            stale.append(svi._buckets.stale)
-    return {"values": values, "grads_after": grads_after, "stale": stale}
+            out["stale"].append(svi._buckets.stale)
+    return out
+
+
+def _skip_loss(model, guide, x: torch.Tensor, use: str) -> float:
+    """½(x − w − b)², where b is read and differentiated ("yes"), not read ("no": ½(x − w)²),
+    or read but not differentiated ("detached")."""
+    w = pyro.param("w")
+    b = torch.zeros((), dtype=w.dtype) if use == "no" else pyro.param("b")
+    loss = 0.5 * (x - w - (b.detach() if use == "detached" else b)) ** 2
+    loss.backward()
+    return loss.item()
 
 
 def _phase_grad_views(rank: int) -> dict:
     """A gradient hook and a replaced ``.grad`` with the gradients as bucket views: one bucket,
-    a bucket per parameter (8 bytes each), and without overlap."""
+    a bucket per parameter (8 bytes each), and without overlap; a gradient scaled in place, a
+    gradient penalty, a parameter skipped for a step then read without a gradient, and a loss
+    that raises after replacing a gradient."""
+    small, off = {"bucket_cap_mb": 8 / 2**20}, {"overlap": False}
+    skipping = ["yes", "no", "detached"]
+    refusing = ["none", "raise" if rank == 1 else "none", "none"]
     return {
-        "one": _grad_view_run(rank),
-        "small": _grad_view_run(rank, bucket_cap_mb=8 / 2**20),
-        "off": _grad_view_run(rank, overlap=False),
+        "one": _wb_run(rank, _wb_loss, ["new"] * 2, hook=True),
+        "small": _wb_run(rank, _wb_loss, ["new"] * 2, hook=True, **small),
+        "off": _wb_run(rank, _wb_loss, ["new"] * 2, hook=True, **off),
+        **{
+            f"{how}_{name}": _wb_run(rank, _wb_loss, [how] * 2, **options)
+            for how in ("inplace", "graph")
+            for name, options in (("small", small), ("off", off))
+        },
+        "skip_one": _wb_run(rank, _skip_loss, skipping, momentum=0.5),
+        "skip_off": _wb_run(rank, _skip_loss, skipping, momentum=0.5, **off),
+        "refused_small": _wb_run(rank, _wb_loss, refusing, **small),
+        "refused_off": _wb_run(rank, _wb_loss, refusing, **off),
     }
 
 
@@ -390,7 +439,8 @@ def test_gradient_hooks_and_replaced_gradients_survive_bucket_views(ranks):
     # with lr 1 gives w = 5, b = 6; the second step's residuals −9 and −7 then give
     # w = 5 − 2·8 = −11 and b = 6 − 3·8 = −18. Small integers: exact in float64.
     for r in ranks:
-        for name, run in r["grad_views"].items():
+        for name in ("one", "small", "off"):
+            run = r["grad_views"][name]
             assert run["values"] == [(5.0, 6.0), (-11.0, -18.0)], name
             # Gradients do not outlive a step: none, or zeros, never the bucket's means.
             assert run["grads_after"] == [True, True], name
@@ -399,3 +449,52 @@ def test_gradient_hooks_and_replaced_gradients_survive_bucket_views(ranks):
     # step stale, and the ranks reduce the replaced gradient again after backward.
     assert ranks[0]["grad_views"]["small"]["stale"] == [False, True]
     assert ranks[0]["grad_views"]["one"]["stale"] == [False, False]
+
+
+def test_gradients_changed_in_place_after_their_bucket_started_are_averaged(ranks):
+    # As above without the hook: ∂/∂w = −1 and −3 (mean −2), b's tripled in place (mean −6):
+    # w = 3, b = 6; then ∂/∂w = 7 and 5 (mean 6) give w = 3 − 6 = −3, b = 6 − 18 = −12.
+    # With a bucket per parameter, b's bucket starts during backward in the second step, before
+    # the loss scales b.grad: the step must notice and average the scaled gradient.
+    for r in ranks:
+        for name in ("inplace_small", "inplace_off"):
+            run = r["grad_views"][name]
+            assert run["values"] == [(3.0, 6.0), (-3.0, -12.0)], name
+            assert run["grads_after"] == [True, True], name
+    assert ranks[0]["grad_views"]["inplace_small"]["stale"] == [False, True]
+
+
+def test_a_gradient_penalty_reads_the_graph_of_the_gradients(ranks):
+    # backward(create_graph=True) leaves g = w + b − x in w.grad and b.grad, with its graph; the
+    # penalty ½(g² + g²) = g² adds 2g to each: 3g in all. g = −1 and −3 (mean −2): w = 1 + 6 = 7,
+    # b = 6; then g = 11 and 9 (mean 10): w = 7 − 30 = −23, b = 6 − 30 = −24. Bucket views must
+    # not cut the graph of a gradient that the loss still reads when its bucket starts.
+    for r in ranks:
+        for name in ("graph_small", "graph_off"):
+            run = r["grad_views"][name]
+            assert run["values"] == [(7.0, 6.0), (-23.0, -24.0)], name
+            assert run["grads_after"] == [True, True], name
+
+
+def test_a_parameter_skipped_for_a_step_keeps_its_zero_gradient(ranks):
+    # SVI leaves the zero gradient of a parameter that a step does not read, so when a later
+    # step reads it without differentiating it, the optimizer still steps it (SGD's momentum
+    # moves it). Step 0: ∂/∂w = ∂/∂b = −1 and −3 (mean −2): w = 3, b = 2 (momentum buffers −2).
+    # Step 1 reads w only: ∂/∂w = 1 and −1 (mean 0), buffer −1: w = 4. Step 2 reads b detached:
+    # ∂/∂w = 4 and 2 (mean 3), buffer 2.5: w = 1.5; b's zero gradient, buffer −1: b = 3.
+    # Halves and integers: exact. With and without overlap alike.
+    for r in ranks:
+        for name in ("skip_one", "skip_off"):
+            assert r["grad_views"][name]["values"] == [(3.0, 2.0), (4.0, 2.0), (1.5, 3.0)], name
+
+
+def test_a_gradient_replaced_before_a_refusal_does_not_outlive_the_step(ranks):
+    # ∂/∂w = ∂/∂b = −1 and −3 (mean −2): w = 3, b = 2. Rank 1's loss then triples b.grad (whose
+    # bucket started during backward) and refuses: nothing changes, and no gradient of the
+    # refused step reaches the next one: ∂ = 3 and 1 (mean 2) give w = 1, b = 0 on both ranks.
+    for r in ranks:
+        for name in ("refused_small", "refused_off"):
+            run = r["grad_views"][name]
+            assert run["values"] == [(3.0, 2.0), (3.0, 2.0), (1.0, 0.0)], name
+            assert len(run["refused"]) == 1 and "rank 1 refused" in run["refused"][0], name
+            assert run["grads_after"] == [True, True, True], name
