@@ -21,17 +21,15 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pyro_bdl._validation import check_positive_int
+from pyro_bdl._validation import all_finite, check_positive_int
 
 __all__ = [
-    "all_finite",
     "all_gather_scalars",
     "all_reduce_",
     "broadcast_",
@@ -89,14 +87,6 @@ def all_gather_scalars(values: Sequence[float], process_group=None) -> torch.Ten
     return torch.stack(out).cpu()
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` is finite. A sum of finite numbers is finite unless it
-    overflows and a NaN or inf makes it non-finite, so one reduction decides in the usual case
-    (an order of magnitude faster than the element-wise test, which settles the rest)."""
-    t = t.detach()  # a create_graph gradient carries a graph: no scalar of it may warn
-    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
-
-
 def device_dtype_buckets(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Group tensors by (device, dtype), keeping their order within each group."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -140,7 +130,7 @@ def all_reduce_(tensors: Sequence[torch.Tensor], process_group=None, *, mean: bo
             if mean:
                 flat /= world
             _unflatten_into(flat, bucket)
-        finite = finite and all_finite(flat)
+        finite = finite and all_finite([flat])
     return finite
 
 

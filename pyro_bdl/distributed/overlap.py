@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pyro_bdl.distributed.comm import all_finite, broadcast_, comm_device
+from pyro_bdl._validation import all_finite
+from pyro_bdl.distributed.comm import broadcast_, comm_device
 
 __all__ = ["GradientBuckets", "decode_rows", "encode_row"]
 
@@ -278,7 +279,7 @@ class GradientBuckets:
     def local_finite(self) -> bool:
         """Whether this rank's gradients are all finite (before any bucket is reduced in
         place, that is before :meth:`launch_remaining`)."""
-        return all(all_finite(b.grads) for b in self.buckets)
+        return all_finite([b.grads for b in self.buckets])
 
     def _hook(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -372,7 +373,7 @@ class GradientBuckets:
                     bucket.flat.div_(self.world)
                 else:
                     torch.div(bucket.sent, self.world, out=bucket.flat)
-                finite = all_finite(bucket.grads) and finite
+                finite = all_finite([bucket.grads]) and finite
         return finite
 
     def release(self, keep: Sequence[torch.Tensor] = ()) -> None:

@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pyro_bdl._validation import all_finite
 from pyro_bdl.distributed.comm import (
-    all_finite,
     all_gather_scalars,
     comm_device,
-    device_dtype_buckets,
     get_world_size,
 )
 from pyro_bdl.distributed.errors import GuideNotInitializedError, StepRefusedError
@@ -188,11 +187,7 @@ def nonfinite_refusal(
     if not math.isfinite(loss):
         return FloatingPointError(f"its loss is {loss}{fix}")
     if grads_finite is None:
-        # One reduction per (device, dtype) over the gradients' sums (see all_finite).
-        grads_finite = all(
-            all_finite(torch.stack([g.sum() for g in bucket]))
-            for bucket in device_dtype_buckets(p.grad for _, p in named if p.grad is not None)
-        )
+        grads_finite = all_finite([p.grad for _, p in named if p.grad is not None])
     if grads_finite:
         return None
     grads = [(n, p.grad) for n, p in named if p.grad is not None]
