@@ -177,9 +177,11 @@ class NormalSites:
         if not (_plain(model_site) and _plain(guide_site)):
             return None
         numbers = prior_numbers(model_site["fn"])
-        if numbers is None:
-            return None
         value, q = guide_site["value"], guide_site["fn"]
+        # A value of another shape broadcasts against the prior: its term counts each number
+        # as often as the prior holds it, which only the site's own evaluation does.
+        if numbers is None or value.shape != model_site["fn"].event_shape:
+            return None
         if isinstance(q, PointMass):
             if not zero_density(guide_site) or q.event_shape != value.shape:
                 return None

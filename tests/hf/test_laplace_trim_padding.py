@@ -165,3 +165,28 @@ def test_only_the_subnetwork_sites_require_grad():
     ), flags
     _, every = leaf_slots(guide.layout, guide.map_loc)
     assert all(slot.value.requires_grad for slot in every)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron"])
+def test_a_refused_first_batch_leaves_a_fresh_guide_unset(structure):
+    # fit on a guide never called sets it up from the first batch; a mask that trim_padding
+    # refuses there is refused before that set-up, so nothing was created.
+    pyro.clear_param_store()
+    model = _model()
+    data = _batches()
+    x, y = data[0]
+    if structure == "full":
+        x = dict(x, attention_mask=x["attention_mask"].flip(1))  # left padding
+    else:
+        mask = x["attention_mask"].clone()
+        mask[0, 1:] = 0  # a one-token row
+        x = dict(x, attention_mask=mask)
+    guide = bdl.guides.AutoSubnetLaplace(
+        model, subnetwork="last_layer", hessian_structure=structure
+    )
+    with pytest.raises(ValueError, match="trim_padding"):
+        guide.fit([(x, y)], check_mode=False, trim_padding=True)
+    assert guide.prototype_trace is None and not list(pyro.get_param_store().keys())
+    with pytest.raises(TypeError, match="attention_mask"):
+        guide.fit((x["input_ids"], y), check_mode=False, trim_padding=True)
+    assert guide.prototype_trace is None and not list(pyro.get_param_store().keys())

@@ -208,3 +208,29 @@ def test_a_non_finite_weight_is_refused_by_name():
             elbo._group_normal_sites = grouped
             with pytest.raises(ValueError, match=match):
                 elbo.loss(model, g, x, y)
+
+
+def test_a_guide_site_of_another_shape_than_the_prior_takes_the_general_path(evaluated_alone):
+    # A user's guide whose bias is one number broadcast over the layer (Pyro's validation would
+    # refuse the shapes; with it off the network runs): the prior's term counts every weight the
+    # value stands for, so the site is evaluated on its own, not as a site of one number.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(F64)
+    model = models.classifier(bayesianize(net, priors.Normal()), N)
+    x, y = torch.randn(5, 3, dtype=F64), torch.randint(2, (5,))
+    shapes = {"0.weight": (4, 3), "0.bias": (1,), "2.weight": (2, 4), "2.bias": (2,)}
+
+    def guide(x, y=None):
+        for name, shape in shapes.items():
+            loc = pyro.param(f"{name}_loc", torch.full(shape, 0.1, dtype=F64))
+            scale = pyro.param(f"{name}_scale", torch.full(shape, 0.5, dtype=F64))
+            pyro.sample(name, dist.Normal(loc, scale).to_event(len(shape)))
+
+    guide(x)
+    with pyro.validation_enabled(False):
+        loss, grads, _ = _loss_and_grads(model, guide, x, y, grouped=True)
+        assert evaluated_alone == ["0.bias"]
+        ref_loss, ref_grads, _ = _loss_and_grads(model, guide, x, y, grouped=False)
+    assert_close(loss, ref_loss, rtol=1e-12)  # float64 sums in another order
+    for a, b in zip(grads, ref_grads):
+        assert_close(a, b, rtol=1e-10, atol=1e-12)

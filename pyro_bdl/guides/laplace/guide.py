@@ -441,6 +441,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
             # Every pass below sums over rows; ``first`` (the set-up and the memory measure)
             # keeps the untrimmed width, so the chunk sizes are those of the data as given.
             data = ByLength(data, self.batch_size, 2 if self.hessian_structure == "kron" else 1)
+            data.check(first)  # a refusal before the set-up below (later rows: in the passes)
         if self.prototype_trace is None:
             self._setup_prototype(*first)
         obs = self._observe(first)

@@ -130,17 +130,27 @@ class ByLength:
     def __init__(self, data: Any, max_rows: int, min_length: int = 1):
         self.data, self.max_rows, self.min_length = data, max_rows, min_length
 
+    def check(self, batch: tuple) -> torch.Tensor:
+        """The row lengths of ``batch`` (``(x, y, ...)``), or the refusal of its ``x``: a fit
+        checks its first batch with this before it sets anything up.
+
+        :raises TypeError: when ``x`` is not a mapping with an ``attention_mask``.
+        :raises ValueError: as :func:`row_lengths`.
+        """
+        x = batch[0]
+        if not isinstance(x, Mapping) or "attention_mask" not in x:
+            held = list(x) if isinstance(x, Mapping) else type(x).__name__
+            raise TypeError(
+                "trim_padding=True needs each batch's x as a mapping with an "
+                f"'attention_mask' (a tokenizer's output); got {held}. Pass x as a dict "
+                "of input_ids and attention_mask, or trim_padding=False."
+            )
+        return row_lengths(x["attention_mask"], self.min_length)
+
     def __iter__(self) -> Iterator[tuple]:
         for batch in iter_batches(self.data, sys.maxsize):
             x = batch[0]
-            if not isinstance(x, Mapping) or "attention_mask" not in x:
-                held = list(x) if isinstance(x, Mapping) else type(x).__name__
-                raise TypeError(
-                    "trim_padding=True needs each batch's x as a mapping with an "
-                    f"'attention_mask' (a tokenizer's output); got {held}. Pass x as a dict "
-                    "of input_ids and attention_mask, or trim_padding=False."
-                )
-            lengths = row_lengths(x["attention_mask"], self.min_length)
+            lengths = self.check(batch)
             order = torch.sort(lengths.cpu(), stable=True).indices
             sorted_lengths = lengths.cpu()[order].tolist()
             start = 0
