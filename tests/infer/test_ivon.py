@@ -458,3 +458,34 @@ def test_the_fused_scale_and_kl_sums_equal_the_plain_passes(case):
     # The plain passes sum 2.6e5 float32 terms in float32: pairwise summation errs by about
     # log2(n)·2⁻²⁴ ≈ 1e-6 relative; the fused sums are taken in float64. 1e-5 is 10 times that.
     assert fused == pytest.approx(plain, rel=1e-5)
+
+
+def test_one_block_off_the_cpu_computes_what_the_blocks_compute(monkeypatch):
+    from pyro_bdl.infer.natural_gradient import ivon as module
+
+    n = 2 * module.BLOCK + 37
+    assert module.blocks(n, torch.device("cuda")) == [slice(0, n)]
+    assert len(module.blocks(n, torch.device("cpu"))) == 3 == len(module.blocks(n))
+
+    def run():
+        g = torch.Generator().manual_seed(0)
+        state = VOGNState(*(torch.rand(n, generator=g) for _ in range(3)))
+        g_hat, h_hat = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        hyper = IVONHyperparameters(lr=0.1, betas=(0.9, 0.95), weight_decay=1e-3)
+        new = ivon_update(state, [g_hat], h_hat, hyper)
+        model, x, _ = small_classifier()
+        ivon = IVON(model, dataset_size=len(x), lr=0.1)
+        ivon.step(x, _)
+        sums = ivon._scale_and_sums(new.curvature.abs(), 1.0, torch.empty(n), torch.empty(n))
+        return new, sums
+
+    blocked = run()
+    monkeypatch.setattr(module, "BLOCK", 4 * n)  # the CPU takes one block too
+    whole = run()
+    # Element-wise passes: the same operations per element, so equal bit for bit.
+    for a, b in zip((blocked[0].mean, blocked[0].momentum, blocked[0].curvature),
+                    (whole[0].mean, whole[0].momentum, whole[0].curvature)):  # fmt: skip
+        assert torch.equal(a, b)
+    # Σσ² is a float32 dot per block (pairwise, ≈ log2(n)·2⁻²⁴ ≈ 1e-6 relative, grouped
+    # otherwise in one block) and Σ log x float64 products: 1e-5 is ten times the first.
+    assert whole[1] == pytest.approx(blocked[1], rel=1e-5)
