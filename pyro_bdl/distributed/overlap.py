@@ -363,7 +363,6 @@ class GradientBuckets:
         :returns: whether every averaged value is finite.
         """
         self.wait()
-        finite = True
         with torch.no_grad():
             for bucket in self.buckets:
                 if bucket.sent is bucket.flat:
@@ -373,8 +372,7 @@ class GradientBuckets:
                     bucket.flat.div_(self.world)
                 else:
                     torch.div(bucket.sent, self.world, out=bucket.flat)
-                finite = all_finite([bucket.grads]) and finite
-        return finite
+        return all_finite([bucket.grads for bucket in self.buckets])  # one read back
 
     def release(self, keep: Sequence[torch.Tensor] = ()) -> None:
         """End the step (also a failed one): zero the buffers; ``.grad`` stays a zero view where

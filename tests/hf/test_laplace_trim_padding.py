@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import pyro_bdl as bdl  # noqa: E402
-from pyro_bdl.guides.laplace.model import leaf_slots  # noqa: E402
+from pyro_bdl.guides.laplace.model import leaf_slots, sites_touched  # noqa: E402
 from pyro_bdl.guides.laplace.padding import ByLength, plan_groups, row_lengths  # noqa: E402
 
 VOCAB, LENGTH, ROWS = 50, 12, 24
@@ -158,7 +158,8 @@ def test_refusals_leave_the_guide_unfitted():
 def test_only_the_subnetwork_sites_require_grad():
     pyro.clear_param_store()
     guide = _fit("last_layer", "full", False)
-    _, slots = leaf_slots(guide.layout, guide.map_loc, guide.subnet_index)
+    wanted = sites_touched(guide.layout, guide.subnet_index)
+    _, slots = leaf_slots(guide.layout, guide.map_loc, wanted)
     flags = {site.name: slot.value.requires_grad for site, slot in zip(guide.layout, slots)}
     assert sum(flags.values()) == 2 and all(
         flag == ("modules_to_save" in name) for name, flag in flags.items()

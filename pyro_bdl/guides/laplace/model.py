@@ -295,16 +295,15 @@ def check_supported(model) -> None:
 
 
 def leaf_slots(
-    layout: SiteLayout, flat: torch.Tensor, index: torch.Tensor | None = None
+    layout: SiteLayout, flat: torch.Tensor, wanted: set[int] | None = None
 ) -> tuple[dict, list[ParamSlot]]:
     """Every site's value from the packed unconstrained ``flat`` (fresh leaves that require
     grad, views of ``flat``), and the :class:`~pyro_bdl.curvature.ParamSlot` of each site.
 
-    With ``index`` (packed positions of a subnetwork) only the sites holding one of them require
-    grad: nothing is differentiated with respect to the others, so a forward pass records no
-    graph before the first layer of the subnetwork (the last-layer fit's base runs as under
-    ``no_grad``); the values are the same."""
-    wanted = None if index is None else _sites_touched(layout, index)
+    With ``wanted`` (the positions in ``layout`` of a subnetwork's sites, :func:`sites_touched`)
+    only those sites require grad: nothing is differentiated with respect to the others, so a
+    forward pass records no graph before the first layer of the subnetwork (the last-layer
+    fit's base runs as under ``no_grad``); the values are the same."""
     values, slots = {}, []
     for k, (site, block) in enumerate(zip(layout, layout.split(flat.detach()))):
         u = block.detach().requires_grad_(wanted is None or k in wanted)
@@ -322,11 +321,12 @@ def leaf_slots(
     return values, slots
 
 
-def _sites_touched(layout: SiteLayout, index: torch.Tensor) -> set[int]:
-    """Positions in ``layout`` of the sites holding at least one packed position of ``index``."""
+def sites_touched(layout: SiteLayout, index: torch.Tensor) -> set[int]:
+    """Positions in ``layout`` of the sites holding at least one packed position of ``index``
+    (a pass over the data takes it once: ``index`` may hold every weight)."""
     starts = torch.tensor([site.start for site in layout], dtype=torch.long)
     owners = torch.searchsorted(starts, index.detach().cpu().long(), right=True) - 1
-    return set(owners.unique().tolist())
+    return set(torch.bincount(owners, minlength=len(starts)).nonzero().flatten().tolist())
 
 
 def forward_fn(
@@ -448,12 +448,12 @@ def forward_at(
     flat: torch.Tensor,
     args: tuple,
     obs: Observation,
-    index: torch.Tensor | None = None,
+    wanted: set[int] | None = None,
 ):
     """``(forward function, slots)`` of the network of ``model`` with the weights at the packed
-    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`); with ``index``, only the subnetwork's
-    sites require grad."""
-    values, slots = leaf_slots(layout, flat, index)
+    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`); with ``wanted``, only those sites require
+    grad."""
+    values, slots = leaf_slots(layout, flat, wanted)
     returned = obs.split is not None
     return forward_fn(model, values, args, obs.name, returned=returned), slots
 
@@ -581,8 +581,9 @@ def fit_full(
     owned = [*net.parameters(), *net.buffers()] if net is not None else []
     exclude = [loc, *tensors, *owned]
     layer = single_linear(layout, index)
+    wanted = sites_touched(layout, index)
     with eval_mode(model):
-        at = lambda n: forward_at(model, layout, loc, head(first, n), obs, index)  # noqa: E731
+        at = lambda n: forward_at(model, layout, loc, head(first, n), obs, wanted)  # noqa: E731
         if layer is not None:
             # Per row: the forward graph, one row of the O·k products, the layer input, the
             # gradients at the layer's output (O × C) and their products (O × O).
@@ -600,7 +601,7 @@ def fit_full(
     stats = torch.zeros(4, dtype=torch.float64)
     with eval_mode(model):
         for batch in iter_batches(data, rows):
-            forward, slots = forward_at(model, layout, loc, batch, obs, index)
+            forward, slots = forward_at(model, layout, loc, batch, obs, wanted)
             out = None
             residual_fn = _residual_fn(batch, obs, grad)
             if layer is not None:
@@ -700,9 +701,10 @@ def fit_kron(
     stats = torch.zeros(4, dtype=torch.float64)
     layers = [b.layer for b in blocks]
     grad_sums = None if grad is None else [torch.zeros(b.positions.shape, **kw) for b in blocks]
+    wanted = sites_touched(layout, index)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            forward, _ = forward_at(model, layout, loc, batch, obs, index)
+            forward, _ = forward_at(model, layout, loc, batch, obs, wanted)
             residual_fn = _residual_fn(batch, obs, grad)
             out = kfac_sums(
                 forward,
@@ -738,9 +740,10 @@ def jacobians(
     ``batch_size`` rows at a time; the model gets the batch's first tensor (the inputs). With
     ``transform``, ``J_S`` is that of ``transform(outputs)`` (b, K, S)
     (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`)."""
+    wanted = sites_touched(layout, index)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            forward, slots = forward_at(model, layout, loc, batch[:1], obs, index)
+            forward, slots = forward_at(model, layout, loc, batch[:1], obs, wanted)
             jac, out = subnet_jacobian(
                 forward, slots, index, return_outputs=True, transform=transform
             )
