@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import write
+from benchmarks.common import mean_se, write
 from benchmarks.uci import DATASETS, PUBLISHED, parse_splits
 from pyro_bdl.app.data import load_uci
 
@@ -83,12 +82,7 @@ def evaluate(name: str, data_dir, split: int, lr: float) -> dict[str, float]:
 
 def summary(rows: list[dict[str, float]]) -> dict[str, list[float]]:
     """Mean and standard error over splits of each figure."""
-    out = {}
-    for key in rows[0]:
-        values = [r[key] for r in rows]
-        se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-        out[key] = [statistics.fmean(values), se]
-    return out
+    return {key: list(mean_se([r[key] for r in rows])) for key in rows[0]}
 
 
 def main(argv: list[str] | None = None) -> None:
