@@ -711,11 +711,7 @@ def _our_fit(
     )
     guide(*b.first)
     data = as_text(batches) if trim else batches
-    synchronize(b.device)
-    start = time.perf_counter()
-    guide.fit(data, trim_padding=trim)
-    synchronize(b.device)
-    return time.perf_counter() - start, guide
+    return _seconds(b, partial(guide.fit, data, trim_padding=trim)), guide
 
 
 def _seconds(b: Bench, fn: Callable[[], Any]) -> float:
@@ -729,12 +725,12 @@ def _seconds(b: Bench, fn: Callable[[], Any]) -> float:
 
 def _ms_per_item(b: Bench, predict: Callable, batches: list) -> float:
     """Milliseconds per item of ``predict`` over ``batches``, the device synchronized."""
-    synchronize(b.device)
-    start = time.perf_counter()
-    for x, _ in batches:
-        predict(x)
-    synchronize(b.device)
-    return 1e3 * (time.perf_counter() - start) / sum(len(y) for _, y in batches)
+
+    def run() -> None:
+        for x, _ in batches:
+            predict(x)
+
+    return 1e3 * _seconds(b, run) / sum(len(y) for _, y in batches)
 
 
 def _unwrapped_heads(net: nn.Module) -> nn.Module:
