@@ -36,7 +36,8 @@ never correctness.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -75,6 +76,24 @@ def decode_rows(flat: torch.Tensor, k: int, world: int) -> torch.Tensor:
     """The inverse of the sum over ranks of :func:`encode_row`: (world, k) float64."""
     chunks = flat.detach().cpu().double().numpy().astype(_chunk_type(flat.dtype))
     return torch.from_numpy(np.frombuffer(chunks.tobytes(), dtype="<f8").reshape(world, k).copy())
+
+
+def _weak_hook(buckets: GradientBuckets) -> Callable[[torch.Tensor], None]:
+    """``buckets._hook`` through a weak reference: a parameter's hook must not keep alive the
+    buckets (two buffers the size of the gradients) of a step loop that is gone."""
+    ref = weakref.ref(buckets)
+
+    def hook(param: torch.Tensor) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._hook(param)
+
+    return hook
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -174,6 +193,7 @@ class GradientBuckets:
         buckets.release(keep)       # whatever happened: zero the buffers, end the views
 
     :param params: the parameters, the same list (names, shapes, dtypes, order) on every rank.
+        One that does not require grad has a slot but no hook.
     :param process_group: the ``torch.distributed`` group.
     :param float bucket_cap_mb: the largest bucket, in megabytes (PyTorch DDP's default is 25).
     :param int passes: backward passes per step that accumulate into the gradients.
@@ -202,9 +222,14 @@ class GradientBuckets:
         #: Whether the buckets follow the order observed in a step (rank 0's, see reorder()).
         self.ordered = False
         self._arrivals: list[int] = []
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._hook) for b in self.buckets for p in b.params
-        ]
+        # torch refuses a hook on a tensor that does not require grad (a frozen parameter):
+        # such a parameter gets no gradient from backward, so its bucket does not wait for it.
+        hooked = [p for b in self.buckets for p in b.params if p.requires_grad]
+        self._hooked = {id(p) for p in hooked}
+        hook = _weak_hook(self)
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in hooked]
+        # The hooks go with the buckets (a DataParallelSVI dropped without close()).
+        self._finalizer = weakref.finalize(self, _remove, self._handles)
         self._armed = False
         self._seen: dict[int, int] = {}
         self._had: set[int] = set()
@@ -253,9 +278,7 @@ class GradientBuckets:
 
     def close(self) -> None:
         """Remove the hooks (the buckets are rebuilt when the parameters change)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._finalizer()
 
     def arm(self) -> None:
         """Start a step: every ``.grad`` becomes a view of its bucket, hooks count from here, no
@@ -263,7 +286,7 @@ class GradientBuckets:
         self._seen = {}
         self._had = set()
         self._arrivals = []
-        self._missing = [len(b.params) for b in self.buckets]
+        self._missing = [sum(id(p) in self._hooked for p in b.params) for b in self.buckets]
         self._next = 0
         self.stale = False
         self.started_in_backward = 0

@@ -202,14 +202,22 @@ class DataParallelSVI(SVI):
     @staticmethod
     def _collect(guide: Callable) -> dict[str, torch.Tensor]:
         """Every trainable tensor, by name: the param store (model and guide ``pyro.param``
-        sites, including those of ``PyroModule`` s) plus any guide parameter kept outside it."""
+        sites, including those of ``PyroModule`` s) plus any guide parameter kept outside it.
+        A tensor under several names (a ``PyroModule``'s tied weights) is listed once, under the
+        first in sorted order: the optimizer steps it once per step, as SVI does."""
         named = dict(pyro.get_param_store().named_parameters())
         seen = {id(p) for p in named.values()}
         if isinstance(guide, nn.Module):
             for name, p in guide.named_parameters():
                 if id(p) not in seen:
                     named[f"{type(guide).__name__}.{name}"] = p
-        return dict(sorted(named.items()))
+        unique: dict[str, torch.Tensor] = {}
+        listed: set[int] = set()
+        for name, p in sorted(named.items()):
+            if id(p) not in listed:
+                listed.add(id(p))
+                unique[name] = p
+        return unique
 
     def broadcast_parameters(self) -> None:
         """Overwrite every parameter (and BatchNorm statistics) with its value on rank 0.

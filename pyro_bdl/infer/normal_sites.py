@@ -98,12 +98,33 @@ def _normal_posterior(q: Any, value: torch.Tensor) -> tuple[torch.Tensor, torch.
     return loc, scale
 
 
+class _SquaredNorms(torch.autograd.Function):
+    """Σ ‖t‖² over the tensors given, from one multi-tensor norm, with the gradient 2t.
+
+    Differentiated through the norm, ‖t‖² has the gradient 2‖t‖ · t/‖t‖, which is 0/0 where
+    t = 0 (a site at the prior's mean, as ``init="prior_mean"`` starts it): autograd masks the
+    first derivative to 0, but a second one (a Hessian-vector product of the loss) is NaN. Here
+    the backward is 2t in differentiable operations, exact to any order."""
+
+    @staticmethod
+    def forward(*tensors: torch.Tensor) -> torch.Tensor:
+        return torch.stack(torch._foreach_norm(tensors)).square().sum()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch._foreach_mul(ctx.saved_tensors, 2 * grad))
+
+
 def _sum_of_squares(tensors: list[torch.Tensor], m: float) -> torch.Tensor:
     """Σ ‖t − m‖² over ``tensors`` from one multi-tensor norm: no concatenated copy, and its
     backward saves only the tensors themselves (views the step keeps anyway)."""
     if m:
         tensors = list(torch._foreach_sub(tensors, m))
-    return torch.stack(torch._foreach_norm(tensors)).square().sum()
+    return _SquaredNorms.apply(*tensors)
 
 
 def _point_log_prior(values: list[torch.Tensor], m: float, s: float) -> torch.Tensor:

@@ -387,6 +387,46 @@ def test_one_process_without_a_group_is_plain_svi():
     assert is_main_process()
 
 
+class _TiedNet(nn.Module):
+    """Two layers sharing one weight: as a PyroModule, the param store holds it under both
+    names ("a.weight" and "b.weight")."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3).double(), nn.Linear(3, 3).double()
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _tied_trajectory(svi_class) -> torch.Tensor:
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = _TiedNet()
+    pyro.nn.module.to_pyro_module_(net)
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+
+    def model(x, y):
+        pyro.sample("obs", pdist.Normal(net(x), 1.0).to_event(2), obs=y)
+
+    def guide(x, y):
+        pass
+
+    with poutine.block():  # create the parameters
+        model(x, y)
+    svi = svi_class(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(3):
+        svi.step(x, y)
+    return net.a.weight.detach().clone()
+
+
+def test_tied_weights_are_stepped_once_as_in_svi():
+    # The param store lists a tied weight under two names; the optimizer must step it once per
+    # step, not once per name. One process does what SVI does, to the bit.
+    assert torch.equal(_tied_trajectory(DataParallelSVI), _tied_trajectory(SVI))
+
+
 def test_seed_noise_reseeds_this_rank():
     x, y, model, guide = _single_process_parts()
     guide(x[:2], y[:2])

@@ -7,13 +7,16 @@ concatenated batches. The set-up (data, model, shards) is shared with test_data_
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pyro
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
+from torch import nn
 
 from pyro_bdl.diagnostics import metrics
 from pyro_bdl.distributed import (
@@ -289,12 +292,58 @@ def _phase_grad_views(rank: int) -> dict:
     }
 
 
+class _FrozenGuide(nn.Module):
+    """A guide module holding a frozen parameter outside the param store (a fixed encoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, use: str) -> None:
+        pass
+
+
+def _params_run(rank: int, *, tied: bool = False, frozen: bool = False, **options) -> dict:
+    """One SGD step (lr 1) of _skip_loss on w = 1 and b = 0, where b is w under a second name
+    (``tied``, as a PyroModule's tied weights land in the param store) or a frozen parameter
+    sits in the guide (``frozen``); then whether the step loop's buckets outlive it."""
+    pyro.clear_param_store()
+    w = pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    pyro.param("b", w if tied else torch.tensor(0.0, dtype=torch.float64))
+    guide = _FrozenGuide() if frozen else _no_sites
+    optim = pyro.optim.SGD({"lr": 1.0})
+    try:
+        svi = DataParallelSVI(_no_sites, guide, optim, _skip_loss, **options)
+        svi.step(torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64), "yes")
+    except RuntimeError as error:
+        return {"error": str(error)}
+    store = pyro.get_param_store()
+    buckets = weakref.ref(svi._buckets) if svi._buckets is not None else None
+    del svi
+    gc.collect()
+    return {
+        "values": (store["w"].item(), store["b"].item()),
+        "buckets_alive": buckets is not None and buckets() is not None,
+    }
+
+
+def _phase_params(rank: int) -> dict:
+    """Tied and frozen parameters, with one bucket, a bucket per parameter and no overlap."""
+    small, off = {"bucket_cap_mb": 8 / 2**20}, {"overlap": False}
+    return {
+        f"{case}_{name}": _params_run(rank, **{case: True}, **options)
+        for case in ("tied", "frozen")
+        for name, options in (("one", {}), ("small", small), ("off", off))
+    }
+
+
 PHASES = {
     "swag": _phase_swag,
     "vogn": _phase_vogn,
     "metrics": _phase_metrics,
     "overlap": _phase_overlap,
     "grad_views": _phase_grad_views,
+    "params": _phase_params,
 }
 
 
@@ -498,3 +547,28 @@ def test_a_gradient_replaced_before_a_refusal_does_not_outlive_the_step(ranks):
             assert run["values"] == [(3.0, 2.0), (3.0, 2.0), (1.0, 0.0)], name
             assert len(run["refused"]) == 1 and "rank 1 refused" in run["refused"][0], name
             assert run["grads_after"] == [True, True, True], name
+
+
+def test_a_parameter_under_two_names_is_stepped_once(ranks):
+    # b is w: ½(x − 2w)² at w = 1 has ∂/∂w = −2(x − 2) = 0 and −4 (mean −2), so one SGD step
+    # (lr 1) gives w = 3, as SVI gives; stepping the tensor once per name gave 5.
+    for r in ranks:
+        for name in ("one", "small", "off"):
+            assert r["params"][f"tied_{name}"]["values"] == (3.0, 3.0), name
+
+
+def test_a_frozen_guide_parameter_is_no_obstacle_to_overlap(ranks):
+    # torch refuses a gradient hook on a tensor that does not require grad: the buckets must
+    # not hook it. ∂/∂w = ∂/∂b = −1 and −3 (mean −2): w = 3, b = 2, as without overlap.
+    for r in ranks:
+        for name in ("one", "small", "off"):
+            assert r["params"][f"frozen_{name}"].get("values") == (3.0, 2.0), name
+
+
+def test_dropped_buckets_do_not_outlive_their_step_loop(ranks):
+    # The parameters' gradient hooks held the buckets (two buffers the size of the gradients)
+    # alive after the DataParallelSVI that built them was dropped.
+    for r in ranks:
+        for case in ("tied", "frozen"):
+            for name in ("one", "small"):
+                assert r["params"][f"{case}_{name}"]["buckets_alive"] is False, (case, name)

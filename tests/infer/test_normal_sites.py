@@ -234,3 +234,21 @@ def test_a_guide_site_of_another_shape_than_the_prior_takes_the_general_path(eva
     assert_close(loss, ref_loss, rtol=1e-12)  # float64 sums in another order
     for a, b in zip(grads, ref_grads):
         assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("guide", ["swag", "meanfield"])
+def test_second_derivatives_at_the_prior_mean_equal_site_by_site(guide):
+    # init="prior_mean" starts every weight (a point mass) or every mean (a Normal) at m, where
+    # ‖w − m‖ = 0: a Hessian-vector product of the loss must be as finite there as site by site.
+    model, g, x, y = _problem(priors.Normal(loc=0.3, scale=0.5, init="prior_mean"), guide)
+    params = [p for p in pyro.get_param_store().values() if p.requires_grad]
+    hvps = []
+    for grouped in (True, False):
+        elbo = TraceSuffStat_ELBO()
+        elbo._group_normal_sites = grouped
+        pyro.set_rng_seed(3)
+        loss = elbo.differentiable_loss(model, g, x, y)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        hvps.append(torch.autograd.grad(sum(d.square().sum() for d in grads), params))
+    for a, b in zip(*hvps):
+        assert_close(a, b, rtol=1e-10, atol=1e-12)  # float64 sums in another order
