@@ -80,6 +80,31 @@ def _filled(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
+def _number(name: str, value: float) -> float:
+    """A prior's fixed number given as a tensor, as a float; refuses one that requires grad
+    (``float`` would cut it from the graph, so a hyperparameter meant to be learned would silently
+    stay fixed) or that holds more than one number. Anything else is returned as it is, for the
+    checks that follow."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            raise TypeError(
+                f"{name} must be a fixed number; got a tensor that requires grad, which the prior "
+                "would turn into a constant (no gradient would reach it). To learn a prior "
+                "hyperparameter, pass a callable prior instead, e.g. "
+                "prior=lambda module, name, param: dist.Normal(0.0, pyro.param('prior_scale', "
+                "torch.tensor(1.0), constraint=constraints.positive)).expand(param.shape)"
+                ".to_event(param.dim())."
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be one number; got a tensor of shape {tuple(value.shape)}. For a "
+                "prior that differs between weights, pass a callable prior "
+                "(module, name, param) -> Distribution."
+            )
+        return float(value)
+    return value
+
+
 class Normal(Prior):
     r"""Isotropic Gaussian prior :math:`\mathcal N(\text{loc}, \text{scale}^2)` on every weight.
 
@@ -89,6 +114,7 @@ class Normal(Prior):
 
     def __init__(self, loc: float = 0.0, scale: float = 1.0, *, init: str = "module"):
         super().__init__(init=init)
+        loc, scale = _number("Normal prior loc", loc), _number("Normal prior scale", scale)
         if not math.isfinite(float(loc)):
             raise ValueError(f"Normal prior loc must be finite; got {loc!r}.")
         check_positive("Normal prior scale", scale, fix="Pass scale > 0, for example scale=1.0.")
@@ -179,6 +205,7 @@ class LayerwiseNormal(Prior):
     def __init__(self, method: str = "kaiming", gain: float = 1.0, *, init: str = "module"):
         super().__init__(init=init)
         self.method = check_choice("LayerwiseNormal method", method, self.METHODS)
+        gain = _number("LayerwiseNormal gain", gain)
         check_positive("LayerwiseNormal gain", gain)
         self.gain = float(gain)
 
@@ -200,6 +227,7 @@ class Laplace(Prior):
 
     def __init__(self, scale: float = 1.0, *, loc: float = 0.0, init: str = "module"):
         super().__init__(init=init)
+        loc, scale = _number("Laplace prior loc", loc), _number("Laplace prior scale", scale)
         check_positive("Laplace prior scale", scale, fix="Pass scale > 0, for example scale=1.0.")
         if not math.isfinite(float(loc)):
             raise ValueError(f"Laplace prior loc must be finite; got {loc!r}.")
@@ -226,6 +254,9 @@ class ScaleMixtureNormal(Prior):
         init: str = "module",
     ):
         super().__init__(init=init)
+        pi = _number("ScaleMixtureNormal pi", pi)
+        scale1 = _number("ScaleMixtureNormal scale1", scale1)
+        scale2 = _number("ScaleMixtureNormal scale2", scale2)
         check_probability("ScaleMixtureNormal pi", pi)
         check_positive("ScaleMixtureNormal scale1", scale1)
         check_positive("ScaleMixtureNormal scale2", scale2)

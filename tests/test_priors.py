@@ -108,3 +108,22 @@ def test_gaussian_prior_reads_any_prior_that_builds_a_normal():
     assert mean.shape == precision.shape == (2, 3)
     assert_close(mean, torch.full((2, 3), 0.25))
     assert_close(precision, torch.full((2, 3), 0.25))  # 1 / 2²
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda t: priors.Normal(scale=t),
+        lambda t: priors.Normal(loc=t),
+        lambda t: priors.Laplace(scale=t),
+        lambda t: priors.LayerwiseNormal(gain=t),
+        lambda t: priors.ScaleMixtureNormal(scale1=t),
+    ],
+)
+def test_a_hyperparameter_that_requires_grad_is_refused_not_cut_from_the_graph(build):
+    # float() would turn it into a constant: a prior scale meant to be learned would stay fixed.
+    with pytest.raises(TypeError, match=r"fixed number.*callable prior"):
+        build(torch.tensor(1.0, requires_grad=True))
+    with pytest.raises(ValueError, match=r"one number; got a tensor of shape \(2,\)"):
+        build(torch.ones(2))
+    build(torch.tensor(0.5))  # a plain one-number tensor is a number
