@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import math
+from typing import ClassVar
 
 import pyro.distributions as dist
 import torch
@@ -45,6 +46,13 @@ class Prior(abc.ABC):
     :param str init: initial posterior location: ``"module"`` (the module's current weights, the
         default), ``"prior_mean"`` or ``"sample"`` (a draw from the prior).
     """
+
+    #: Whether the distribution depends only on the layer, the parameter's name, dtype and
+    #: device, so that a lifted site builds it once per dtype and device and reuses it on every
+    #: pass. A subclass whose distribution reads values that change during training (a
+    #: ``pyro.param`` hyperparameter) sets it to ``False``; a plain callable prior is never
+    #: cached.
+    cacheable: ClassVar[bool] = True
 
     def __init__(self, *, init: str = "module"):
         self.init = check_choice("init", init, _INIT_OPTIONS)

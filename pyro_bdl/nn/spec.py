@@ -74,21 +74,25 @@ class SiteSpec:
         self._cache.clear()
 
     def __call__(self, module: nn.Module) -> dist.Distribution:
-        """The prior distribution, built once per device and dtype (``PyroSample`` calls this,
-        with the layer that reads the site: the owner or an alias layer)."""
+        """The prior distribution (``PyroSample`` calls this, with the layer that reads the site:
+        the owner or an alias layer), built once per device and dtype when the prior says it
+        may be (``Prior.cacheable``), else on every call: a callable prior may read a learned
+        ``pyro.param``, whose graph is new at every step."""
         tied.check_alias_read(self, module)
         # Straight from the layer's buffers: PyroModule's attribute lookup runs Python code
         # first, and this runs per weight site on every forward pass.
         like = self.module._buffers.get(INIT_PREFIX + self.param_name)
         if like is None:
             like = self.init_value
+        cacheable = getattr(self.prior, "cacheable", False)
         key = (like.device, like.dtype)
-        d = self._cache.get(key)
+        d = self._cache.get(key) if cacheable else None
         if d is None:
             d = self.prior(self.module, self.param_name, like)
             d._bdl_site = self  # lets init_to_network and the ELBOs find the spec from a trace
-            self._cache.clear()
-            self._cache[key] = d
+            if cacheable:
+                self._cache.clear()
+                self._cache[key] = d
         return d
 
 

@@ -382,3 +382,32 @@ def test_relift_of_a_tied_site_restores_one_shared_parameter():
     assert net.head.weight is net.emb.weight and isinstance(net.emb.weight, nn.Parameter)
     samples, params = _trace(net, torch.tensor([1]))
     assert not samples and params == {"emb.weight", "head.weight"}
+
+
+def test_a_callable_prior_with_a_learned_scale_is_rebuilt_every_pass_and_learns():
+    # A cached distribution would hold the first step's graph to pyro.param("prior_scale"), and
+    # the second backward would run through freed buffers; the library's priors stay cached.
+    from pyro.distributions import constraints
+
+    from pyro_bdl.infer import TraceSuffStat_ELBO
+
+    def learned(module, name, param):
+        scale = pyro.param("prior_scale", torch.tensor(1.0), constraint=constraints.positive)
+        return dist.Normal(0.0, scale).expand(param.shape).to_event(param.dim())
+
+    x, y = torch.randn(10, 3), torch.randint(0, 2, (10,))
+    for elbo in (pyro.infer.Trace_ELBO(), TraceSuffStat_ELBO()):
+        pyro.clear_param_store()
+        net = bayesianize(nn.Linear(3, 2), prior=learned)
+        model = models.classifier(net, 10)
+        svi = pyro.infer.SVI(model, AutoMeanField(model), pyro.optim.Adam({"lr": 0.1}), elbo)
+        for _ in range(3):
+            svi.step(x, y)
+        # Adam moves an unconstrained parameter by about lr per step from the first on.
+        assert abs(pyro.param("prior_scale").item() - 1.0) > 0.1
+        assert all(not spec._cache for spec in sites(net).values())
+        spec = next(iter(sites(net).values()))
+        assert spec(net) is not spec(net)
+    fixed = bayesianize(nn.Linear(3, 2), prior=priors.Normal(scale=1.0))
+    spec = next(iter(sites(fixed).values()))
+    assert spec(fixed) is spec(fixed)  # the library's priors: built once
