@@ -28,11 +28,12 @@ BENCHMARKS: list[str] = [
     "uci_paper_ensemble",  # likewise: the deep-ensembles recipe in plain PyTorch, 2 rates
     "lora",  # needs the hf extra and $PYRO_BDL_DATA/sst2; skips with a message without them
 ]
-#: Modules under benchmarks/ that are not benchmarks to run: shared code, this runner, a
-#: report that joins the JSON files of earlier `uci` runs (it takes their paths), and the two
-#: runs made for a GPU machine (`make gpu-check`, `make gpu-quality`; docs/gpu.md).
+#: Modules under benchmarks/ that are not benchmarks to run: shared code, this runner, two
+#: reports that join the JSON files of earlier runs (`uci`, `lora` on several seeds; they take
+#: their paths), and the two runs made for a GPU machine (`make gpu-check`, `make gpu-quality`;
+#: docs/gpu.md).
 NOT_RUN: frozenset[str] = frozenset(
-    {"common", "run_all", "uci_before_after", "gpu_check", "gpu_quality"}
+    {"common", "run_all", "uci_before_after", "lora_seeds", "gpu_check", "gpu_quality"}
 )
 
 
