@@ -186,21 +186,54 @@ def test_cost_rounds_must_be_positive(capsys):
 def test_ivon_candidates_zip_the_four_lists():
     args = lora.parse(
         ["--ivon-lrs", "0.1", "0.3", "--ivon-ess", "1e6", "--ivon-h0", "0.1", "1",
-         "--ivon-beta2", "0.999"]
+         "--ivon-beta2", "0.999", "--ivon-clip", "1e-3", "--ivon-decay", "linear"]
     )  # fmt: skip
     assert lora.ivon_settings(args) == [
-        {"lr": 0.1, "ess": 1e6, "hess_init": 0.1, "betas": (0.9, 0.999)},
-        {"lr": 0.3, "ess": 1e6, "hess_init": 1.0, "betas": (0.9, 0.999)},
-    ]
+        {"lr": 0.1, "ess": 1e6, "hess_init": 0.1, "betas": (0.9, 0.999), "clip_radius": 1e-3,
+         "decay": "linear"},
+        {"lr": 0.3, "ess": 1e6, "hess_init": 1.0, "betas": (0.9, 0.999), "clip_radius": 1e-3,
+         "decay": "linear"},
+    ]  # fmt: skip
     args = lora.parse(["--ivon-lrs", "0.1", "0.3", "--ivon-h0", "0.1", "0.2", "0.3"])
     with pytest.raises(ValueError, match="--ivon-"):
         lora.ivon_settings(args)
     # A finite clip radius is passed on to IVON; inf (no clipping) is left out.
     args = lora.parse(
-        ["--ivon-lrs", "0.03", "0.1", "--ivon-ess", "1e7", "--ivon-clip", "1e-3", "inf"]
-    )
+        ["--ivon-lrs", "0.03", "0.1", "--ivon-ess", "1e7", "--ivon-h0", "0.1",
+         "--ivon-clip", "1e-3", "inf"]
+    )  # fmt: skip
     first, second = lora.ivon_settings(args)
     assert first["clip_radius"] == 1e-3 and "clip_radius" not in second
+    # A linear decay is the benchmark's, kept in the candidate (the JSON says which ran) but
+    # not passed to IVON; a constant rate is left out.
+    args = lora.parse(
+        ["--ivon-lrs", "1", "2", "--ivon-ess", "1e6", "--ivon-h0", "1e-3",
+         "--ivon-decay", "linear", "constant"]
+    )  # fmt: skip
+    first, second = lora.ivon_settings(args)
+    assert first["decay"] == "linear" and "decay" not in second
+    assert lora.ivon_options(first) == {k: v for k, v in first.items() if k != "decay"}
+
+
+def test_linear_decay_steps_down_to_the_last_step():
+    from pyro_bdl.infer.natural_gradient.driver import NaturalGradientOptimizer
+
+    class Stub:
+        optimizer = NaturalGradientOptimizer(lr=2.0, betas=(0.9, 0.99))
+
+        def step(self, x, y):
+            self.optimizer.step()
+            return 0.0
+
+    stub = Stub()
+    step = lora.linear_decay(stub, 4)
+    seen = []
+    for _ in range(4):
+        step(None, None)
+        seen.append(stub.optimizer.param_groups[0]["lr"])
+    # The rates of steps 1 to 3 (step 0 ran at 2.0), then the unused rate after the last step,
+    # held above 0 so that the state_dict loads.
+    assert seen == pytest.approx([1.5, 1.0, 0.5, 0.5])
 
 
 def test_cuda_is_refused_without_a_gpu():
