@@ -374,6 +374,14 @@ def test_a_scheduler_drives_the_learning_rate():
     loc, h = ivon.guide.loc.clone(), ivon.state.curvature.clone()
     ivon.step(x, y)
     assert torch.equal(ivon.guide.loc, loc) and not torch.equal(ivon.state.curvature, h)
+    # A run whose schedule ended at 0 is saved and resumed like any other (the step accepts
+    # lr = 0, so its state_dict must too).
+    state = ivon.state_dict()
+    model2, _, _ = small_classifier(batchnorm=False)
+    resumed = IVON(model2, dataset_size=len(x), lr=0.1)
+    resumed.setup(x, y)
+    resumed.load_state_dict(state)
+    assert resumed.lr == 0.0 and torch.equal(resumed.guide.loc, ivon.guide.loc)
 
 
 def test_ivon_messages_name_ivon_not_vogn():

@@ -222,8 +222,9 @@ def check_state_dict(
         )
     if not _hyperparameters_ok(groups[0]["lr"], groups[0]["betas"]):
         raise ValueError(
-            f"the {method} state_dict is damaged: its optimizer needs lr > 0 and betas, two "
-            f"numbers in [0, 1); got lr={groups[0]['lr']!r}, betas={groups[0]['betas']!r}."
+            f"the {method} state_dict is damaged: its optimizer needs a finite lr >= 0 (a "
+            f"schedule may end at 0) and betas, two numbers in [0, 1); got "
+            f"lr={groups[0]['lr']!r}, betas={groups[0]['betas']!r}."
         )
     shapes = {}
     for key in ("hidden", "hidden_momentum", "hidden_curvature"):
@@ -307,7 +308,7 @@ def _hyperparameters_ok(lr: Any, betas: Any) -> bool:
 
     return (
         number(lr)
-        and lr > 0
+        and lr >= 0
         and isinstance(betas, (tuple, list))
         and len(betas) == 2
         and all(number(b) and 0 <= b < 1 for b in betas)
