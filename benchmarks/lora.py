@@ -924,10 +924,9 @@ def ivon_options(setting: dict) -> dict:
 def linear_decay(ivon, steps: int) -> Callable:
     """``ivon.step`` with IVON's rate decayed linearly over ``steps`` steps, step k (from 0) at
     (1 − k/steps) times the initial rate (IVON-LoRA's schedule: ``get_scheduler("linear")``
-    without warm-up). The rate after the last step, which no step uses, is held at 1/steps of
-    the initial one rather than 0: IVON's state_dict refuses a rate of 0."""
+    without warm-up), reaching 0 after the last step."""
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        ivon.optimizer, lambda done: max(1.0 / steps, 1.0 - done / steps)
+        ivon.optimizer, lambda done: max(0.0, 1.0 - done / steps)
     )
 
     def step(x, y):

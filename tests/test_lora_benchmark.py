@@ -231,9 +231,8 @@ def test_linear_decay_steps_down_to_the_last_step():
     for _ in range(4):
         step(None, None)
         seen.append(stub.optimizer.param_groups[0]["lr"])
-    # The rates of steps 1 to 3 (step 0 ran at 2.0), then the unused rate after the last step,
-    # held above 0 so that the state_dict loads.
-    assert seen == pytest.approx([1.5, 1.0, 0.5, 0.5])
+    # The rates of steps 1 to 3 (step 0 ran at 2.0), then 0 after the last step.
+    assert seen == pytest.approx([1.5, 1.0, 0.5, 0.0])
 
 
 def test_cuda_is_refused_without_a_gpu():
