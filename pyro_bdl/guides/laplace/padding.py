@@ -151,8 +151,8 @@ class ByLength:
         for batch in iter_batches(self.data, sys.maxsize):
             x = batch[0]
             lengths = self.check(batch)
-            order = torch.sort(lengths.cpu(), stable=True).indices
-            sorted_lengths = lengths.cpu()[order].tolist()
+            ordered = torch.sort(lengths.cpu(), stable=True)
+            order, sorted_lengths = ordered.indices, ordered.values.tolist()
             start = 0
             for end in plan_groups(sorted_lengths, self.max_rows):
                 rows = order[start:end].to(lengths.device)
