@@ -179,6 +179,10 @@ def draw_outputs(
     if max_parallel is not None:
         check_positive_int("max_parallel", max_parallel)
     check_positive_int("max_memory", max_memory)
+    if isinstance(model, NetworkModel) and not args and "x" in kwargs:
+        # The batch by keyword, as the model takes it too: the network's replay reads it first.
+        kwargs = dict(kwargs)
+        args = (kwargs.pop("x"),)
     around: Draws = draws if draws is not None else (lambda start, size: nullcontext())
     sequential = not parallel or num_samples == 1
     chunk = num_samples if max_parallel is None else max_parallel

@@ -197,6 +197,20 @@ def test_parallel_predictive_with_a_seed_is_reproducible():
     torch.testing.assert_close(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_batch_passed_by_keyword_gives_the_draws_of_the_positional_call(parallel):
+    # The batch by keyword, as a model is called (svi.step(x=x, y=y), Predictive(...)(x=x)).
+    model, guide, x = _fit("meanfield", "mlp")
+    outs = []
+    for args, kwargs in [((x,), {}), ((), {"x": x})]:
+        pyro.set_rng_seed(3)
+        with torch.no_grad():
+            outs.append(
+                sample_outputs(model, guide, *args, num_samples=4, parallel=parallel, **kwargs)
+            )
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
 def test_bad_num_samples_is_refused():
     model, guide, x = _fit("meanfield", "mlp")
     with pytest.raises(TypeError, match="num_samples must be an int >= 1"):

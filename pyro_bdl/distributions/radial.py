@@ -115,7 +115,7 @@ def radial_log_density(xi: torch.Tensor, *, event_dim: int | None = None) -> tor
             f"event_dim must lie in [0, xi.dim()] = [0, {xi.dim()}]; got {event_dim}. Pass the "
             "number of trailing dims that form one site."
         )
-    d = math.prod(xi.shape[xi.dim() - event_dim :])
+    d = xi.shape[xi.dim() - event_dim :].numel()
     sq = sum_rightmost(xi * xi, event_dim)
     # log 2 + log φ(ρ) − log A = −ρ²/2 − ½log 2π − (D/2) log π + lgamma(D/2); the −(D−1) log ρ
     # term is written with ρ² to avoid a square root.
@@ -237,7 +237,8 @@ class Radial(TorchDistribution):
 
     @property
     def _numel(self) -> int:
-        return math.prod(self.event_shape)
+        # torch.Size.numel() is a number also under torch.jit.trace, whose sizes are tensors.
+        return self.event_shape.numel()
 
     def expand(self, batch_shape, _instance=None):
         new = self._get_checked_instance(Radial, _instance)
@@ -300,7 +301,7 @@ def _kl_radial_normal_elementwise(p: Radial, q_loc, q_scale) -> torch.Tensor:
     r"""KL(Radial ‖ ∏ N(m, s²)) = −Σ log σᵢ − H_D + Σᵢ [½ log(2π sᵢ²) + ((μᵢ−mᵢ)² + σᵢ²/D)/(2sᵢ²)]
     (docs/design/variational.md: E[(w−μ)²] = σ²/D, so E_q log N is exact)."""
     q_loc, q_scale = _compact(q_loc), _compact(q_scale)
-    event_dim, numel = len(p.event_shape), math.prod(p.event_shape)
+    event_dim, numel = len(p.event_shape), p._numel
     inv_two_var = 0.5 * q_scale.pow(-2)
     diff = p.loc - q_loc
     # Fused multiply-adds: this runs once per site per step, so every kernel launch counts.

@@ -89,7 +89,8 @@ def check_same_sites(
 class SiteAccess:
     """Mixin: ``median``, ``quantiles`` and ``locs_and_scales`` from :meth:`flat_loc_scale`;
     and a guide whose parameters follow ``.to(device)`` / ``.to(dtype)`` into Pyro's param store
-    (see :meth:`_apply`)."""
+    (see :meth:`_apply`) and, where it calls :meth:`_follow_param_store`, a store loaded after
+    it was set up."""
 
     layout: SiteLayout
     prototype_trace: object
@@ -121,6 +122,37 @@ class SiteAccess:
                 del store[fullname]
                 store[fullname] = new
         return out
+
+    def _follow_param_store(self) -> None:
+        """Take the param store's tensor for each parameter that the store holds under the
+        guide's name as another tensor of the same shape (``pyro.get_param_store().load(...)``
+        or ``set_state`` after the guide was set up). SVI's optimizer updates the store's
+        tensors, so a guide that sampled from its own would go on drawing the values from before
+        the load, and no step would change it any more. Called where the guide runs, as Pyro's
+        ``PyroParam`` follows the store only inside a ``PyroModule``'s call (a plain
+        ``nn.Parameter`` does not follow it at all): ``median()`` and the other readers outside
+        a call read the guide's own parameters, which an ensemble copies its members from."""
+        if not self._pyro_context.used:  # type: ignore[attr-defined]
+            return  # never called under its name: the store holds nothing of it
+        store = pyro.get_param_store()
+        adopted = False
+        for name, own in self._parameters.items():  # type: ignore[attr-defined]
+            fullname = self._pyro_get_fullname(name)  # type: ignore[attr-defined]
+            if own is None or fullname not in store:
+                continue
+            stored = store[fullname]
+            # Another shape is another guide's parameter under the same name: not this one's.
+            if stored is own or stored.shape != own.shape:
+                continue
+            if not isinstance(stored, torch.nn.Parameter):  # a state of plain tensors
+                # Contiguous, so that the store keeps this very tensor rather than a copy.
+                stored = torch.nn.Parameter(stored.detach().contiguous())
+                store[fullname] = stored
+            self._parameters[name] = stored  # type: ignore[attr-defined]
+            adopted = True
+        if adopted:
+            for key in self.derived_caches:
+                self.__dict__.pop(key, None)
 
     def _ensure_setup(self) -> None:
         raise NotImplementedError

@@ -332,6 +332,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             plates = self.plates
         else:
             plates = self._create_plates(*args, **kwargs)
+        self._follow_param_store()
         params = [getattr(self, name) for name in self._param_names()]  # param-store lookups
         if params[0] is not self.__dict__.get("_checked"):
             self._check_sites(params)

@@ -82,7 +82,7 @@ def _kl_site_radial_independent(q: _SiteRadial, p: Independent) -> torch.Tensor:
     event_dim = len(q.event_shape)
     if not isinstance(base, Normal) or dims != event_dim:
         raise NotImplementedError
-    numel = math.prod(q.event_shape)
+    numel = q.event_shape.numel()  # a number also under torch.jit.trace (JIT ELBOs)
     m, half_precision, log_norm = _prior_terms(base, numel)
     diff = q.loc - m
     spread = torch.addcmul(diff.square(), q.scale, q.scale, value=1.0 / numel)
