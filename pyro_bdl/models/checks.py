@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.modules import activation
 
 from pyro_bdl._validation import check_finite, finite_probe
+from pyro_bdl.nn.lift import constant_buffers
 
 __all__ = [
     "IGNORE_INDEX",
@@ -459,12 +460,10 @@ def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
     names = set(store.keys())
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    # The lifted layers' initial-value buffers never change in a forward pass: skip them.
-    saved = [
-        (b, b.clone())
-        for name, b in net.named_buffers()
-        if "_bdl_init_" not in name.rsplit(".")[-1]
-    ]
+    # The lifted weights' initial values and the hidden frozen parameters never change in a
+    # forward pass: skip them (a frozen base model would otherwise be copied whole).
+    constant = {id(b) for b in constant_buffers(net)}
+    saved = [(b, b.clone()) for b in net.buffers() if id(b) not in constant]
     try:
         yield
     except BaseException:

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_HIDE",
     "SiteSpec",
     "bayesianize",
+    "constant_buffers",
     "init_to_network",
     "site_spec",
     "sites",
@@ -76,6 +77,35 @@ def _existing_sites(module: nn.Module) -> list[tuple[str, SiteSpec, dict]]:
             if id(spec) not in seen:
                 seen.add(id(spec))
                 out.append((_make_name(rel, spec.name), spec, registry))
+    return out
+
+
+def _check_not_inside(module: nn.Module, existing: list[tuple[str, SiteSpec, dict]]) -> None:
+    """Refuse ``module`` if a layer in it reads a site that an earlier call registered on a
+    network around it: this call would not see that site, so a new prior or new rules for it
+    would be dropped silently."""
+    known = {id(spec) for _, spec, _ in existing}
+    for sub in module.modules():
+        for value in sub.__dict__.get("_pyro_samples", {}).values():
+            if isinstance(value, SiteSpec) and id(value) not in known:
+                raise ValueError(
+                    f"{type(module).__name__} is part of a network that an earlier bayesianize "
+                    f"call lifted: it reads that network's site {value.name!r}, which a call on "
+                    "a part of it cannot change. Call bayesianize on the whole network (with "
+                    "relift=True to change its prior or rules): bayesianize(net, prior, "
+                    "relift=True)."
+                )
+
+
+def constant_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers that :func:`bayesianize` added anywhere in ``module`` and that no forward
+    pass writes: the lifted weights' initial locations and the frozen parameters it hid. A
+    rollback of a pass need not copy them (for a frozen base model, that copy would double its
+    memory)."""
+    out: list[torch.Tensor] = []
+    for sub in module.modules():
+        out += [b for n, b in sub._buffers.items() if b is not None and n.startswith(INIT_PREFIX)]
+        out += [tensor for tensor, _ in sub.__dict__.get(_FROZEN_ATTR, {}).values()]
     return out
 
 
@@ -282,6 +312,7 @@ def bayesianize(
     # Decide and validate everything before changing the module (fail at the boundary).
     groups = _parameter_groups(module)
     existing = _existing_sites(module)
+    _check_not_inside(module, existing)
     names = [u[0] for _, uses in groups for u in uses]
     names += [n for name, spec, _ in existing for n in (name, *spec.aliases)]
     uses = [(*u, p) for p, us in groups for u in us]

@@ -10,6 +10,7 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.optim import SGD, Adam
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.hf import tiny_bert_config
 
@@ -86,6 +87,34 @@ def test_lora_only_random_base_shared_and_matches_at_init():
         "base_model.model.classifier.modules_to_save.default.weight",
         "base_model.model.classifier.modules_to_save.default.bias",
     }
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the copies (``aten.clone``) made of the tensors whose storages are ``watched``."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched, self.count = watched, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.clone.default:
+            self.count += args[0].untyped_storage().data_ptr() in self.watched
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_first_model_call_copies_no_frozen_base_weight():
+    # The first call runs under a rollback of the buffers a forward pass may write; the frozen
+    # base (buffers once lifted) is constant, and copying it would double a large model's memory.
+    net = _lora()
+    base = {p.untyped_storage().data_ptr() for p in net.parameters() if not p.requires_grad}
+    model = bdl.models.classifier(bdl.bayesianize(net, expose=bdl.nn.lora), N)
+    batch, y = _batch()
+    with _Copies(base) as copies:
+        model(batch, y)
+    assert copies.count == 0
+    with pytest.raises(ValueError, match="class labels"), _Copies(base) as copies:
+        bdl.models.classifier(net, N)(batch, y + CLASSES)  # refused on its first call
+    assert copies.count == 0
 
 
 def test_lifted_peft_model_deep_copies_and_loads_its_state_dict():
