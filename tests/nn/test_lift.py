@@ -411,3 +411,18 @@ def test_a_callable_prior_with_a_learned_scale_is_rebuilt_every_pass_and_learns(
     fixed = bayesianize(nn.Linear(3, 2), prior=priors.Normal(scale=1.0))
     spec = next(iter(sites(fixed).values()))
     assert spec(fixed) is spec(fixed)  # the library's priors: built once
+
+
+def test_a_call_on_a_layer_of_a_lifted_network_is_refused_before_anything_changes():
+    # The sites live in the whole network's registry: a call on one of its layers would not see
+    # them, and a new prior would be dropped silently.
+    net = bayesianize(_mlp(), priors.Normal(scale=1.0))
+    prior = sites(net)["0.weight"].prior
+    with pytest.raises(ValueError, match=r"'0\.weight'.*bayesianize\(net, .*relift=True"):
+        bayesianize(net[0], priors.Normal(scale=0.01))
+    assert sites(net)["0.weight"].prior is prior and "_bdl_sites" not in net[0].__dict__
+    tied = bayesianize(_LanguageModel())
+    with pytest.raises(ValueError, match=r"'emb\.weight'"):
+        bayesianize(tied.head)  # an alias layer of the tied site
+    bayesianize(net, priors.Normal(scale=0.01), relift=True)  # the way out
+    assert sites(net)["0.weight"].prior.scale == 0.01
