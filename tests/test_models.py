@@ -267,6 +267,8 @@ def test_output_selector_by_index_name_and_callable():
     assert summed.shape == (5,)
     picked = models.classifier(net, 10, output=lambda out: out[0] * 2)((a, b))
     assert picked.shape == (5, 2)
+    with pytest.raises(TypeError, match=r"output=-3, but the network returned tuple of 2"):
+        models.classifier(net, 10, output=-3)((a, b))
     hidden = models.classifier(bayesianize(_TokenClassifier()), 10, output="hidden")
     with pytest.raises(ValueError, match=r"shape \(4, C\)"):
         hidden(_tokens())

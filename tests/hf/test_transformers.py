@@ -68,6 +68,16 @@ def test_bert_lifts_and_the_classifier_reads_its_model_output():
     assert parallel["_RETURN"].shape == (3, 4, CLASSES)
 
 
+def test_an_index_selects_a_field_of_the_model_output_as_hugging_face_indexes_it():
+    net = bdl.bayesianize(_bert())
+    batch, y = _batch()
+    data = {name: spec.init_value for name, spec in bdl.sites(net).items()}
+    model = bdl.models.classifier(net, N, output=0)  # out[0]: the first field set, the logits
+    assert_close(poutine.condition(model, data=data)(batch, y), _at_init(net, batch))
+    with pytest.raises(TypeError, match="output=1, but the network returned SequenceClassifier"):
+        bdl.models.classifier(net, N, output=1)(batch, y)
+
+
 def test_lora_only_random_base_shared_and_matches_at_init():
     net = _lora()
     batch, _ = _batch()
