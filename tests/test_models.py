@@ -349,3 +349,20 @@ def test_language_model_refuses_mismatched_labels_and_runs_vectorized():
         tr = poutine.trace(model).get_trace(batch, batch["input_ids"])
     tr.compute_log_prob()
     assert tr.nodes["y"]["log_prob"].shape == (3, 4)
+
+
+def test_language_model_takes_a_batch_where_no_token_is_scored():
+    # Every label -100, or one-token sequences under next-token prediction (a prompt of one
+    # token): the likelihood is 0, not an error.
+    net = bayesianize(_TokenLM())
+    batch = _tokens(vocab=7)
+    one = {k: v[:, :1] for k, v in batch.items()}
+    for model, x, y in (
+        (models.language_model(net, dataset_size=8), batch, torch.full((4, 5), -100)),
+        (models.language_model(net, dataset_size=8, shift=False), batch, torch.full((4, 5), -100)),
+        (models.language_model(net, dataset_size=8), one, one["input_ids"]),
+    ):
+        assert poutine.trace(model).get_trace(x).nodes["_RETURN"]["value"].shape[:2] == y.shape
+        tr = poutine.trace(model).get_trace(x, y)
+        tr.compute_log_prob()
+        assert torch.equal(tr.nodes["y"]["unscaled_log_prob"], torch.zeros(4))

@@ -86,6 +86,9 @@ class _LogSoftmaxCategorical(dist.Categorical):
         self._param = self.logits
         self._num_events = logits.shape[-1]
         self._checked = checked
+        # No logits (a one-token sequence under next-token prediction): nothing to validate,
+        # and torch's check cannot reshape an empty tensor.
+        validate_args = validate_args if logits.numel() else False
         TorchDistribution.__init__(self, logits.shape[:-1], validate_args=validate_args)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
