@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 _SITES_ATTR = "_bdl_sites"
+#: The uses of each frozen parameter hidden as a buffer, by its first name; the tensor is read
+#: from the first use's layer, since moving the network (``.to``, ``.double()``) replaces buffers.
 _FROZEN_ATTR = "_bdl_frozen"
 
 #: The parameter tensor each live site was lifted from: a layer still holding one is tied to that
@@ -62,7 +64,8 @@ def _parameter_groups(module: nn.Module) -> list[tuple[torch.Tensor, list[Use]]]
                 continue
             use = (_make_name(mod_name, pname), sub, pname)
             groups.setdefault(id(param), (param, []))[1].append(use)
-    for tensor, uses in module.__dict__.get(_FROZEN_ATTR, {}).values():
+    for uses in module.__dict__.get(_FROZEN_ATTR, {}).values():
+        tensor = _frozen_tensor(uses)
         groups.setdefault(id(tensor), (tensor, list(uses)))
     return list(groups.values())
 
@@ -105,8 +108,16 @@ def constant_buffers(module: nn.Module) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for sub in module.modules():
         out += [b for n, b in sub._buffers.items() if b is not None and n.startswith(INIT_PREFIX)]
-        out += [tensor for tensor, _ in sub.__dict__.get(_FROZEN_ATTR, {}).values()]
+        for uses in sub.__dict__.get(_FROZEN_ATTR, {}).values():
+            out += [layer._buffers[attr] for _, layer, attr in uses]
     return out
+
+
+def _frozen_tensor(uses: tuple[Use, ...]) -> torch.Tensor:
+    _, layer, attr = uses[0]
+    tensor = layer._buffers[attr]
+    assert tensor is not None  # registered by _freeze
+    return tensor
 
 
 def _distinct(uses: Iterable[Use]) -> list[Use]:
@@ -208,7 +219,7 @@ def _freeze(module, param, uses) -> None:
         del sub._parameters[attr]
         sub.register_buffer(attr, tensor)
     frozen = module.__dict__.setdefault(_FROZEN_ATTR, {})
-    frozen[uses[0][0]] = (tensor, tuple(uses))
+    frozen[uses[0][0]] = tuple(uses)
 
 
 def _unlift(module, spec: SiteSpec, registry: dict) -> None:

@@ -18,6 +18,7 @@ from torch.testing import assert_close
 from pyro_bdl import bayesianize, init_to_network, models, priors, sites
 from pyro_bdl.guides import AutoMeanField, AutoSubnetLaplace
 from pyro_bdl.nn import site_spec
+from pyro_bdl.nn.lift import constant_buffers
 from tests.common import TiedLinear
 
 
@@ -426,3 +427,14 @@ def test_a_call_on_a_layer_of_a_lifted_network_is_refused_before_anything_change
         bayesianize(tied.head)  # an alias layer of the tied site
     bayesianize(net, priors.Normal(scale=0.01), relift=True)  # the way out
     assert sites(net)["0.weight"].prior.scale == 0.01
+
+
+def test_frozen_parameters_are_read_from_the_layers_after_the_network_moves():
+    # .double() / .to(device) replace every buffer: a record of the old tensors would relift a
+    # float32 copy and let a rollback copy the moved frozen weights.
+    net = _mlp()
+    net[0].weight.requires_grad_(False)
+    bayesianize(net).double()
+    assert any(t is net[0]._buffers["weight"] for t in constant_buffers(net))
+    bayesianize(net, expose=["0.weight"], relift=True)
+    assert sites(net)["0.weight"].init_value.dtype == torch.float64
