@@ -7,6 +7,7 @@ change anything is refused unless ``relift=True``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -215,11 +216,25 @@ def _lift(module, prior, param, uses, inits, registry) -> None:
 
 def _freeze(module, param, uses) -> None:
     tensor = param.detach()  # one tensor for every name: a tied frozen weight stays tied
-    for _, sub, attr in _distinct(uses):
+    distinct = _distinct(uses)
+    for _, sub, attr in distinct:
         del sub._parameters[attr]
         sub.register_buffer(attr, tensor)
     frozen = module.__dict__.setdefault(_FROZEN_ATTR, {})
     frozen[uses[0][0]] = tuple(uses)
+    if len(distinct) > 1:
+        object.__setattr__(module, "_apply", functools.partial(_apply_tied, module))
+
+
+def _apply_tied(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``module._apply`` (``.to``, ``.double()``, ``.cuda()``), after which every tied frozen
+    weight is one tensor again: torch replaces buffers layer by layer, giving each its copy."""
+    type(module)._apply(module, *args, **kwargs)
+    for uses in module.__dict__.get(_FROZEN_ATTR, {}).values():
+        tensor = _frozen_tensor(uses)
+        for _, sub, attr in uses[1:]:
+            sub._buffers[attr] = tensor
+    return module
 
 
 def _unlift(module, spec: SiteSpec, registry: dict) -> None:

@@ -438,3 +438,13 @@ def test_frozen_parameters_are_read_from_the_layers_after_the_network_moves():
     assert any(t is net[0]._buffers["weight"] for t in constant_buffers(net))
     bayesianize(net, expose=["0.weight"], relift=True)
     assert sites(net)["0.weight"].init_value.dtype == torch.float64
+
+
+def test_a_tied_frozen_weight_stays_one_tensor_when_the_network_moves():
+    # Module._apply replaces buffers layer by layer: each layer would get a copy of its own.
+    net = _LanguageModel()
+    net.emb.weight.requires_grad_(False)
+    bayesianize(net)
+    for moved in (net.double(), copy.deepcopy(net).float(), pickle.loads(pickle.dumps(net)).half()):
+        assert moved.head._buffers["weight"] is moved.emb._buffers["weight"]
+    assert net.emb._buffers["weight"].dtype == torch.float64
