@@ -366,3 +366,15 @@ def test_language_model_takes_a_batch_where_no_token_is_scored():
         tr = poutine.trace(model).get_trace(x, y)
         tr.compute_log_prob()
         assert torch.equal(tr.nodes["y"]["unscaled_log_prob"], torch.zeros(4))
+
+
+def test_token_ids_outside_the_first_embedding_are_refused_before_the_network_runs():
+    # The embedding would raise "index out of range in self" (on a GPU, a device-side assert
+    # that ends the process) after the weights were drawn.
+    model = models.classifier(bayesianize(nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))), 8)
+    model(torch.tensor([0, 4]), torch.tensor([1, 0]))
+    state = torch.get_rng_state()
+    for bad, got in ((5, r"min 4, max 5"), (-1, r"min -1, max 4")):
+        with pytest.raises(ValueError, match=rf"x must hold token ids in \[0, 5\).*{got}"):
+            model(torch.tensor([bad, 4]), torch.tensor([1, 0]))
+    assert torch.equal(torch.get_rng_state(), state)

@@ -140,6 +140,7 @@ def check_batch(
     task: str,
     num_classes=None,
     device: torch.device | None = None,
+    vocabulary: tuple[str, int] | None = None,
 ) -> None:
     """Refuse a malformed batch (type, device, empty, non-finite, shape, label dtype and range)
     with an error that says what to do.
@@ -153,6 +154,8 @@ def check_batch(
         (``"multilabel"``) or the vocabulary size (``"tokens"``), when known.
     :param device: the network's device (:meth:`NetworkShape.device`), checked first; ``None``
         skips the check.
+    :param vocabulary: ``(name, V)``: the batch tensor named ``name`` (as errors name it, ``"x"``
+        or ``"x['input_ids']"``) holds token ids in [0, V) (:attr:`NetworkShape.vocabulary`).
     """
     tensors = batch_tensors(x)
     check_device(tensors, device, batch=x)
@@ -171,6 +174,15 @@ def check_batch(
     # Shapes and dtypes first; the values last, read back to the host in one transfer
     # (:class:`_Values`): on a GPU each read is a synchronisation that stalls the step.
     values = _Values(tensors)
+    if vocabulary is not None:
+        name, size = vocabulary
+        ids = tensors.get(name)
+        if (
+            ids is not None
+            and ids.numel()
+            and not (ids.is_floating_point() or ids.dtype == torch.bool)
+        ):
+            values.ids = (name, ids, size)
     if y is None:
         values.check()
         return
@@ -248,6 +260,8 @@ class _Values:
         for name, t in tensors.items():
             self.add(name, t)
         self.binary: torch.Tensor | None = None  #: labels that must be 0 or 1
+        #: (name, token ids, V): ids an embedding of V entries reads, which must lie in [0, V)
+        self.ids: tuple[str, torch.Tensor, int] | None = None
         self.labels: torch.Tensor | None = None  #: class labels whose range is read
 
     def add(self, name: str, t: torch.Tensor) -> None:
@@ -260,6 +274,8 @@ class _Values:
         probes = [finite_probe(t) for _, t in self.floats]
         if self.binary is not None and self.binary.numel():
             probes.append(((self.binary == 0) | (self.binary == 1)).all())
+        if self.ids is not None:
+            probes.extend(torch.aminmax(self.ids[1]))
         if self.labels is not None:
             probes.extend(torch.aminmax(self.labels))
         if not probes:
@@ -271,8 +287,20 @@ class _Values:
         for (name, t), ok in zip(self.floats, read):
             if not ok:
                 check_finite(name, t)
-        if self.binary is not None and self.binary.numel() and not read[len(self.floats)]:
-            check_binary_labels(self.binary)
+        k = len(self.floats)
+        if self.binary is not None and self.binary.numel():
+            if not read[k]:
+                check_binary_labels(self.binary)
+            k += 1
+        if self.ids is not None:
+            name, _, vocab = self.ids
+            lo, hi = read[k], read[k + 1]
+            if lo < 0 or hi >= vocab:
+                raise ValueError(
+                    f"{name} must hold token ids in [0, {vocab}), the entries of the network's "
+                    f"input embedding; got min {lo}, max {hi}. Check the tokenizer against the "
+                    "network (a Hugging Face model's config.vocab_size)."
+                )
         return (read[-2], read[-1]) if self.labels is not None else (0, 0)
 
 
@@ -334,6 +362,9 @@ class NetworkShape:
         layer: the product of the non-batch dims), ``"conv"`` (dim 1) or ``None``.
     :ivar int width: the input width that ``entry`` expects (``None`` when unknown).
     :ivar int outputs: the output width of the last layer (``None`` when unknown).
+    :ivar vocabulary: ``(batch tensor, V)`` when the network's first layer is an embedding of V
+        entries (``"x"``) or it names its token embedding as Hugging Face models do
+        (``get_input_embeddings()``, reading ``"x['input_ids']"``); ``None`` otherwise.
     :ivar dtype_source: the module whose floating tensors give the expected input dtype, read on
         every call so that ``net.double()`` after construction is followed.
     :ivar device_source: the module whose tensors give the network's device (the entry layer,
@@ -371,6 +402,9 @@ class NetworkShape:
             end -= 1
         last = leaves[end]
         self.outputs: int | None = last.out_features if isinstance(last, nn.Linear) else None
+        self.vocabulary = ("x", first.num_embeddings) if isinstance(first, nn.Embedding) else None
+        if self.vocabulary is None:
+            self.vocabulary = _input_vocabulary(net)
         self.dtype_source = self.entry if self.entry is not None else self._uniform_dtype(net)
         self.device_source = self._device_source(net)
 
@@ -441,6 +475,19 @@ class NetworkShape:
                 f"layer ({self._entry_name()}) expects {self.width}. Pass inputs with "
                 f"{self.width} features (check the feature columns and any reshaping)."
             )
+
+
+def _input_vocabulary(net: nn.Module) -> tuple[str, int] | None:
+    """``("x['input_ids']", V)`` for a network that names its token embedding as Hugging Face
+    models (and PEFT models around them) do, by ``get_input_embeddings()``."""
+    get = getattr(net, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except NotImplementedError:  # a model without token embeddings
+        return None
+    if isinstance(embedding, nn.Embedding):
+        return "x['input_ids']", embedding.num_embeddings
+    return None
 
 
 def autocast_enabled(x: torch.Tensor) -> bool:

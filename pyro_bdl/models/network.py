@@ -310,7 +310,10 @@ class NetworkModel:
             raise _call_error(extra, unexpected)
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
         expected = self.shape.device() if self.check_inputs else None
-        check_batch(x, y, task=self._task, num_classes=width, device=expected)
+        vocabulary = self.shape.vocabulary if self.check_inputs else None
+        check_batch(
+            x, y, task=self._task, num_classes=width, device=expected, vocabulary=vocabulary
+        )
         first = next(iter(batch_tensors(x).values()))
         rows, device = first.shape[0], first.device
         if y is not None and rows > self.dataset_size:

@@ -78,6 +78,19 @@ def test_an_index_selects_a_field_of_the_model_output_as_hugging_face_indexes_it
         bdl.models.classifier(net, N, output=1)(batch, y)
 
 
+def test_input_ids_outside_the_vocabulary_are_refused_before_the_network_runs():
+    model = bdl.models.classifier(bdl.bayesianize(_lora(), expose=bdl.nn.lora), N)
+    batch, y = _batch()
+    model(batch, y)
+    state = torch.get_rng_state()
+    batch["input_ids"][1, 2] = VOCAB
+    with pytest.raises(
+        ValueError, match=rf"x\['input_ids'\] must hold token ids in \[0, {VOCAB}\)"
+    ):
+        model(batch, y)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_lora_only_random_base_shared_and_matches_at_init():
     net = _lora()
     batch, _ = _batch()
