@@ -30,8 +30,18 @@ Predicate = Callable[[nn.Module, str, torch.Tensor], bool]
 Rule = type | str | Predicate
 
 #: Normalisation layers stay deterministic unless exposed: their parameters are few and the
-#: posterior over them is poorly identified. ``_NormBase`` covers BatchNorm and InstanceNorm.
-DEFAULT_HIDE: tuple[Rule, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+#: posterior over them is poorly identified. ``_NormBase`` covers BatchNorm and InstanceNorm;
+#: ``nn.RMSNorm`` exists from torch 2.4 on.
+DEFAULT_HIDE: tuple[Rule, ...] = tuple(
+    layer
+    for layer in (
+        nn.modules.batchnorm._NormBase,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),
+    )
+    if layer is not None
+)
 
 
 class ExposeOnly:

@@ -448,3 +448,8 @@ def test_a_tied_frozen_weight_stays_one_tensor_when_the_network_moves():
     for moved in (net.double(), copy.deepcopy(net).float(), pickle.loads(pickle.dumps(net)).half()):
         assert moved.head._buffers["weight"] is moved.emb._buffers["weight"]
     assert net.emb._buffers["weight"].dtype == torch.float64
+
+
+def test_rms_norm_is_hidden_by_default_like_the_other_normalisation_layers():
+    net = bayesianize(nn.Sequential(nn.Linear(3, 4), nn.RMSNorm(4), nn.LayerNorm(4)))
+    assert list(sites(net)) == ["0.weight", "0.bias"]
