@@ -140,6 +140,15 @@ def test_the_first_model_call_copies_no_frozen_base_weight():
     assert copies.count == 0
 
 
+def test_an_adapter_named_lora_something_does_not_make_the_head_random():
+    config = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        net = peft.get_peft_model(_bert(), config, adapter_name="lora_sst2").eval()
+    names = list(bdl.sites(bdl.bayesianize(net, expose=bdl.nn.lora)))
+    assert len(names) == 8 and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
 def test_lifted_peft_model_deep_copies_and_loads_its_state_dict():
     net = bdl.bayesianize(_lora(), expose=bdl.nn.lora)
     batch, _ = _batch()
