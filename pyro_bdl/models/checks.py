@@ -140,7 +140,7 @@ def check_batch(
     task: str,
     num_classes=None,
     device: torch.device | None = None,
-    vocabulary: tuple[str, int] | None = None,
+    vocabulary: int | None = None,
 ) -> None:
     """Refuse a malformed batch (type, device, empty, non-finite, shape, label dtype and range)
     with an error that says what to do.
@@ -154,8 +154,8 @@ def check_batch(
         (``"multilabel"``) or the vocabulary size (``"tokens"``), when known.
     :param device: the network's device (:meth:`NetworkShape.device`), checked first; ``None``
         skips the check.
-    :param vocabulary: ``(name, V)``: the batch tensor named ``name`` (as errors name it, ``"x"``
-        or ``"x['input_ids']"``) holds token ids in [0, V) (:attr:`NetworkShape.vocabulary`).
+    :param int vocabulary: V: the network's first input holds token ids in [0, V)
+        (:attr:`NetworkShape.vocabulary`).
     """
     tensors = batch_tensors(x)
     check_device(tensors, device, batch=x)
@@ -174,15 +174,12 @@ def check_batch(
     # Shapes and dtypes first; the values last, read back to the host in one transfer
     # (:class:`_Values`): on a GPU each read is a synchronisation that stalls the step.
     values = _Values(tensors)
-    if vocabulary is not None:
-        name, size = vocabulary
-        ids = tensors.get(name)
-        if (
-            ids is not None
-            and ids.numel()
-            and not (ids.is_floating_point() or ids.dtype == torch.bool)
-        ):
-            values.ids = (name, ids, size)
+    # The first input: the batch itself, the first of a tuple, or a tokenizer's input_ids.
+    entry = next((n for n in ("x", "x[0]", "x['input_ids']") if n in tensors), None)
+    if vocabulary is not None and entry is not None:
+        ids = tensors[entry]
+        if ids.numel() and not (ids.is_floating_point() or ids.dtype == torch.bool):
+            values.ids = (entry, ids, vocabulary)
     if y is None:
         values.check()
         return
@@ -362,9 +359,9 @@ class NetworkShape:
         layer: the product of the non-batch dims), ``"conv"`` (dim 1) or ``None``.
     :ivar int width: the input width that ``entry`` expects (``None`` when unknown).
     :ivar int outputs: the output width of the last layer (``None`` when unknown).
-    :ivar vocabulary: ``(batch tensor, V)`` when the network's first layer is an embedding of V
-        entries (``"x"``) or it names its token embedding as Hugging Face models do
-        (``get_input_embeddings()``, reading ``"x['input_ids']"``); ``None`` otherwise.
+    :ivar int vocabulary: V, when the network's first input is token ids read by an embedding
+        of V entries: its first layer's, or the one it names as Hugging Face models do
+        (``get_input_embeddings()``, reading ``input_ids``); ``None`` otherwise.
     :ivar dtype_source: the module whose floating tensors give the expected input dtype, read on
         every call so that ``net.double()`` after construction is followed.
     :ivar device_source: the module whose tensors give the network's device (the entry layer,
@@ -402,9 +399,8 @@ class NetworkShape:
             end -= 1
         last = leaves[end]
         self.outputs: int | None = last.out_features if isinstance(last, nn.Linear) else None
-        self.vocabulary = ("x", first.num_embeddings) if isinstance(first, nn.Embedding) else None
-        if self.vocabulary is None:
-            self.vocabulary = _input_vocabulary(net)
+        embedding = first if isinstance(first, nn.Embedding) else _input_embedding(net)
+        self.vocabulary = None if embedding is None else embedding.num_embeddings
         self.dtype_source = self.entry if self.entry is not None else self._uniform_dtype(net)
         self.device_source = self._device_source(net)
 
@@ -477,17 +473,15 @@ class NetworkShape:
             )
 
 
-def _input_vocabulary(net: nn.Module) -> tuple[str, int] | None:
-    """``("x['input_ids']", V)`` for a network that names its token embedding as Hugging Face
-    models (and PEFT models around them) do, by ``get_input_embeddings()``."""
+def _input_embedding(net: nn.Module) -> nn.Embedding | None:
+    """The token embedding of a network that names it as Hugging Face models (and PEFT models
+    around them) do, by ``get_input_embeddings()``."""
     get = getattr(net, "get_input_embeddings", None)
     try:
         embedding = get() if callable(get) else None
     except NotImplementedError:  # a model without token embeddings
         return None
-    if isinstance(embedding, nn.Embedding):
-        return "x['input_ids']", embedding.num_embeddings
-    return None
+    return embedding if isinstance(embedding, nn.Embedding) else None
 
 
 def autocast_enabled(x: torch.Tensor) -> bool:

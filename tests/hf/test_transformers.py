@@ -84,10 +84,11 @@ def test_input_ids_outside_the_vocabulary_are_refused_before_the_network_runs():
     model(batch, y)
     state = torch.get_rng_state()
     batch["input_ids"][1, 2] = VOCAB
-    with pytest.raises(
-        ValueError, match=rf"x\['input_ids'\] must hold token ids in \[0, {VOCAB}\)"
-    ):
-        model(batch, y)
+    # The ids as a mapping, a tuple (input_ids first, as the network takes them) or a tensor.
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    for x, name in ((batch, r"x\['input_ids'\]"), ((ids, mask), r"x\[0\]"), (ids, "x")):
+        with pytest.raises(ValueError, match=rf"^{name} must hold token ids in \[0, {VOCAB}\)"):
+            model(x, y)
     assert torch.equal(torch.get_rng_state(), state)
 
 
