@@ -267,6 +267,8 @@ def test_output_selector_by_index_name_and_callable():
     assert summed.shape == (5,)
     picked = models.classifier(net, 10, output=lambda out: out[0] * 2)((a, b))
     assert picked.shape == (5, 2)
+    with pytest.raises(TypeError, match=r"output=-3, but the network returned tuple of 2"):
+        models.classifier(net, 10, output=-3)((a, b))
     hidden = models.classifier(bayesianize(_TokenClassifier()), 10, output="hidden")
     with pytest.raises(ValueError, match=r"shape \(4, C\)"):
         hidden(_tokens())
@@ -347,3 +349,32 @@ def test_language_model_refuses_mismatched_labels_and_runs_vectorized():
         tr = poutine.trace(model).get_trace(batch, batch["input_ids"])
     tr.compute_log_prob()
     assert tr.nodes["y"]["log_prob"].shape == (3, 4)
+
+
+def test_language_model_takes_a_batch_where_no_token_is_scored():
+    # Every label -100, or one-token sequences under next-token prediction (a prompt of one
+    # token): the likelihood is 0, not an error.
+    net = bayesianize(_TokenLM())
+    batch = _tokens(vocab=7)
+    one = {k: v[:, :1] for k, v in batch.items()}
+    for model, x, y in (
+        (models.language_model(net, dataset_size=8), batch, torch.full((4, 5), -100)),
+        (models.language_model(net, dataset_size=8, shift=False), batch, torch.full((4, 5), -100)),
+        (models.language_model(net, dataset_size=8), one, one["input_ids"]),
+    ):
+        assert poutine.trace(model).get_trace(x).nodes["_RETURN"]["value"].shape[:2] == y.shape
+        tr = poutine.trace(model).get_trace(x, y)
+        tr.compute_log_prob()
+        assert torch.equal(tr.nodes["y"]["unscaled_log_prob"], torch.zeros(4))
+
+
+def test_token_ids_outside_the_first_embedding_are_refused_before_the_network_runs():
+    # The embedding would raise "index out of range in self" (on a GPU, a device-side assert
+    # that ends the process) after the weights were drawn.
+    model = models.classifier(bayesianize(nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))), 8)
+    model(torch.tensor([0, 4]), torch.tensor([1, 0]))
+    state = torch.get_rng_state()
+    for bad, got in ((5, r"min 4, max 5"), (-1, r"min -1, max 4")):
+        with pytest.raises(ValueError, match=rf"x must hold token ids in \[0, 5\).*{got}"):
+            model(torch.tensor([bad, 4]), torch.tensor([1, 0]))
+    assert torch.equal(torch.get_rng_state(), state)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.modules import activation
 
 from pyro_bdl._validation import check_finite, finite_probe
+from pyro_bdl.nn.lift import constant_buffers
 
 __all__ = [
     "IGNORE_INDEX",
@@ -139,6 +140,7 @@ def check_batch(
     task: str,
     num_classes=None,
     device: torch.device | None = None,
+    vocabulary: int | None = None,
 ) -> None:
     """Refuse a malformed batch (type, device, empty, non-finite, shape, label dtype and range)
     with an error that says what to do.
@@ -152,6 +154,8 @@ def check_batch(
         (``"multilabel"``) or the vocabulary size (``"tokens"``), when known.
     :param device: the network's device (:meth:`NetworkShape.device`), checked first; ``None``
         skips the check.
+    :param int vocabulary: V: the network's first input holds token ids in [0, V)
+        (:attr:`NetworkShape.vocabulary`).
     """
     tensors = batch_tensors(x)
     check_device(tensors, device, batch=x)
@@ -170,6 +174,12 @@ def check_batch(
     # Shapes and dtypes first; the values last, read back to the host in one transfer
     # (:class:`_Values`): on a GPU each read is a synchronisation that stalls the step.
     values = _Values(tensors)
+    # The first input: the batch itself, the first of a tuple, or a tokenizer's input_ids.
+    entry = next((n for n in ("x", "x[0]", "x['input_ids']") if n in tensors), None)
+    if vocabulary is not None and entry is not None:
+        ids = tensors[entry]
+        if ids.numel() and not (ids.is_floating_point() or ids.dtype == torch.bool):
+            values.ids = (entry, ids, vocabulary)
     if y is None:
         values.check()
         return
@@ -247,6 +257,8 @@ class _Values:
         for name, t in tensors.items():
             self.add(name, t)
         self.binary: torch.Tensor | None = None  #: labels that must be 0 or 1
+        #: (name, token ids, V): ids an embedding of V entries reads, which must lie in [0, V)
+        self.ids: tuple[str, torch.Tensor, int] | None = None
         self.labels: torch.Tensor | None = None  #: class labels whose range is read
 
     def add(self, name: str, t: torch.Tensor) -> None:
@@ -259,6 +271,8 @@ class _Values:
         probes = [finite_probe(t) for _, t in self.floats]
         if self.binary is not None and self.binary.numel():
             probes.append(((self.binary == 0) | (self.binary == 1)).all())
+        if self.ids is not None:
+            probes.extend(torch.aminmax(self.ids[1]))
         if self.labels is not None:
             probes.extend(torch.aminmax(self.labels))
         if not probes:
@@ -270,8 +284,20 @@ class _Values:
         for (name, t), ok in zip(self.floats, read):
             if not ok:
                 check_finite(name, t)
-        if self.binary is not None and self.binary.numel() and not read[len(self.floats)]:
-            check_binary_labels(self.binary)
+        k = len(self.floats)
+        if self.binary is not None and self.binary.numel():
+            if not read[k]:
+                check_binary_labels(self.binary)
+            k += 1
+        if self.ids is not None:
+            name, _, vocab = self.ids
+            lo, hi = read[k], read[k + 1]
+            if lo < 0 or hi >= vocab:
+                raise ValueError(
+                    f"{name} must hold token ids in [0, {vocab}), the entries of the network's "
+                    f"input embedding; got min {lo}, max {hi}. Check the tokenizer against the "
+                    "network (a Hugging Face model's config.vocab_size)."
+                )
         return (read[-2], read[-1]) if self.labels is not None else (0, 0)
 
 
@@ -333,6 +359,9 @@ class NetworkShape:
         layer: the product of the non-batch dims), ``"conv"`` (dim 1) or ``None``.
     :ivar int width: the input width that ``entry`` expects (``None`` when unknown).
     :ivar int outputs: the output width of the last layer (``None`` when unknown).
+    :ivar int vocabulary: V, when the network's first input is token ids read by an embedding
+        of V entries: its first layer's, or the one it names as Hugging Face models do
+        (``get_input_embeddings()``, reading ``input_ids``); ``None`` otherwise.
     :ivar dtype_source: the module whose floating tensors give the expected input dtype, read on
         every call so that ``net.double()`` after construction is followed.
     :ivar device_source: the module whose tensors give the network's device (the entry layer,
@@ -370,6 +399,8 @@ class NetworkShape:
             end -= 1
         last = leaves[end]
         self.outputs: int | None = last.out_features if isinstance(last, nn.Linear) else None
+        embedding = first if isinstance(first, nn.Embedding) else _input_embedding(net)
+        self.vocabulary = None if embedding is None else embedding.num_embeddings
         self.dtype_source = self.entry if self.entry is not None else self._uniform_dtype(net)
         self.device_source = self._device_source(net)
 
@@ -442,6 +473,17 @@ class NetworkShape:
             )
 
 
+def _input_embedding(net: nn.Module) -> nn.Embedding | None:
+    """The token embedding of a network that names it as Hugging Face models (and PEFT models
+    around them) do, by ``get_input_embeddings()``."""
+    get = getattr(net, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except NotImplementedError:  # a model without token embeddings
+        return None
+    return embedding if isinstance(embedding, nn.Embedding) else None
+
+
 def autocast_enabled(x: torch.Tensor) -> bool:
     """Whether autocast is on for ``x``'s device type."""
     try:
@@ -459,12 +501,10 @@ def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
     names = set(store.keys())
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    # The lifted layers' initial-value buffers never change in a forward pass: skip them.
-    saved = [
-        (b, b.clone())
-        for name, b in net.named_buffers()
-        if "_bdl_init_" not in name.rsplit(".")[-1]
-    ]
+    # The lifted weights' initial values and the hidden frozen parameters never change in a
+    # forward pass: skip them (a frozen base model would otherwise be copied whole).
+    constant = {id(b) for b in constant_buffers(net)}
+    saved = [(b, b.clone()) for b in net.buffers() if id(b) not in constant]
     try:
         yield
     except BaseException:

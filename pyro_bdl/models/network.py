@@ -86,6 +86,9 @@ class _LogSoftmaxCategorical(dist.Categorical):
         self._param = self.logits
         self._num_events = logits.shape[-1]
         self._checked = checked
+        # No logits (a one-token sequence under next-token prediction): nothing to validate,
+        # and torch's check cannot reshape an empty tensor.
+        validate_args = validate_args if logits.numel() else False
         TorchDistribution.__init__(self, logits.shape[:-1], validate_args=validate_args)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
@@ -307,7 +310,10 @@ class NetworkModel:
             raise _call_error(extra, unexpected)
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
         expected = self.shape.device() if self.check_inputs else None
-        check_batch(x, y, task=self._task, num_classes=width, device=expected)
+        vocabulary = self.shape.vocabulary if self.check_inputs else None
+        check_batch(
+            x, y, task=self._task, num_classes=width, device=expected, vocabulary=vocabulary
+        )
         first = next(iter(batch_tensors(x).values()))
         rows, device = first.shape[0], first.device
         if y is not None and rows > self.dataset_size:

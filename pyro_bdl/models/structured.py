@@ -8,7 +8,9 @@ dim 0.
 
 The network may return a tensor, a Hugging Face ``ModelOutput``, a dict or a tuple; the
 likelihood reads one tensor of it, chosen by ``output=``: by default the tensor itself,
-``.logits`` / ``"logits"``, or the first element of a tuple.
+``.logits`` / ``"logits"``, or the first element of a tuple. An index selects an element of a
+tuple, or a field of a ``ModelOutput`` or dict in order, as Hugging Face indexes its outputs
+(``out[0]``: the first field that is set).
 """
 
 from __future__ import annotations
@@ -86,7 +88,10 @@ def select_output(out: Any, output: Output) -> torch.Tensor:
     elif isinstance(output, str):
         picked = out.get(output) if isinstance(out, Mapping) else getattr(out, output, None)
     else:
-        picked = out[output] if isinstance(out, (tuple, list)) and output < len(out) else None
+        # A ModelOutput indexes its fields that are set, in order (out[0] is the first).
+        fields = list(out.values()) if isinstance(out, Mapping) else out
+        indexable = isinstance(fields, (tuple, list)) and -len(fields) <= output < len(fields)
+        picked = fields[output] if indexable else None
     if not isinstance(picked, torch.Tensor):
         raise TypeError(
             f"the model reads one tensor of the network's output, chosen by output="

@@ -7,6 +7,7 @@ change anything is refused unless ``relift=True``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -34,12 +35,15 @@ __all__ = [
     "DEFAULT_HIDE",
     "SiteSpec",
     "bayesianize",
+    "constant_buffers",
     "init_to_network",
     "site_spec",
     "sites",
 ]
 
 _SITES_ATTR = "_bdl_sites"
+#: The uses of each frozen parameter hidden as a buffer, by its first name; the tensor is read
+#: from the first use's layer, since moving the network (``.to``, ``.double()``) replaces buffers.
 _FROZEN_ATTR = "_bdl_frozen"
 
 #: The parameter tensor each live site was lifted from: a layer still holding one is tied to that
@@ -61,7 +65,8 @@ def _parameter_groups(module: nn.Module) -> list[tuple[torch.Tensor, list[Use]]]
                 continue
             use = (_make_name(mod_name, pname), sub, pname)
             groups.setdefault(id(param), (param, []))[1].append(use)
-    for tensor, uses in module.__dict__.get(_FROZEN_ATTR, {}).values():
+    for uses in module.__dict__.get(_FROZEN_ATTR, {}).values():
+        tensor = _frozen_tensor(uses)
         groups.setdefault(id(tensor), (tensor, list(uses)))
     return list(groups.values())
 
@@ -77,6 +82,43 @@ def _existing_sites(module: nn.Module) -> list[tuple[str, SiteSpec, dict]]:
                 seen.add(id(spec))
                 out.append((_make_name(rel, spec.name), spec, registry))
     return out
+
+
+def _check_not_inside(module: nn.Module, existing: list[tuple[str, SiteSpec, dict]]) -> None:
+    """Refuse ``module`` if a layer in it reads a site that an earlier call registered on a
+    network around it: this call would not see that site, so a new prior or new rules for it
+    would be dropped silently."""
+    known = {id(spec) for _, spec, _ in existing}
+    for sub in module.modules():
+        for value in sub.__dict__.get("_pyro_samples", {}).values():
+            if isinstance(value, SiteSpec) and id(value) not in known:
+                raise ValueError(
+                    f"{type(module).__name__} is part of a network that an earlier bayesianize "
+                    f"call lifted: it reads that network's site {value.name!r}, which a call on "
+                    "a part of it cannot change. Call bayesianize on the whole network (with "
+                    "relift=True to change its prior or rules): bayesianize(net, prior, "
+                    "relift=True)."
+                )
+
+
+def constant_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The buffers that :func:`bayesianize` added anywhere in ``module`` and that no forward
+    pass writes: the lifted weights' initial locations and the frozen parameters it hid. A
+    rollback of a pass need not copy them (for a frozen base model, that copy would double its
+    memory)."""
+    out: list[torch.Tensor] = []
+    for sub in module.modules():
+        out += [b for n, b in sub._buffers.items() if b is not None and n.startswith(INIT_PREFIX)]
+        for uses in sub.__dict__.get(_FROZEN_ATTR, {}).values():
+            out += [layer._buffers[attr] for _, layer, attr in uses]
+    return out
+
+
+def _frozen_tensor(uses: tuple[Use, ...]) -> torch.Tensor:
+    _, layer, attr = uses[0]
+    tensor = layer._buffers[attr]
+    assert tensor is not None  # registered by _freeze
+    return tensor
 
 
 def _distinct(uses: Iterable[Use]) -> list[Use]:
@@ -174,11 +216,25 @@ def _lift(module, prior, param, uses, inits, registry) -> None:
 
 def _freeze(module, param, uses) -> None:
     tensor = param.detach()  # one tensor for every name: a tied frozen weight stays tied
-    for _, sub, attr in _distinct(uses):
+    distinct = _distinct(uses)
+    for _, sub, attr in distinct:
         del sub._parameters[attr]
         sub.register_buffer(attr, tensor)
     frozen = module.__dict__.setdefault(_FROZEN_ATTR, {})
-    frozen[uses[0][0]] = (tensor, tuple(uses))
+    frozen[uses[0][0]] = tuple(uses)
+    if len(distinct) > 1:
+        object.__setattr__(module, "_apply", functools.partial(_apply_tied, module))
+
+
+def _apply_tied(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``module._apply`` (``.to``, ``.double()``, ``.cuda()``), after which every tied frozen
+    weight is one tensor again: torch replaces buffers layer by layer, giving each its copy."""
+    type(module)._apply(module, *args, **kwargs)
+    for uses in module.__dict__.get(_FROZEN_ATTR, {}).values():
+        tensor = _frozen_tensor(uses)
+        for _, sub, attr in uses[1:]:
+            sub._buffers[attr] = tensor
+    return module
 
 
 def _unlift(module, spec: SiteSpec, registry: dict) -> None:
@@ -282,6 +338,7 @@ def bayesianize(
     # Decide and validate everything before changing the module (fail at the boundary).
     groups = _parameter_groups(module)
     existing = _existing_sites(module)
+    _check_not_inside(module, existing)
     names = [u[0] for _, uses in groups for u in uses]
     names += [n for name, spec, _ in existing for n in (name, *spec.aliases)]
     uses = [(*u, p) for p, us in groups for u in us]

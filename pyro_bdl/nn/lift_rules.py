@@ -30,8 +30,18 @@ Predicate = Callable[[nn.Module, str, torch.Tensor], bool]
 Rule = type | str | Predicate
 
 #: Normalisation layers stay deterministic unless exposed: their parameters are few and the
-#: posterior over them is poorly identified. ``_NormBase`` covers BatchNorm and InstanceNorm.
-DEFAULT_HIDE: tuple[Rule, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+#: posterior over them is poorly identified. ``_NormBase`` covers BatchNorm and InstanceNorm;
+#: ``nn.RMSNorm`` exists from torch 2.4 on.
+DEFAULT_HIDE: tuple[Rule, ...] = tuple(
+    layer
+    for layer in (
+        nn.modules.batchnorm._NormBase,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),
+    )
+    if layer is not None
+)
 
 
 class ExposeOnly:
@@ -56,8 +66,13 @@ class ExposeOnly:
 
 def _is_lora(module: nn.Module, name: str, param: torch.Tensor) -> bool:
     # PEFT names every LoRA tensor under a lora_* container (lora_A, lora_B, lora_embedding_A,
-    # lora_magnitude_vector), whatever the adapter's name; the base layer's weights are not.
-    return any(part.startswith("lora_") for part in name.split("."))
+    # lora_magnitude_vector), whatever the adapter's name; the base layer's weights are not. An
+    # adapter may itself be named lora_*: under modules_to_save that is the head's copy.
+    parts = name.split(".")
+    return any(
+        part.startswith("lora_") and (i == 0 or parts[i - 1] != "modules_to_save")
+        for i, part in enumerate(parts)
+    )
 
 
 def _is_head(module: nn.Module, name: str, param: torch.Tensor) -> bool:

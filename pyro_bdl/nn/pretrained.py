@@ -108,8 +108,11 @@ def save_minilm_fp16(
 
     safetensors = _require("safetensors.torch")
     src, dest = minilm_path(source), Path(destination)
-    if dest.resolve() == src.resolve():
-        raise ValueError(f"destination must differ from the source folder {str(src)!r}.")
+    if dest.resolve() == src.resolve() or src.resolve() in dest.resolve().parents:
+        raise ValueError(
+            f"destination must differ from the source folder {str(src)!r} and lie outside the "
+            f"source (its files are copied, subfolders included); got {str(dest)!r}."
+        )
     if not (src / _WEIGHTS).is_file():
         raise FileNotFoundError(f"source must hold {_WEIGHTS}; {str(src)!r} has none.")
     dest.mkdir(parents=True, exist_ok=True)

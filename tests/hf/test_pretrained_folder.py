@@ -61,3 +61,7 @@ def test_a_folder_without_config_and_an_export_over_its_source_are_refused(tiny_
         pretrained.minilm_path(tmp_path)
     with pytest.raises(ValueError, match="differ"):
         pretrained.save_minilm_fp16(tiny_folder, source=tiny_folder)
+    # Inside the source, the copy would copy itself into itself (half/half/config.json).
+    with pytest.raises(ValueError, match="outside the source"):
+        pretrained.save_minilm_fp16(tiny_folder / "half", source=tiny_folder)
+    assert not (tiny_folder / "half").exists()

@@ -10,6 +10,7 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.optim import SGD, Adam
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.hf import tiny_bert_config
 
@@ -67,6 +68,30 @@ def test_bert_lifts_and_the_classifier_reads_its_model_output():
     assert parallel["_RETURN"].shape == (3, 4, CLASSES)
 
 
+def test_an_index_selects_a_field_of_the_model_output_as_hugging_face_indexes_it():
+    net = bdl.bayesianize(_bert())
+    batch, y = _batch()
+    data = {name: spec.init_value for name, spec in bdl.sites(net).items()}
+    model = bdl.models.classifier(net, N, output=0)  # out[0]: the first field set, the logits
+    assert_close(poutine.condition(model, data=data)(batch, y), _at_init(net, batch))
+    with pytest.raises(TypeError, match="output=1, but the network returned SequenceClassifier"):
+        bdl.models.classifier(net, N, output=1)(batch, y)
+
+
+def test_input_ids_outside_the_vocabulary_are_refused_before_the_network_runs():
+    model = bdl.models.classifier(bdl.bayesianize(_lora(), expose=bdl.nn.lora), N)
+    batch, y = _batch()
+    model(batch, y)
+    state = torch.get_rng_state()
+    batch["input_ids"][1, 2] = VOCAB
+    # The ids as a mapping, a tuple (input_ids first, as the network takes them) or a tensor.
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    for x, name in ((batch, r"x\['input_ids'\]"), ((ids, mask), r"x\[0\]"), (ids, "x")):
+        with pytest.raises(ValueError, match=rf"^{name} must hold token ids in \[0, {VOCAB}\)"):
+            model(x, y)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_lora_only_random_base_shared_and_matches_at_init():
     net = _lora()
     batch, _ = _batch()
@@ -86,6 +111,43 @@ def test_lora_only_random_base_shared_and_matches_at_init():
         "base_model.model.classifier.modules_to_save.default.weight",
         "base_model.model.classifier.modules_to_save.default.bias",
     }
+
+
+class _Copies(TorchDispatchMode):
+    """Counts the copies (``aten.clone``) made of the tensors whose storages are ``watched``."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched, self.count = watched, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.clone.default:
+            self.count += args[0].untyped_storage().data_ptr() in self.watched
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_first_model_call_copies_no_frozen_base_weight():
+    # The first call runs under a rollback of the buffers a forward pass may write; the frozen
+    # base (buffers once lifted) is constant, and copying it would double a large model's memory.
+    net = _lora()
+    base = {p.untyped_storage().data_ptr() for p in net.parameters() if not p.requires_grad}
+    model = bdl.models.classifier(bdl.bayesianize(net, expose=bdl.nn.lora), N)
+    batch, y = _batch()
+    with _Copies(base) as copies:
+        model(batch, y)
+    assert copies.count == 0
+    with pytest.raises(ValueError, match="class labels"), _Copies(base) as copies:
+        bdl.models.classifier(net, N)(batch, y + CLASSES)  # refused on its first call
+    assert copies.count == 0
+
+
+def test_an_adapter_named_lora_something_does_not_make_the_head_random():
+    config = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        net = peft.get_peft_model(_bert(), config, adapter_name="lora_sst2").eval()
+    names = list(bdl.sites(bdl.bayesianize(net, expose=bdl.nn.lora)))
+    assert len(names) == 8 and all(".lora_A." in n or ".lora_B." in n for n in names)
 
 
 def test_lifted_peft_model_deep_copies_and_loads_its_state_dict():

@@ -18,6 +18,7 @@ from torch.testing import assert_close
 from pyro_bdl import bayesianize, init_to_network, models, priors, sites
 from pyro_bdl.guides import AutoMeanField, AutoSubnetLaplace
 from pyro_bdl.nn import site_spec
+from pyro_bdl.nn.lift import constant_buffers
 from tests.common import TiedLinear
 
 
@@ -411,3 +412,44 @@ def test_a_callable_prior_with_a_learned_scale_is_rebuilt_every_pass_and_learns(
     fixed = bayesianize(nn.Linear(3, 2), prior=priors.Normal(scale=1.0))
     spec = next(iter(sites(fixed).values()))
     assert spec(fixed) is spec(fixed)  # the library's priors: built once
+
+
+def test_a_call_on_a_layer_of_a_lifted_network_is_refused_before_anything_changes():
+    # The sites live in the whole network's registry: a call on one of its layers would not see
+    # them, and a new prior would be dropped silently.
+    net = bayesianize(_mlp(), priors.Normal(scale=1.0))
+    prior = sites(net)["0.weight"].prior
+    with pytest.raises(ValueError, match=r"'0\.weight'.*bayesianize\(net, .*relift=True"):
+        bayesianize(net[0], priors.Normal(scale=0.01))
+    assert sites(net)["0.weight"].prior is prior and "_bdl_sites" not in net[0].__dict__
+    tied = bayesianize(_LanguageModel())
+    with pytest.raises(ValueError, match=r"'emb\.weight'"):
+        bayesianize(tied.head)  # an alias layer of the tied site
+    bayesianize(net, priors.Normal(scale=0.01), relift=True)  # the way out
+    assert sites(net)["0.weight"].prior.scale == 0.01
+
+
+def test_frozen_parameters_are_read_from_the_layers_after_the_network_moves():
+    # .double() / .to(device) replace every buffer: a record of the old tensors would relift a
+    # float32 copy and let a rollback copy the moved frozen weights.
+    net = _mlp()
+    net[0].weight.requires_grad_(False)
+    bayesianize(net).double()
+    assert any(t is net[0]._buffers["weight"] for t in constant_buffers(net))
+    bayesianize(net, expose=["0.weight"], relift=True)
+    assert sites(net)["0.weight"].init_value.dtype == torch.float64
+
+
+def test_a_tied_frozen_weight_stays_one_tensor_when_the_network_moves():
+    # Module._apply replaces buffers layer by layer: each layer would get a copy of its own.
+    net = _LanguageModel()
+    net.emb.weight.requires_grad_(False)
+    bayesianize(net)
+    for moved in (net.double(), copy.deepcopy(net).float(), pickle.loads(pickle.dumps(net)).half()):
+        assert moved.head._buffers["weight"] is moved.emb._buffers["weight"]
+    assert net.emb._buffers["weight"].dtype == torch.float64
+
+
+def test_rms_norm_is_hidden_by_default_like_the_other_normalisation_layers():
+    net = bayesianize(nn.Sequential(nn.Linear(3, 4), nn.RMSNorm(4), nn.LayerNorm(4)))
+    assert list(sites(net)) == ["0.weight", "0.bias"]
