@@ -42,6 +42,8 @@ LAYERS = {
     "depthwise_conv": (lambda: nn.Conv1d(4, 4, 3, groups=4, padding=1), (2, 4, 7)),
     "layer_norm": (lambda: nn.LayerNorm(4), (2, 5, 4)),
 }
+if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+    LAYERS["rms_norm"] = (lambda: nn.RMSNorm(4), (2, 5, 4))
 
 
 def _input(name, shape):
