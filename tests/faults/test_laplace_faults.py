@@ -140,3 +140,24 @@ def test_a_token_language_model_is_refused():
         AutoLaplace(model)
     assert_same(before, rng_states())
     assert len(pyro.get_param_store()) == 0
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize(
+    ("targets", "match"),
+    [
+        (lambda y: y.double(), "integer class labels"),
+        (lambda y: y.unsqueeze(-1), r"y must have shape \(10,\)"),
+        (lambda y: y + 2, r"class labels must lie in \[0, 2\)"),
+    ],
+    ids=["float", "column", "out_of_range"],
+)
+def test_val_ll_checks_the_targets_of_every_batch(structure, targets, match):
+    """The validation targets of every batch, not only the first row read for the likelihood,
+    are checked before λ changes, and without Pyro's validation (which would only catch an
+    out-of-range label, with its own message, and let the others through)."""
+    guide, (x, y) = _fitted(structure)
+    batches = [(x[:10], y[:10]), (x[10:], targets(y[10:]))]
+    call = lambda: guide.tune_prior_precision(method="val_ll", data=batches)  # noqa: E731
+    with pyro.validation_enabled(False):
+        _refuses(guide, call, ValueError, match)
