@@ -4,6 +4,8 @@ random states)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -12,6 +14,7 @@ from torch import nn
 
 import pyro_bdl as bdl
 from pyro_bdl.guides import AutoLaplace, AutoSubnetLaplace
+from pyro_bdl.guides.laplace.posterior import RoundOffWarning
 from tests.faults.common import assert_same, rng_states
 
 STRUCTURES = ["full", "kron", "diag"]
@@ -161,3 +164,19 @@ def test_val_ll_checks_the_targets_of_every_batch(structure, targets, match):
     call = lambda: guide.tune_prior_precision(method="val_ll", data=batches)  # noqa: E731
     with pyro.validation_enabled(False):
         _refuses(guide, call, ValueError, match)
+
+
+def test_a_prior_the_posterior_cannot_take_changes_nothing():
+    """λ = 1e-30 on a GGN of rank ≤ 6 over 14 weights: the dense factorisation of H_S needs a
+    material jitter and warns; as an error (``-W error``) the refusal leaves λ and the posterior
+    as they were, not the new λ beside the old factor."""
+    pyro.clear_param_store()
+    guide = AutoSubnetLaplace(_classifier(), subnetwork="all", hessian_structure="full")
+    x, y = _data()
+    guide(x, y)
+    guide.fit((x[:3], y[:3]), check_mode=False)
+    grid = torch.tensor([1e-30])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RoundOffWarning)
+        call = lambda: guide.tune_prior_precision(search="grid", grid=grid)  # noqa: E731
+        _refuses(guide, call, RoundOffWarning, "jitter")

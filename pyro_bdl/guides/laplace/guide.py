@@ -600,12 +600,14 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         likelihood is Gaussian)."""
         return self._noise if self._noise is not None else self._noise0
 
-    def _noise_scale(self) -> float:
-        """c = σ₀²/σ², the factor from the GGN at the model's σ₀ to the tuned σ."""
-        if self._noise is None:
+    def _noise_scale(self, noise: float | None = None) -> float:
+        """c = σ₀²/σ², the factor from the GGN at the model's σ₀ to the tuned σ (``noise``, by
+        default the held one; ``None`` for none)."""
+        noise = self._noise if noise is None else noise
+        if noise is None:
             return 1.0
         assert self._noise0 is not None  # σ is tuned only under a Gaussian likelihood's σ₀
-        return (self._noise0 / self._noise) ** 2
+        return (self._noise0 / noise) ** 2
 
     def _sigma(self) -> torch.Tensor | None:
         """The tuned σ as a float64 tensor (``None``: the model's)."""
@@ -616,14 +618,17 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         s, total = self.subnet_index.numel(), self.map_loc.numel()
         lam = lam_s / self._prior_s(1.0, s, total)
         same = bool(torch.all(lam == lam.reshape(-1)[0]))
-        self.prior_precision = lam.reshape(-1)[0].clone() if same else lam.clone()
-        self._noise = sigma if sigma is not None else self._noise
-        c = self._noise_scale()
+        noise = sigma if sigma is not None else self._noise
+        c = self._noise_scale(noise)
         prior: float | torch.Tensor = float(lam_s.reshape(-1)[0]) if same else lam_s
+        # The posterior first: a factorisation that raises (or warns, under -W error) leaves
+        # λ, σ and the posterior as they were.
         if self.hessian_structure == "full":
             self.scale_tril = posterior_factor(c * self.ggn, prior)
         else:
             self._structure = self._structure.with_prior(lam_s, c)
+        self.prior_precision = lam.reshape(-1)[0].clone() if same else lam.clone()
+        self._noise = noise
 
     def marginal_likelihood(self) -> float:
         r"""The Laplace log marginal likelihood :math:`\log p(\mathcal D)` at the held prior
