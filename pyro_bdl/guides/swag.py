@@ -535,6 +535,26 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
     def _upgrade_state(self, state_dict, prefix):
         convert_second_moment(self, state_dict, prefix)  # the older second moment → M2
 
+    def _state_errors(self, state_dict, prefix) -> list[str]:
+        """Statistics that :meth:`collect` never gives (a corrupt state): a negative counter,
+        NaN or inf moments, a negative M2 (which Σ_diag's floor would hide)."""
+        errors = []
+        count = state_dict.get(prefix + "swag_num_collected")
+        if isinstance(count, torch.Tensor) and not count.is_meta and int(count) < 0:
+            errors.append(f"{prefix + 'swag_num_collected'!r}: must be >= 0; got {int(count)}")
+        for name in ("swag_mean", "swag_m2", "swag_deviations"):
+            value = state_dict.get(prefix + name)
+            if not isinstance(value, torch.Tensor) or value.is_meta:
+                continue
+            if not bool(torch.isfinite(value).all()):
+                errors.append(f"{prefix + name!r}: contains NaN or inf, which collect never gives")
+            elif name == "swag_m2" and value.numel() and float(value.min()) < 0:
+                errors.append(
+                    f"{prefix + name!r}: the sum of squared deviations must be >= 0; got min "
+                    f"{float(value.min()):g}"
+                )
+        return errors
+
     @property
     def mode(self) -> str:
         """``"auto"`` (the point estimate wherever the guide's density is scored, SWAG draws once

@@ -70,3 +70,35 @@ def test_auto_laplace_state_round_trip():
     fitted.fit(data, check_mode=False)
     fresh.load_state_dict(fitted.state_dict())
     assert torch.equal(fresh.predict(data[0])[1], fitted.predict(data[0])[1])
+
+
+def _nan_first(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize(
+    ("key", "corrupt", "match"),
+    [
+        ("prior_precision", lambda t: -t, r"prior_precision: must be finite and > 0"),
+        ("prior_precision", _nan_first, r"prior_precision: must be finite and > 0"),
+        ("map_loc", _nan_first, r"'map_loc': contains NaN or inf"),
+        ("ggn", _nan_first, r"'ggn': contains NaN or inf"),
+        ("subnet_index", lambda t: t.flip(0), r"subnet_index: .*sorted and without duplicates"),
+        ("subnet_index", lambda t: torch.zeros_like(t), r"sorted and without duplicates"),
+    ],
+    ids=["negative_precision", "nan_precision", "nan_map", "nan_ggn", "reversed", "repeated"],
+)
+def test_a_corrupt_fitted_state_is_refused_before_anything_loads(key, corrupt, match):
+    """A state whose values no fit gives (a prior precision ≤ 0 or NaN, NaN weights or
+    curvature, repeated or unsorted subnetwork indices) is refused, naming the key, and the
+    guide stays unfitted; it would otherwise predict with a NaN or clamped posterior."""
+    fitted = _guide(**SETTINGS["full"])
+    fitted.fit(_regression(), check_mode=False)
+    state = fitted.state_dict()
+    state[key] = corrupt(state[key])
+    fresh = _guide(**SETTINGS["full"])
+    with pytest.raises(StateDictMismatchError, match=match):
+        fresh.load_state_dict(state)
+    assert not fresh.fitted
