@@ -102,3 +102,22 @@ def test_a_corrupt_fitted_state_is_refused_before_anything_loads(key, corrupt, m
     with pytest.raises(StateDictMismatchError, match=match):
         fresh.load_state_dict(state)
     assert not fresh.fitted
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_a_loaded_guide_tuned_again_saves_what_it_tuned(name):
+    """λ and σ tuned after a load are what the next state holds (a loaded ``full`` guide saved
+    the σ it was loaded with beside the factor of the new one)."""
+    data = _regression()
+    fitted = _guide(**SETTINGS[name])
+    fitted.fit(data, check_mode=False)
+    loaded = _guide(**SETTINGS[name])
+    loaded.load_state_dict(fitted.state_dict())
+    loaded.tune_prior_precision(tune_noise=True)
+    assert loaded.noise_scale != fitted.noise_scale
+    again = _guide(**SETTINGS[name])
+    again.load_state_dict(loaded.state_dict())
+    assert again.noise_scale == loaded.noise_scale
+    for ours, theirs in zip(again.predict(data[0][:7]), loaded.predict(data[0][:7])):
+        assert torch.equal(ours, theirs)
+    assert again.marginal_likelihood() == loaded.marginal_likelihood()

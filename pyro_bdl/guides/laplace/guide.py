@@ -629,6 +629,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
             self._structure = self._structure.with_prior(lam_s, c)
         self.prior_precision = lam.reshape(-1)[0].clone() if same else lam.clone()
         self._noise = noise
+        self._saved_state = None  # a loaded extra state is stale now: pack the attributes
 
     def marginal_likelihood(self) -> float:
         r"""The Laplace log marginal likelihood :math:`\log p(\mathcal D)` at the held prior
