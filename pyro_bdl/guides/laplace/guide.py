@@ -216,6 +216,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         super().__init__(model, init_loc_fn=init_loc_fn)
         self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
         self.prior_scaling = prior_scaling
+        self._given_precision = prior_precision  # λ of a fit on a new subnetwork (None: declared)
         self.hessian_structure = hessian_structure
         self._structure: Any = None  # the kron/diag posterior (full lives in the buffers)
         self._saved_state: torch.Tensor | None = None  # get_extra_state of a loaded state
@@ -363,10 +364,17 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
     # ---- fitting ---------------------------------------------------------------------------
 
     def _precision(self, index=None, full=None) -> float | torch.Tensor:
-        """λ: the one value held (given or tuned), else the declared prior's precision (float64)
-        of the weights ``index`` (taken from ``full`` when given), or of all D weights."""
-        if self.prior_precision.dim() == 0:
-            return float(self.prior_precision)
+        """λ of the weights ``index`` (of all D weights when ``None``): the one value held (given
+        or tuned); the values held for this very subnetwork (declared or tuned per layer or
+        weight); else the given λ, else the declared prior's precision (float64; taken from
+        ``full`` when given)."""
+        held = self.prior_precision
+        if held.dim() == 0:
+            return float(held)
+        if index is not None and self.fitted and torch.equal(index, self.subnet_index):
+            return held
+        if self._given_precision is not None:
+            return self._given_precision
         if index is None:
             return self.layout.gaussian_prior()[1].to(self.loc.device, torch.float64)
         return full[index] if full is not None else declared_precision(self.layout, index)
@@ -396,6 +404,12 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         self, data: Any, *, reduce_fn=None, check_mode: bool = True, trim_padding: bool = False
     ) -> AutoSubnetLaplace:
         r"""Compute the GGN Laplace posterior over the subnetwork at the current MAP values.
+
+        A later ``fit`` (after more training, or on other data) replaces the posterior, the fit
+        statistics and a tuned σ (the GGN is computed at the model's σ); it keeps the prior
+        precision held, one value (given or tuned) or one per weight of the same subnetwork
+        (declared, or tuned per layer or weight), and on another subnetwork starts again from
+        ``prior_precision=``, else the declared prior.
 
         :param data: the training data, a tuple ``(x, y)`` of tensors or a DataLoader yielding
             ``(x, y)`` batches (the model's positional arguments).
@@ -502,8 +516,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         self._structure, self._stats, self._noise = structure, stats, None
         self._saved_state = None
         self._likelihood, self._noise0 = obs.likelihood, obs.noise
-        if not isinstance(lam_s, float):
-            self.prior_precision = lam_s
+        self.prior_precision = torch.as_tensor(lam_s, dtype=torch.float64, device=prior_t.device)
         if check_mode:
             theta = self.map_loc[index].double()
             warn_if_not_at_mode(grad + prior_t.to(theta) * theta, self.posterior)
