@@ -371,7 +371,8 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         held = self.prior_precision
         if held.dim() == 0:
             return float(held)
-        if index is not None and self.fitted and torch.equal(index, self.subnet_index):
+        same = index is not None and self.fitted
+        if same and torch.equal(index, self.subnet_index.to(index.device)):
             return held
         if self._given_precision is not None:
             return self._given_precision
