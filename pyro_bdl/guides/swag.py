@@ -532,6 +532,16 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
             for site, value in zip(self.layout, self._split(latent))
         }
 
+    def _apply(self, fn, recurse: bool = True):
+        # A cast of the guide (guide.float(), .to(device, dtype)) moves θ̄ but keeps it float64,
+        # which the variances of weights far from zero need (module docstring).
+        mean = self._buffers.get("swag_mean")
+        out = super()._apply(fn, recurse)
+        moved = self._buffers.get("swag_mean")
+        if mean is not None and moved is not None and moved.dtype != mean.dtype:
+            self._buffers["swag_mean"] = mean.to(moved.device)
+        return out
+
     def _upgrade_state(self, state_dict, prefix):
         convert_second_moment(self, state_dict, prefix)  # the older second moment → M2
 
