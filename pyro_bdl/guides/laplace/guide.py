@@ -551,7 +551,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         ``generator``).
         ``link``: ``"probit"`` (per logit; for two classes the binary probit of the logit
         difference :math:`f_1 - f_0`, which needs one backward pass a batch rather than two),
-        ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws):
+        ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws from ``generator``):
         :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
 
         :param x: inputs, the model's first argument: a tensor or a dict of tensors.
@@ -564,7 +564,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
             return mixture.mean, mixture.variance
         obs, chunks = self._predictive_chunks(x, link)
         noise = obs.noise if self._noise is None else self._noise
-        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples, generator)
 
     def predictive_distribution(
         self, x: torch.Tensor, *, num_samples: int = 1000, generator: torch.Generator | None = None
