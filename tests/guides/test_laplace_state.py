@@ -73,9 +73,7 @@ def test_auto_laplace_state_round_trip():
 
 
 def _nan_first(t: torch.Tensor) -> torch.Tensor:
-    t = t.clone()
-    t.view(-1)[0] = float("nan")
-    return t
+    return t.flatten().index_fill(0, torch.tensor([0]), float("nan")).reshape(t.shape)
 
 
 @pytest.mark.parametrize(
