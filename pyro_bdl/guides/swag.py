@@ -532,8 +532,38 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
             for site, value in zip(self.layout, self._split(latent))
         }
 
+    def _apply(self, fn, recurse: bool = True):
+        # A cast of the guide (guide.float(), .to(device, dtype)) moves θ̄ but keeps it float64,
+        # which the variances of weights far from zero need (module docstring).
+        mean = self._buffers.get("swag_mean")
+        out = super()._apply(fn, recurse)
+        moved = self._buffers.get("swag_mean")
+        if mean is not None and moved is not None and moved.dtype != mean.dtype:
+            self._buffers["swag_mean"] = mean.to(moved.device)
+        return out
+
     def _upgrade_state(self, state_dict, prefix):
         convert_second_moment(self, state_dict, prefix)  # the older second moment → M2
+
+    def _state_errors(self, state_dict, prefix) -> list[str]:
+        """Statistics that :meth:`collect` never gives (a corrupt state): a negative counter,
+        NaN or inf moments, a negative M2 (which Σ_diag's floor would hide)."""
+        errors = []
+        count = state_dict.get(prefix + "swag_num_collected")
+        if isinstance(count, torch.Tensor) and not count.is_meta and int(count) < 0:
+            errors.append(f"{prefix + 'swag_num_collected'!r}: must be >= 0; got {int(count)}")
+        for name in ("swag_mean", "swag_m2", "swag_deviations"):
+            value = state_dict.get(prefix + name)
+            if not isinstance(value, torch.Tensor) or value.is_meta:
+                continue
+            if not bool(torch.isfinite(value).all()):
+                errors.append(f"{prefix + name!r}: contains NaN or inf, which collect never gives")
+            elif name == "swag_m2" and value.numel() and float(value.min()) < 0:
+                errors.append(
+                    f"{prefix + name!r}: the sum of squared deviations must be >= 0; got min "
+                    f"{float(value.min()):g}"
+                )
+        return errors
 
     @property
     def mode(self) -> str:

@@ -4,6 +4,8 @@ random states)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -12,6 +14,7 @@ from torch import nn
 
 import pyro_bdl as bdl
 from pyro_bdl.guides import AutoLaplace, AutoSubnetLaplace
+from pyro_bdl.guides.laplace.posterior import RoundOffWarning
 from tests.faults.common import assert_same, rng_states
 
 STRUCTURES = ["full", "kron", "diag"]
@@ -140,3 +143,40 @@ def test_a_token_language_model_is_refused():
         AutoLaplace(model)
     assert_same(before, rng_states())
     assert len(pyro.get_param_store()) == 0
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize(
+    ("targets", "match"),
+    [
+        (lambda y: y.double(), "integer class labels"),
+        (lambda y: y.unsqueeze(-1), r"y must have shape \(10,\)"),
+        (lambda y: y + 2, r"class labels must lie in \[0, 2\)"),
+    ],
+    ids=["float", "column", "out_of_range"],
+)
+def test_val_ll_checks_the_targets_of_every_batch(structure, targets, match):
+    """The validation targets of every batch, not only the first row read for the likelihood,
+    are checked before λ changes, and without Pyro's validation (which would only catch an
+    out-of-range label, with its own message, and let the others through)."""
+    guide, (x, y) = _fitted(structure)
+    batches = [(x[:10], y[:10]), (x[10:], targets(y[10:]))]
+    call = lambda: guide.tune_prior_precision(method="val_ll", data=batches)  # noqa: E731
+    with pyro.validation_enabled(False):
+        _refuses(guide, call, ValueError, match)
+
+
+def test_a_prior_the_posterior_cannot_take_changes_nothing():
+    """λ = 1e-30 on a GGN of rank ≤ 6 over 14 weights: the dense factorisation of H_S needs a
+    material jitter and warns; as an error (``-W error``) the refusal leaves λ and the posterior
+    as they were, not the new λ beside the old factor."""
+    pyro.clear_param_store()
+    guide = AutoSubnetLaplace(_classifier(), subnetwork="all", hessian_structure="full")
+    x, y = _data()
+    guide(x, y)
+    guide.fit((x[:3], y[:3]), check_mode=False)
+    grid = torch.tensor([1e-30])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RoundOffWarning)
+        call = lambda: guide.tune_prior_precision(search="grid", grid=grid)  # noqa: E731
+        _refuses(guide, call, RoundOffWarning, "jitter")

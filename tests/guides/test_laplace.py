@@ -329,6 +329,28 @@ def test_explicit_prior_precision_overrides_the_lifted_prior():
     assert_close(guide.fit((x, y)).covariance, expected, rtol=1e-6, atol=1e-10)
 
 
+def test_a_later_fit_keeps_a_tuned_per_layer_precision_and_never_loses_the_given_one():
+    # A λ tuned per layer holds for the same subnetwork at a later fit, as one tuned value does.
+    variances = {"0.weight": torch.ones(15), "0.bias": torch.ones(5), "2.weight": torch.ones(15)}
+    variances["2.bias"] = torch.ones(3)
+    variances["2.weight"][:5] = 2.0  # the subnetwork: these 5 weights and...
+    variances["0.bias"][:2] = 2.0  # ...these 2, in two layers
+    kwargs = dict(subnetwork="largest_variance", size=7, variances=variances, prior_precision=2.0)
+    guide, x, y = _lifted(bdl.priors.Normal(scale=0.5), **kwargs)
+    guide.fit((x, y))
+    tuned = guide.tune_prior_precision(prior_structure="layerwise").clone()
+    assert len(set(tuned.tolist())) == 2
+    expected = torch.linalg.inv(guide.ggn + torch.diag(tuned))
+    assert_close(guide.fit((x, y)).covariance, expected, rtol=1e-6, atol=1e-10)
+    # On another subnetwork the per-weight values mean nothing: the given λ, not the lifted prior.
+    variances["2.weight"][:5] = 1.0
+    variances["2.weight"][5:12] = 2.0
+    guide.fit((x, y))
+    assert guide.prior_precision.dim() == 0 and float(guide.prior_precision) == 2.0
+    expected = torch.linalg.inv(guide.ggn + 2.0 * torch.eye(7, dtype=F64))
+    assert_close(guide.covariance, expected, rtol=1e-6, atol=1e-10)
+
+
 def test_non_gaussian_lifted_prior_is_refused_before_fit_changes_anything():
     guide, x, y = _lifted(bdl.priors.Laplace(scale=1.0), subnetwork="all")
     loc = guide.loc.detach().clone()
@@ -412,6 +434,9 @@ def test_tune_prior_precision():
         ([], {}, ValueError, "empty"),
         ([1.0, 2.0], {}, TypeError, "must be integers"),
         (torch.tensor([True, False]), {}, TypeError, "must be integers"),
+        ([True, 3], {}, TypeError, "must be integers"),
+        (torch.tensor(3), {}, ValueError, r"a 1-d list or tensor; got shape \(\)"),
+        (torch.tensor([[0, 1], [2, 3]]), {}, ValueError, r"1-d .* got shape \(2, 2\)"),
         ("biggest", {}, ValueError, "unknown subnetwork rule 'biggest'"),
         ("random", {}, ValueError, "needs size="),
         ("random", {"size": 0}, ValueError, "size must be >= 1"),

@@ -181,6 +181,22 @@ def test_predict_accepts_every_link_and_returns_probabilities():
         guide.predict(x_test, link="softmax")
 
 
+@pytest.mark.parametrize("classes", [3, 2])
+def test_mc_predictions_draw_from_the_given_generator(classes):
+    """``predict(link="mc", generator=g)`` draws from ``g``: the same seed gives the same
+    probabilities whatever the global random state (two classes take the logit difference's
+    own path)."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, classes))
+    guide, _, _, x, y = _trained("all", steps=0, net=net.double())
+    guide.fit((x, y.clamp(max=classes - 1)), check_mode=False)
+    draws = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        g = torch.Generator().manual_seed(1)
+        draws.append(guide.predict(x[:5], link="mc", num_samples=50, generator=g))
+    assert torch.equal(draws[0], draws[1])
+
+
 def _two_class_rows(var):
     """Log-probability outputs of two classes with logit differences d ∈ [−4, 4], the Jacobian of
     d (every row variance ``var``) and the full one a classifier sees (J_f = (I − 1pᵀ) J_z with

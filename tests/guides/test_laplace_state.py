@@ -70,3 +70,52 @@ def test_auto_laplace_state_round_trip():
     fitted.fit(data, check_mode=False)
     fresh.load_state_dict(fitted.state_dict())
     assert torch.equal(fresh.predict(data[0])[1], fitted.predict(data[0])[1])
+
+
+def _nan_first(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten().index_fill(0, torch.tensor([0]), float("nan")).reshape(t.shape)
+
+
+@pytest.mark.parametrize(
+    ("key", "corrupt", "match"),
+    [
+        ("prior_precision", lambda t: -t, r"prior_precision: must be finite and > 0"),
+        ("prior_precision", _nan_first, r"prior_precision: must be finite and > 0"),
+        ("map_loc", _nan_first, r"'map_loc': contains NaN or inf"),
+        ("ggn", _nan_first, r"'ggn': contains NaN or inf"),
+        ("subnet_index", lambda t: t.flip(0), r"subnet_index: .*sorted and without duplicates"),
+        ("subnet_index", lambda t: torch.zeros_like(t), r"sorted and without duplicates"),
+    ],
+    ids=["negative_precision", "nan_precision", "nan_map", "nan_ggn", "reversed", "repeated"],
+)
+def test_a_corrupt_fitted_state_is_refused_before_anything_loads(key, corrupt, match):
+    """A state whose values no fit gives (a prior precision ≤ 0 or NaN, NaN weights or
+    curvature, repeated or unsorted subnetwork indices) is refused, naming the key, and the
+    guide stays unfitted; it would otherwise predict with a NaN or clamped posterior."""
+    fitted = _guide(**SETTINGS["full"])
+    fitted.fit(_regression(), check_mode=False)
+    state = fitted.state_dict()
+    state[key] = corrupt(state[key])
+    fresh = _guide(**SETTINGS["full"])
+    with pytest.raises(StateDictMismatchError, match=match):
+        fresh.load_state_dict(state)
+    assert not fresh.fitted
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_a_loaded_guide_tuned_again_saves_what_it_tuned(name):
+    """λ and σ tuned after a load are what the next state holds (a loaded ``full`` guide saved
+    the σ it was loaded with beside the factor of the new one)."""
+    data = _regression()
+    fitted = _guide(**SETTINGS[name])
+    fitted.fit(data, check_mode=False)
+    loaded = _guide(**SETTINGS[name])
+    loaded.load_state_dict(fitted.state_dict())
+    loaded.tune_prior_precision(tune_noise=True)
+    assert loaded.noise_scale != fitted.noise_scale
+    again = _guide(**SETTINGS[name])
+    again.load_state_dict(loaded.state_dict())
+    assert again.noise_scale == loaded.noise_scale
+    for ours, theirs in zip(again.predict(data[0][:7]), loaded.predict(data[0][:7])):
+        assert torch.equal(ours, theirs)
+    assert again.marginal_likelihood() == loaded.marginal_likelihood()

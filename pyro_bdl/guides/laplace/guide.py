@@ -216,6 +216,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         super().__init__(model, init_loc_fn=init_loc_fn)
         self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
         self.prior_scaling = prior_scaling
+        self._given_precision = prior_precision  # λ of a fit on a new subnetwork (None: declared)
         self.hessian_structure = hessian_structure
         self._structure: Any = None  # the kron/diag posterior (full lives in the buffers)
         self._saved_state: torch.Tensor | None = None  # get_extra_state of a loaded state
@@ -363,10 +364,18 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
     # ---- fitting ---------------------------------------------------------------------------
 
     def _precision(self, index=None, full=None) -> float | torch.Tensor:
-        """λ: the one value held (given or tuned), else the declared prior's precision (float64)
-        of the weights ``index`` (taken from ``full`` when given), or of all D weights."""
-        if self.prior_precision.dim() == 0:
-            return float(self.prior_precision)
+        """λ of the weights ``index`` (of all D weights when ``None``): the one value held (given
+        or tuned); the values held for this very subnetwork (declared or tuned per layer or
+        weight); else the given λ, else the declared prior's precision (float64; taken from
+        ``full`` when given)."""
+        held = self.prior_precision
+        if held.dim() == 0:
+            return float(held)
+        same = index is not None and self.fitted
+        if same and torch.equal(index, self.subnet_index.to(index.device)):
+            return held
+        if self._given_precision is not None:
+            return self._given_precision
         if index is None:
             return self.layout.gaussian_prior()[1].to(self.loc.device, torch.float64)
         return full[index] if full is not None else declared_precision(self.layout, index)
@@ -396,6 +405,12 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         self, data: Any, *, reduce_fn=None, check_mode: bool = True, trim_padding: bool = False
     ) -> AutoSubnetLaplace:
         r"""Compute the GGN Laplace posterior over the subnetwork at the current MAP values.
+
+        A later ``fit`` (after more training, or on other data) replaces the posterior, the fit
+        statistics and a tuned σ (the GGN is computed at the model's σ); it keeps the prior
+        precision held, one value (given or tuned) or one per weight of the same subnetwork
+        (declared, or tuned per layer or weight), and on another subnetwork starts again from
+        ``prior_precision=``, else the declared prior.
 
         :param data: the training data, a tuple ``(x, y)`` of tensors or a DataLoader yielding
             ``(x, y)`` batches (the model's positional arguments).
@@ -502,8 +517,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         self._structure, self._stats, self._noise = structure, stats, None
         self._saved_state = None
         self._likelihood, self._noise0 = obs.likelihood, obs.noise
-        if not isinstance(lam_s, float):
-            self.prior_precision = lam_s
+        self.prior_precision = torch.as_tensor(lam_s, dtype=torch.float64, device=prior_t.device)
         if check_mode:
             theta = self.map_loc[index].double()
             warn_if_not_at_mode(grad + prior_t.to(theta) * theta, self.posterior)
@@ -537,7 +551,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         ``generator``).
         ``link``: ``"probit"`` (per logit; for two classes the binary probit of the logit
         difference :math:`f_1 - f_0`, which needs one backward pass a batch rather than two),
-        ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws):
+        ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws from ``generator``):
         :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
 
         :param x: inputs, the model's first argument: a tensor or a dict of tensors.
@@ -550,7 +564,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
             return mixture.mean, mixture.variance
         obs, chunks = self._predictive_chunks(x, link)
         noise = obs.noise if self._noise is None else self._noise
-        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples)
+        return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples, generator)
 
     def predictive_distribution(
         self, x: torch.Tensor, *, num_samples: int = 1000, generator: torch.Generator | None = None
@@ -600,12 +614,14 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         likelihood is Gaussian)."""
         return self._noise if self._noise is not None else self._noise0
 
-    def _noise_scale(self) -> float:
-        """c = σ₀²/σ², the factor from the GGN at the model's σ₀ to the tuned σ."""
-        if self._noise is None:
+    def _noise_scale(self, noise: float | None = None) -> float:
+        """c = σ₀²/σ², the factor from the GGN at the model's σ₀ to the tuned σ (``noise``, by
+        default the held one; ``None`` for none)."""
+        noise = self._noise if noise is None else noise
+        if noise is None:
             return 1.0
         assert self._noise0 is not None  # σ is tuned only under a Gaussian likelihood's σ₀
-        return (self._noise0 / self._noise) ** 2
+        return (self._noise0 / noise) ** 2
 
     def _sigma(self) -> torch.Tensor | None:
         """The tuned σ as a float64 tensor (``None``: the model's)."""
@@ -616,14 +632,18 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         s, total = self.subnet_index.numel(), self.map_loc.numel()
         lam = lam_s / self._prior_s(1.0, s, total)
         same = bool(torch.all(lam == lam.reshape(-1)[0]))
-        self.prior_precision = lam.reshape(-1)[0].clone() if same else lam.clone()
-        self._noise = sigma if sigma is not None else self._noise
-        c = self._noise_scale()
+        noise = sigma if sigma is not None else self._noise
+        c = self._noise_scale(noise)
         prior: float | torch.Tensor = float(lam_s.reshape(-1)[0]) if same else lam_s
+        # The posterior first: a factorisation that raises (or warns, under -W error) leaves
+        # λ, σ and the posterior as they were.
         if self.hessian_structure == "full":
             self.scale_tril = posterior_factor(c * self.ggn, prior)
         else:
             self._structure = self._structure.with_prior(lam_s, c)
+        self.prior_precision = lam.reshape(-1)[0].clone() if same else lam.clone()
+        self._noise = noise
+        self._saved_state = None  # a loaded extra state is stale now: pack the attributes
 
     def marginal_likelihood(self) -> float:
         r"""The Laplace log marginal likelihood :math:`\log p(\mathcal D)` at the held prior

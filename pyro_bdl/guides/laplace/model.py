@@ -737,13 +737,14 @@ def jacobians(
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple]]:
     """``(outputs (b, C), J_S (b, C, S), batch)`` of ``model`` at the packed weights ``loc``,
-    ``batch_size`` rows at a time; the model gets the batch's first tensor (the inputs). With
-    ``transform``, ``J_S`` is that of ``transform(outputs)`` (b, K, S)
-    (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`)."""
+    ``batch_size`` rows at a time; the model gets the whole batch, as in a fit, so that a
+    :class:`~pyro_bdl.models.NetworkModel` checks the targets of every batch (validation data),
+    whatever Pyro's validation switch. With ``transform``, ``J_S`` is that of
+    ``transform(outputs)`` (b, K, S) (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`)."""
     wanted = sites_touched(layout, index)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            forward, slots = forward_at(model, layout, loc, batch[:1], obs, wanted)
+            forward, slots = forward_at(model, layout, loc, batch, obs, wanted)
             jac, out = subnet_jacobian(
                 forward, slots, index, return_outputs=True, transform=transform
             )

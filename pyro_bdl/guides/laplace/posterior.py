@@ -561,6 +561,7 @@ def linearized_predictive(
     link: str = "probit",
     num_samples: int = 1000,
     noise: float | None = None,
+    generator: torch.Generator | None = None,
 ):
     r"""Predictive of the linearized network with :math:`f_{lin} \sim N(f, (JL)(JL)^\top)`.
 
@@ -568,7 +569,7 @@ def linearized_predictive(
     (Bernoulli) or softmax (categorical: the binary probit when C = 2 and one logit is a
     constant; not invariant to a shift of all logits, and the MAP argmax may change);
     ``"bridge"`` (categorical only): :func:`laplace_bridge`; ``"mc"``: the mean over
-    ``num_samples`` draws of :math:`f_{lin}`.
+    ``num_samples`` draws of :math:`f_{lin}` (from ``generator``, else the global one).
 
     Two classes given the Jacobian of the logit difference (``jl`` (B, 1, S), from
     :func:`logit_difference`): the softmax is :math:`\sigma(d)` of :math:`d = f_1 - f_0 \sim
@@ -600,9 +601,9 @@ def linearized_predictive(
             return f.squeeze(-1), var.squeeze(-1)
         return f, var
     if likelihood == "categorical" and f.shape[-1] == 2 and jl.shape[-2] == 1:
-        return _two_class(logit_difference(f), jl, link, num_samples)
+        return _two_class(logit_difference(f), jl, link, num_samples, generator)
     if link == "mc":
-        samples = f + _draws(jl, num_samples)
+        samples = f + _draws(jl, num_samples, generator)
         if likelihood == "bernoulli":
             return samples.sigmoid().mean(0).squeeze(-1)
         return samples.softmax(-1).mean(0)
@@ -619,13 +620,23 @@ def linearized_predictive(
     return logits.softmax(-1)
 
 
-def _draws(jl: torch.Tensor, num_samples: int) -> torch.Tensor:
-    r"""``num_samples`` draws of :math:`J_S L z`, :math:`z \sim N(0, I)`: (num_samples, B, C)."""
-    z = torch.randn(num_samples, jl.shape[-1], dtype=jl.dtype, device=jl.device)
-    return torch.einsum("bcs,ks->kbc", jl, z)
+def _draws(
+    jl: torch.Tensor, num_samples: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    r"""``num_samples`` draws of :math:`J_S L z`, :math:`z \sim N(0, I)` from ``generator`` (on
+    its device): (num_samples, B, C)."""
+    device = generator.device if generator is not None else jl.device
+    z = torch.randn(num_samples, jl.shape[-1], dtype=jl.dtype, device=device, generator=generator)
+    return torch.einsum("bcs,ks->kbc", jl, z.to(jl.device))
 
 
-def _two_class(d: torch.Tensor, jl: torch.Tensor, link: str, num_samples: int) -> torch.Tensor:
+def _two_class(
+    d: torch.Tensor,
+    jl: torch.Tensor,
+    link: str,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Probabilities (B, 2) from the logit difference ``d`` (B, 1) and its ``jl`` (B, 1, S)."""
     if link == "bridge":
         raise ValueError(
@@ -633,7 +644,7 @@ def _two_class(d: torch.Tensor, jl: torch.Tensor, link: str, num_samples: int) -
             "pass jl of shape (B, 2, S)."
         )
     if link == "mc":
-        s = d + _draws(jl, num_samples)
+        s = d + _draws(jl, num_samples, generator)
         return torch.cat([(-s).sigmoid(), s.sigmoid()], -1).mean(0)
     z = probit_logits(d, jl.square().sum(-1))
     return torch.cat([(-z).sigmoid(), z.sigmoid()], -1)
@@ -681,13 +692,21 @@ def predictive(
     vector: bool,
     link: str,
     num_samples: int,
+    generator: torch.Generator | None = None,
 ):
     """The linearized predictive of chunks ``(MAP outputs, J_S L)``, joined: probabilities, or
     ``(mean, variance)`` for a Gaussian likelihood (each ``(n,)`` when ``vector``, the model's
-    outputs having shape ``(B,)``); see :func:`linearized_predictive`."""
+    outputs having shape ``(B,)``); see :func:`linearized_predictive` (``"mc"`` draws from
+    ``generator``)."""
     parts = [
         linearized_predictive(
-            out.to(jl.dtype), jl, likelihood, link=link, num_samples=num_samples, noise=noise
+            out.to(jl.dtype),
+            jl,
+            likelihood,
+            link=link,
+            num_samples=num_samples,
+            noise=noise,
+            generator=generator,
         )
         for out, jl in chunks
     ]

@@ -60,6 +60,11 @@ def state_errors(
         errors.append(f"{prefix}subnet_index: expected a 1-d LongTensor; got {index.dtype}")
     elif isinstance(loc, torch.Tensor) and not 0 <= int(index.min()) <= int(index.max()) < len(loc):
         errors.append(f"{prefix}subnet_index: indices outside [0, {len(loc)})")
+    elif not bool((index[1:] > index[:-1]).all()):
+        errors.append(
+            f"{prefix}subnet_index: the indices must be sorted and without duplicates, as fit "
+            "selects them"
+        )
     extra = get("_extra_state")
     structure = "full"  # a state saved before the packed extra state held only "full"
     if isinstance(extra, torch.Tensor) and extra.numel() >= 8:
@@ -82,10 +87,16 @@ def state_errors(
                 f"{prefix + name!r}: a subnetwork of {count} weights needs shape {shape}; "
                 f"the state has {shape_of(value)}"
             )
+        elif not _finite(value):
+            errors.append(f"{prefix + name!r}: contains NaN or inf, which no fit gives")
     precision = get("prior_precision")
     if isinstance(precision, torch.Tensor) and tuple(precision.shape) not in ((), (count,)):
         errors.append(
             f"{prefix}prior_precision: expected shape () or ({count},); got {shape_of(precision)}"
+        )
+    elif isinstance(precision, torch.Tensor) and not (_finite(precision) and _positive(precision)):
+        errors.append(
+            f"{prefix}prior_precision: must be finite and > 0; got min {float(precision.min()):g}"
         )
     if rule is not None and layout is not None:
         try:
@@ -98,6 +109,15 @@ def state_errors(
                 f"weights; this guide's rule (subnetwork={rule.kind!r}) selects {size}"
             )
     return errors
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or inf (a tensor on the meta device has no values to check)."""
+    return t.is_meta or bool(torch.isfinite(t).all())
+
+
+def _positive(t: torch.Tensor) -> bool:
+    return t.is_meta or bool((t > 0).all())
 
 
 def one_precision(value: Any) -> float:

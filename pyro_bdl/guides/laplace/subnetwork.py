@@ -149,17 +149,21 @@ def _parse_size(size: object) -> int | float:
 
 
 def _parse_indices(value: Any) -> torch.Tensor:
-    if len(value) == 0:
-        raise ValueError("subnetwork indices are empty; select at least one weight.")
     t = torch.as_tensor(value)
+    if t.dim() != 1:
+        raise ValueError(
+            f"subnetwork indices must be a 1-d list or tensor; got shape {tuple(t.shape)}. Pass "
+            "the packed weight indices as a flat list or a 1-d LongTensor."
+        )
+    if t.numel() == 0:
+        raise ValueError("subnetwork indices are empty; select at least one weight.")
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(
             f"subnetwork indices must be integers; got dtype {t.dtype}. Use a list of ints or "
-            "a LongTensor of packed weight indices."
+            "a LongTensor of packed weight indices (for a boolean mask over the packed weights, "
+            "mask.nonzero().flatten())."
         )
-    t = t.reshape(-1).to(torch.long).cpu()
-    if t.numel() == 0:
-        raise ValueError("subnetwork indices are empty; select at least one weight.")
+    t = t.to(torch.long).cpu()
     if (t < 0).any():
         raise ValueError(
             f"subnetwork indices must be >= 0; got {int(t.min())} (negative indices are not "
@@ -206,7 +210,9 @@ def parse_subnetwork(
     if isinstance(subnetwork, (list, tuple, torch.Tensor)):
         if isinstance(subnetwork, (list, tuple)) and any(isinstance(n, str) for n in subnetwork):
             raise TypeError("subnetwork must be all names or all indices, not a mixture.")
-        if isinstance(subnetwork, (list, tuple)) and any(isinstance(n, float) for n in subnetwork):
+        if isinstance(subnetwork, (list, tuple)) and any(
+            isinstance(n, (float, bool)) for n in subnetwork
+        ):
             raise TypeError(
                 f"subnetwork indices must be integers; got {subnetwork[:5]!r}. Use ints."
             )
