@@ -60,6 +60,35 @@ def test_reliability_data():
     assert top.ece == 0.0
 
 
+def _reference_bin_counts(probs: torch.Tensor, num_bins: int) -> np.ndarray:
+    """Guo et al.'s binning, in the dtype of ``probs``: bin b holds the confidences c with
+    e_b < c <= e_{b+1} (bin 0 also 0), the edges b/B rounded to that dtype."""
+    confidence = probs.max(-1).values
+    edges = torch.tensor([b / num_bins for b in range(num_bins + 1)], dtype=torch.float64)
+    edges = edges.to(probs.dtype)
+    counts = []
+    for b in range(num_bins):
+        lower = confidence >= edges[b] if b == 0 else confidence > edges[b]
+        counts.append(int((lower & (confidence <= edges[b + 1])).sum()))
+    return np.array(counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_bins", [5, 10, 15, 25])
+def test_confidences_on_bin_edges_land_in_the_bin_below_in_every_dtype(dtype, num_bins):
+    # Confidences k/B on every edge, written in the dtype the probabilities come in (0.6 is
+    # 0.6000000238 in float32). Each equals its edge in that dtype, so it belongs to the bin
+    # that ends there (with edges from np.linspace, 14/25 = 0.56 lay above its edge 0.5599…).
+    top = torch.tensor([k / num_bins for k in range(1, num_bins + 1)], dtype=torch.float64)
+    top = top[top >= 0.5]  # a top probability of two classes is at least 1/2
+    probs = torch.stack([top, 1 - top], -1).to(dtype)
+    y = torch.zeros(len(top), dtype=torch.long)
+    counts = metrics.reliability(probs, y, num_bins=num_bins).counts
+    np.testing.assert_array_equal(counts, _reference_bin_counts(probs, num_bins))
+    first = num_bins - len(top)  # the bin that ends at the smallest confidence
+    np.testing.assert_array_equal(counts[first:], np.ones(len(top), dtype=int))
+
+
 def test_metrics_accept_numpy():
     assert metrics.brier(PROBS.numpy(), Y.numpy()) == pytest.approx(metrics.brier(PROBS, Y))
 
