@@ -137,10 +137,9 @@ def fit_temperature(
     :param int max_iter: Newton or bisection steps allowed after bracketing.
     :returns: T as a Python float; ``temperature_scale(logits, T)`` gives the probabilities.
     :raises ValueError: for bad shapes, dtypes, labels, non-finite logits or probabilities
-        passed as logits, and, without a
-        prior, when no finite T minimises the NLL: every label is already a top-scoring class
-        (the NLL keeps falling as T → 0), or the logits do no better than uniform on these
-        labels (it falls as T → ∞).
+        passed as logits, and, without a prior, when no finite T minimises the NLL: every label
+        is already a top-scoring class (the NLL keeps falling as T → 0), or the logits do no
+        better than uniform on these labels (it falls as T → ∞).
 
     Usage::
 
