@@ -90,10 +90,12 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
     """``(k̂, ess)`` of log importance ratios, shape (S,), by ArviZ's PSIS (``az.psislw`` on
     ArviZ 0.x, ``arviz_stats``' on ArviZ ≥ 1, through :mod:`~pyro_bdl.diagnostics.arviz_compat`).
 
-    Ratios that are equal up to rounding (spread below ``rtol`` times their magnitude; default
-    1000 machine epsilons of their dtype) mean the guide *is* the posterior: the generalized
-    Pareto fit is undefined there (ArviZ returns +inf for exactly equal ratios), so k̂ = −inf
-    (a bounded tail) and the ESS is S.
+    Two or more ratios that are equal up to rounding (spread below ``rtol`` times their
+    magnitude; default 1000 machine epsilons of their dtype) mean the guide *is* the posterior
+    where the model has mass: the generalized Pareto fit is undefined there (ArviZ returns +inf
+    for exactly equal ratios), so k̂ = −inf (a bounded tail) and the ESS is the number of those
+    ratios. A single draw is too few to say anything: k̂ = inf, as for any sample too short for
+    the tail fit.
 
     A ratio of −inf is a draw of zero weight (the model gives it zero density) and is allowed;
     when *every* ratio is −inf there is no importance weight to fit, and :class:`ValueError` says
@@ -128,9 +130,9 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
     if rtol is None:
         rtol = 1000 * torch.finfo(t.dtype).eps
     a = t.detach().double().cpu().numpy()
-    finite = a[np.isfinite(a)]
-    if finite.size == a.size and np.ptp(a) <= rtol * max(1.0, float(np.abs(a).max())):
-        return -math.inf, float(a.size)
+    finite = a[np.isfinite(a)]  # draws of zero weight (-inf) leave the others' tail as it is
+    if finite.size > 1 and np.ptp(finite) <= rtol * max(1.0, float(np.abs(finite).max())):
+        return -math.inf, float(finite.size)
     smoothed, khat = arviz_compat.psislw(a)
     w = np.exp(smoothed)
     return float(khat), float(1.0 / np.sum(w**2))

@@ -112,3 +112,20 @@ def test_bad_inputs_raise():
         psis.psis_khat(standard_normal_2d, guide, num_samples=0)
     with pytest.raises(ValueError, match="max_plate_nesting"):
         psis.psis_khat(standard_normal_2d, guide, vectorize=True)
+
+
+def test_one_draw_is_too_few_not_a_perfect_guide():
+    # A single ratio is "constant" but says nothing about the tail: k̂ = inf as for any sample
+    # too short to fit (it read -inf, "good").
+    khat, ess = psis.pareto_khat(torch.tensor([0.3], dtype=torch.float64))
+    assert khat == math.inf and ess == 1.0
+    assert psis.khat_band(khat)[0] == "bad"
+
+
+def test_equal_ratios_beside_zero_weights_are_a_bounded_tail():
+    # Draws of zero weight (log ratio -inf) leave the others' weights equal and bounded: k̂ is
+    # -inf and the ESS counts the draws of positive weight, as without the zero weights (ArviZ
+    # gives inf here, as for exactly equal ratios).
+    ratios = torch.cat([torch.full((10,), -math.inf), torch.full((490,), 2.0)]).double()
+    assert psis.pareto_khat(ratios) == (-math.inf, 490.0)
+    assert psis.pareto_khat(torch.full((490,), 2.0, dtype=torch.float64)) == (-math.inf, 490.0)
