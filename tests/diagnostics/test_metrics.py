@@ -89,6 +89,23 @@ def test_confidences_on_bin_edges_land_in_the_bin_below_in_every_dtype(dtype, nu
     np.testing.assert_array_equal(counts[first:], np.ones(len(top), dtype=int))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_softmax_outputs_in_half_precision_are_probabilities(dtype):
+    # Each entry rounds by at most half an ulp, so a row sums to 1 within about the dtype's
+    # machine epsilon (float16: 9.8e-4, bfloat16: 7.8e-3), far beyond atol = 1e-4: most
+    # batches of these were refused as "not a probability vector".
+    g = torch.Generator().manual_seed(0)
+    for num_classes in (3, 10, 100):
+        logits = 3 * torch.randn(500, num_classes, generator=g)
+        probs = logits.softmax(-1).to(dtype)
+        y = torch.randint(0, num_classes, (500,), generator=g)
+        # Rounding moves each log p by at most ~eps (bfloat16: 7.8e-3) against an NLL above 1.
+        assert metrics.nll(probs, y) == pytest.approx(metrics.nll(logits.softmax(-1), y), rel=0.02)
+    # A row that is off by more than the rounding is still refused.
+    with pytest.raises(ValueError, match=r"row 0 sums to 0\.89"):
+        metrics.check_probs(torch.tensor([[0.45, 0.45]], dtype=dtype))
+
+
 def test_metrics_accept_numpy():
     assert metrics.brier(PROBS.numpy(), Y.numpy()) == pytest.approx(metrics.brier(PROBS, Y))
 
