@@ -77,11 +77,10 @@ def _check_logits(logits, *, rows: bool) -> torch.Tensor:
     )
     num_classes = logits.shape[-1]
     if num_classes >= 2 and bool(((logits >= 0) & (logits <= 1)).all()):
-        # Rows in [0, 1] that sum to 1 (to the rounding of the dtype) are softmax outputs, not
-        # logits: dividing them by T would not temper anything.
+        # Rows in [0, 1] that sum to 1 (within check_probs' tolerance) are softmax outputs,
+        # not logits: dividing them by T would not temper anything.
         sums = logits.detach().double().sum(-1)
-        atol = max(1e-4, num_classes * torch.finfo(logits.dtype).eps)
-        if bool(((sums - 1).abs() <= atol).all()):
+        if bool(((sums - 1).abs() <= 1e-4 + torch.finfo(logits.dtype).eps).all()):
             raise ValueError(
                 f"logits look like probabilities: every row of the {tuple(logits.shape)} "
                 "tensor is non-negative and sums to 1. Pass the network's logits, or "
