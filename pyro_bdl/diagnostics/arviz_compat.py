@@ -42,6 +42,7 @@ __all__ = [
     "is_data",
     "loo",
     "loo_summary",
+    "num_draws",
     "package",
     "plot_forest",
     "plot_khat",
@@ -90,6 +91,11 @@ def group(data, name: str) -> xr.Dataset:
     """Group ``name`` of ``data`` as an ``xarray.Dataset``."""
     node = data[name]
     return node.to_dataset() if isinstance(node, xr.DataTree) else node
+
+
+def num_draws(dataset: xr.Dataset) -> int:
+    """The draws of a group (as from :func:`group`): chains times draws per chain."""
+    return int(dataset.sizes.get("chain", 1) * dataset.sizes.get("draw", 1))
 
 
 def drop_groups(data, names: Iterable[str]):

@@ -227,4 +227,10 @@ def loo(data, *, var_name: str | None = None, pointwise: bool = True):
             "data has no log_likelihood group; export with observed data, e.g. "
             "to_inference_data(model, guide, x, y)."
         )
+    draws = arviz_compat.num_draws(arviz_compat.group(data, "log_likelihood"))
+    if draws < 2:
+        raise ValueError(
+            f"data holds {draws} draw(s); leave-one-out needs at least 2 (PSIS fits the tail of "
+            "many). Export more, e.g. to_inference_data(model, guide, x, y, num_samples=200)."
+        )
     return arviz_compat.loo(data, var_name=var_name, pointwise=pointwise)
