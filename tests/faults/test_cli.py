@@ -100,6 +100,9 @@ REFUSALS = [
     (["--network", "resnet"], "--network", "'resnet'"),
     (["--dataset", "cifar"], "--dataset", "'cifar'"),
     (["--unknown-flag"], "--unknown-flag", "unrecognized"),
+    (["--threads", "0"], "--threads", "'0'"),
+    # Beyond the CPUs (and beyond a C int, which raised from torch.set_num_threads).
+    (["--threads", "99999999999"], "--threads", f"[1, {os.cpu_count()}]"),
 ]
 
 
