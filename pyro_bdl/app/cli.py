@@ -289,10 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--threads",
-        type=_int_option(1, 1),
+        # At most the machine's CPUs: torch takes any count up to 2**31 and then stalls
+        # starting that many threads; a larger one overflowed torch.set_num_threads.
+        type=_int_option(1, 1, os.cpu_count() or 1),
         default=1,
-        help="CPU threads for torch (torch.set_num_threads). One is the default: the networks "
-        "are small, and with torch's own default, runs sharing a machine were 4-11x slower",
+        help="CPU threads for torch (torch.set_num_threads), at most this machine's CPUs. One "
+        "is the default: the networks are small, and with torch's own default, runs sharing a "
+        "machine were 4-11x slower",
     )
     c.add_argument(
         "--ood",

@@ -104,12 +104,27 @@ def load_digits(
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    ndim = raw[3]
-    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    """The array in a gzipped IDX file of unsigned bytes (MNIST's format); a file that is not
+    one, or holds fewer bytes than its header promises, raises ``ValueError`` naming it."""
     import numpy as np
 
+    fix = (
+        "a damaged or partial download leaves such a file: download it again, or pass "
+        "--data-dir a folder with intact files"
+    )
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as err:  # EOFError: a truncated gzip stream
+        raise ValueError(f"{str(path)!r} is not a readable gzip file ({err}); {fix}.") from None
+    ndim = raw[3] if len(raw) >= 4 else 0
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    size = len(raw) - 4 - 4 * ndim
+    if raw[:3] != bytes([0, 0, 8]) or ndim == 0 or size != int(np.prod(dims)):
+        raise ValueError(
+            f"{str(path)!r} is not an IDX file of bytes with the {size} values its header "
+            f"promises (dims {dims}); {fix}."
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "is_data",
     "loo",
     "loo_summary",
+    "num_draws",
     "package",
     "plot_forest",
     "plot_khat",
@@ -92,6 +93,11 @@ def group(data, name: str) -> xr.Dataset:
     return node.to_dataset() if isinstance(node, xr.DataTree) else node
 
 
+def num_draws(dataset: xr.Dataset) -> int:
+    """The draws of a group (as from :func:`group`): chains times draws per chain."""
+    return int(dataset.sizes.get("chain", 1) * dataset.sizes.get("draw", 1))
+
+
 def drop_groups(data, names: Iterable[str]):
     """``data`` without the groups ``names``, in the same kind of container."""
     drop = set(names)
@@ -109,9 +115,7 @@ def read_netcdf(path: str | os.PathLike, *, major: int | None = None):
 
 
 def _psislw_row(row: np.ndarray) -> tuple[np.ndarray, float]:
-    """PSIS of one vector of log ratios on ArviZ ≥ 1."""
-    from arviz_stats.base import array_stats
-
+    """PSIS of one vector of log ratios on ArviZ ≥ 1 (and of one draw on ArviZ 0.x)."""
     n = row.size
     # arviz_stats' tail length at relative efficiency 1; it fits the generalized Pareto to at
     # least 5 tail draws and raises (ValueError or IndexError) on fewer or on a flat tail.
@@ -120,6 +124,8 @@ def _psislw_row(row: np.ndarray) -> tuple[np.ndarray, float]:
     if tail < 5 or np.ptp(np.sort(row)[-tail:]) < np.finfo(np.float64).tiny:
         shifted = row - np.max(row)
         return shifted - np.log(np.sum(np.exp(shifted))), math.inf
+    from arviz_stats.base import array_stats
+
     # arviz_stats smooths the right tail of the *negated* input (it is fed log-likelihoods in
     # LOO, where the ratio is 1 / p(y_i | θ)), so log ratios go in with their sign flipped.
     smoothed, khat = array_stats.psislw(-row)
@@ -138,7 +144,7 @@ def psislw(log_ratios: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # ArviZ warns when k̂ is large or the tail is short (k̂ says both), and its profile
         # likelihood overflows harmlessly to weight 0 for far-off candidate shapes.
         warnings.simplefilter("ignore", UserWarning)
-        if arviz_major() == 0:
+        if arviz_major() == 0 and a.shape[-1] > 1:  # ArviZ 0.x fails on one draw (IndexError)
             smoothed, khat = az.psislw(a, reff=1.0)
             return np.asarray(smoothed), np.asarray(khat, dtype=np.float64)
         rows = a.reshape(-1, a.shape[-1])

@@ -88,6 +88,13 @@ class _Variable:
     array: np.ndarray | None = None
 
 
+def _host(value: torch.Tensor) -> np.ndarray:
+    """``value`` as a NumPy array on the host; NumPy (and netCDF) have no bfloat16, so it
+    becomes float32, which holds every bfloat16 value exactly."""
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+
+
 def _layer_dims(site: Mapping[str, Any], name: str, ndim: int, offset: int) -> list[str]:
     """Readable dims for a lifted layer's weight or bias; ``<site>_dim_i`` otherwise (i counts
     the value's axes, so ``offset`` is the number of batch dims before the event dims)."""
@@ -148,7 +155,7 @@ def _plan(
         shape = tuple(value.shape)
         dims = _site_dims(site, name, shape)
         if _is_observed(site):
-            observed[name] = value.detach().cpu().numpy()
+            observed[name] = _host(value)
             lp_shape = tuple(_pointwise_log_likelihood(site).shape)
             variables.append(
                 _Variable(
@@ -211,7 +218,7 @@ def _flush(variables: list[_Variable], start: int) -> None:
     for v in variables:
         if not v.buffer:
             continue
-        block = torch.stack(v.buffer).detach().cpu().numpy()
+        block = _host(torch.stack(v.buffer))
         assert v.array is not None
         v.array[start : start + len(v.buffer)] = block
         v.buffer.clear()
@@ -241,7 +248,7 @@ def mean_predictive_data(probs: torch.Tensor, y: torch.Tensor):
         {"probs": xr.DataArray(probs_np, dims=dims)},
         attrs={"note": "the method's predictor exposes no model/guide: mean predictive only"},
     )
-    observed = xr.Dataset({"y": xr.DataArray(y.detach().cpu().numpy(), dims=("data",))})
+    observed = xr.Dataset({"y": xr.DataArray(_host(y), dims=("data",))})
     coords = {"data": np.arange(len(y)), "class": np.arange(probs.shape[1])}
     return package(
         {
@@ -310,7 +317,7 @@ def to_inference_data(
                         f"{tuple(value.shape)}); the model must have a static structure."
                     )
                 if v.array is None:
-                    dtype = value.detach().cpu().numpy().dtype
+                    dtype = _host(value).dtype
                     v.array = np.empty((total, *v.shape), dtype=dtype)
                 v.buffer.append(value)
             if (draw + 1) % batch_size == 0 or draw + 1 == total:

@@ -76,9 +76,9 @@ def check_finite_values(name: str, tensor: torch.Tensor, fix: str) -> None:
 
 
 def check_probs(probs, y=None, *, atol: float = 1e-4, name: str = "probs") -> None:
-    """Require ``probs`` of shape (n, C), n ≥ 1, with rows that are probability vectors, and (if
-    given) integer labels ``y`` of shape (n,) in [0, C); errors call the probabilities
-    ``name``."""
+    """Require ``probs`` of shape (n, C), n ≥ 1, with rows that are probability vectors (summing
+    to 1 within ``atol`` plus the machine epsilon of their dtype), and (if given) integer labels
+    ``y`` of shape (n,) in [0, C); errors call the probabilities ``name``."""
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not 0 <= atol < 1:
         raise ValueError(f"atol must be a number in [0, 1); got {atol!r}. Use the default 1e-4.")
     probs = as_tensor(name, probs)
@@ -92,8 +92,12 @@ def check_probs(probs, y=None, *, atol: float = 1e-4, name: str = "probs") -> No
     if not probs.is_floating_point():
         raise TypeError(f"{name} must be floating point; got dtype {probs.dtype}.")
     check_finite_values(name, probs, PREDICTION_FIX)
-    sums = probs.sum(-1)
-    if not torch.allclose(sums, torch.ones_like(sums), atol=atol) or (probs < 0).any():
+    # Each entry of a softmax rounded to the dtype is off by at most half an ulp, so a row's
+    # exact sum is off by about half the machine epsilon: 5e-4 in float16 and 4e-3 in bfloat16,
+    # beyond the default atol. The sum is taken in float64, which adds no rounding of its own.
+    sums = probs.double().sum(-1)
+    tol = atol + torch.finfo(probs.dtype).eps
+    if bool(((sums - 1).abs() > tol).any()) or (probs < 0).any():
         worst = (
             int((sums - 1).abs().argmax())
             if (probs >= 0).all()
@@ -101,7 +105,7 @@ def check_probs(probs, y=None, *, atol: float = 1e-4, name: str = "probs") -> No
         )
         raise ValueError(
             f"each row of {name} must be a probability vector (non-negative, summing to 1 within "
-            f"{atol}); row {worst} sums to {float(sums[worst]):.6g} with minimum "
+            f"{tol:.3g}); row {worst} sums to {float(sums[worst]):.6g} with minimum "
             f"{float(probs[worst].min()):.6g}. Pass softmax(logits), not logits."
         )
     if y is None:
@@ -202,17 +206,28 @@ class Reliability:
         }
 
 
+def _bin_edges(num_bins: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """The edges b/B, b = 0..B, of ``num_bins`` = B equal-width confidence bins, float64, each the
+    float nearest to b/B (``np.linspace`` misses some by one ulp: 14/25 is 0.56, its 0.5599…)."""
+    return torch.arange(num_bins + 1, dtype=torch.float64, device=device) / num_bins
+
+
 def bin_sums(probs, y, *, num_bins: int = 15) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sufficient statistics of :func:`reliability`: per equal-width confidence bin, the
     number of examples, the sum of their confidences (top probabilities) and the number correct,
     as float64 tensors of shape (num_bins,). Sums over disjoint shards add up, so a sharded test
     set is scored by adding them (:func:`pyro_bdl.distributed.sharded_metrics`)."""
     check_positive_int("num_bins", num_bins)
+    dtype = as_tensor("probs", probs).dtype
     probs, y = _checked(probs, y)
     confidence, predicted = probs.max(-1)
     correct = (predicted == y).double()
-    # Right-closed bins (b/B, (b+1)/B]: a confidence of exactly 1 lands in the top bin.
-    index = (torch.ceil(confidence * num_bins).long() - 1).clamp(0, num_bins - 1)
+    # Right-closed bins (e_b, e_{b+1}], with the edges b/B rounded to the dtype of probs: a
+    # confidence equal to an edge in that dtype (0.6 in float32 is 0.6000000238) belongs to the
+    # bin that ends there, whatever the dtype. The bin is the number of inner edges below it, so
+    # a confidence of exactly 1 lands in the top bin.
+    edges = _bin_edges(num_bins, device=probs.device)
+    index = torch.searchsorted(edges[1:-1].to(dtype).double(), confidence)
     counts = torch.bincount(index, minlength=num_bins).double()
     conf_sum = torch.zeros(num_bins, dtype=torch.float64, device=probs.device)
     acc_sum = torch.zeros_like(conf_sum)
@@ -234,9 +249,8 @@ def reliability_from_sums(
     gap = (acc - conf).abs()
     ece_value = float((counts[filled] / counts.sum() * gap[filled]).sum())
     mce_value = float(gap[filled].max())
-    edges = np.linspace(0.0, 1.0, num_bins + 1)
     return Reliability(
-        edges,
+        _bin_edges(num_bins).numpy(),
         counts.long().cpu().numpy(),
         acc.cpu().numpy(),
         conf.cpu().numpy(),

@@ -25,9 +25,15 @@ def _checked(p, y) -> tuple[torch.Tensor, torch.Tensor]:
     if not p.is_floating_point():
         raise TypeError(f"p must hold probabilities P(y = 1) (floating point); got {p.dtype}.")
     if p.shape != y.shape or p.numel() == 0:
+        fix = "Pass one probability P(y = 1) per label."
+        if p.dim() == 2 and p.shape[0] == y.numel() and y.dim() == 1:
+            if p.shape[1] == 2:
+                fix = "For the two columns of class probabilities pass p[:, 1], P(y = 1)."
+            elif p.shape[1] == 1:
+                fix = "Drop the column of size 1: p.squeeze(-1)."
         raise ValueError(
             f"p and y must have the same non-empty shape, (N,) or (N, K); got p "
-            f"{tuple(p.shape)} and y {tuple(y.shape)}."
+            f"{tuple(p.shape)} and y {tuple(y.shape)}. {fix}"
         )
     if not bool(((p >= 0) & (p <= 1)).all()):
         raise ValueError(
@@ -40,10 +46,17 @@ def _checked(p, y) -> tuple[torch.Tensor, torch.Tensor]:
 def binary_nll(p, y, *, eps: float = torch.finfo(torch.float64).eps) -> float:
     """Mean negative log-likelihood :math:`-[y\\log p + (1-y)\\log(1-p)]`, with ``p`` clipped to
     ``[eps, 1 - eps]`` (scikit-learn's ``log_loss``, whose default ``eps`` is float64's machine
-    epsilon)."""
+    epsilon); ``eps`` must lie in (0, 0.5)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 0.5:
+        raise ValueError(
+            f"eps must be a number in (0, 0.5) (p is clipped to [eps, 1 - eps]); got {eps!r}. "
+            "Use the default, float64's machine epsilon."
+        )
     p, y = _checked(p, y)
     p = p.clamp(eps, 1 - eps)
-    return float(-(y * p.log() + (1 - y) * (-p).log1p()).mean())
+    # xlogy: a term of weight 0 is 0 even where 1 - eps rounds to 1 (eps below 1.1e-16), where
+    # y·log p + (1 - y)·log(1 - p) would read 0·log 0 = NaN.
+    return float(-(torch.xlogy(y, p) + torch.xlogy(1 - y, 1 - p)).mean())
 
 
 def binary_brier(p, y) -> float:

@@ -145,7 +145,8 @@ def save_arviz_plots(
 
     - ``<prefix>ppc.png``: posterior predictive against the observed data (``plot_ppc``, or
       ``plot_ppc_dist`` on ArviZ ≥ 1);
-    - ``<prefix>loo-khat.png``: pointwise PSIS-LOO k̂ (``plot_khat`` on :func:`~.psis.loo`);
+    - ``<prefix>loo-khat.png``: pointwise PSIS-LOO k̂ (``plot_khat`` on :func:`~.psis.loo`;
+      left out with fewer than two draws, which leave PSIS nothing to fit);
     - ``<prefix>forest.png``: credible intervals of ``var_names`` (default: the smallest
       posterior variable, to keep the figure readable for networks).
 
@@ -162,10 +163,13 @@ def save_arviz_plots(
     groups = set(arviz_compat.group_names(data))
     if {"posterior_predictive", "observed_data"} <= groups:
         predictive = arviz_compat.group(data, "posterior_predictive")
-        draws = int(predictive.sizes["chain"] * predictive.sizes["draw"])
         path = folder / f"{prefix}ppc.png"
-        written.append(arviz_compat.plot_ppc(data, path, num_samples=min(50, draws)))
-    if "log_likelihood" in groups:
+        num_samples = min(50, arviz_compat.num_draws(predictive))
+        written.append(arviz_compat.plot_ppc(data, path, num_samples=num_samples))
+    log_likelihood = (
+        arviz_compat.group(data, "log_likelihood") if "log_likelihood" in groups else None
+    )
+    if log_likelihood is not None and arviz_compat.num_draws(log_likelihood) > 1:
         result = arviz_compat.loo(data, pointwise=True)
         written.append(arviz_compat.plot_khat(result, folder / f"{prefix}loo-khat.png"))
     if "posterior" in groups:

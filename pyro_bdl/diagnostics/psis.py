@@ -90,10 +90,12 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
     """``(k̂, ess)`` of log importance ratios, shape (S,), by ArviZ's PSIS (``az.psislw`` on
     ArviZ 0.x, ``arviz_stats``' on ArviZ ≥ 1, through :mod:`~pyro_bdl.diagnostics.arviz_compat`).
 
-    Ratios that are equal up to rounding (spread below ``rtol`` times their magnitude; default
-    1000 machine epsilons of their dtype) mean the guide *is* the posterior: the generalized
-    Pareto fit is undefined there (ArviZ returns +inf for exactly equal ratios), so k̂ = −inf
-    (a bounded tail) and the ESS is S.
+    Two or more ratios that are equal up to rounding (spread below ``rtol`` times their
+    magnitude; default 1000 machine epsilons of their dtype) mean the guide *is* the posterior
+    where the model has mass: the generalized Pareto fit is undefined there (ArviZ returns +inf
+    for exactly equal ratios), so k̂ = −inf (a bounded tail) and the ESS is the number of those
+    ratios. A single draw is too few to say anything: k̂ = inf, as for any sample too short for
+    the tail fit.
 
     A ratio of −inf is a draw of zero weight (the model gives it zero density) and is allowed;
     when *every* ratio is −inf there is no importance weight to fit, and :class:`ValueError` says
@@ -128,23 +130,48 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
     if rtol is None:
         rtol = 1000 * torch.finfo(t.dtype).eps
     a = t.detach().double().cpu().numpy()
-    finite = a[np.isfinite(a)]
-    if finite.size == a.size and np.ptp(a) <= rtol * max(1.0, float(np.abs(a).max())):
-        return -math.inf, float(a.size)
+    finite = a[np.isfinite(a)]  # draws of zero weight (-inf) leave the others' tail as it is
+    if finite.size > 1 and np.ptp(finite) <= rtol * max(1.0, float(np.abs(finite).max())):
+        return -math.inf, float(finite.size)
     smoothed, khat = arviz_compat.psislw(a)
     w = np.exp(smoothed)
     return float(khat), float(1.0 / np.sum(w**2))
 
 
-def _sequential_log_ratios(model, guide, num_samples, args, kwargs) -> torch.Tensor:
+def _sampled(guide_trace) -> list[dict]:
+    """The sites a guide draws (its sample sites that are not observed)."""
+    return [s for s in guide_trace.nodes.values() if s["type"] == "sample" and not s["is_observed"]]
+
+
+def _particles_differ(guide_trace, max_plate_nesting: int) -> bool:
+    """Whether the particles of a vectorized guide trace hold different values somewhere (the
+    particle plate is the dim left of the model's ``max_plate_nesting`` plates)."""
+    for site in _sampled(guide_trace):
+        value = site["value"]
+        dim = value.dim() - site["fn"].event_dim - max_plate_nesting - 1
+        if dim >= 0 and value.shape[dim] > 1:
+            if not bool((value == value.narrow(dim, 0, 1)).all()):
+                return True
+    return False
+
+
+def _sequential_log_ratios(model, guide, num_samples, args, kwargs) -> tuple[torch.Tensor, bool]:
+    """The log ratios of ``num_samples`` draws, and whether any two draws differ."""
     out = torch.empty(num_samples, dtype=torch.float64)
+    first: list[torch.Tensor] = []
+    differ = False
     for s in range(num_samples):
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(
             *args, **kwargs
         )
         out[s] = float(model_trace.log_prob_sum() - guide_trace.log_prob_sum())
-    return out
+        values = [site["value"] for site in _sampled(guide_trace)]
+        if s == 0:
+            first = values
+        elif not differ:
+            differ = any(not torch.equal(a, b) for a, b in zip(first, values))
+    return out, differ
 
 
 def psis_khat(
@@ -169,6 +196,7 @@ def psis_khat(
         leading particle dim — networks generally do not, so the default draws one at a time.
     :param int max_plate_nesting: needed with ``vectorize=True``.
     :param int batch_size: particles per vectorized pass.
+    :raises ValueError: when every draw is the same θ (a point-mass guide has no density).
     """
     check_positive_int("num_samples", num_samples)
     check_positive_int("batch_size", batch_size)
@@ -184,10 +212,11 @@ def psis_khat(
                 f"plates in the model); got {max_plate_nesting!r}."
             )
         chunks = []
+        differ = False
         with torch.no_grad():
             for start in range(0, num_samples, batch_size):
                 n = min(batch_size, num_samples - start)
-                lw, _, _ = vectorized_importance_weights(
+                lw, _, guide_trace = vectorized_importance_weights(
                     model,
                     guide,
                     *args,
@@ -197,10 +226,19 @@ def psis_khat(
                     **kwargs,
                 )
                 chunks.append(lw.detach().double().reshape(-1).cpu())
+                differ = differ or _particles_differ(guide_trace, max_plate_nesting)
         log_ratios = torch.cat(chunks)
     else:
         with torch.no_grad():
-            log_ratios = _sequential_log_ratios(model, guide, num_samples, args, kwargs)
+            log_ratios, differ = _sequential_log_ratios(model, guide, num_samples, args, kwargs)
+    if num_samples > 1 and not differ:
+        # Equal draws give equal ratios, which pareto_khat reads as a perfect guide (k̂ = -inf).
+        raise ValueError(
+            f"all {num_samples} guide draws are the same θ: the guide is a point mass (AutoDelta, "
+            "a MAP, or AutoSWAG outside its sampling mode), which has no density, so importance "
+            "ratios and k̂ say nothing about it. Diagnose a guide with a spread; for AutoSWAG "
+            "call psis_khat inside `with guide.sampling():`."
+        )
     khat, ess = pareto_khat(log_ratios)
     band, meaning = khat_band(khat)
     return PsisResult(khat, band, meaning, log_ratios, ess)
@@ -224,5 +262,11 @@ def loo(data, *, var_name: str | None = None, pointwise: bool = True):
         raise ValueError(
             "data has no log_likelihood group; export with observed data, e.g. "
             "to_inference_data(model, guide, x, y)."
+        )
+    draws = arviz_compat.num_draws(arviz_compat.group(data, "log_likelihood"))
+    if draws < 2:
+        raise ValueError(
+            f"data holds {draws} draw(s); leave-one-out needs at least 2 (PSIS fits the tail of "
+            "many). Export more, e.g. to_inference_data(model, guide, x, y, num_samples=200)."
         )
     return arviz_compat.loo(data, var_name=var_name, pointwise=pointwise)

@@ -75,6 +75,17 @@ def _check_logits(logits, *, rows: bool) -> torch.Tensor:
         "The network produced them (its training diverged); check it (e.g. a smaller "
         "learning rate) before fitting a temperature.",
     )
+    num_classes = logits.shape[-1]
+    if num_classes >= 2 and bool(((logits >= 0) & (logits <= 1)).all()):
+        # Rows in [0, 1] that sum to 1 (within check_probs' tolerance) are softmax outputs,
+        # not logits: dividing them by T would not temper anything.
+        sums = logits.detach().double().sum(-1)
+        if bool(((sums - 1).abs() <= 1e-4 + torch.finfo(logits.dtype).eps).all()):
+            raise ValueError(
+                f"logits look like probabilities: every row of the {tuple(logits.shape)} "
+                "tensor is non-negative and sums to 1. Pass the network's logits, or "
+                "probs.log() (the same softmax at every temperature)."
+            )
     return logits
 
 
@@ -124,10 +135,10 @@ def fit_temperature(
     :param float tol: stop once the step (or the bracket) in log T is at most this.
     :param int max_iter: Newton or bisection steps allowed after bracketing.
     :returns: T as a Python float; ``temperature_scale(logits, T)`` gives the probabilities.
-    :raises ValueError: for bad shapes, dtypes, labels or non-finite logits, and, without a
-        prior, when no finite T minimises the NLL: every label is already a top-scoring class
-        (the NLL keeps falling as T → 0), or the logits do no better than uniform on these
-        labels (it falls as T → ∞).
+    :raises ValueError: for bad shapes, dtypes, labels, non-finite logits or probabilities
+        passed as logits, and, without a prior, when no finite T minimises the NLL: every label
+        is already a top-scoring class (the NLL keeps falling as T → 0), or the logits do no
+        better than uniform on these labels (it falls as T → ∞).
 
     Usage::
 
@@ -260,4 +271,9 @@ def temperature_scale(logits, temperature: float) -> torch.Tensor:
     """
     check_positive("temperature", temperature, fix="Pass T > 0, e.g. from fit_temperature.")
     logits = _check_logits(logits, rows=False)
-    return torch.softmax(logits / float(temperature), dim=-1)
+    # Each row shifted by its maximum (softmax does not change) is at most 0, so dividing by a
+    # small T cannot overflow to inf (softmax(inf) is NaN); float16 and bfloat16 are computed
+    # in float32 and rounded once at the end.
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    z = z - z.max(-1, keepdim=True).values
+    return torch.softmax(z / float(temperature), dim=-1).to(logits.dtype)

@@ -123,7 +123,9 @@ def test_tune_records_the_rate_each_method_used(tmp_path, capsys, monkeypatch):
     assert payload["config"]["lr"] == "per method (see each result's lr)"
 
 
-@pytest.mark.parametrize("argv, threads", [([], 1), (["--threads", "3"], 3)])
+@pytest.mark.parametrize(
+    "argv, threads", [([], 1), (["--threads", str(os.cpu_count())], os.cpu_count())]
+)
 def test_threads_are_chosen(tmp_path, capsys, monkeypatch, argv, threads):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)

@@ -90,7 +90,9 @@ def test_psislw_shapes_sign_and_tail_shape():
 
 
 @pytest.mark.parametrize(
-    "row", [np.full(40, 2.5), np.linspace(-1.0, 1.0, 10)], ids=["flat", "too-few-draws"]
+    "row",
+    [np.full(40, 2.5), np.linspace(-1.0, 1.0, 10), np.array([0.3])],
+    ids=["flat", "too-few-draws", "one-draw"],  # one draw: ArviZ 0.x raised IndexError
 )
 def test_psislw_degenerate_rows_give_inf_and_plain_weights(row):
     """No generalized Pareto fit is possible: k̂ = inf and the normalized, unsmoothed weights (ArviZ

@@ -265,3 +265,28 @@ def test_scalar_latent_deterministic_and_multivariate_observation():
     noise = torch.as_tensor(post["noise"].values[0]).reshape(4, 1, 1)
     hand = dist.Normal(x @ w, noise).log_prob(y).sum(-1)  # (draws, n): Σ over the 3 outputs
     np.testing.assert_allclose(data.log_likelihood["y"].values[0], hand.numpy(), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_sites_export_and_round_trip(tmp_path, dtype):
+    """NumPy has no bfloat16 (torch's .numpy() raised TypeError): such sites are stored as
+    float32, which holds every bfloat16 exactly; float16 stays float16."""
+
+    def model(y=None):
+        loc = pyro.sample("loc", dist.Normal(torch.zeros(2, dtype=dtype), 1.0).to_event(1))
+        with pyro.plate("data", 5):
+            pyro.sample("y", dist.Normal(loc, torch.tensor(1.0, dtype=dtype)).to_event(1), obs=y)
+
+    def guide(y=None):
+        pyro.sample("loc", dist.Normal(torch.full((2,), 0.5, dtype=dtype), 0.25).to_event(1))
+
+    y = torch.randn(5, 2, generator=torch.Generator().manual_seed(0)).to(dtype)
+    pyro.set_rng_seed(0)
+    data = export.to_inference_data(model, guide, y, num_samples=3)
+    stored = np.float32 if dtype == torch.bfloat16 else np.float16
+    assert data.posterior["loc"].dtype == stored and data.observed_data["y"].dtype == stored
+    np.testing.assert_array_equal(data.observed_data["y"].values, y.float().numpy())
+    path = export.save_inference_data(data, tmp_path / "half.nc")
+    loaded = export.load_inference_data(path)
+    for name in export.GROUPS:
+        xr.testing.assert_identical(group(loaded, name), group(data, name))

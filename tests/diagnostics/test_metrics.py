@@ -60,6 +60,52 @@ def test_reliability_data():
     assert top.ece == 0.0
 
 
+def _reference_bin_counts(probs: torch.Tensor, num_bins: int) -> np.ndarray:
+    """Guo et al.'s binning, in the dtype of ``probs``: bin b holds the confidences c with
+    e_b < c <= e_{b+1} (bin 0 also 0), the edges b/B rounded to that dtype."""
+    confidence = probs.max(-1).values
+    edges = torch.tensor([b / num_bins for b in range(num_bins + 1)], dtype=torch.float64)
+    edges = edges.to(probs.dtype)
+    counts = []
+    for b in range(num_bins):
+        lower = confidence >= edges[b] if b == 0 else confidence > edges[b]
+        counts.append(int((lower & (confidence <= edges[b + 1])).sum()))
+    return np.array(counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_bins", [5, 10, 15, 25])
+def test_confidences_on_bin_edges_land_in_the_bin_below_in_every_dtype(dtype, num_bins):
+    # Confidences k/B on every edge, written in the dtype the probabilities come in (0.6 is
+    # 0.6000000238 in float32). Each equals its edge in that dtype, so it belongs to the bin
+    # that ends there (with edges from np.linspace, 14/25 = 0.56 lay above its edge 0.5599…).
+    top = torch.tensor([k / num_bins for k in range(1, num_bins + 1)], dtype=torch.float64)
+    top = top[top >= 0.5]  # a top probability of two classes is at least 1/2
+    probs = torch.stack([top, 1 - top], -1).to(dtype)
+    y = torch.zeros(len(top), dtype=torch.long)
+    counts = metrics.reliability(probs, y, num_bins=num_bins).counts
+    np.testing.assert_array_equal(counts, _reference_bin_counts(probs, num_bins))
+    first = num_bins - len(top)  # the bin that ends at the smallest confidence
+    np.testing.assert_array_equal(counts[first:], np.ones(len(top), dtype=int))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_softmax_outputs_in_half_precision_are_probabilities(dtype):
+    # Each entry rounds by at most half an ulp, so a row sums to 1 within about the dtype's
+    # machine epsilon (float16: 9.8e-4, bfloat16: 7.8e-3), far beyond atol = 1e-4: most
+    # batches of these were refused as "not a probability vector".
+    g = torch.Generator().manual_seed(0)
+    for num_classes in (3, 10, 100):
+        logits = 3 * torch.randn(500, num_classes, generator=g)
+        probs = logits.softmax(-1).to(dtype)
+        y = torch.randint(0, num_classes, (500,), generator=g)
+        # Rounding moves each log p by at most ~eps (bfloat16: 7.8e-3) against an NLL above 1.
+        assert metrics.nll(probs, y) == pytest.approx(metrics.nll(logits.softmax(-1), y), rel=0.02)
+    # A row that is off by more than the rounding is still refused.
+    with pytest.raises(ValueError, match=r"row 0 sums to 0\.89"):
+        metrics.check_probs(torch.tensor([[0.45, 0.45]], dtype=dtype))
+
+
 def test_metrics_accept_numpy():
     assert metrics.brier(PROBS.numpy(), Y.numpy()) == pytest.approx(metrics.brier(PROBS, Y))
 

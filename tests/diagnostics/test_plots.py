@@ -42,3 +42,14 @@ def test_arviz_plots_on_exported_data(tmp_path, guide_cls):
         assert p.read_bytes()[:8] == PNG
     with pytest.raises(TypeError, match="InferenceData"):
         plots.save_arviz_plots({"posterior": None}, tmp_path)
+
+
+def test_arviz_plots_of_one_draw_leave_out_the_loo_plot(tmp_path):
+    # One draw leaves nothing for PSIS-LOO to fit (ArviZ 0.x raised IndexError, and every plot
+    # was lost); the other plots still come.
+    model, x, y = tiny_classifier()
+    guide = AutoNormal(model)
+    guide(x, y)
+    data = export.to_inference_data(model, guide, x, y, num_samples=1)
+    paths = plots.save_arviz_plots(data, tmp_path, prefix="m-")
+    assert [p.name for p in paths] == ["m-ppc.png", "m-forest.png"]

@@ -112,3 +112,38 @@ def test_bad_inputs_raise():
         psis.psis_khat(standard_normal_2d, guide, num_samples=0)
     with pytest.raises(ValueError, match="max_plate_nesting"):
         psis.psis_khat(standard_normal_2d, guide, vectorize=True)
+
+
+def test_one_draw_is_too_few_not_a_perfect_guide():
+    # A single ratio is "constant" but says nothing about the tail: k̂ = inf as for any sample
+    # too short to fit (it read -inf, "good").
+    khat, ess = psis.pareto_khat(torch.tensor([0.3], dtype=torch.float64))
+    assert khat == math.inf and ess == 1.0
+    assert psis.khat_band(khat)[0] == "bad"
+
+
+def test_equal_ratios_beside_zero_weights_are_a_bounded_tail():
+    # Draws of zero weight (log ratio -inf) leave the others' weights equal and bounded: k̂ is
+    # -inf and the ESS counts the draws of positive weight, as without the zero weights (ArviZ
+    # gives inf here, as for exactly equal ratios).
+    ratios = torch.cat([torch.full((10,), -math.inf), torch.full((490,), 2.0)]).double()
+    assert psis.pareto_khat(ratios) == (-math.inf, 490.0)
+    assert psis.pareto_khat(torch.full((490,), 2.0, dtype=torch.float64)) == (-math.inf, 490.0)
+
+
+def point_guide_2d():
+    pyro.sample("z", dist.Delta(torch.full((2,), 0.3, dtype=torch.float64)).to_event(1))
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_point_mass_guide_is_refused_not_called_good(vectorize):
+    # Every draw is the same θ, so every ratio is the same and k̂ read -inf, "good: the guide is
+    # close to the posterior", for a MAP (AutoDelta, or AutoSWAG outside its sampling mode).
+    with pytest.raises(ValueError, match=r"all 20 guide draws are the same.*point mass"):
+        psis.psis_khat(
+            standard_normal_2d,
+            point_guide_2d,
+            num_samples=20,
+            vectorize=vectorize,
+            max_plate_nesting=0,
+        )

@@ -210,3 +210,26 @@ def test_temperature_scale_refuses_bad_logits():
         temperature_scale(torch.tensor([1.0, float("inf")]), 1.0)
     with pytest.raises(TypeError, match="floating point"):
         temperature_scale(np.arange(3), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_temperature_scale_of_large_logits_in_a_narrow_dtype_is_finite(dtype):
+    # 300 / 0.01 = 30000 and 3e4 / 1e-36 overflow float16 and float32: softmax(inf) was NaN.
+    logits = torch.tensor([[300.0, 0.0, -100.0], [3e4, 2e4, 1e4]]).to(dtype)
+    for temperature in (0.01, 1e-36):
+        probs = temperature_scale(logits, temperature)
+        assert probs.dtype == dtype
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 3).to(dtype))
+
+
+def test_probabilities_passed_as_logits_are_refused():
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(40, 4, generator=g, dtype=torch.float64)
+    y = torch.multinomial(z.softmax(-1), 1, generator=g).squeeze(-1)
+    for probs in (z.softmax(-1), z.softmax(-1).float(), z.softmax(-1).bfloat16()):
+        with pytest.raises(ValueError, match=r"look like probabilities.*probs\.log\(\)"):
+            fit_temperature(probs, y)
+        with pytest.raises(ValueError, match=r"look like probabilities.*probs\.log\(\)"):
+            temperature_scale(probs, 2.0)
+    # The fix it proposes gives the temperature of the logits: log p differs by a row constant.
+    assert_close(fit_temperature(z.softmax(-1).log(), y), fit_temperature(z, y), rtol=1e-9)

@@ -26,10 +26,12 @@ from pyro_bdl.app.cli import main
 from pyro_bdl.app.compare import METHODS, evaluate
 from pyro_bdl.app.compare.evaluate import run, write_text_atomic
 from pyro_bdl.app.compare.problem import train_loop
+from pyro_bdl.app.data import MNIST_FILES
 from tests.faults.common import assert_same, rng_states
 
 # sklearn is imported above, not first by `--dataset digits` inside a test: importing it draws
 # from Python's global RNG, which the refusal tests check a refused command leaves alone.
+MNIST_IMAGES, MNIST_LABELS = MNIST_FILES
 FAST = ["--epochs", "1", "--batch-size", "512", "--num-samples", "2", "--no-progress"]
 
 
@@ -100,6 +102,9 @@ REFUSALS = [
     (["--network", "resnet"], "--network", "'resnet'"),
     (["--dataset", "cifar"], "--dataset", "'cifar'"),
     (["--unknown-flag"], "--unknown-flag", "unrecognized"),
+    (["--threads", "0"], "--threads", "'0'"),
+    # Beyond the CPUs (and beyond a C int, which raised from torch.set_num_threads).
+    (["--threads", "99999999999"], "--threads", f"[1, {os.cpu_count()}]"),
 ]
 
 
@@ -397,3 +402,34 @@ def test_interrupted_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def _idx(array) -> bytes:
+    """An IDX file (MNIST's format): zero, zero, the type 8 (unsigned byte), the number of
+    dims, each dim as 4 big-endian bytes, then the bytes."""
+    head = bytes([0, 0, 8, array.ndim])
+    return head + b"".join(int(d).to_bytes(4, "big") for d in array.shape) + array.tobytes()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "short", "not-gzip"])
+def test_damaged_mnist_file_is_one_line_naming_it(tmp_path, capsys, no_training, damage):
+    """A damaged download escaped as a traceback (EOFError from gzip is not an OSError)."""
+    import gzip
+
+    import numpy as np
+
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    images = gzip.compress(_idx(np.zeros((10, 28, 28), dtype=np.uint8)))
+    if damage == "truncated":  # the download stopped half-way
+        images = images[: len(images) // 2]
+    elif damage == "short":  # a whole gzip whose header promises more images than it holds
+        images = gzip.compress(_idx(np.zeros((10, 28, 28), dtype=np.uint8))[:-28])
+    else:
+        images = b"<html>not found</html>"
+    (folder / MNIST_IMAGES).write_bytes(images)
+    (folder / MNIST_LABELS).write_bytes(gzip.compress(_idx(np.arange(10, dtype=np.uint8))))
+    argv = ["compare", *FAST, "--output", str(tmp_path / "out"), "--dataset", "mnist"]
+    rc = main([*argv, "--data-dir", str(folder)])
+    _check_refusal(capsys, rc, "--dataset", str(folder / MNIST_IMAGES))
+    assert not (tmp_path / "out").exists()

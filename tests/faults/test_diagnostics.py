@@ -272,6 +272,14 @@ def test_loo_without_log_likelihood_names_the_fix():
         psis.loo(data)
 
 
+def test_loo_of_one_draw_names_the_fix():
+    # One draw leaves nothing to leave out: ArviZ 0.x raised IndexError from inside its PSIS.
+    log_likelihood = xr.Dataset({"y": (("chain", "draw", "data"), np.zeros((1, 1, 4)))})
+    data = arviz_compat.package({"log_likelihood": log_likelihood})
+    with pytest.raises(ValueError, match=r"1 draw\(s\).*at least 2.*num_samples"):
+        psis.loo(data)
+
+
 # ----- the ArviZ export and the plots -----------------------------------------------------------
 
 
