@@ -48,7 +48,7 @@ from pyro_bdl.app.data import Dataset, load_digits, load_mnist
 from pyro_bdl.curvature import subnet_jacobian
 from pyro_bdl.guides import AutoSubnetLaplace
 from pyro_bdl.guides.laplace.model import eval_mode, forward_fn, leaf_slots
-from pyro_bdl.guides.laplace.posterior import linearized_predictive
+from pyro_bdl.guides.laplace.predictive import linearized_predictive
 
 MC_DRAWS = 10_000
 MC_CHUNK = 1_000

@@ -87,7 +87,7 @@ def rotated(x: torch.Tensor, angle: float) -> torch.Tensor:
 def _probit(f: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """Probit predictive from MAP logits (n, C) and pairwise-difference variances (n, L):
     (L, n, C) probabilities, as in
-    :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`."""
+    :func:`~pyro_bdl.guides.laplace.predictive.linearized_predictive`."""
     kappa = (1 + math.pi / 8 * var.T).rsqrt().unsqueeze(-1)
     return (f.double().unsqueeze(0) * kappa).softmax(-1)
 

@@ -250,7 +250,7 @@ def test_multilabel_val_ll_score_is_the_log_likelihood_of_the_probit_predictive(
     # predict() returns: each label's logit scaled by its own variance (summing the variances
     # over the labels scores a different predictive). Checked exactly on random inputs.
     from pyro_bdl.guides.laplace.evidence import val_ll_score
-    from pyro_bdl.guides.laplace.posterior import linearized_predictive
+    from pyro_bdl.guides.laplace.predictive import linearized_predictive
 
     g = torch.Generator().manual_seed(0)
     b, c, s = 7, 3, 5

@@ -13,12 +13,8 @@ from pyro_bdl.curvature.ggn import diagonal_ggn, output_hessian_factor, subnet_g
 from pyro_bdl.curvature.jacobian import ParamSlot, subnet_jacobian
 from pyro_bdl.curvature.memory import TensorMemoryTracker, jacobian_row_bytes
 from pyro_bdl.guides.laplace.evidence import evidence, tune_grid
-from pyro_bdl.guides.laplace.posterior import (
-    DiagPosterior,
-    RoundOffWarning,
-    cholesky_jitter,
-    linearized_predictive,
-)
+from pyro_bdl.guides.laplace.posterior import DiagPosterior, RoundOffWarning, cholesky_jitter
+from pyro_bdl.guides.laplace.predictive import linearized_predictive
 from tests.common import assert_close
 
 

@@ -17,7 +17,7 @@ import pyro_bdl as bdl
 from pyro_bdl.curvature.ggn import output_hessian_factor
 from pyro_bdl.guides import AutoSubnetLaplace
 from pyro_bdl.guides.laplace.model import Observation, residual
-from pyro_bdl.guides.laplace.posterior import linearized_predictive
+from pyro_bdl.guides.laplace.predictive import linearized_predictive
 from pyro_bdl.models import mean_log_variance
 from tests.common import assert_close
 

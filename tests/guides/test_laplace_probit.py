@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pyro_bdl.guides.laplace.evidence import val_ll_score
-from pyro_bdl.guides.laplace.posterior import laplace_bridge, linearized_predictive, probit_logits
+from pyro_bdl.guides.laplace.predictive import laplace_bridge, linearized_predictive, probit_logits
 from tests.common import assert_close
 from tests.guides.test_laplace import _trained
 

@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft")
 import pyro_bdl as bdl  # noqa: E402
 from pyro_bdl.curvature.jacobian import ParamSlot, fast_kind, subnet_jacobian  # noqa: E402
 from pyro_bdl.guides.laplace.model import forward_at, leaf_slots  # noqa: E402
-from pyro_bdl.guides.laplace.posterior import logit_difference  # noqa: E402
+from pyro_bdl.guides.laplace.predictive import logit_difference  # noqa: E402
 
 VOCAB, ROWS, LENGTH, BATCH = 50, 6, 7, 4
 F64 = torch.float64

@@ -50,9 +50,9 @@ from collections.abc import Callable, Iterable
 import pyro.distributions as dist
 import torch
 
-from pyro_bdl._validation import check_positive
+from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.curvature.ggn import Split, mean_and_log_variance
-from pyro_bdl.guides.laplace.posterior import (
+from pyro_bdl.guides.laplace.predictive import (
     output_variance,
     predictive_log_likelihood,
     standard_draws,
@@ -71,6 +71,7 @@ __all__ = [
     "optimize_marglik",
     "structure_val_ll_score",
     "tune_grid",
+    "tuning_search",
     "val_ll_score",
 ]
 
@@ -78,6 +79,57 @@ __all__ = [
 PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
 #: How ``tune_prior_precision`` searches.
 SEARCHES = ("gradient", "grid")
+
+
+def tuning_search(
+    method: str,
+    search: str | None,
+    *,
+    grid,
+    data,
+    prior_structure: str,
+    tune_noise: bool,
+    max_iter: int,
+    likelihood: str,
+    hessian_structure: str,
+) -> str:
+    """The search a guide's ``tune_prior_precision`` runs for these arguments (``"grid"`` when
+    ``search`` is ``None`` and a grid or ``method="val_ll"`` asks for one, else
+    ``"gradient"``), after refusing the combinations it cannot run; ``likelihood`` and
+    ``hessian_structure`` are the fitted guide's."""
+    check_choice("method", method, ("marglik", "val_ll"))
+    search = search or ("grid" if grid is not None or method == "val_ll" else "gradient")
+    check_choice("search", search, SEARCHES)
+    check_choice("prior_structure", prior_structure, PRIOR_STRUCTURES)
+    check_positive_int("max_iter", max_iter)
+    if method == "val_ll" and data is None:
+        raise ValueError("method='val_ll' needs validation data (x, y); pass data=.")
+    if search == "gradient" and method != "marglik":
+        raise ValueError(
+            "search='gradient' optimises the marginal likelihood; use "
+            "method='marglik', or search='grid' for method='val_ll'."
+        )
+    if search == "grid" and (prior_structure != "scalar" or tune_noise):
+        raise ValueError(
+            "search='grid' tunes one prior precision; use search='gradient' for "
+            f"prior_structure={prior_structure!r} or tune_noise=True."
+        )
+    if tune_noise and likelihood != "gaussian":
+        raise ValueError(
+            "tune_noise=True needs a Gaussian likelihood with one σ; this model's is "
+            f"{likelihood!r}"
+            + (
+                ", whose σ(x) comes from the network (its posterior covers it); drop tune_noise."
+                if likelihood == "heteroscedastic"
+                else "."
+            )
+        )
+    if prior_structure == "diagonal" and hessian_structure == "kron":
+        raise ValueError(
+            "prior_structure='diagonal' cannot be added exactly to Kronecker factors; use "
+            "'scalar' or 'layerwise', or hessian_structure='diag' or 'full'."
+        )
+    return search
 
 
 def fit_statistics(

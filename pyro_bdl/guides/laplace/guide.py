@@ -41,8 +41,6 @@ from pyro_bdl.curvature.memory import check_memory
 from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
 from pyro_bdl.guides.laplace.evidence import (
-    PRIOR_STRUCTURES,
-    SEARCHES,
     default_grid,
     eigenbasis,
     evidence,
@@ -51,6 +49,7 @@ from pyro_bdl.guides.laplace.evidence import (
     optimize_marglik,
     structure_val_ll_score,
     tune_grid,
+    tuning_search,
     val_ll_score,
 )
 from pyro_bdl.guides.laplace.model import (
@@ -72,7 +71,6 @@ from pyro_bdl.guides.laplace.model import (
 )
 from pyro_bdl.guides.laplace.padding import ByLength
 from pyro_bdl.guides.laplace.posterior import (
-    LINKS,
     DiagPosterior,
     FullPosterior,
     KronPosterior,
@@ -80,10 +78,13 @@ from pyro_bdl.guides.laplace.posterior import (
     SubnetNormal,
     accumulation_dtype,
     check_blockwise,
+    posterior_factor,
+)
+from pyro_bdl.guides.laplace.predictive import (
+    LINKS,
     heteroscedastic_mixture,
     jacobian_transform,
     output_variance,
-    posterior_factor,
     predictive,
     standard_draws,
 )
@@ -552,7 +553,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         ``link``: ``"probit"`` (per logit; for two classes the binary probit of the logit
         difference :math:`f_1 - f_0`, which needs one backward pass a batch rather than two),
         ``"bridge"`` (Laplace bridge) or ``"mc"`` (``num_samples`` draws from ``generator``):
-        :func:`~pyro_bdl.guides.laplace.posterior.linearized_predictive`.
+        :func:`~pyro_bdl.guides.laplace.predictive.linearized_predictive`.
 
         :param x: inputs, the model's first argument: a tensor or a dict of tensors.
         """
@@ -692,40 +693,18 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         :param data: validation ``(x, y)`` (or a DataLoader) for ``method="val_ll"``.
         :param str method: ``"marglik"`` or ``"val_ll"`` (probit predictive log-likelihood).
         """
-        check_choice("method", method, ("marglik", "val_ll"))
-        search = search or ("grid" if grid is not None or method == "val_ll" else "gradient")
-        check_choice("search", search, SEARCHES)
-        check_choice("prior_structure", prior_structure, PRIOR_STRUCTURES)
-        check_positive_int("max_iter", max_iter)
         self._check_fitted("tune_prior_precision")
-        if method == "val_ll" and data is None:
-            raise ValueError("method='val_ll' needs validation data (x, y); pass data=.")
-        if search == "gradient" and method != "marglik":
-            raise ValueError(
-                "search='gradient' optimises the marginal likelihood; use "
-                "method='marglik', or search='grid' for method='val_ll'."
-            )
-        if search == "grid" and (prior_structure != "scalar" or tune_noise):
-            raise ValueError(
-                "search='grid' tunes one prior precision; use search='gradient' for "
-                f"prior_structure={prior_structure!r} or tune_noise=True."
-            )
-        if tune_noise and self._likelihood != "gaussian":
-            raise ValueError(
-                "tune_noise=True needs a Gaussian likelihood with one σ; this model's is "
-                f"{self._likelihood!r}"
-                + (
-                    ", whose σ(x) comes from the network (its posterior covers it); drop "
-                    "tune_noise."
-                    if self._likelihood == "heteroscedastic"
-                    else "."
-                )
-            )
-        if prior_structure == "diagonal" and self.hessian_structure == "kron":
-            raise ValueError(
-                "prior_structure='diagonal' cannot be added exactly to Kronecker factors; use "
-                "'scalar' or 'layerwise', or hessian_structure='diag' or 'full'."
-            )
+        search = tuning_search(
+            method,
+            search,
+            grid=grid,
+            data=data,
+            prior_structure=prior_structure,
+            tune_noise=tune_noise,
+            max_iter=max_iter,
+            likelihood=self._likelihood,
+            hessian_structure=self.hessian_structure,
+        )
         if search == "gradient":
             return self._tune_gradient(prior_structure, tune_noise, max_iter)
         return self._tune_grid(data, method, grid, refine)
