@@ -13,10 +13,13 @@ from pyro_bdl._validation import check_finite
 
 __all__ = [
     "as_float",
+    "betas_ok",
     "check_hyperparameters",
     "check_inputs",
     "check_loss",
     "check_range",
+    "check_real",
+    "lr_ok",
 ]
 
 
@@ -35,22 +38,43 @@ def as_float(value: object) -> float | None:
     return None
 
 
+def check_real(name: str, value: object) -> float:
+    """``value`` as a float; a ``TypeError`` naming ``name`` if it is not a real number (``None``,
+    a string, a bool), before the range checks, whose messages assume a number."""
+    number = as_float(value)
+    if number is None:
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}.")
+    return number
+
+
+def lr_ok(lr: object) -> bool:
+    """Whether the update can use the learning rate ``lr``: a finite number >= 0 (a schedule may
+    end at 0), a one-element tensor included, as torch.optim takes it."""
+    number = as_float(lr)
+    return number is not None and math.isfinite(number) and number >= 0
+
+
+def betas_ok(betas: object) -> bool:
+    """Whether the update can use ``betas``: a pair of numbers (or one-element tensors) in
+    [0, 1)."""
+    pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
+    return len(pair) == 2 and all(b is not None and 0.0 <= b < 1.0 for b in pair)
+
+
 def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: str) -> None:
     """Refuse a learning rate or betas in ``optimizer.param_groups[0]`` that the update cannot
     use (set there by a scheduler or by hand): lr must be finite and >= 0 (a schedule may end at
     0), each beta in [0, 1)."""
     group = optimizer.param_groups[0]
     where = f"{method} step {step}: {method.lower()}.optimizer.param_groups[0]"
-    lr = as_float(group.get("lr"))
-    if lr is None or not math.isfinite(lr) or lr < 0:
+    if not lr_ok(group.get("lr")):
         raise ValueError(
             f"{where}['lr'] must be a finite number >= 0; got {group.get('lr')!r}. A "
             "learning-rate scheduler or an assignment set it; nothing was updated. Set a finite "
             f"lr, for example {method.lower()}.optimizer.param_groups[0]['lr'] = 1e-3."
         )
     betas = group.get("betas")
-    pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
-    if len(pair) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in pair):
+    if not betas_ok(betas):
         raise ValueError(
             f"{where}['betas'] must be a pair (beta1, beta2), each in [0, 1); got {betas!r}. "
             "Nothing was updated; set for example (0.9, 0.999)."

@@ -48,6 +48,7 @@ from pyro_bdl.infer.natural_gradient.checks import (
     check_hyperparameters,
     check_inputs,
     check_loss,
+    check_real,
 )
 from pyro_bdl.infer.natural_gradient.model import (
     Hidden,
@@ -96,6 +97,19 @@ class NaturalGradientOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable | None = None):  # type: ignore[override]
         return closure() if closure is not None else None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once the one group exists: the method reads ``param_groups[0]`` only, so
+        another group's hyperparameters would be ignored (and its state_dict not load back)."""
+        if self.param_groups:
+            keys = sorted(k for k in param_group if k != "params")
+            raise ValueError(
+                "a natural-gradient method has one parameter group: its lr and betas are "
+                "param_groups[0]['lr'] and ['betas'], which apply to every weight; another group "
+                f"would be ignored. Got a group with {keys}; "
+                "set param_groups[0]['lr'] (or use a learning-rate scheduler) instead."
+            )
+        super().add_param_group(param_group)
 
 
 class NaturalGradientVI:
@@ -146,15 +160,16 @@ class NaturalGradientVI:
         if not callable(model):
             raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
         check_positive_int("dataset_size", dataset_size)
+        lr = check_real("lr", lr)
         check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
-        check_probability("betas[0] (beta1)", betas[0], open_interval=False)
-        check_probability("betas[1] (beta2)", betas[1], open_interval=False)
+        for i, name in enumerate(("betas[0] (beta1)", "betas[1] (beta2)")):
+            check_probability(name, check_real(name, betas[i]), open_interval=False)
         if prior_precision is not None:
             check_positive(
                 "prior_precision",
-                prior_precision,
+                check_real("prior_precision", prior_precision),
                 fix="Pass δ > 0, e.g. 1.0, or leave it out to use the prior of bayesianize.",
             )
         check_positive_int("num_particles", num_particles)
@@ -499,13 +514,27 @@ class NaturalGradientVI:
         g_hats, h_hats = self._split()
         labelled = [(f"{n} (ĝ)", t) for n, t in zip(names, g_hats)]
         labelled += [(f"{n} (ĥ)", t) for n, t in zip(names, h_hats)]
-        name = next(n for n, t in labelled if not bool(torch.isfinite(t).all()))
+        name, tensor = next((n, t) for n, t in labelled if not bool(torch.isfinite(t).all()))
+        where = self._first_non_finite(tensor, flat=tensor is g_hats[0] or tensor is h_hats[0])
         after = " after reduce_fn (on some rank, or by overflow of the sum)" if reduced else ""
         raise ValueError(
             f"{self.name} step {step}: the gradient of the likelihood for {name} is not "
-            f"finite{after} (NaN or inf); nothing was updated. Check the batch's scale "
-            "(standardise the inputs), then lower the learning rate."
+            f"finite{after} (NaN or inf); nothing was updated. The first non-finite entry is "
+            f"{where}. Check the batch's scale (standardise the inputs), then lower the "
+            "learning rate."
         )
+
+    def _first_non_finite(self, tensor: torch.Tensor, flat: bool) -> str:
+        """Where the first NaN or inf of ``tensor`` lies: the weight site and the index within
+        it for a ``flat`` vector over the weight sites, else the index."""
+        assert self.layout is not None
+        parts = zip(self.layout.names, self.layout.split(tensor)) if flat else [("", tensor)]
+        for site, part in parts:
+            bad = ~torch.isfinite(part)
+            if bool(bad.any()):
+                index = tuple(int(i) for i in bad.nonzero()[0])
+                return f"in weight site {site!r} at index {index}" if flat else f"at index {index}"
+        return "in no single entry (a sum overflows)"
 
     # -- the public step -----------------------------------------------------------------------
 
@@ -631,12 +660,19 @@ class NaturalGradientVI:
         # where it is.
         if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, self._var_sums)):
             return
-        bad = [n for n, t in zip(self._state_names(), tensors) if not bool(torch.isfinite(t).all())]
-        what = bad[0] if bad else "the posterior scale σ (zero or inf, from the curvature)"
+        bad = [
+            (n, i, t)
+            for i, (n, t) in enumerate(zip(self._state_names(), tensors))
+            if not bool(torch.isfinite(t).all())
+        ]
+        what, where = "the posterior scale σ (zero or inf, from the curvature)", ""
+        if bad:
+            what, i, tensor = bad[0]
+            where = f" The first non-finite entry is {self._first_non_finite(tensor, i < 3)}."
         g_hat = self._split()[0][0]
         raise FloatingPointError(
             f"{self.name} step {step}: the update would make {what} non-finite; the step was "
-            "refused and nothing was updated. The batch's gradients are too large for the "
+            f"refused and nothing was updated.{where} The batch's gradients are too large for the "
             f"state's float precision (largest |ĝ| {float(g_hat.abs().max()):.3g}): check the "
             "scale of the inputs (standardise them), or lower the learning rate."
         )

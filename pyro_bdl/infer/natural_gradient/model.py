@@ -131,6 +131,18 @@ def inspect_model(
             if fullname in params and fullname not in covered:
                 covered.add(fullname)
                 hidden.append(Hidden(fullname, p, module, pname))
+    # The state (μ, momentum, curvature) takes the weights' dtype, and a running average of
+    # squared gradients in bf16 or fp16 keeps 8 or 11 bits: refused, as ``.to`` refuses it.
+    dtypes_of = [(f"weight site {s.name!r}", s.init_value.dtype) for s in sites]
+    dtypes_of += [(f"hidden parameter {h.name!r}", h.param.dtype) for h in hidden]
+    for what, dtype in dtypes_of:
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"{method} keeps its state (the mean, momentum and curvature of every weight) in "
+                f"the dtype of the weights; {what} is {dtype}, in which the running averages "
+                "lose the curvature. Keep the network in float32 (net.float()) and train under "
+                f"torch.autocast for {dtype} compute."
+            )
     missing = [p for p in params if p not in covered]
     if missing:
         raise ValueError(

@@ -5,13 +5,13 @@ holds, and the checks that refuse a state of another model or format before anyt
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pyro_bdl.infer.natural_gradient.checks import betas_ok, lr_ok
 from pyro_bdl.infer.natural_gradient.model import Hidden
 from pyro_bdl.layout import SiteLayout
 
@@ -220,7 +220,7 @@ def check_state_dict(
             "optimizer (a 'state' dict and one parameter group with 'lr', 'betas' and its one "
             "placeholder parameter)."
         )
-    if not _hyperparameters_ok(groups[0]["lr"], groups[0]["betas"]):
+    if not (lr_ok(groups[0]["lr"]) and betas_ok(groups[0]["betas"])):
         raise ValueError(
             f"the {method} state_dict is damaged: its optimizer needs a finite lr >= 0 (a "
             f"schedule may end at 0) and betas, two numbers in [0, 1); got "
@@ -300,19 +300,6 @@ def check_values(state: Mapping[str, Any], spec: StateFormat) -> None:
                 f"gradients); got {float(tensor.min())!r} (first negative entry at index {first}). "
                 "Nothing was loaded; load a checkpoint from before the run diverged."
             )
-
-
-def _hyperparameters_ok(lr: Any, betas: Any) -> bool:
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    return (
-        number(lr)
-        and lr >= 0
-        and isinstance(betas, (tuple, list))
-        and len(betas) == 2
-        and all(number(b) and 0 <= b < 1 for b in betas)
-    )
 
 
 @torch.no_grad()

@@ -46,7 +46,7 @@ import torch
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.curvature.per_example import PerExampleGradients
-from pyro_bdl.infer.natural_gradient.checks import as_float, check_range
+from pyro_bdl.infer.natural_gradient.checks import as_float, check_range, check_real
 from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI
 from pyro_bdl.infer.natural_gradient.model import Prepared, per_example_nll
 from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
@@ -150,6 +150,7 @@ class VOGN(NaturalGradientVI):
             reduce_fn=reduce_fn,
         )
         if not callable(temperature):
+            temperature = check_real("temperature", temperature)
             check_positive("temperature", temperature, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
         check_range(
             "VOGN",
@@ -159,7 +160,7 @@ class VOGN(NaturalGradientVI):
             1e6,
             "ρ scales the dataset size (Ñ = ρN) for data augmentation; pass e.g. 1.0.",
         )
-        if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
+        if not math.isfinite(check_real("damping", damping)) or damping < 0:
             raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
         self.effective_size = float(augmentation_factor) * dataset_size
         self.damping = float(damping)
@@ -175,7 +176,11 @@ class VOGN(NaturalGradientVI):
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        check_positive("temperature", value, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
+        check_positive(
+            "temperature",
+            check_real("temperature", value),
+            fix="Pass τ > 0 (τ = 1 is standard Bayes).",
+        )
         self._schedule = None
         self._temperature = float(value)
 

@@ -1,0 +1,156 @@
+"""VOGN and IVON used the way a PyTorch user uses an optimizer: a non-finite gradient names the
+weight site it lies in, the scheduler adapter refuses what the methods would ignore, the
+hyperparameters a step accepts survive the state_dict, bad hyperparameter types are named, and a
+half-precision network is refused instead of accumulating in half precision."""
+
+from __future__ import annotations
+
+import io
+
+import pyro
+import pytest
+import torch
+from torch import nn
+
+from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.infer import IVON, VOGN
+from tests.faults.common import assert_same
+from tests.faults.test_natural_gradient_faults import snapshot
+
+METHODS = [VOGN, IVON]
+N = 16
+
+
+class _NaNGradient(torch.autograd.Function):
+    """The identity forward; NaN backward (a layer whose gradient breaks, the loss finite)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
+class TwoHeads(nn.Module):
+    """Two linear heads summed; ``broken`` makes the gradient of head ``b`` alone NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+        self.broken = False
+
+    def forward(self, x):
+        out = self.b(x)
+        return self.a(x) + (_NaNGradient.apply(out) if self.broken else out)
+
+
+def two_heads():
+    torch.manual_seed(0)
+    net = bayesianize(TwoHeads().double(), priors.Normal(scale=1.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 3, generator=g, dtype=torch.float64)
+    return net, models.classifier(net, N), x, (x[:, 0] > 0).long()
+
+
+@pytest.fixture(autouse=True)
+def _clear_store():
+    pyro.clear_param_store()
+    yield
+    pyro.clear_param_store()
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_non_finite_gradient_names_the_weight_site_it_lies_in(cls):
+    net, model, x, y = two_heads()
+    method = cls(model, dataset_size=N)
+    method.step(x, y)
+    net.broken = True  # 'a.weight' and 'a.bias' come first in the flat vector and stay finite
+    before = snapshot(method, net)
+    with pytest.raises(
+        ValueError,
+        match=rf"{cls.__name__} step 2: the gradient of the likelihood for weights \(ĝ\) is not "
+        r"finite \(NaN or inf\); nothing was updated\. The first non-finite entry is in weight "
+        r"site 'b\.weight' at index \(0, 0\)",
+    ):
+        method.step(x, y)
+    assert_same(before, snapshot(method, net))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_add_param_group_is_refused_naming_the_hyperparameters_it_would_ignore(cls):
+    _, model, x, y = two_heads()
+    method = cls(model, dataset_size=N)
+    method.step(x, y)
+    with pytest.raises(ValueError, match=r"one parameter group.*param_groups\[0\]"):
+        method.optimizer.add_param_group({"params": [torch.zeros(1)], "lr": 0.5})
+    assert len(method.optimizer.param_groups) == 1
+    method.load_state_dict(method.state_dict())  # still loads: one group
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_tensor_hyperparameters_that_a_step_accepts_survive_the_state_dict(cls):
+    _, model, x, y = two_heads()
+    method = cls(model, dataset_size=N, lr=0.01)
+    method.step(x, y)
+    # torch.optim's own optimizers take tensor rates (capturable), and so does the step.
+    method.optimizer.param_groups[0]["lr"] = torch.tensor(0.02)
+    method.optimizer.param_groups[0]["betas"] = (torch.tensor(0.8), 0.99)
+    method.step(x, y)
+    buffer = io.BytesIO()
+    torch.save(method.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    pyro.clear_param_store()
+    _, model2, _, _ = two_heads()
+    resumed = cls(model2, dataset_size=N, lr=0.01)
+    resumed.setup(x, y)
+    resumed.load_state_dict(state)
+    assert resumed.lr == pytest.approx(0.02) and resumed.optimizer.betas[0] == pytest.approx(0.8)
+    torch.manual_seed(3)
+    method.step(x, y)
+    torch.manual_seed(3)
+    resumed.step(x, y)
+    assert torch.equal(method.state.mean, resumed.state.mean)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "error", "match"),
+    [
+        (VOGN, {"lr": None}, TypeError, r"lr must be a real number; got NoneType None"),
+        (VOGN, {"lr": "0.1"}, TypeError, r"lr must be a real number; got str '0.1'"),
+        (IVON, {"lr": True}, TypeError, r"lr must be a real number; got bool True"),
+        (IVON, {"betas": ("a", 0.9)}, TypeError, r"betas\[0\] \(beta1\) must be a real number"),
+        (VOGN, {"betas": (0.9, None)}, TypeError, r"betas\[1\] \(beta2\) must be a real number"),
+        (VOGN, {"damping": None}, TypeError, r"damping must be a real number; got NoneType"),
+        (VOGN, {"damping": "1e-3"}, TypeError, r"damping must be a real number; got str"),
+        (VOGN, {"prior_precision": "1"}, TypeError, r"prior_precision must be a real number"),
+        (VOGN, {"temperature": "1"}, TypeError, r"temperature must be a real number"),
+    ],
+)
+def test_hyperparameters_of_the_wrong_type_are_named(cls, kwargs, error, match):
+    _, model, _, _ = two_heads()
+    with pytest.raises(error, match=match):
+        cls(model, dataset_size=N, **kwargs)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_network_is_refused_before_anything_changes(cls, dtype):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    lifted = bayesianize(net, priors.Normal(scale=1.0))
+    model = models.classifier(lifted, N)
+    x = torch.randn(N, 3).to(dtype)
+    y = (x[:, 0] > 0).long()
+    method = cls(model, dataset_size=N)
+    before = snapshot(method, lifted)
+    with pytest.raises(
+        ValueError,
+        match=rf"{cls.__name__} keeps its state .* in the dtype of the weights; weight site "
+        rf"'0\.weight' is {dtype}.*net\.float\(\).*torch\.autocast",
+    ):
+        method.step(x, y)
+    assert method.needs_setup
+    assert_same(before, snapshot(method, lifted))
