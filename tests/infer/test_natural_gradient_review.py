@@ -154,3 +154,30 @@ def test_a_half_precision_network_is_refused_before_anything_changes(cls, dtype)
         method.step(x, y)
     assert method.needs_setup
     assert_same(before, snapshot(method, lifted))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_hidden_parameter_frozen_after_set_up_is_left_as_it_is(cls):
+    # As torch.optim skips a parameter without a gradient: fine-tuning freezes layers mid-run.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2)).double()
+    lifted = bayesianize(net, priors.Normal(scale=1.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 3, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    method = cls(models.classifier(lifted, N), dataset_size=N, lr=0.05)
+    method.step(x, y)
+    norm = lifted[1]
+    assert [h.name for h in method._hidden] == ["1.weight", "1.bias"]
+    norm.weight.requires_grad_(False)
+    weight, bias = norm.weight.detach().clone(), norm.bias.detach().clone()
+    momentum = [m.clone() for m in method.state.hidden_momentum]
+    for _ in range(2):
+        method.step(x, y)
+    assert torch.equal(norm.weight, weight)
+    assert torch.equal(method.state.hidden_momentum[0], momentum[0])
+    assert not torch.equal(norm.bias, bias)  # the trainable one still trains
+    assert not torch.equal(method.state.hidden_momentum[1], momentum[1])
+    norm.weight.requires_grad_(True)  # and unfrozen it trains again
+    method.step(x, y)
+    assert not torch.equal(norm.weight, weight)

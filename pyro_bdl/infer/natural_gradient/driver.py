@@ -28,6 +28,7 @@ first step forgets everything it set up. Reading a step: this module and the met
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -225,10 +226,17 @@ class NaturalGradientVI:
         """(ĝs, ĥs) in :attr:`estimates`: of μ first, then of each hidden parameter."""
         raise NotImplementedError
 
-    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
-        """The method's update of :attr:`state` from :attr:`estimates`: the new mean, momentum
-        and curvature into the tensors of ``out`` (the state's own stay as they were), the
-        hidden parameters and their moments in place; returns the new state."""
+    def _update(
+        self,
+        state: NaturalGradientState,
+        g_hat: list[torch.Tensor],
+        h_hat: list[torch.Tensor],
+        out: NaturalGradientState,
+    ) -> NaturalGradientState:
+        """The method's update of ``state`` from the estimates ``g_hat`` and ``h_hat`` (as
+        :meth:`_split` gives them, for the hidden parameters of ``state``): the new mean,
+        momentum and curvature into the tensors of ``out`` (the state's own stay as they were),
+        the hidden parameters and their moments in place; returns the new state."""
         raise NotImplementedError
 
     def _write_scale(
@@ -569,7 +577,7 @@ class NaturalGradientVI:
         rollback.save([*state.hidden, *state.hidden_momentum, *state.hidden_curvature, *unreduced])
         try:
             loss = self._loss(args, kwargs, step, tau)
-            candidate = self._update(self._spare)
+            candidate = self._update_trainable(state)
             self._refresh_scale(tau, candidate)
             self._check_state(step, candidate)
         except BaseException as err:
@@ -586,6 +594,34 @@ class NaturalGradientVI:
         self._temperature = tau
         self.optimizer.step()  # marks the step for the learning-rate schedulers
         return loss
+
+    def _update_trainable(self, state: NaturalGradientState) -> NaturalGradientState:
+        """The method's update of ``state`` into the spare tensors, leaving out the hidden
+        parameters frozen since set-up (``requires_grad=False``) as ``torch.optim`` skips a
+        parameter without a gradient: their values and moments stay as they were."""
+        g_hat, h_hat = self._split()
+        keep = [h.param.requires_grad for h in self._hidden]
+        if all(keep):
+            return self._update(state, g_hat, h_hat, self._spare)
+
+        def trainable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [t for t, k in zip(tensors, keep) if k]
+
+        part = dataclasses.replace(
+            state,
+            hidden=trainable(state.hidden),
+            hidden_momentum=trainable(state.hidden_momentum),
+            hidden_curvature=trainable(state.hidden_curvature),
+        )
+        # A method without ĥ of the hidden parameters (IVON) gives only the weights' ĥ.
+        h_part = h_hat if len(h_hat) == 1 else [h_hat[0], *trainable(h_hat[1:])]
+        new = self._update(part, [g_hat[0], *trainable(g_hat[1:])], h_part, self._spare)
+        return dataclasses.replace(
+            new,
+            hidden=state.hidden,
+            hidden_momentum=state.hidden_momentum,
+            hidden_curvature=state.hidden_curvature,
+        )
 
     @torch.no_grad()
     def _commit(self, candidate: NaturalGradientState) -> None:

@@ -283,9 +283,14 @@ class VOGN(NaturalGradientVI):
             damping=self.damping,
         )
 
-    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
-        assert self.state is not None
-        return vogn_update(self.state, *self._split(), self._hyperparameters(), out)
+    def _update(
+        self,
+        state: NaturalGradientState,
+        g_hat: list[torch.Tensor],
+        h_hat: list[torch.Tensor],
+        out: NaturalGradientState,
+    ) -> NaturalGradientState:
+        return vogn_update(state, g_hat, h_hat, self._hyperparameters(), out)
 
     def _write_scale(
         self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
