@@ -181,3 +181,26 @@ def test_a_hidden_parameter_frozen_after_set_up_is_left_as_it_is(cls):
     norm.weight.requires_grad_(True)  # and unfrozen it trains again
     method.step(x, y)
     assert not torch.equal(norm.weight, weight)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_state_loaded_before_the_first_step_is_what_state_dict_gives(cls):
+    # As torch.optim: state_dict() right after load_state_dict() (a checkpoint written before
+    # the resumed run's first step) gives the loaded state, not an error.
+    _, model, x, y = two_heads()
+    method = cls(model, dataset_size=N)
+    method.step(x, y)
+    state = method.state_dict()
+    pyro.clear_param_store()
+    _, model2, _, _ = two_heads()
+    fresh = cls(model2, dataset_size=N)
+    fresh.load_state_dict(state)
+    again = fresh.state_dict()
+    assert again.keys() == state.keys() and again["step"] == 1
+    assert torch.equal(again["mean"], state["mean"])
+    assert torch.equal(again["curvature"], state["curvature"])
+    torch.manual_seed(3)
+    method.step(x, y)
+    torch.manual_seed(3)
+    fresh.step(x, y)
+    assert torch.equal(fresh.state.mean, method.state.mean)

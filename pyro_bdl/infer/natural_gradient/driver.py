@@ -28,6 +28,7 @@ first step forgets everything it set up. Reading a step: this module and the met
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -769,7 +770,10 @@ class NaturalGradientVI:
     def state_dict(self) -> dict[str, Any]:
         """Everything the update changes: μ, the moments, the hidden parameters and their
         moments, the step counter, τ (VOGN) and the scheduled hyperparameters (BatchNorm running
-        statistics stay in ``net.state_dict()``; σ follows from the curvature)."""
+        statistics stay in ``net.state_dict()``; σ follows from the curvature). Before the first
+        step, a state given to :meth:`load_state_dict` is the state (a copy)."""
+        if self.state is None and self._pending is not None:
+            return copy.deepcopy(self._pending)
         if self.state is None or self.layout is None:
             raise RuntimeError(
                 f"{self.name} has no state before its first step; call "
@@ -813,7 +817,7 @@ class NaturalGradientVI:
         which then skips the initialisation of the curvature; refused there, it is discarded."""
         self.check_state_dict(state)
         if self.state is None:
-            self._pending = dict(state)
+            self._pending = copy.deepcopy(dict(state))  # as it is now, whatever the caller does
             return
         unpack_state_dict(state, self.state, self._hidden)
         self.optimizer.load_state_dict(state["optimizer"])
