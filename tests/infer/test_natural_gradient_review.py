@@ -204,3 +204,43 @@ def test_a_state_loaded_before_the_first_step_is_what_state_dict_gives(cls):
     torch.manual_seed(3)
     fresh.step(x, y)
     assert torch.equal(fresh.state.mean, method.state.mean)
+
+
+class LateNorm(nn.Module):
+    """A BatchNorm that the forward pass calls only once ``late`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.head = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+        self.late = False
+
+    def forward(self, x):
+        z = self.a(x)
+        return self.head(torch.tanh(self.norm(z) if self.late else z))
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_layer_first_called_after_set_up_is_refused_before_it_computes(cls):
+    # The first step reads which parameters are trained: a layer with parameters that only a
+    # later pass calls was silently never trained (and its running statistics not put back).
+    torch.manual_seed(0)
+    net = bayesianize(LateNorm().double(), priors.Normal(scale=1.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 3, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long()
+    method = cls(models.classifier(net, N), dataset_size=N)
+    method.step(x, y)
+    net.late = True
+    before = snapshot(method, net)
+    with pytest.raises(
+        ValueError,
+        match=rf"{cls.__name__} step 2: parameter 'norm\.weight' belongs to a layer that the "
+        r"first step did not call.*Call every layer at the first step",
+    ):
+        method.step(x, y)
+    # Refused before the layer computes: its running statistics are as they were; only its
+    # call counter moved (BatchNorm counts the call before it reads its parameters).
+    before["net"]["norm.num_batches_tracked"] += 1
+    assert_same(before, snapshot(method, net))
+    net.late = False
+    method.step(x, y)
