@@ -15,7 +15,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.infer import IVON, VOGN
 from tests.faults.common import assert_same
-from tests.faults.test_natural_gradient_faults import snapshot
+from tests.faults.test_natural_gradient_faults import assert_refused, snapshot
 
 METHODS = [VOGN, IVON]
 N = 16
@@ -46,9 +46,23 @@ class TwoHeads(nn.Module):
         return self.a(x) + (_NaNGradient.apply(out) if self.broken else out)
 
 
-def two_heads():
+class LateNorm(nn.Module):
+    """A BatchNorm that the forward pass calls only once ``late`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.head = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+        self.late = False
+
+    def forward(self, x):
+        z = self.a(x)
+        return self.head(torch.tanh(self.norm(z) if self.late else z))
+
+
+def lifted_classifier(make=TwoHeads):
+    """``(lifted network, classifier, x, y)`` in float64, for the network ``make()`` (seeded)."""
     torch.manual_seed(0)
-    net = bayesianize(TwoHeads().double(), priors.Normal(scale=1.0))
+    net = bayesianize(make().double(), priors.Normal(scale=1.0))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N, 3, generator=g, dtype=torch.float64)
     return net, models.classifier(net, N), x, (x[:, 0] > 0).long()
@@ -63,24 +77,24 @@ def _clear_store():
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_a_non_finite_gradient_names_the_weight_site_it_lies_in(cls):
-    net, model, x, y = two_heads()
+    net, model, x, y = lifted_classifier()
     method = cls(model, dataset_size=N)
     method.step(x, y)
     net.broken = True  # 'a.weight' and 'a.bias' come first in the flat vector and stay finite
-    before = snapshot(method, net)
-    with pytest.raises(
+    assert_refused(
+        method,
+        net,
+        lambda: method.step(x, y),
         ValueError,
-        match=rf"{cls.__name__} step 2: the gradient of the likelihood for weights \(ĝ\) is not "
+        rf"{cls.__name__} step 2: the gradient of the likelihood for weights \(ĝ\) is not "
         r"finite \(NaN or inf\); nothing was updated\. The first non-finite entry is in weight "
         r"site 'b\.weight' at index \(0, 0\)",
-    ):
-        method.step(x, y)
-    assert_same(before, snapshot(method, net))
+    )
 
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_add_param_group_is_refused_naming_the_hyperparameters_it_would_ignore(cls):
-    _, model, x, y = two_heads()
+    _, model, x, y = lifted_classifier()
     method = cls(model, dataset_size=N)
     method.step(x, y)
     with pytest.raises(ValueError, match=r"one parameter group.*param_groups\[0\]"):
@@ -91,7 +105,7 @@ def test_add_param_group_is_refused_naming_the_hyperparameters_it_would_ignore(c
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_tensor_hyperparameters_that_a_step_accepts_survive_the_state_dict(cls):
-    _, model, x, y = two_heads()
+    _, model, x, y = lifted_classifier()
     method = cls(model, dataset_size=N, lr=0.01)
     method.step(x, y)
     # torch.optim's own optimizers take tensor rates (capturable), and so does the step.
@@ -103,7 +117,7 @@ def test_tensor_hyperparameters_that_a_step_accepts_survive_the_state_dict(cls):
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     pyro.clear_param_store()
-    _, model2, _, _ = two_heads()
+    _, model2, _, _ = lifted_classifier()
     resumed = cls(model2, dataset_size=N, lr=0.01)
     resumed.setup(x, y)
     resumed.load_state_dict(state)
@@ -130,7 +144,7 @@ def test_tensor_hyperparameters_that_a_step_accepts_survive_the_state_dict(cls):
     ],
 )
 def test_hyperparameters_of_the_wrong_type_are_named(cls, kwargs, error, match):
-    _, model, _, _ = two_heads()
+    _, model, _, _ = lifted_classifier()
     with pytest.raises(error, match=match):
         cls(model, dataset_size=N, **kwargs)
 
@@ -145,27 +159,24 @@ def test_a_half_precision_network_is_refused_before_anything_changes(cls, dtype)
     x = torch.randn(N, 3).to(dtype)
     y = (x[:, 0] > 0).long()
     method = cls(model, dataset_size=N)
-    before = snapshot(method, lifted)
-    with pytest.raises(
+    assert_refused(
+        method,
+        lifted,
+        lambda: method.step(x, y),
         ValueError,
-        match=rf"{cls.__name__} keeps its state .* in the dtype of the weights; weight site "
+        rf"{cls.__name__} keeps its state .* in the dtype of the weights; weight site "
         rf"'0\.weight' is {dtype}.*net\.float\(\).*torch\.autocast",
-    ):
-        method.step(x, y)
+    )
     assert method.needs_setup
-    assert_same(before, snapshot(method, lifted))
 
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_a_hidden_parameter_frozen_after_set_up_is_left_as_it_is(cls):
     # As torch.optim skips a parameter without a gradient: fine-tuning freezes layers mid-run.
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2)).double()
-    lifted = bayesianize(net, priors.Normal(scale=1.0))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(N, 3, generator=g, dtype=torch.float64)
-    y = (x[:, 0] > 0).long()
-    method = cls(models.classifier(lifted, N), dataset_size=N, lr=0.05)
+    lifted, model, x, y = lifted_classifier(
+        lambda: nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2))
+    )
+    method = cls(model, dataset_size=N, lr=0.05)
     method.step(x, y)
     norm = lifted[1]
     assert [h.name for h in method._hidden] == ["1.weight", "1.bias"]
@@ -187,12 +198,12 @@ def test_a_hidden_parameter_frozen_after_set_up_is_left_as_it_is(cls):
 def test_a_state_loaded_before_the_first_step_is_what_state_dict_gives(cls):
     # As torch.optim: state_dict() right after load_state_dict() (a checkpoint written before
     # the resumed run's first step) gives the loaded state, not an error.
-    _, model, x, y = two_heads()
+    _, model, x, y = lifted_classifier()
     method = cls(model, dataset_size=N)
     method.step(x, y)
     state = method.state_dict()
     pyro.clear_param_store()
-    _, model2, _, _ = two_heads()
+    _, model2, _, _ = lifted_classifier()
     fresh = cls(model2, dataset_size=N)
     fresh.load_state_dict(state)
     again = fresh.state_dict()
@@ -206,29 +217,12 @@ def test_a_state_loaded_before_the_first_step_is_what_state_dict_gives(cls):
     assert torch.equal(fresh.state.mean, method.state.mean)
 
 
-class LateNorm(nn.Module):
-    """A BatchNorm that the forward pass calls only once ``late`` is set."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.norm, self.head = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
-        self.late = False
-
-    def forward(self, x):
-        z = self.a(x)
-        return self.head(torch.tanh(self.norm(z) if self.late else z))
-
-
 @pytest.mark.parametrize("cls", METHODS)
 def test_a_layer_first_called_after_set_up_is_refused_before_it_computes(cls):
     # The first step reads which parameters are trained: a layer with parameters that only a
     # later pass calls was silently never trained (and its running statistics not put back).
-    torch.manual_seed(0)
-    net = bayesianize(LateNorm().double(), priors.Normal(scale=1.0))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(N, 3, generator=g, dtype=torch.float64)
-    y = (x[:, 0] > 0).long()
-    method = cls(models.classifier(net, N), dataset_size=N)
+    net, model, x, y = lifted_classifier(LateNorm)
+    method = cls(model, dataset_size=N)
     method.step(x, y)
     net.late = True
     before = snapshot(method, net)
