@@ -67,7 +67,9 @@ class VOGN(NaturalGradientVI):
     sites and layers, checked there) and its prior, and initialises s from the first minibatch at
     w = μ; later steps write the weight sample straight onto the lifted layers and record only the
     observations (see :mod:`pyro_bdl.infer.natural_gradient.model`), so the model must have the
-    same sample sites at every step; a latent site that appears later is refused.
+    same sample sites at every step; a latent site, or a parameter of a layer that the first step
+    did not call, that appears later is refused. The weights must be float32 or float64 (the state
+    takes their dtype; for bf16 compute, train under ``torch.autocast``).
 
     **Prior.** By default the Gaussian prior declared in :func:`~pyro_bdl.bayesianize` (per-weight
     mean μ₀ and precision δ); a non-Gaussian one raises
@@ -77,8 +79,10 @@ class VOGN(NaturalGradientVI):
     **Hidden parameters** (the ``pyro.param`` sites of the network, BatchNorm's affine parameters
     by default) are point estimates: they are used as they are (no noise) and updated with the
     same preconditioned momentum step but without the prior term (δ̃, from the mean prior
-    precision, only damps their step). BatchNorm running statistics are updated by every forward
-    pass, as in training with Adam, and put back if the step is refused (see :meth:`step`).
+    precision, only damps their step); one frozen after the first step (``requires_grad=False``)
+    keeps its value and moments, as ``torch.optim`` skips it. BatchNorm running statistics are
+    updated by every forward pass, as in training with Adam, and put back if the step is refused
+    (see :meth:`step`).
 
     Learning-rate schedulers: pass :attr:`optimizer` (a ``torch.optim.Optimizer`` holding ``lr``
     and ``betas``) to any ``torch.optim.lr_scheduler``. Temperature: a number, or a callable
