@@ -238,3 +238,17 @@ def test_a_layer_first_called_after_set_up_is_refused_before_it_computes(cls):
     assert_same(before, snapshot(method, net))
     net.late = False
     method.step(x, y)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_state_on_the_meta_device_is_named_when_loading_or_stepping(cls):
+    _, model, x, y = lifted_classifier()
+    method = cls(model, dataset_size=N)
+    method.step(x, y)
+    state = method.state_dict()
+    method.to("meta")  # shapes without values, as for a model built before its weights load
+    for call in (lambda: method.load_state_dict(state), lambda: method.step(x, y)):
+        with pytest.raises(
+            ValueError, match=rf"{cls.__name__}'s state is on the meta device.*build a new"
+        ):
+            call()

@@ -533,6 +533,17 @@ class NaturalGradientVI:
             "learning rate."
         )
 
+    def _refuse_meta(self, where: str) -> None:
+        """Refuse a state moved to the meta device: it holds shapes without values, so nothing
+        can be computed from it, loaded into it, or moved back from it."""
+        if self.state is not None and self.state.mean.is_meta:
+            raise ValueError(
+                f"{where}: {self.name}'s state is on the meta device (shapes without values), so "
+                "nothing can be computed from it or loaded into it, and it cannot be moved back; "
+                f"nothing was changed. To resume, build a new {self.name} over the network on a "
+                "real device and load the state_dict into it."
+            )
+
     def _first_non_finite(self, tensor: torch.Tensor, flat: bool) -> str:
         """Where the first NaN or inf of ``tensor`` lies: the weight site and the index within
         it for a ``flat`` vector over the weight sites, else the index."""
@@ -562,6 +573,7 @@ class NaturalGradientVI:
         self._reductions_done = self.reduce_fn is None
         self._in_reduction = False
         try:
+            self._refuse_meta(where)
             check_hyperparameters(self.optimizer, step, self.name)
             check_inputs(args, kwargs, where)
             tau = self._next_temperature(step)
@@ -796,6 +808,7 @@ class NaturalGradientVI:
         check_state_dict(state, self.layout, hidden, spec=self.state_format)
         if self.state is None:
             return
+        self._refuse_meta(f"{self.name}.load_state_dict")
         curvature = state["curvature"].to(self.state.curvature)
         tau = float(state["temperature"]) if self.state_format.temperature else 1.0
         scale, log_scale = torch.empty_like(curvature), torch.empty_like(curvature)
