@@ -139,13 +139,13 @@ def save_checkpoint(
         raise TypeError(f"extra must be a dict of plain values; got {type(extra).__name__}.")
     check_targets(optim, modules, generators)
     if getattr(guide, "prototype_trace", False) is None:
-        # Its state_dict is empty until then (an ensemble's members wait unpacked), and the
-        # set-up guide a load needs would refuse such a file as another model's.
+        # Its state is incomplete until then (an AutoEnsemble's members wait unpacked, outside
+        # its state_dict), and the set-up guide a load needs refuses such a file as another's.
         raise ValueError(
             f"the guide {type(guide).__name__} has not seen the model yet (Pyro guides create "
-            "their state on their first call), so the checkpoint would hold none of its state "
-            "and could not be loaded back. Call it once with the model's training arguments "
-            "(guide(x_batch, y_batch)) before saving."
+            "their state on their first call), so the checkpoint would miss that state and "
+            "could not be loaded back into the set-up guide a resume needs. Call it once with "
+            "the model's training arguments (guide(x_batch, y_batch)) before saving."
         )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
