@@ -10,6 +10,7 @@ import numbers
 import torch
 
 from pyro_bdl._validation import check_finite
+from pyro_bdl.layout import SiteLayout
 
 __all__ = [
     "as_float",
@@ -17,8 +18,10 @@ __all__ = [
     "check_hyperparameters",
     "check_inputs",
     "check_loss",
+    "check_not_meta",
     "check_range",
     "check_real",
+    "first_non_finite",
     "lr_ok",
 ]
 
@@ -124,3 +127,28 @@ def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
                 f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
                 "nothing was updated. Lower the learning rate, check the data, or check the prior."
             )
+
+
+def first_non_finite(tensor: torch.Tensor, layout: SiteLayout | None = None) -> str:
+    """Where the first NaN or inf of ``tensor`` lies, for a message: the weight site and the
+    index within it for a flat vector over the sites of ``layout``, else the index."""
+    parts = zip(layout.names, layout.split(tensor)) if layout is not None else [("", tensor)]
+    for site, part in parts:
+        bad = ~torch.isfinite(part)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            return f"in weight site {site!r} at index {index}" if site else f"at index {index}"
+    return "in no single entry (a sum overflows)"
+
+
+def check_not_meta(state, method: str, where: str) -> None:
+    """Refuse a ``state`` (a :class:`~pyro_bdl.infer.natural_gradient.state.NaturalGradientState`
+    or ``None``) moved to the meta device: it holds shapes without values, so nothing can be
+    computed from it, loaded into it, or moved back from it."""
+    if state is not None and state.mean.is_meta:
+        raise ValueError(
+            f"{where}: {method}'s state is on the meta device (shapes without values), so "
+            "nothing can be computed from it or loaded into it, and it cannot be moved back; "
+            f"nothing was changed. To resume, build a new {method} over the network on a real "
+            "device and load the state_dict into it."
+        )

@@ -29,7 +29,6 @@ first step forgets everything it set up. Reading a step: this module and the met
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -50,7 +49,9 @@ from pyro_bdl.infer.natural_gradient.checks import (
     check_hyperparameters,
     check_inputs,
     check_loss,
+    check_not_meta,
     check_real,
+    first_non_finite,
 )
 from pyro_bdl.infer.natural_gradient.model import (
     Hidden,
@@ -65,8 +66,11 @@ from pyro_bdl.infer.natural_gradient.state import (
     StateFormat,
     check_state_dict,
     initial_state,
+    map_tensors,
     pack_state_dict,
+    state_tensors,
     unpack_state_dict,
+    with_hidden,
 )
 from pyro_bdl.infer.rollback import Rollback, refused
 from pyro_bdl.layout import SiteLayout
@@ -401,7 +405,7 @@ class NaturalGradientVI:
             convert(p) for p in self.optimizer.param_groups[0]["params"]
         ]
         if self._pending is not None:
-            self._pending = _map_tensors(self._pending, convert)
+            self._pending = map_tensors(self._pending, convert)
         state = self.state
         if state is None or self.layout is None or self.prior is None:
             return self
@@ -524,7 +528,8 @@ class NaturalGradientVI:
         labelled = [(f"{n} (ĝ)", t) for n, t in zip(names, g_hats)]
         labelled += [(f"{n} (ĥ)", t) for n, t in zip(names, h_hats)]
         name, tensor = next((n, t) for n, t in labelled if not bool(torch.isfinite(t).all()))
-        where = self._first_non_finite(tensor, flat=tensor is g_hats[0] or tensor is h_hats[0])
+        flat = tensor is g_hats[0] or tensor is h_hats[0]
+        where = first_non_finite(tensor, self.layout if flat else None)
         after = " after reduce_fn (on some rank, or by overflow of the sum)" if reduced else ""
         raise ValueError(
             f"{self.name} step {step}: the gradient of the likelihood for {name} is not "
@@ -532,29 +537,6 @@ class NaturalGradientVI:
             f"{where}. Check the batch's scale (standardise the inputs), then lower the "
             "learning rate."
         )
-
-    def _refuse_meta(self, where: str) -> None:
-        """Refuse a state moved to the meta device: it holds shapes without values, so nothing
-        can be computed from it, loaded into it, or moved back from it."""
-        if self.state is not None and self.state.mean.is_meta:
-            raise ValueError(
-                f"{where}: {self.name}'s state is on the meta device (shapes without values), so "
-                "nothing can be computed from it or loaded into it, and it cannot be moved back; "
-                f"nothing was changed. To resume, build a new {self.name} over the network on a "
-                "real device and load the state_dict into it."
-            )
-
-    def _first_non_finite(self, tensor: torch.Tensor, flat: bool) -> str:
-        """Where the first NaN or inf of ``tensor`` lies: the weight site and the index within
-        it for a ``flat`` vector over the weight sites, else the index."""
-        assert self.layout is not None
-        parts = zip(self.layout.names, self.layout.split(tensor)) if flat else [("", tensor)]
-        for site, part in parts:
-            bad = ~torch.isfinite(part)
-            if bool(bad.any()):
-                index = tuple(int(i) for i in bad.nonzero()[0])
-                return f"in weight site {site!r} at index {index}" if flat else f"at index {index}"
-        return "in no single entry (a sum overflows)"
 
     # -- the public step -----------------------------------------------------------------------
 
@@ -573,7 +555,7 @@ class NaturalGradientVI:
         self._reductions_done = self.reduce_fn is None
         self._in_reduction = False
         try:
-            self._refuse_meta(where)
+            check_not_meta(self.state, self.name, where)
             check_hyperparameters(self.optimizer, step, self.name)
             check_inputs(args, kwargs, where)
             tau = self._next_temperature(step)
@@ -616,25 +598,10 @@ class NaturalGradientVI:
         keep = [h.param.requires_grad for h in self._hidden]
         if all(keep):
             return self._update(state, g_hat, h_hat, self._spare)
-
-        def trainable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [t for t, k in zip(tensors, keep) if k]
-
-        part = dataclasses.replace(
-            state,
-            hidden=trainable(state.hidden),
-            hidden_momentum=trainable(state.hidden_momentum),
-            hidden_curvature=trainable(state.hidden_curvature),
-        )
         # A method without ĥ of the hidden parameters (IVON) gives only the weights' ĥ.
-        h_part = h_hat if len(h_hat) == 1 else [h_hat[0], *trainable(h_hat[1:])]
-        new = self._update(part, [g_hat[0], *trainable(g_hat[1:])], h_part, self._spare)
-        return dataclasses.replace(
-            new,
-            hidden=state.hidden,
-            hidden_momentum=state.hidden_momentum,
-            hidden_curvature=state.hidden_curvature,
-        )
+        g_part, h_part = (xs[:1] + [x for x, k in zip(xs[1:], keep) if k] for xs in (g_hat, h_hat))
+        new = self._update(with_hidden(state, keep), g_part, h_part, self._spare)
+        return with_hidden(new, keep, like=state)
 
     @torch.no_grad()
     def _commit(self, candidate: NaturalGradientState) -> None:
@@ -682,16 +649,6 @@ class NaturalGradientVI:
         if several and shapes and self.reduce_fn is not None:
             self.reduce_fn([torch.full_like(t, math.nan) for t in shapes])
 
-    def _state_tensors(self, state: NaturalGradientState) -> list[torch.Tensor]:
-        return [
-            state.mean,
-            state.momentum,
-            state.curvature,
-            *state.hidden,
-            *state.hidden_momentum,
-            *state.hidden_curvature,
-        ]
-
     def _state_names(self) -> list[str]:
         names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
         out = [f"the mean of {names[0]}", f"the momentum of {names[0]}"]
@@ -704,7 +661,7 @@ class NaturalGradientVI:
         """Refuse an update that would leave a non-finite state, or a σ that is not finite and
         > 0 (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
         committed: a NaN written into the curvature would refuse every later step."""
-        tensors = self._state_tensors(candidate)
+        tensors = state_tensors(candidate)
         # The curvature of the weights needs no sum: σ, and so Σσ² and Σ log σ², is finite only
         # where it is.
         if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, self._var_sums)):
@@ -717,7 +674,8 @@ class NaturalGradientVI:
         what, where = "the posterior scale σ (zero or inf, from the curvature)", ""
         if bad:
             what, i, tensor = bad[0]
-            where = f" The first non-finite entry is {self._first_non_finite(tensor, i < 3)}."
+            place = first_non_finite(tensor, self.layout if i < 3 else None)
+            where = f" The first non-finite entry is {place}."
         g_hat = self._split()[0][0]
         raise FloatingPointError(
             f"{self.name} step {step}: the update would make {what} non-finite; the step was "
@@ -808,7 +766,7 @@ class NaturalGradientVI:
         check_state_dict(state, self.layout, hidden, spec=self.state_format)
         if self.state is None:
             return
-        self._refuse_meta(f"{self.name}.load_state_dict")
+        check_not_meta(self.state, self.name, f"{self.name}.load_state_dict")
         curvature = state["curvature"].to(self.state.curvature)
         tau = float(state["temperature"]) if self.state_format.temperature else 1.0
         scale, log_scale = torch.empty_like(curvature), torch.empty_like(curvature)
@@ -837,14 +795,3 @@ class NaturalGradientVI:
         if self.state_format.temperature:
             self._temperature = float(state["temperature"])
         self._refresh_scale(self._temperature)
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value

@@ -5,7 +5,7 @@ holds, and the checks that refuse a state of another model or format before anyt
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +21,11 @@ __all__ = [
     "check_state_dict",
     "check_values",
     "initial_state",
+    "map_tensors",
     "pack_state_dict",
+    "state_tensors",
     "unpack_state_dict",
+    "with_hidden",
 ]
 
 
@@ -316,3 +319,38 @@ def unpack_state_dict(
         s.copy_(state["hidden_curvature"][h.name])
     into.step = int(state["step"])
     return into
+
+
+def state_tensors(state: NaturalGradientState) -> list[torch.Tensor]:
+    """The mean, momentum and curvature, then the hidden parameters and their moments."""
+    hidden = [*state.hidden, *state.hidden_momentum, *state.hidden_curvature]
+    return [state.mean, state.momentum, state.curvature, *hidden]
+
+
+def with_hidden(
+    state: NaturalGradientState, keep: Sequence[bool], like: NaturalGradientState | None = None
+) -> NaturalGradientState:
+    """``state`` with the hidden parameters and their moments of ``like`` (all of them), or, by
+    default, only those of ``state`` where ``keep`` (the same tensors, not copies)."""
+    if like is not None:
+        hidden, momentum, curvature = like.hidden, like.hidden_momentum, like.hidden_curvature
+    else:
+        hidden, momentum, curvature = (
+            [t for t, k in zip(tensors, keep) if k]
+            for tensors in (state.hidden, state.hidden_momentum, state.hidden_curvature)
+        )
+    return dataclasses.replace(
+        state, hidden=hidden, hidden_momentum=momentum, hidden_curvature=curvature
+    )
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a state_dict) with ``fn`` applied to every tensor inside its dicts, lists and
+    tuples."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value
