@@ -68,6 +68,14 @@ def lifted_classifier(make=TwoHeads):
     return net, models.classifier(net, N), x, (x[:, 0] > 0).long()
 
 
+def stepped(cls, **kwargs):
+    """``(lifted network, x, y, method)`` after one step of ``cls`` on :func:`lifted_classifier`."""
+    net, model, x, y = lifted_classifier()
+    method = cls(model, dataset_size=N, **kwargs)
+    method.step(x, y)
+    return net, x, y, method
+
+
 @pytest.fixture(autouse=True)
 def _clear_store():
     pyro.clear_param_store()
@@ -77,9 +85,7 @@ def _clear_store():
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_a_non_finite_gradient_names_the_weight_site_it_lies_in(cls):
-    net, model, x, y = lifted_classifier()
-    method = cls(model, dataset_size=N)
-    method.step(x, y)
+    net, x, y, method = stepped(cls)
     net.broken = True  # 'a.weight' and 'a.bias' come first in the flat vector and stay finite
     assert_refused(
         method,
@@ -94,9 +100,7 @@ def test_a_non_finite_gradient_names_the_weight_site_it_lies_in(cls):
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_add_param_group_is_refused_naming_the_hyperparameters_it_would_ignore(cls):
-    _, model, x, y = lifted_classifier()
-    method = cls(model, dataset_size=N)
-    method.step(x, y)
+    *_, method = stepped(cls)
     with pytest.raises(ValueError, match=r"one parameter group.*param_groups\[0\]"):
         method.optimizer.add_param_group({"params": [torch.zeros(1)], "lr": 0.5})
     assert len(method.optimizer.param_groups) == 1
@@ -105,9 +109,7 @@ def test_add_param_group_is_refused_naming_the_hyperparameters_it_would_ignore(c
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_tensor_hyperparameters_that_a_step_accepts_survive_the_state_dict(cls):
-    _, model, x, y = lifted_classifier()
-    method = cls(model, dataset_size=N, lr=0.01)
-    method.step(x, y)
+    _, x, y, method = stepped(cls, lr=0.01)
     # torch.optim's own optimizers take tensor rates (capturable), and so does the step.
     method.optimizer.param_groups[0]["lr"] = torch.tensor(0.02)
     method.optimizer.param_groups[0]["betas"] = (torch.tensor(0.8), 0.99)
@@ -198,9 +200,7 @@ def test_a_hidden_parameter_frozen_after_set_up_is_left_as_it_is(cls):
 def test_a_state_loaded_before_the_first_step_is_what_state_dict_gives(cls):
     # As torch.optim: state_dict() right after load_state_dict() (a checkpoint written before
     # the resumed run's first step) gives the loaded state, not an error.
-    _, model, x, y = lifted_classifier()
-    method = cls(model, dataset_size=N)
-    method.step(x, y)
+    _, x, y, method = stepped(cls)
     state = method.state_dict()
     pyro.clear_param_store()
     _, model2, _, _ = lifted_classifier()
@@ -242,9 +242,7 @@ def test_a_layer_first_called_after_set_up_is_refused_before_it_computes(cls):
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_a_state_on_the_meta_device_is_named_when_loading_or_stepping(cls):
-    _, model, x, y = lifted_classifier()
-    method = cls(model, dataset_size=N)
-    method.step(x, y)
+    _, x, y, method = stepped(cls)
     state = method.state_dict()
     method.to("meta")  # shapes without values, as for a model built before its weights load
     for call in (lambda: method.load_state_dict(state), lambda: method.step(x, y)):
