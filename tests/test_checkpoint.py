@@ -408,6 +408,23 @@ def test_lazy_guide_needs_example_args(tmp_path, f64):
         load_checkpoint(tmp_path / "whatever.ckpt", guide=guide, example_args=[1])
 
 
+@pytest.mark.parametrize("kind", ["AutoNormal", "AutoEnsemble"])
+def test_a_guide_that_has_not_seen_the_model_is_refused_when_saving(tmp_path, f64, kind):
+    """Its state_dict is empty then (an ensemble's members wait unpacked), so the file could
+    never be loaded into the set-up guide: refused before anything is written."""
+    _, guide, _, _, x, y = _setup()
+    if kind == "AutoEnsemble":
+        plain = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        members = [{n: p.detach().clone() for n, p in plain.named_parameters()}]
+        guide = bdl.guides.AutoEnsemble(guide.model, members)
+    with pytest.raises(ValueError, match=rf"the guide {kind} has not seen the model yet.*guide\("):
+        save_checkpoint(tmp_path / "c.ckpt", guide=guide)
+    assert os.listdir(tmp_path) == []
+    guide(x, y)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide)  # once set up, it saves and loads back
+    load_checkpoint(tmp_path / "c.ckpt", guide=guide)
+
+
 def test_resume_in_the_same_process_restores_live_optimizers(tmp_path, f64):
     """The optimizers already exist here, so their state is loaded into them directly."""
     net, guide, optim, svi, x, y = _setup()

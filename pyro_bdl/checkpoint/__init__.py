@@ -138,6 +138,15 @@ def save_checkpoint(
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict of plain values; got {type(extra).__name__}.")
     check_targets(optim, modules, generators)
+    if getattr(guide, "prototype_trace", False) is None:
+        # Its state is incomplete until then (an AutoEnsemble's members wait unpacked, outside
+        # its state_dict), and the set-up guide a load needs refuses such a file as another's.
+        raise ValueError(
+            f"the guide {type(guide).__name__} has not seen the model yet (Pyro guides create "
+            "their state on their first call), so the checkpoint would miss that state and "
+            "could not be loaded back into the set-up guide a resume needs. Call it once with "
+            "the model's training arguments (guide(x_batch, y_batch)) before saving."
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(

@@ -10,13 +10,19 @@ import numbers
 import torch
 
 from pyro_bdl._validation import check_finite
+from pyro_bdl.layout import SiteLayout
 
 __all__ = [
     "as_float",
+    "betas_ok",
     "check_hyperparameters",
     "check_inputs",
     "check_loss",
+    "check_not_meta",
     "check_range",
+    "check_real",
+    "first_non_finite",
+    "lr_ok",
 ]
 
 
@@ -35,22 +41,43 @@ def as_float(value: object) -> float | None:
     return None
 
 
+def check_real(name: str, value: object) -> float:
+    """``value`` as a float; a ``TypeError`` naming ``name`` if it is not a real number (``None``,
+    a string, a bool), before the range checks, whose messages assume a number."""
+    number = as_float(value)
+    if number is None:
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}.")
+    return number
+
+
+def lr_ok(lr: object) -> bool:
+    """Whether the update can use the learning rate ``lr``: a finite number >= 0 (a schedule may
+    end at 0), a one-element tensor included, as torch.optim takes it."""
+    number = as_float(lr)
+    return number is not None and math.isfinite(number) and number >= 0
+
+
+def betas_ok(betas: object) -> bool:
+    """Whether the update can use ``betas``: a pair of numbers (or one-element tensors) in
+    [0, 1)."""
+    pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
+    return len(pair) == 2 and all(b is not None and 0.0 <= b < 1.0 for b in pair)
+
+
 def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: str) -> None:
     """Refuse a learning rate or betas in ``optimizer.param_groups[0]`` that the update cannot
     use (set there by a scheduler or by hand): lr must be finite and >= 0 (a schedule may end at
     0), each beta in [0, 1)."""
     group = optimizer.param_groups[0]
     where = f"{method} step {step}: {method.lower()}.optimizer.param_groups[0]"
-    lr = as_float(group.get("lr"))
-    if lr is None or not math.isfinite(lr) or lr < 0:
+    if not lr_ok(group.get("lr")):
         raise ValueError(
             f"{where}['lr'] must be a finite number >= 0; got {group.get('lr')!r}. A "
             "learning-rate scheduler or an assignment set it; nothing was updated. Set a finite "
             f"lr, for example {method.lower()}.optimizer.param_groups[0]['lr'] = 1e-3."
         )
     betas = group.get("betas")
-    pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
-    if len(pair) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in pair):
+    if not betas_ok(betas):
         raise ValueError(
             f"{where}['betas'] must be a pair (beta1, beta2), each in [0, 1); got {betas!r}. "
             "Nothing was updated; set for example (0.9, 0.999)."
@@ -100,3 +127,28 @@ def check_loss(step: int, likelihood: float, kl: float, method: str) -> None:
                 f"{method} step {step}: the {term} term of the loss is not finite ({value}); "
                 "nothing was updated. Lower the learning rate, check the data, or check the prior."
             )
+
+
+def first_non_finite(tensor: torch.Tensor, layout: SiteLayout | None = None) -> str:
+    """Where the first NaN or inf of ``tensor`` lies, for a message: the weight site and the
+    index within it for a flat vector over the sites of ``layout``, else the index."""
+    parts = zip(layout.names, layout.split(tensor)) if layout is not None else [("", tensor)]
+    for site, part in parts:
+        bad = ~torch.isfinite(part)
+        if bool(bad.any()):
+            index = tuple(int(i) for i in bad.nonzero()[0])
+            return f"in weight site {site!r} at index {index}" if site else f"at index {index}"
+    return "in no single entry (a sum overflows)"
+
+
+def check_not_meta(state, method: str, where: str) -> None:
+    """Refuse a ``state`` (a :class:`~pyro_bdl.infer.natural_gradient.state.NaturalGradientState`
+    or ``None``) moved to the meta device: it holds shapes without values, so nothing can be
+    computed from it, loaded into it, or moved back from it."""
+    if state is not None and state.mean.is_meta:
+        raise ValueError(
+            f"{where}: {method}'s state is on the meta device (shapes without values), so "
+            "nothing can be computed from it or loaded into it, and it cannot be moved back; "
+            f"nothing was changed. To resume, build a new {method} over the network on a real "
+            "device and load the state_dict into it."
+        )

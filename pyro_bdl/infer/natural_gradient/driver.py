@@ -28,6 +28,7 @@ first step forgets everything it set up. Reading a step: this module and the met
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -48,6 +49,9 @@ from pyro_bdl.infer.natural_gradient.checks import (
     check_hyperparameters,
     check_inputs,
     check_loss,
+    check_not_meta,
+    check_real,
+    first_non_finite,
 )
 from pyro_bdl.infer.natural_gradient.model import (
     Hidden,
@@ -62,8 +66,11 @@ from pyro_bdl.infer.natural_gradient.state import (
     StateFormat,
     check_state_dict,
     initial_state,
+    map_tensors,
     pack_state_dict,
+    state_tensors,
     unpack_state_dict,
+    with_hidden,
 )
 from pyro_bdl.infer.rollback import Rollback, refused
 from pyro_bdl.layout import SiteLayout
@@ -96,6 +103,19 @@ class NaturalGradientOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable | None = None):  # type: ignore[override]
         return closure() if closure is not None else None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once the one group exists: the method reads ``param_groups[0]`` only, so
+        another group's hyperparameters would be ignored (and its state_dict not load back)."""
+        if self.param_groups:
+            keys = sorted(k for k in param_group if k != "params")
+            raise ValueError(
+                "a natural-gradient method has one parameter group: its lr and betas are "
+                "param_groups[0]['lr'] and ['betas'], which apply to every weight; another group "
+                f"would be ignored. Got a group with {keys}; "
+                "set param_groups[0]['lr'] (or use a learning-rate scheduler) instead."
+            )
+        super().add_param_group(param_group)
 
 
 class NaturalGradientVI:
@@ -146,15 +166,16 @@ class NaturalGradientVI:
         if not callable(model):
             raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
         check_positive_int("dataset_size", dataset_size)
+        lr = check_real("lr", lr)
         check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
-        check_probability("betas[0] (beta1)", betas[0], open_interval=False)
-        check_probability("betas[1] (beta2)", betas[1], open_interval=False)
+        for i, name in enumerate(("betas[0] (beta1)", "betas[1] (beta2)")):
+            check_probability(name, check_real(name, betas[i]), open_interval=False)
         if prior_precision is not None:
             check_positive(
                 "prior_precision",
-                prior_precision,
+                check_real("prior_precision", prior_precision),
                 fix="Pass δ > 0, e.g. 1.0, or leave it out to use the prior of bayesianize.",
             )
         check_positive_int("num_particles", num_particles)
@@ -210,10 +231,17 @@ class NaturalGradientVI:
         """(ĝs, ĥs) in :attr:`estimates`: of μ first, then of each hidden parameter."""
         raise NotImplementedError
 
-    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
-        """The method's update of :attr:`state` from :attr:`estimates`: the new mean, momentum
-        and curvature into the tensors of ``out`` (the state's own stay as they were), the
-        hidden parameters and their moments in place; returns the new state."""
+    def _update(
+        self,
+        state: NaturalGradientState,
+        g_hat: list[torch.Tensor],
+        h_hat: list[torch.Tensor],
+        out: NaturalGradientState,
+    ) -> NaturalGradientState:
+        """The method's update of ``state`` from the estimates ``g_hat`` and ``h_hat`` (as
+        :meth:`_split` gives them, for the hidden parameters of ``state``): the new mean,
+        momentum and curvature into the tensors of ``out`` (the state's own stay as they were),
+        the hidden parameters and their moments in place; returns the new state."""
         raise NotImplementedError
 
     def _write_scale(
@@ -377,7 +405,7 @@ class NaturalGradientVI:
             convert(p) for p in self.optimizer.param_groups[0]["params"]
         ]
         if self._pending is not None:
-            self._pending = _map_tensors(self._pending, convert)
+            self._pending = map_tensors(self._pending, convert)
         state = self.state
         if state is None or self.layout is None or self.prior is None:
             return self
@@ -499,12 +527,15 @@ class NaturalGradientVI:
         g_hats, h_hats = self._split()
         labelled = [(f"{n} (ĝ)", t) for n, t in zip(names, g_hats)]
         labelled += [(f"{n} (ĥ)", t) for n, t in zip(names, h_hats)]
-        name = next(n for n, t in labelled if not bool(torch.isfinite(t).all()))
+        name, tensor = next((n, t) for n, t in labelled if not bool(torch.isfinite(t).all()))
+        flat = tensor is g_hats[0] or tensor is h_hats[0]
+        where = first_non_finite(tensor, self.layout if flat else None)
         after = " after reduce_fn (on some rank, or by overflow of the sum)" if reduced else ""
         raise ValueError(
             f"{self.name} step {step}: the gradient of the likelihood for {name} is not "
-            f"finite{after} (NaN or inf); nothing was updated. Check the batch's scale "
-            "(standardise the inputs), then lower the learning rate."
+            f"finite{after} (NaN or inf); nothing was updated. The first non-finite entry is "
+            f"{where}. Check the batch's scale (standardise the inputs), then lower the "
+            "learning rate."
         )
 
     # -- the public step -----------------------------------------------------------------------
@@ -524,6 +555,7 @@ class NaturalGradientVI:
         self._reductions_done = self.reduce_fn is None
         self._in_reduction = False
         try:
+            check_not_meta(self.state, self.name, where)
             check_hyperparameters(self.optimizer, step, self.name)
             check_inputs(args, kwargs, where)
             tau = self._next_temperature(step)
@@ -540,7 +572,7 @@ class NaturalGradientVI:
         rollback.save([*state.hidden, *state.hidden_momentum, *state.hidden_curvature, *unreduced])
         try:
             loss = self._loss(args, kwargs, step, tau)
-            candidate = self._update(self._spare)
+            candidate = self._update_trainable(state)
             self._refresh_scale(tau, candidate)
             self._check_state(step, candidate)
         except BaseException as err:
@@ -557,6 +589,19 @@ class NaturalGradientVI:
         self._temperature = tau
         self.optimizer.step()  # marks the step for the learning-rate schedulers
         return loss
+
+    def _update_trainable(self, state: NaturalGradientState) -> NaturalGradientState:
+        """The method's update of ``state`` into the spare tensors, leaving out the hidden
+        parameters frozen since set-up (``requires_grad=False``) as ``torch.optim`` skips a
+        parameter without a gradient: their values and moments stay as they were."""
+        g_hat, h_hat = self._split()
+        keep = [h.param.requires_grad for h in self._hidden]
+        if all(keep):
+            return self._update(state, g_hat, h_hat, self._spare)
+        # A method without ĥ of the hidden parameters (IVON) gives only the weights' ĥ.
+        g_part, h_part = (xs[:1] + [x for x, k in zip(xs[1:], keep) if k] for xs in (g_hat, h_hat))
+        new = self._update(with_hidden(state, keep), g_part, h_part, self._spare)
+        return with_hidden(new, keep, like=state)
 
     @torch.no_grad()
     def _commit(self, candidate: NaturalGradientState) -> None:
@@ -604,16 +649,6 @@ class NaturalGradientVI:
         if several and shapes and self.reduce_fn is not None:
             self.reduce_fn([torch.full_like(t, math.nan) for t in shapes])
 
-    def _state_tensors(self, state: NaturalGradientState) -> list[torch.Tensor]:
-        return [
-            state.mean,
-            state.momentum,
-            state.curvature,
-            *state.hidden,
-            *state.hidden_momentum,
-            *state.hidden_curvature,
-        ]
-
     def _state_names(self) -> list[str]:
         names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
         out = [f"the mean of {names[0]}", f"the momentum of {names[0]}"]
@@ -626,17 +661,25 @@ class NaturalGradientVI:
         """Refuse an update that would leave a non-finite state, or a σ that is not finite and
         > 0 (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
         committed: a NaN written into the curvature would refuse every later step."""
-        tensors = self._state_tensors(candidate)
+        tensors = state_tensors(candidate)
         # The curvature of the weights needs no sum: σ, and so Σσ² and Σ log σ², is finite only
         # where it is.
         if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, self._var_sums)):
             return
-        bad = [n for n, t in zip(self._state_names(), tensors) if not bool(torch.isfinite(t).all())]
-        what = bad[0] if bad else "the posterior scale σ (zero or inf, from the curvature)"
+        bad = [
+            (n, i, t)
+            for i, (n, t) in enumerate(zip(self._state_names(), tensors))
+            if not bool(torch.isfinite(t).all())
+        ]
+        what, where = "the posterior scale σ (zero or inf, from the curvature)", ""
+        if bad:
+            what, i, tensor = bad[0]
+            place = first_non_finite(tensor, self.layout if i < 3 else None)
+            where = f" The first non-finite entry is {place}."
         g_hat = self._split()[0][0]
         raise FloatingPointError(
             f"{self.name} step {step}: the update would make {what} non-finite; the step was "
-            "refused and nothing was updated. The batch's gradients are too large for the "
+            f"refused and nothing was updated.{where} The batch's gradients are too large for the "
             f"state's float precision (largest |ĝ| {float(g_hat.abs().max()):.3g}): check the "
             "scale of the inputs (standardise them), or lower the learning rate."
         )
@@ -697,7 +740,10 @@ class NaturalGradientVI:
     def state_dict(self) -> dict[str, Any]:
         """Everything the update changes: μ, the moments, the hidden parameters and their
         moments, the step counter, τ (VOGN) and the scheduled hyperparameters (BatchNorm running
-        statistics stay in ``net.state_dict()``; σ follows from the curvature)."""
+        statistics stay in ``net.state_dict()``; σ follows from the curvature). Before the first
+        step, a state given to :meth:`load_state_dict` is the state (a copy)."""
+        if self.state is None and self._pending is not None:
+            return copy.deepcopy(self._pending)
         if self.state is None or self.layout is None:
             raise RuntimeError(
                 f"{self.name} has no state before its first step; call "
@@ -720,6 +766,7 @@ class NaturalGradientVI:
         check_state_dict(state, self.layout, hidden, spec=self.state_format)
         if self.state is None:
             return
+        check_not_meta(self.state, self.name, f"{self.name}.load_state_dict")
         curvature = state["curvature"].to(self.state.curvature)
         tau = float(state["temperature"]) if self.state_format.temperature else 1.0
         scale, log_scale = torch.empty_like(curvature), torch.empty_like(curvature)
@@ -741,21 +788,10 @@ class NaturalGradientVI:
         which then skips the initialisation of the curvature; refused there, it is discarded."""
         self.check_state_dict(state)
         if self.state is None:
-            self._pending = dict(state)
+            self._pending = copy.deepcopy(dict(state))  # as it is now, whatever the caller does
             return
         unpack_state_dict(state, self.state, self._hidden)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.state_format.temperature:
             self._temperature = float(state["temperature"])
         self._refresh_scale(self._temperature)
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with ``fn`` applied to every tensor inside its dicts, lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value

@@ -210,10 +210,13 @@ class IVON(NaturalGradientVI):
             # network, not those and their concatenation as well.
             leaves = [v.detach().requires_grad_() for v in self._weight_views]
             losses, batch, nll = self._run(self._written(leaves), args, kwargs, step)
-            wrt = [*leaves, *hidden_params]
-            grads: Sequence[torch.Tensor | None] = (None,) * len(wrt)
+            # A hidden parameter frozen since set-up has no gradient (and takes no update).
+            wrt = [*leaves, *(p for p in hidden_params if p.requires_grad)]
+            grads: list[torch.Tensor | None] = [None] * (len(leaves) + len(hidden_params))
             if losses.requires_grad:  # else the likelihood depends on no weight
-                grads = torch.autograd.grad(losses.sum() / batch, wrt, allow_unused=True)
+                found = iter(torch.autograd.grad(losses.sum() / batch, wrt, allow_unused=True))
+                grads = [next(found) for _ in leaves]
+                grads += [next(found) if p.requires_grad else None for p in hidden_params]
             with torch.no_grad():
                 # This draw's ĝ into g (the first draw) or the spare buffer (later draws).
                 draw = g if k == 0 else self._product
@@ -254,10 +257,14 @@ class IVON(NaturalGradientVI):
             clip_radius=self.clip_radius,
         )
 
-    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
-        assert self.state is not None
-        g_hat, (h_hat,) = self._split()
-        return ivon_update(self.state, g_hat, h_hat, self._hyperparameters(), out)
+    def _update(
+        self,
+        state: NaturalGradientState,
+        g_hat: list[torch.Tensor],
+        h_hat: list[torch.Tensor],
+        out: NaturalGradientState,
+    ) -> NaturalGradientState:
+        return ivon_update(state, g_hat, h_hat[0], self._hyperparameters(), out)
 
     def _write_scale(
         self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor

@@ -131,6 +131,18 @@ def inspect_model(
             if fullname in params and fullname not in covered:
                 covered.add(fullname)
                 hidden.append(Hidden(fullname, p, module, pname))
+    # The state (μ, momentum, curvature) takes the weights' dtype, and a running average of
+    # squared gradients in bf16 or fp16 keeps 8 or 11 bits: refused, as ``.to`` refuses it.
+    dtypes_of = [(f"weight site {s.name!r}", s.init_value.dtype) for s in sites]
+    dtypes_of += [(f"hidden parameter {h.name!r}", h.param.dtype) for h in hidden]
+    for what, dtype in dtypes_of:
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"{method} keeps its state (the mean, momentum and curvature of every weight) in "
+                f"the dtype of the weights; {what} is {dtype}, in which the running averages "
+                "lose the curvature. Keep the network in float32 (net.float()) and train under "
+                f"torch.autocast for {dtype} compute."
+            )
     missing = [p for p in params if p not in covered]
     if missing:
         raise ValueError(
@@ -196,11 +208,26 @@ def observed_sites(trace, weights: set[str]) -> list[dict]:
 
 class SiteRecorder(Messenger):
     """Records the sample sites that reach it (with the weights substituted on the layers, only
-    the observations); a lighter ``poutine.trace`` for the passes after the first."""
+    the observations); a lighter ``poutine.trace`` for the passes after the first.
 
-    def __init__(self) -> None:
+    It refuses every ``param`` statement (``where``, ``"VOGN step 3"``, starts the message): the
+    passes write every hidden parameter onto its layer, so one reaches Pyro only from a layer
+    the first pass did not call, which the method would not train."""
+
+    def __init__(self, where: str = "") -> None:
         super().__init__()
         self.sites: list[dict] = []
+        self.where = where
+
+    def _pyro_param(self, msg) -> None:
+        # Refused before the layer computes with it (its running statistics, for one, are
+        # still as they were; only a BatchNorm's num_batches_tracked has counted the call).
+        raise ValueError(
+            f"{self.where}: parameter {msg['name']!r} belongs to a layer that the first step did "
+            "not call; the first step read which parameters to train from the layers it called, "
+            "so this one would never be trained. Nothing was updated. Call every layer at the "
+            "first step (give the model the same structure at every step)."
+        )
 
     def _pyro_post_sample(self, msg) -> None:
         # A message is not reused once its sample statement has returned: keep it, uncopied.
@@ -215,9 +242,9 @@ def run_substituted(
     where: str,
 ) -> list[dict]:
     """Run ``model`` with ``module.<name> = value`` for every entry of ``values``; returns the
-    observed sites of the data plate, refusing a latent site (the model changed its structure).
-    ``where`` (``"VOGN step 3"``) starts the messages."""
-    recorder = SiteRecorder()
+    observed sites of the data plate, refusing a latent site or a parameter (the model changed
+    its structure). ``where`` (``"VOGN step 3"``) starts the messages."""
+    recorder = SiteRecorder(where)
     try:
         for module, name, value in values:
             # An instance attribute shadows both nn.Module's parameter lookup and PyroModule's

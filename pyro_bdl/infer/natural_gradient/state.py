@@ -5,13 +5,13 @@ holds, and the checks that refuse a state of another model or format before anyt
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pyro_bdl.infer.natural_gradient.checks import betas_ok, lr_ok
 from pyro_bdl.infer.natural_gradient.model import Hidden
 from pyro_bdl.layout import SiteLayout
 
@@ -21,8 +21,11 @@ __all__ = [
     "check_state_dict",
     "check_values",
     "initial_state",
+    "map_tensors",
     "pack_state_dict",
+    "state_tensors",
     "unpack_state_dict",
+    "with_hidden",
 ]
 
 
@@ -220,7 +223,7 @@ def check_state_dict(
             "optimizer (a 'state' dict and one parameter group with 'lr', 'betas' and its one "
             "placeholder parameter)."
         )
-    if not _hyperparameters_ok(groups[0]["lr"], groups[0]["betas"]):
+    if not (lr_ok(groups[0]["lr"]) and betas_ok(groups[0]["betas"])):
         raise ValueError(
             f"the {method} state_dict is damaged: its optimizer needs a finite lr >= 0 (a "
             f"schedule may end at 0) and betas, two numbers in [0, 1); got "
@@ -302,19 +305,6 @@ def check_values(state: Mapping[str, Any], spec: StateFormat) -> None:
             )
 
 
-def _hyperparameters_ok(lr: Any, betas: Any) -> bool:
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    return (
-        number(lr)
-        and lr >= 0
-        and isinstance(betas, (tuple, list))
-        and len(betas) == 2
-        and all(number(b) and 0 <= b < 1 for b in betas)
-    )
-
-
 @torch.no_grad()
 def unpack_state_dict(
     state: Mapping[str, Any], into: NaturalGradientState, hidden: Sequence[Hidden]
@@ -329,3 +319,38 @@ def unpack_state_dict(
         s.copy_(state["hidden_curvature"][h.name])
     into.step = int(state["step"])
     return into
+
+
+def state_tensors(state: NaturalGradientState) -> list[torch.Tensor]:
+    """The mean, momentum and curvature, then the hidden parameters and their moments."""
+    hidden = [*state.hidden, *state.hidden_momentum, *state.hidden_curvature]
+    return [state.mean, state.momentum, state.curvature, *hidden]
+
+
+def with_hidden(
+    state: NaturalGradientState, keep: Sequence[bool], like: NaturalGradientState | None = None
+) -> NaturalGradientState:
+    """``state`` with the hidden parameters and their moments of ``like`` (all of them), or, by
+    default, only those of ``state`` where ``keep`` (the same tensors, not copies)."""
+    if like is not None:
+        hidden, momentum, curvature = like.hidden, like.hidden_momentum, like.hidden_curvature
+    else:
+        hidden, momentum, curvature = (
+            [t for t, k in zip(tensors, keep) if k]
+            for tensors in (state.hidden, state.hidden_momentum, state.hidden_curvature)
+        )
+    return dataclasses.replace(
+        state, hidden=hidden, hidden_momentum=momentum, hidden_curvature=curvature
+    )
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a state_dict) with ``fn`` applied to every tensor inside its dicts, lists and
+    tuples."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    return value

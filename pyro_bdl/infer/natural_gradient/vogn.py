@@ -46,7 +46,7 @@ import torch
 
 from pyro_bdl._validation import check_positive
 from pyro_bdl.curvature.per_example import PerExampleGradients
-from pyro_bdl.infer.natural_gradient.checks import as_float, check_range
+from pyro_bdl.infer.natural_gradient.checks import as_float, check_range, check_real
 from pyro_bdl.infer.natural_gradient.driver import NaturalGradientVI
 from pyro_bdl.infer.natural_gradient.model import Prepared, per_example_nll
 from pyro_bdl.infer.natural_gradient.state import NaturalGradientState, StateFormat
@@ -67,7 +67,9 @@ class VOGN(NaturalGradientVI):
     sites and layers, checked there) and its prior, and initialises s from the first minibatch at
     w = μ; later steps write the weight sample straight onto the lifted layers and record only the
     observations (see :mod:`pyro_bdl.infer.natural_gradient.model`), so the model must have the
-    same sample sites at every step; a latent site that appears later is refused.
+    same sample sites at every step; a latent site, or a parameter of a layer that the first step
+    did not call, that appears later is refused. The weights must be float32 or float64 (the state
+    takes their dtype; for bf16 compute, train under ``torch.autocast``).
 
     **Prior.** By default the Gaussian prior declared in :func:`~pyro_bdl.bayesianize` (per-weight
     mean μ₀ and precision δ); a non-Gaussian one raises
@@ -77,8 +79,10 @@ class VOGN(NaturalGradientVI):
     **Hidden parameters** (the ``pyro.param`` sites of the network, BatchNorm's affine parameters
     by default) are point estimates: they are used as they are (no noise) and updated with the
     same preconditioned momentum step but without the prior term (δ̃, from the mean prior
-    precision, only damps their step). BatchNorm running statistics are updated by every forward
-    pass, as in training with Adam, and put back if the step is refused (see :meth:`step`).
+    precision, only damps their step); one frozen after the first step (``requires_grad=False``)
+    keeps its value and moments, as ``torch.optim`` skips it. BatchNorm running statistics are
+    updated by every forward pass, as in training with Adam, and put back if the step is refused
+    (see :meth:`step`).
 
     Learning-rate schedulers: pass :attr:`optimizer` (a ``torch.optim.Optimizer`` holding ``lr``
     and ``betas``) to any ``torch.optim.lr_scheduler``. Temperature: a number, or a callable
@@ -150,6 +154,7 @@ class VOGN(NaturalGradientVI):
             reduce_fn=reduce_fn,
         )
         if not callable(temperature):
+            temperature = check_real("temperature", temperature)
             check_positive("temperature", temperature, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
         check_range(
             "VOGN",
@@ -159,7 +164,7 @@ class VOGN(NaturalGradientVI):
             1e6,
             "ρ scales the dataset size (Ñ = ρN) for data augmentation; pass e.g. 1.0.",
         )
-        if isinstance(damping, bool) or not math.isfinite(float(damping)) or damping < 0:
+        if not math.isfinite(check_real("damping", damping)) or damping < 0:
             raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
         self.effective_size = float(augmentation_factor) * dataset_size
         self.damping = float(damping)
@@ -175,7 +180,11 @@ class VOGN(NaturalGradientVI):
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        check_positive("temperature", value, fix="Pass τ > 0 (τ = 1 is standard Bayes).")
+        check_positive(
+            "temperature",
+            check_real("temperature", value),
+            fix="Pass τ > 0 (τ = 1 is standard Bayes).",
+        )
         self._schedule = None
         self._temperature = float(value)
 
@@ -278,9 +287,14 @@ class VOGN(NaturalGradientVI):
             damping=self.damping,
         )
 
-    def _update(self, out: NaturalGradientState) -> NaturalGradientState:
-        assert self.state is not None
-        return vogn_update(self.state, *self._split(), self._hyperparameters(), out)
+    def _update(
+        self,
+        state: NaturalGradientState,
+        g_hat: list[torch.Tensor],
+        h_hat: list[torch.Tensor],
+        out: NaturalGradientState,
+    ) -> NaturalGradientState:
+        return vogn_update(state, g_hat, h_hat, self._hyperparameters(), out)
 
     def _write_scale(
         self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
