@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from pyro_bdl.nn.spec import constant_buffer_names
+
 __all__ = ["BufferRecorder", "ParamStoreRecorder", "Rollback", "norm_layer_buffers", "refused"]
 
 
@@ -119,7 +121,8 @@ def norm_layer_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, st
 
 class BufferRecorder:
     """While active, copies the buffers of every module before its first forward call (a global
-    forward pre-hook), so that a pass over modules not known in advance can be undone.
+    forward pre-hook), so that a pass over modules not known in advance can be undone; the
+    buffers :func:`~pyro_bdl.bayesianize` added and no pass writes are left out.
 
     :ivar snapshots: ``{module: {buffer name: copy}}`` of the modules called so far.
     """
@@ -132,7 +135,12 @@ class BufferRecorder:
 
     def _hook(self, module: nn.Module, inputs) -> None:
         if module not in self.snapshots:
-            buffers = dict(module.named_buffers(recurse=False))
+            # What bayesianize added and no pass writes is skipped: a frozen base model would
+            # otherwise be copied whole on the first step.
+            constant = constant_buffer_names(module)
+            buffers = {
+                k: b for k, b in module._buffers.items() if b is not None and k not in constant
+            }
             self.snapshots[module] = {k: b.detach().clone() for k, b in buffers.items()}
             for k, b in buffers.items():
                 self._seen[(module, k)] = (b, b._version)

@@ -27,7 +27,16 @@ from pyro_bdl.nn.lift_rules import (
     exposed,
     same_prior,
 )
-from pyro_bdl.nn.spec import INIT_PREFIX, PriorFn, SiteSpec, Use, init_to_network, site_spec
+from pyro_bdl.nn.spec import (
+    INIT_PREFIX,
+    PriorFn,
+    SiteSpec,
+    Use,
+    constant_buffer_names,
+    init_to_network,
+    mark_constant,
+    site_spec,
+)
 from pyro_bdl.nn.vectorize import install_batched_forward
 from pyro_bdl.priors import Normal, Prior
 
@@ -35,7 +44,6 @@ __all__ = [
     "DEFAULT_HIDE",
     "SiteSpec",
     "bayesianize",
-    "constant_buffer_names",
     "constant_buffers",
     "init_to_network",
     "site_spec",
@@ -46,10 +54,6 @@ _SITES_ATTR = "_bdl_sites"
 #: The uses of each frozen parameter hidden as a buffer, by its first name; the tensor is read
 #: from the first use's layer, since moving the network (``.to``, ``.double()``) replaces buffers.
 _FROZEN_ATTR = "_bdl_frozen"
-
-#: Per layer, the names of its buffers that hold frozen parameters hidden by bayesianize: read by
-#: :func:`constant_buffer_names`, so that a first-call hook sees them from the layer alone.
-_CONSTANT_ATTR = "_bdl_constant"
 
 #: The parameter tensor each live site was lifted from: a layer still holding one is tied to that
 #: site by a call that lifted only part of the network.
@@ -117,14 +121,6 @@ def constant_buffers(module: nn.Module) -> list[torch.Tensor]:
         for n in constant_buffer_names(sub)
         if (b := sub._buffers[n]) is not None
     ]
-
-
-def constant_buffer_names(layer: nn.Module) -> set[str]:
-    """The names of ``layer``'s own buffers that :func:`bayesianize` added and that no forward
-    pass writes (see :func:`constant_buffers`); read from the layer alone, as a global forward
-    hook sees it."""
-    frozen = layer.__dict__.get(_CONSTANT_ATTR, set())
-    return {n for n in layer._buffers if n.startswith(INIT_PREFIX) or n in frozen}
 
 
 def _frozen_tensor(uses: tuple[Use, ...]) -> torch.Tensor:
@@ -215,7 +211,7 @@ def _lift(module, prior, param, uses, inits, registry) -> None:
         # A frozen parameter hidden by an earlier call is a buffer now.
         sub._parameters.pop(attr, None)
         sub._buffers.pop(attr, None)
-        sub.__dict__.get(_CONSTANT_ATTR, set()).discard(attr)
+        mark_constant(sub, attr, False)
         if sub is owner and attr == pname:
             sub.register_buffer(INIT_PREFIX + attr, inits[name], persistent=False)
         else:
@@ -234,7 +230,7 @@ def _freeze(module, param, uses) -> None:
     for _, sub, attr in distinct:
         del sub._parameters[attr]
         sub.register_buffer(attr, tensor)
-        sub.__dict__.setdefault(_CONSTANT_ATTR, set()).add(attr)
+        mark_constant(sub, attr, True)
     frozen = module.__dict__.setdefault(_FROZEN_ATTR, {})
     frozen[uses[0][0]] = tuple(uses)
     if len(distinct) > 1:

@@ -18,10 +18,42 @@ from torch import nn
 
 from pyro_bdl.nn import tied
 
-__all__ = ["INIT_PREFIX", "PriorFn", "SiteSpec", "Use", "init_to_network", "site_spec"]
+__all__ = [
+    "INIT_PREFIX",
+    "PriorFn",
+    "SiteSpec",
+    "Use",
+    "constant_buffer_names",
+    "init_to_network",
+    "mark_constant",
+    "site_spec",
+]
 
 #: The prefix of the buffer holding a lifted weight's initial location on its layer.
 INIT_PREFIX = "_bdl_init_"
+
+#: Per layer, the names of its buffers that hold frozen parameters hidden by ``bayesianize``.
+_CONSTANT_ATTR = "_bdl_constant"
+
+
+def mark_constant(layer: nn.Module, name: str, constant: bool) -> None:
+    """Record that ``layer``'s buffer ``name`` holds a frozen parameter hidden by
+    ``bayesianize`` (``constant``), or no longer does."""
+    names = layer.__dict__.setdefault(_CONSTANT_ATTR, set())
+    if constant:
+        names.add(name)
+    else:
+        names.discard(name)
+
+
+def constant_buffer_names(layer: nn.Module) -> set[str]:
+    """The names of ``layer``'s own buffers that ``bayesianize`` added and that no forward pass
+    writes: the lifted weights' initial locations and the frozen parameters it hid. Read from
+    the layer alone, as a global forward hook sees it; a rollback of a pass need not copy them
+    (for a frozen base model, that copy would double its memory)."""
+    frozen = layer.__dict__.get(_CONSTANT_ATTR, set())
+    return {n for n in layer._buffers if n.startswith(INIT_PREFIX) or n in frozen}
+
 
 PriorFn = Callable[[nn.Module, str, torch.Tensor], dist.Distribution]
 Use = tuple[str, nn.Module, str]  # (dotted name, layer, attribute name)

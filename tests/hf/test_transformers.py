@@ -141,6 +141,25 @@ def test_the_first_model_call_copies_no_frozen_base_weight():
     assert copies.count == 0
 
 
+@pytest.mark.parametrize("method", ["suffstat_elbo", "ivon", "vogn"])
+def test_the_first_step_copies_no_frozen_base_weight(method):
+    # The first step undoes a refused pass through a recorder of the buffers each layer holds
+    # (the ELBO's, the natural-gradient set-up's); the frozen base is constant and never copied.
+    net = _lora()
+    base = {p.untyped_storage().data_ptr() for p in net.parameters() if not p.requires_grad}
+    model = bdl.models.classifier(bdl.bayesianize(net, expose=bdl.nn.lora), N)
+    batch, y = _batch()
+    if method == "suffstat_elbo":
+        guide = bdl.guides.AutoMeanField(model)
+        svi = SVI(model, guide, Adam({"lr": 1e-3}), bdl.infer.TraceSuffStat_ELBO())
+        step = svi.step
+    else:
+        step = getattr(bdl.infer, method.upper())(model, dataset_size=N, lr=0.05).step
+    with _Copies(base) as copies:
+        step(batch, y)
+    assert copies.count == 0
+
+
 def test_an_adapter_named_lora_something_does_not_make_the_head_random():
     config = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
     with warnings.catch_warnings():
