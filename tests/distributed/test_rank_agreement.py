@@ -1,5 +1,6 @@
 """What the ranks must agree on beyond the gradients: optimizer state and frozen weights when
-DataParallelSVI is built, the batch size of every step, and the bins of the sharded metrics.
+DataParallelSVI is built, the batch size of every step (equal short last batches stay exact), and
+the bins of the sharded metrics.
 
 One spawn of two ``gloo`` ranks runs every phase (set-up shared with test_data_parallel.py).
 """
@@ -13,20 +14,52 @@ from pyro.infer import SVI, TraceMeanField_ELBO
 from torch import nn
 
 from pyro_bdl import bayesianize, models
-from pyro_bdl.distributed import DataParallelSVI, sharded_metrics
+from pyro_bdl.distributed import DataParallelSVI, shard_indices, sharded_metrics
 from pyro_bdl.guides import AutoMeanField
 from pyro_bdl.priors import Normal
-from tests.distributed.test_data_parallel import N, _dataset, _flat_params, spawn_phases
+from tests.distributed.test_data_parallel import WORLD, N, _dataset, _flat_params, spawn_phases
 
 pytestmark = pytest.mark.distributed
 
+# 41 examples on two ranks: shards of 20 (one example left out per epoch) in batches of 6, so
+# every epoch ends with a batch of 2 per rank.
+N_ODD, B_ODD = 41, 6
 
-def _model(seed: int, *, frozen: bool = False):
+
+def _model(seed: int, *, frozen: bool = False, size: int = N):
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     if frozen:
         net[0].weight.requires_grad_(False)  # a frozen layer: bayesianize hides it as a buffer
-    return models.classifier(bayesianize(net, Normal(scale=1.0)), N)
+    return models.classifier(bayesianize(net, Normal(scale=1.0)), size)
+
+
+def _odd_dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(N_ODD, 4, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 3, (N_ODD,), generator=g)
+
+
+def _odd_batches(rank: int) -> list[torch.Tensor]:
+    shards = [shard_indices(N_ODD, rank=rank, world_size=WORLD, epoch=e) for e in range(2)]
+    return [batch for shard in shards for batch in shard.split(B_ODD)]
+
+
+def _odd_run(svi_class, batches) -> torch.Tensor:
+    x, y = _odd_dataset()
+    model = _model(0, size=N_ODD)
+    guide = AutoMeanField(model, init_scale=0.05)
+    guide(x[:2], y[:2])
+    if svi_class is SVI:
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), TraceMeanField_ELBO())
+        pyro.set_rng_seed(1)
+    else:
+        svi = _wrap(model, guide, pyro.optim.Adam({"lr": 0.05}))
+    steps = []
+    for batch in batches:
+        svi.step(x[batch], y[batch])
+        steps.append(_flat_params())
+    return torch.stack(steps)
 
 
 def _wrap(model, guide, optim) -> DataParallelSVI:
@@ -100,6 +133,10 @@ def _phase_unequal(rank: int) -> dict:
     return {"error": error, "unchanged": unchanged, "loss": loss}
 
 
+def _phase_short_last_batches(rank: int) -> torch.Tensor:
+    return _odd_run(DataParallelSVI, _odd_batches(rank))
+
+
 def _phase_bins(rank: int) -> str:
     probs = torch.full((3, 3), 1 / 3, dtype=torch.float64)
     y = torch.tensor([0, 1, 2])
@@ -114,6 +151,7 @@ def ranks(tmp_path_factory) -> list[dict]:
         "state_on_one_rank": _phase_state_on_one_rank,
         "unequal": _phase_unequal,
         "bins": _phase_bins,
+        "short": _phase_short_last_batches,
     }
     return spawn_phases(tmp_path_factory.mktemp("agreement"), phases)
 
@@ -146,6 +184,19 @@ def test_batches_of_different_sizes_are_refused_on_every_rank(ranks):
         assert "subsample size per rank: [5, 4]" in unequal["error"]
         assert unequal["unchanged"]
     assert ranks[0]["unequal"]["loss"] == ranks[1]["unequal"]["loss"]
+
+
+def test_short_last_batches_match_one_process_on_the_concatenated_batch(ranks):
+    # Each rank scales by N/2 on a last batch of 2, the one process by N/4 on the 4 examples:
+    # averaging gives the same estimator. The sums differ only in order (relative 1e-16 per
+    # operation over 8 Adam steps), far below 1e-12.
+    pyro.clear_param_store()
+    joined = [torch.cat(pair) for pair in zip(_odd_batches(0), _odd_batches(1))]
+    assert [len(b) for b in joined[:4]] == [12, 12, 12, 4]
+    one = _odd_run(SVI, joined)
+    assert torch.equal(ranks[0]["short"], ranks[1]["short"])
+    torch.testing.assert_close(ranks[0]["short"], one, rtol=1e-12, atol=1e-12)
+    assert (one[-1] - one[0]).abs().max() > 1e-2  # the run moved
 
 
 def test_sharded_metrics_with_different_bins_are_refused_on_every_rank(ranks):
