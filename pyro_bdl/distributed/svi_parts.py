@@ -30,9 +30,13 @@ def check_seed(seed: object) -> None:
 
 
 def grads_of(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The gradients of ``trained``, made dense for the flat reduction (a sparse one is an
+    embedding's, as the gradient buckets do), zeros where a parameter has none."""
     for _, p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
     return [p.grad for _, p in trained]  # type: ignore[misc]
 
 
