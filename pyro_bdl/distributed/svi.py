@@ -101,10 +101,12 @@ class DataParallelSVI(SVI):
 
     - **Build it after the guide has created its parameters** (call ``guide(*example_batch)``);
       otherwise :class:`GuideNotInitializedError` says so. Building it broadcasts rank 0's
-      parameters (:meth:`broadcast_parameters`), so all ranks start from the same point.
+      parameters, the modules' buffers (frozen weights included) and the optimizer's state
+      (:meth:`broadcast_parameters`), so all ranks start from the same point.
     - **Every rank passes a batch of the same size**, and the model scales its data plate by
       N/B_local (:func:`pyro_bdl.models.classifier` does); :func:`shard_indices` gives equal
-      shards. The ranks must take the same number of steps.
+      shards. A step whose subsampled plates differ in size across ranks raises ``ValueError``
+      on every rank. The ranks must take the same number of steps.
     - **Weight noise is independent per rank** by default: the RNG of rank r is seeded with
       ``seed + r``. ``shared_noise=True`` seeds every rank with ``seed`` (tests compare with one
       process this way). ``seed=None`` draws the base seed on rank 0 from the current RNG.
