@@ -111,12 +111,15 @@ def sharded_metrics(
         error = refusal
     world = get_world_size(process_group)
     if world > 1:
-        shape = agree_on_refusal(error, [num_classes], step=0, process_group=process_group)
+        # The bins fix the length of the sums: ranks that disagree would abort inside gloo.
+        shape = agree_on_refusal(
+            error, [num_classes, num_bins], step=0, process_group=process_group
+        )
         if not bool((shape == shape[0]).all()):
             raise ValueError(
-                f"the ranks' probs have different numbers of classes (per rank: "
-                f"{[int(c) for c in shape[:, 0]]}); pass probabilities over the same classes on "
-                "every rank."
+                f"the ranks' probs have different numbers of classes or num_bins differs (per "
+                f"rank [classes, num_bins]: {shape.long().tolist()}); pass probabilities over the "
+                "same classes and the same num_bins on every rank."
             )
         device = comm_device(process_group)
         total = sums.to(device)

@@ -69,7 +69,9 @@ from pyro_bdl.distributed.svi_parts import (
     crc,
     grads_of,
     item,
+    module_buffers,
     modules,
+    optimizer_state,
     unsynced_batchnorms,
 )
 from pyro_bdl.infer.rollback import Rollback, norm_layer_buffers
@@ -99,10 +101,12 @@ class DataParallelSVI(SVI):
 
     - **Build it after the guide has created its parameters** (call ``guide(*example_batch)``);
       otherwise :class:`GuideNotInitializedError` says so. Building it broadcasts rank 0's
-      parameters (:meth:`broadcast_parameters`), so all ranks start from the same point.
+      parameters, the modules' buffers (frozen weights included) and the optimizer's state
+      (:meth:`broadcast_parameters`), so all ranks start from the same point.
     - **Every rank passes a batch of the same size**, and the model scales its data plate by
       N/B_local (:func:`pyro_bdl.models.classifier` does); :func:`shard_indices` gives equal
-      shards. The ranks must take the same number of steps.
+      shards. A step whose subsampled plates differ in size across ranks raises ``ValueError``
+      on every rank. The ranks must take the same number of steps.
     - **Weight noise is independent per rank** by default: the RNG of rank r is seeded with
       ``seed + r``. ``shared_noise=True`` seeds every rank with ``seed`` (tests compare with one
       process this way). ``seed=None`` draws the base seed on rank 0 from the current RNG.
@@ -220,26 +224,47 @@ class DataParallelSVI(SVI):
         return unique
 
     def broadcast_parameters(self) -> None:
-        """Overwrite every parameter (and BatchNorm statistics) with its value on rank 0.
+        """Overwrite every parameter, every buffer of the modules (frozen weights, BatchNorm
+        statistics) and the optimizer's state with their values on rank 0.
 
-        Called when the object is built; call it again after loading a checkpoint on rank 0 only.
-        Raises ``RuntimeError`` if the ranks hold different sets of parameter names.
+        Called when the object is built; call it again after loading a checkpoint (load it on
+        every rank when it holds optimizer state). Raises ``RuntimeError`` if the ranks hold
+        different sets of parameter or buffer names, or optimizer state for different parameters.
         """
         named = self._collect(self.guide)
+        buffers = module_buffers(self._norm_modules)
+        described, optim_tensors = optimizer_state(self.optim, named)
         # Names, shapes and dtypes must agree: the buckets of every step follow this list.
         names = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named.items()]
         numel = sum(p.numel() for p in named.values())
-        stats = all_gather_scalars([crc(names), numel], self.process_group)
-        if not bool((stats == stats[0]).all()):
+        buffer_names = [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in buffers.items()]
+        stats = all_gather_scalars(
+            [crc(names), numel, crc(buffer_names), crc(described)], self.process_group
+        )
+        rank = get_rank(self.process_group)
+        if not bool((stats[:, :2] == stats[0, :2]).all()):
             raise RuntimeError(
-                f"the ranks hold different parameters (rank {get_rank(self.process_group)} has "
+                f"the ranks hold different parameters (rank {rank} has "
                 f"{len(names)} named parameters with {numel} numbers; per rank [checksum of the "
                 f"names, shapes and dtypes, "
-                f"numbers]: {stats.tolist()}). Build the same model and guide, call the guide on "
-                "the same kind of batch on every rank, and clear stale parameters with "
+                f"numbers]: {stats[:, :2].tolist()}). Build the same model and guide, call the "
+                "guide on the same kind of batch on every rank, and clear stale parameters with "
                 "pyro.clear_param_store() before setting up."
             )
-        broadcast_(list(named.values()) + self._buffers, self.process_group)
+        if not bool((stats[:, 2] == stats[0, 2]).all()):
+            raise RuntimeError(
+                f"the ranks' modules hold different buffers (rank {rank} has "
+                f"{len(buffer_names)}); build the same network and guide on every rank."
+            )
+        if not bool((stats[:, 3] == stats[0, 3]).all()):
+            raise RuntimeError(
+                f"the optimizer holds state for different parameters on the ranks (rank {rank}: "
+                f"{len(described)} entries), as after a checkpoint loaded on some ranks only. "
+                "Load the checkpoint on every rank, or pass a fresh optimizer."
+            )
+        broadcast_(
+            list(named.values()) + list(buffers.values()) + optim_tensors, self.process_group
+        )
         # What a step may change outside the optimizer, saved before every step into storage
         # kept between steps: the normalisation layers' statistics and the random streams.
         self._snapshot = Rollback(norm_layer_buffers(self._norm_modules))
@@ -253,7 +278,7 @@ class DataParallelSVI(SVI):
                 self.process_group,
                 bucket_cap_mb=self._bucket_cap_mb,
                 passes=backward_passes(self.loss),
-                control=6,  # refusal_status (2) and the 4 values of step()
+                control=8,  # refusal_status (2) and the 6 values of step()
             )
 
     def seed_noise(self, seed: int | None = None) -> None:
@@ -296,7 +321,7 @@ class DataParallelSVI(SVI):
                 # Every .grad becomes a view of its bucket; the gradient hooks start the
                 # buckets' all-reduces during backward.
                 buckets.arm()
-            error, loss, traced, traced_params = self._local_step(args, kwargs)
+            error, loss, traced, traced_params, batch = self._local_step(args, kwargs)
             unknown = [name for key, name in traced.items() if key not in self._known]
             # The buckets follow the list fixed (and checked equal on every rank) by
             # broadcast_parameters, so they line up even when ranks trace different parameters.
@@ -311,7 +336,7 @@ class DataParallelSVI(SVI):
             # Every rank's refusal status, loss and checksums, exchanged before any gradient is
             # used: in the last gradient bucket (overlap), else in one all-gather. A refusal on
             # any rank raises here, on every rank.
-            values = [loss, len(unknown), zlib.crc32(bytes(has_grad)), stale]
+            values = [loss, len(unknown), zlib.crc32(bytes(has_grad)), stale, *batch]
             step = self.num_steps_taken
             if buckets is not None:
                 # Every rank starts every bucket, even on a refusal.
@@ -328,6 +353,14 @@ class DataParallelSVI(SVI):
                     f"step {self.num_steps_taken}: parameters were created after "
                     f"DataParallelSVI was built ({where}), so the ranks did not start from the "
                     "same values. " + _HOW_TO_INIT
+                )
+            if any(row[4] != rows[0][4] for row in rows):
+                raise ValueError(
+                    f"step {step}: the ranks passed batches of different sizes (subsample size "
+                    f"per rank: {[int(row[5]) for row in rows]}). Each rank scales its likelihood "
+                    "by N/B_local, so the average over ranks is the estimator on the whole batch "
+                    "only when every rank passes as many examples: split equal shards "
+                    "(shard_indices) by the same batch size on every rank. Nothing was updated."
                 )
             if any(row[2] != rows[0][2] for row in rows):
                 # Data-dependent control flow left some parameters without a gradient on some
@@ -377,7 +410,7 @@ class DataParallelSVI(SVI):
         except Exception as refusal:
             # The parameters read before the loss raised: a backward pass (an earlier particle)
             # may have given them gradients, which step() zeroes.
-            return refusal, float("nan"), *self._traced(capture)
+            return refusal, float("nan"), *self._traced(capture), capture.batch()
         traced, traced_params = self._traced(capture)
         nonfinite = None
         if self._world > 1:
@@ -385,7 +418,7 @@ class DataParallelSVI(SVI):
             finite = None if self._buckets is None else self._buckets.local_finite()
             named = [(traced[id(p)], p) for p in traced_params]
             nonfinite = nonfinite_refusal(loss, named, grads_finite=finite)
-        return nonfinite, loss, traced, traced_params
+        return nonfinite, loss, traced, traced_params, capture.batch()
 
     @staticmethod
     def _traced(capture: ParamRecorder) -> tuple[dict[int, str], list[torch.Tensor]]:

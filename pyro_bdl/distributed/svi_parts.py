@@ -8,6 +8,7 @@ import zlib
 from collections.abc import Callable, Iterator
 
 import torch
+from pyro.optim import PyroOptim
 from pyro.poutine.messenger import Messenger
 from torch import nn
 
@@ -29,27 +30,35 @@ def check_seed(seed: object) -> None:
 
 
 def grads_of(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The gradients of ``trained``, made dense for the flat reduction (a sparse one is an
+    embedding's, as the gradient buckets do), zeros where a parameter has none."""
     for _, p in trained:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            p.grad = p.grad.to_dense()
     return [p.grad for _, p in trained]  # type: ignore[misc]
 
 
 class ParamRecorder(Messenger):
     """The parameters a pass reads, by name, in the order first read: what SVI takes from
     ``poutine.trace(param_only=True)``, without copying every site's message into a trace (a
-    third less than the trace adds to each ``pyro.param`` call).
+    third less than the trace adds to each ``pyro.param`` call); and the sizes of the subsampled
+    plates, whose N/B scale makes the ranks' average exact only when the ranks' B agree.
 
     :ivar dict params: ``{name: unconstrained tensor}`` after the pass.
+    :ivar dict plates: ``{plate name: subsample size}`` of the plates with a subsample.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.params: dict[str, torch.Tensor] = {}
+        self.plates: dict[str, int] = {}
 
     def __enter__(self) -> ParamRecorder:
         self._values: dict[str, torch.Tensor] = {}
         self.params = {}
+        self.plates = {}
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
@@ -59,6 +68,17 @@ class ParamRecorder(Messenger):
 
     def _pyro_post_param(self, msg) -> None:
         self._values[msg["name"]] = msg["value"]
+
+    def _pyro_post_sample(self, msg) -> None:
+        for frame in msg["cond_indep_stack"]:
+            if frame.full_size is not None and frame.size != frame.full_size:
+                self.plates[frame.name] = frame.size
+
+    def batch(self) -> tuple[int, int]:
+        """(a checksum of the subsampled plates' names and sizes, the first one's size or 0):
+        what the ranks compare."""
+        plates = sorted(self.plates.items())
+        return crc([f"{name}:{size}" for name, size in plates]), plates[0][1] if plates else 0
 
 
 def backward_passes(loss) -> int:
@@ -72,6 +92,43 @@ def backward_passes(loss) -> int:
 
 def crc(names: list[str]) -> int:
     return zlib.crc32("\n".join(names).encode())
+
+
+def optimizer_state(optim: PyroOptim, named: dict[str, torch.Tensor]):
+    """What ``optim`` holds for the ``named`` parameters, as (a description, its tensors): which
+    parameters have state, its keys, shapes, dtypes and plain values, and the names of loaded
+    state no step has consumed yet. Equal descriptions on every rank let rank 0's tensors be
+    broadcast; a step taken before wrapping leaves each rank's Adam moments different."""
+    described: list[str] = []
+    tensors: list[torch.Tensor] = []
+    for name, p in named.items():
+        # One torch optimizer per parameter (PyroOptim, whose schedulers wrap theirs), or one
+        # for all (FusedOptim).
+        owner = optim.optim_objs.get(p, getattr(optim, "optimizer", None))
+        optimizer = getattr(owner, "optimizer", owner)
+        state = {} if optimizer is None else optimizer.state.get(p, {})
+        for key, value in sorted(state.items()):
+            if isinstance(value, torch.Tensor):
+                described.append(f"{name}.{key}:{tuple(value.shape)}:{value.dtype}")
+                tensors.append(value)
+            else:
+                described.append(f"{name}.{key}={value!r}")
+    waiting = getattr(optim, "_state_waiting_to_be_consumed", {})
+    described += [f"loaded, not consumed: {name}" for name in sorted(waiting)]
+    return described, tensors
+
+
+def module_buffers(tops: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Every buffer of ``tops`` (each listed once), by name: the frozen weights a lift hides,
+    normalisation statistics, a guide's moments."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for i, top in enumerate(tops):
+        for name, buffer in top.named_buffers():
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                found[f"{i}.{name}"] = buffer
+    return found
 
 
 def modules(model: Callable, guide: Callable) -> Iterator[nn.Module]:

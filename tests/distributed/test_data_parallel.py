@@ -427,6 +427,31 @@ def test_tied_weights_are_stepped_once_as_in_svi():
     assert torch.equal(_tied_trajectory(DataParallelSVI), _tied_trajectory(SVI))
 
 
+def _sparse_trajectory(svi_class) -> torch.Tensor:
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    embedding = nn.Embedding(5, 2, sparse=True).double()  # backward gives a sparse gradient
+    pyro.nn.module.to_pyro_module_(embedding)
+    ones = torch.ones(2, dtype=torch.float64)
+
+    def model(i):
+        with pyro.plate("data", 10, subsample=torch.arange(len(i))):
+            pyro.sample("obs", pdist.Normal(embedding(i).sum(-1), 1.0), obs=ones)
+
+    with poutine.block():  # create the parameters
+        model(torch.tensor([0]))
+    svi = svi_class(model, lambda i: None, pyro.optim.SGD({"lr": 0.1}), Trace_ELBO())
+    for _ in range(2):
+        svi.step(torch.tensor([0, 2]))
+    return embedding.weight.detach().clone()
+
+
+def test_a_sparse_gradient_is_reduced_as_in_svi():
+    # Without overlap (and in one process) the gradients are flattened for the reduction; a
+    # sparse one is made dense first, and SGD moves the weights as it does in SVI.
+    assert torch.equal(_sparse_trajectory(DataParallelSVI), _sparse_trajectory(SVI))
+
+
 def test_seed_noise_reseeds_this_rank():
     x, y, model, guide = _single_process_parts()
     guide(x[:2], y[:2])
