@@ -269,11 +269,13 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         changes before every check has passed."""
         raise NotImplementedError
 
-    def _ensure_setup(self) -> None:
+    def _ensure_setup(self, use: str = "") -> None:
+        """Refuse ``use`` (what the caller is about to do) before the guide has seen the model."""
         if self.prototype_trace is None:
+            before = f" before {use}" if use else ""
             raise RuntimeError(
                 f"{type(self).__name__} has not seen the model yet; call the guide once with the "
-                "model's training arguments (for example guide(x, y)) first."
+                f"model's training arguments (for example guide(x, y)){before}."
             )
 
     def member_posteriors(self) -> list[dist.TorchDistribution]:
@@ -359,6 +361,9 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         :param int max_memory: at most this many bytes for the returned outputs (default 4
             GiB), checked before any member's draws run.
         """
+        # Set up on the training arguments, never here: prediction arguments lack the targets,
+        # which the set-up would then take for latent sites (Pyro's "discrete sample site").
+        self._ensure_setup("member_outputs")
         check_positive_int("num_samples", num_samples)
         order = torch.arange(self.num_members).repeat_interleave(num_samples)
 
@@ -481,6 +486,14 @@ class AutoEnsemble(MemberGuide):
         if self._values is not None:
             self._values = [{k: fn(v) for k, v in values.items()} for values in self._values]
         return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Reached also when the guide sits inside another module. Members given as values are
+        # packed only on the first call (the packing needs the model's sites), so a state saved
+        # before it would hold none of them and load into nothing.
+        if self._values is not None:
+            self._ensure_setup("state_dict() (the members are packed into it then)")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     @classmethod
     def _keep(cls, k: int, member):

@@ -335,6 +335,28 @@ def test_multiswag_state_of_another_rank_is_refused_whole():
     assert all(m.num_collected == 0 for m in other.members)
 
 
+def test_state_dict_before_the_first_call_is_refused_not_empty():
+    # The members wait unpacked until the guide sees the model: a state saved before would be
+    # empty and load into nothing, also where the guide sits inside another module.
+    model, guide = make_ensemble()
+    for owner in (guide, nn.ModuleDict({"guide": guide})):
+        with pytest.raises(RuntimeError, match=r"call the guide once .* before state_dict\(\)"):
+            owner.state_dict()
+    _set_up((model, guide))
+    assert guide.state_dict()["ensemble_locs"].shape[0] == M
+
+
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+def test_member_outputs_before_the_first_call_names_the_call(make):
+    # Without the targets the set-up would read them as a latent site (Pyro's "discrete sample
+    # site 'y'"), so member_outputs does not set the guide up.
+    model, guide = make()
+    x, _ = contract.data()
+    with pytest.raises(RuntimeError, match=r"guide\(x, y\)\) before member_outputs"):
+        guide.member_outputs(model, x[:4])
+    assert guide.prototype_trace is None
+
+
 # ----------------------------------------------------------------------------- refused inputs
 
 
