@@ -508,6 +508,12 @@ class AutoEnsemble(MemberGuide):
                     f"members[{k}] must be a dict of site values or a trained guide with a "
                     f"median() method (e.g. AutoDelta); got {type(member).__name__}."
                 )
+            if getattr(member, "prototype_trace", False) is None:
+                raise ValueError(
+                    f"members[{k}] is an {type(member).__name__} that has not seen the model "
+                    "yet, so it holds no trained weights; train it (SVI steps on the model's "
+                    "data) before passing it, or pass its values (guide.median())."
+                )
             # The guide's own parameters, not the param store's: the store names the parameters of
             # every guide of a kind alike (AutoDelta.<site>), so through it every member trained
             # after pyro.clear_param_store() would read the last one's values.

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import pyro
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
-from scipy.stats import binom
+from scipy.stats import binom, chi2
 from torch import nn
 
 from pyro_bdl import bayesianize, models, priors
@@ -133,6 +134,41 @@ def test_every_draw_is_a_member_and_members_are_picked_uniformly():
     # fails by chance with probability < 3e-4 — and the seed is fixed).
     lo, hi = binom.ppf(5e-5, n, 1 / M), binom.isf(5e-5, n, 1 / M)
     assert ((counts >= lo) & (counts <= hi)).all(), counts
+
+
+def _gaussians_or_points(kind: str, count: int) -> list:
+    """``count`` members 100 apart (member k near 100·k), Gaussians of scale 1 or points."""
+    locs = [torch.full((2,), 100.0 * k) for k in range(count)]
+    if kind == "points":
+        return [pyro.distributions.Delta(loc, event_dim=1) for loc in locs]
+    return [pyro.distributions.Normal(loc, 1.0).to_event(1) for loc in locs]
+
+
+@pytest.mark.parametrize("path", ["points", "gaussians", "traced"])
+def test_mixture_picks_its_members_with_equal_weights(path):
+    # Each sampling path of MemberMixture: gathered point masses, Gaussians drawn member by
+    # member, and the traced gather, whose later calls must draw other members.
+    count, n = 4, 4000
+    mix = MemberMixture(_gaussians_or_points("points" if path == "points" else "normal", count))
+    if path == "traced":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace is deprecated
+            draw = torch.jit.trace(
+                lambda t: mix.sample((n // 2,)) + t, torch.zeros(()), check_trace=False
+            )
+        draws = torch.cat([draw(torch.zeros(())), draw(torch.zeros(()))])
+    else:
+        draws = mix.sample((n,))
+    # A Gaussian draw lies within 50 of its member's location but for a 50σ tail.
+    member = (draws[:, 0] / 100).round().long()
+    counts = torch.bincount(member, minlength=count).double()
+    assert counts.numel() == count
+    if path == "traced":  # the second call picked anew (equal picks: chance 4^-2000)
+        assert not torch.equal(member[: n // 2], member[n // 2 :])
+    # Pearson's statistic of the counts against n/M each is χ²(M − 1) under equal weights; its
+    # 1 − 1e-4 quantile fails by chance once in 10⁴ runs (and the seed is fixed).
+    statistic = float(((counts - n / count) ** 2 / (n / count)).sum())
+    assert statistic < chi2.isf(1e-4, count - 1), counts
 
 
 def test_member_outputs_are_each_members_network_exactly():
@@ -383,6 +419,13 @@ def test_bad_members_are_refused(members, error, match):
     model, _ = _values(0)
     with pytest.raises(error, match=match):
         AutoEnsemble(model, members)
+
+
+def test_a_member_guide_that_never_ran_is_refused():
+    # Its median() would call the model without arguments (a TypeError of the model's).
+    model, _ = _values(0)
+    with pytest.raises(ValueError, match=r"members\[0\] is an AutoDelta that has not seen the"):
+        AutoEnsemble(model, [AutoDelta(model)])
 
 
 def test_members_of_different_layouts_are_refused():
