@@ -636,6 +636,14 @@ class AutoMultiSWAG(MemberGuide):
                         f"members[{k}] must be an AutoSWAG guide; got {type(guide).__name__}."
                     )
                 guide.require_collected(f"join a MultiSWAG ensemble (members[{k}])")
+                loc = guide._parameters["loc"]
+                if loc is not None and not bool(torch.isfinite(loc).all()):
+                    # collect() refuses such weights, so the run diverged after its last one.
+                    raise ValueError(
+                        f"members[{k}]'s weights (loc) contain NaN or inf: its training "
+                        "diverged after its last collect(). Train that member again with a "
+                        "lower learning rate."
+                    )
             _check_same_layout([_signature(g.layout) for g in guides], "MultiSWAG member")
             _refuse_shared_parameters(guides)
             _release_from_param_store(guides)

@@ -451,6 +451,16 @@ def test_a_member_with_nan_is_refused():
         AutoEnsemble(model, [values])
 
 
+def test_multiswag_refuses_a_member_that_diverged_after_its_last_collect():
+    x, y = contract.data()
+    model = contract.small_model()
+    guide = train_swag(model, x, y)
+    with torch.no_grad():
+        guide.loc[2] = float("nan")  # what a diverging SGD step leaves
+    with pytest.raises(ValueError, match=r"members\[0\]'s weights \(loc\) contain NaN"):
+        AutoMultiSWAG(model, [guide])
+
+
 def test_multiswag_refuses_uncollected_and_foreign_members():
     model = contract.small_model()
     x, y = contract.data()
