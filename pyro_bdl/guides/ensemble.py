@@ -231,6 +231,21 @@ def _refuse_shared_parameters(guides: Sequence[nn.Module]) -> None:
                 )
 
 
+def _refuse_identical(members: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Refuse members whose weights are equal bit for bit: one member counted twice, not an
+    independent run (an equal-weight mixture would weight it double)."""
+    for j in range(len(members)):
+        for k in range(j + 1, len(members)):
+            if all(torch.equal(a, b) for a, b in zip(members[j], members[k], strict=True)):
+                raise ValueError(
+                    f"members[{j}] and members[{k}] hold the same weights bit for bit, so they "
+                    "are one run, not independent ones: their training started from the same "
+                    "initial weights and drew the same noise (a build() that seeds its own "
+                    "network, such as torch.manual_seed(0) inside it, undoes from_training's "
+                    "seed + k). Initialise each member from its own seed."
+                )
+
+
 def _release_from_param_store(guides: Sequence[nn.Module]) -> None:
     """Remove from Pyro's param store the entries that are these guides' own parameters."""
     own = {id(p) for guide in guides for p in guide.parameters()}
@@ -475,6 +490,7 @@ class AutoEnsemble(MemberGuide):
             _refuse_shared_parameters([m for m in listed if isinstance(m, nn.Module)])
             self._values = [self._member_values(k, m) for k, m in enumerate(listed)]
             _check_same_layout([_signature(v) for v in self._values], "ensemble member")
+            _refuse_identical([list(values.values()) for values in self._values])
             count = len(self._values)
         super().__init__(model, count, init_loc_fn=init_loc_fn)
 
@@ -646,6 +662,7 @@ class AutoMultiSWAG(MemberGuide):
                     )
             _check_same_layout([_signature(g.layout) for g in guides], "MultiSWAG member")
             _refuse_shared_parameters(guides)
+            _refuse_identical([[guide._parameters["loc"]] for guide in guides])
             _release_from_param_store(guides)
         super().__init__(model, len(guides), init_loc_fn=init_loc_fn)
         self.members = nn.ModuleList(guides)

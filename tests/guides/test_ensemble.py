@@ -428,6 +428,15 @@ def test_a_member_guide_that_never_ran_is_refused():
         AutoEnsemble(model, [AutoDelta(model)])
 
 
+@pytest.mark.parametrize("cls, train", [(AutoEnsemble, train_delta), (AutoMultiSWAG, train_swag)])
+def test_identical_members_are_refused(cls, train):
+    # A build() that seeds its own network: every member starts alike and, trained without
+    # noise on the same batches, ends alike (an ensemble of one run counted M times).
+    x, y = contract.data()
+    with pytest.raises(ValueError, match=r"members\[0\] and members\[1\] hold the same weights"):
+        cls.from_training(lambda: contract.small_model(0), lambda m: train(m, x, y), 2)
+
+
 def test_members_of_different_layouts_are_refused():
     model, small = _values(0)
     _, wide = _values(1, width=7)
