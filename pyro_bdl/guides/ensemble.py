@@ -198,7 +198,8 @@ def _as_list(members: object, what: str) -> list:
 def _signature(layout_or_values) -> list[tuple[str, tuple[int, ...]]]:
     if isinstance(layout_or_values, SiteLayout):
         return [(s.name, tuple(s.shape)) for s in layout_or_values]
-    return [(name, tuple(v.shape)) for name, v in layout_or_values.items()]
+    # Values are packed by the model's layout, so the order of their keys does not matter.
+    return sorted((name, tuple(v.shape)) for name, v in layout_or_values.items())
 
 
 def _check_same_layout(signatures: list, what: str) -> None:
@@ -490,7 +491,9 @@ class AutoEnsemble(MemberGuide):
             _refuse_shared_parameters([m for m in listed if isinstance(m, nn.Module)])
             self._values = [self._member_values(k, m) for k, m in enumerate(listed)]
             _check_same_layout([_signature(v) for v in self._values], "ensemble member")
-            _refuse_identical([list(values.values()) for values in self._values])
+            _refuse_identical(
+                [[values[name] for name in sorted(values)] for values in self._values]
+            )
             count = len(self._values)
         super().__init__(model, count, init_loc_fn=init_loc_fn)
 
@@ -662,7 +665,6 @@ class AutoMultiSWAG(MemberGuide):
                     )
             _check_same_layout([_signature(g.layout) for g in guides], "MultiSWAG member")
             _refuse_shared_parameters(guides)
-            _refuse_identical([[guide._parameters["loc"]] for guide in guides])
             _release_from_param_store(guides)
         super().__init__(model, len(guides), init_loc_fn=init_loc_fn)
         self.members = nn.ModuleList(guides)
