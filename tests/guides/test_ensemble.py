@@ -123,6 +123,26 @@ def test_members_are_trained_independently():
             assert not torch.equal(locs[j], locs[k]), (j, k)
 
 
+def test_from_training_is_the_documented_loop_bit_for_bit():
+    # docs/methods/swag_ensembles.md's loop: seed k, clear the store, build, train, copy.
+    x, y = contract.data()
+
+    def build():
+        return contract.small_model(seed=int(torch.randint(1000, ())))  # drawn under seed k
+
+    joined = AutoEnsemble.from_training(build, lambda m: train_delta(m, x, y), M, seed=0)
+    members = []
+    for k in range(M):
+        pyro.set_rng_seed(k)
+        pyro.clear_param_store()
+        model = build()
+        members.append(train_delta(model, x, y).median())
+    looped = AutoEnsemble(model, members)
+    for guide in (joined, looped):
+        guide(x[:4], y[:4])
+    assert torch.equal(joined.ensemble_locs, looped.ensemble_locs)
+
+
 def test_every_draw_is_a_member_and_members_are_picked_uniformly():
     _model, guide = _set_up(make_ensemble())
     n = 3000
