@@ -472,7 +472,8 @@ class AutoEnsemble(MemberGuide):
         through Pyro's param store, which names every AutoDelta's parameters alike): guides each
         trained after ``pyro.clear_param_store()`` stay distinct members. Guides that share
         parameter tensors (trained one after the other without clearing the store, so they
-        trained the same tensors) are refused.
+        trained the same tensors) are refused, as are guides that never ran, members with NaN
+        or inf, and members equal bit for bit (one run counted twice).
     :param callable init_loc_fn: initial weights of an empty ensemble's members.
 
     References:
@@ -610,7 +611,7 @@ class AutoMultiSWAG(MemberGuide):
 
     :param callable model: the Pyro model over the lifted network (any member's).
     :param members: the M trained :class:`~pyro_bdl.guides.AutoSWAG` guides (each with at
-        least two collected snapshots), or an int M for M fresh ones built with
+        least two collected snapshots and finite weights), or an int M for M fresh ones built with
         ``swag_options`` (to load a ``state_dict`` into).
     :param swag_options: keyword arguments of the fresh members' :class:`AutoSWAG` (``rank``,
         ``diag_only``, ``scale``, ...), only with an int ``members``.
