@@ -198,7 +198,8 @@ def _as_list(members: object, what: str) -> list:
 def _signature(layout_or_values) -> list[tuple[str, tuple[int, ...]]]:
     if isinstance(layout_or_values, SiteLayout):
         return [(s.name, tuple(s.shape)) for s in layout_or_values]
-    return [(name, tuple(v.shape)) for name, v in layout_or_values.items()]
+    # Values are packed by the model's layout, so the order of their keys does not matter.
+    return sorted((name, tuple(v.shape)) for name, v in layout_or_values.items())
 
 
 def _check_same_layout(signatures: list, what: str) -> None:
@@ -228,6 +229,21 @@ def _refuse_shared_parameters(guides: Sequence[nn.Module]) -> None:
                     "trains that one's tensors. Call pyro.clear_param_store() before building "
                     "and training each member (as from_training does), or pass each member's "
                     "values (guide.median()) as soon as it is trained."
+                )
+
+
+def _refuse_identical(members: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Refuse members whose weights are equal bit for bit: one member counted twice, not an
+    independent run (an equal-weight mixture would weight it double)."""
+    for j in range(len(members)):
+        for k in range(j + 1, len(members)):
+            if all(torch.equal(a, b) for a, b in zip(members[j], members[k], strict=True)):
+                raise ValueError(
+                    f"members[{j}] and members[{k}] hold the same weights bit for bit, so they "
+                    "are one run, not independent ones: their training started from the same "
+                    "initial weights and drew the same noise (a build() that seeds its own "
+                    "network, such as torch.manual_seed(0) inside it, undoes from_training's "
+                    "seed + k). Initialise each member from its own seed."
                 )
 
 
@@ -269,11 +285,13 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         changes before every check has passed."""
         raise NotImplementedError
 
-    def _ensure_setup(self) -> None:
+    def _ensure_setup(self, use: str = "") -> None:
+        """Refuse ``use`` (what the caller is about to do) before the guide has seen the model."""
         if self.prototype_trace is None:
+            before = f" before {use}" if use else ""
             raise RuntimeError(
                 f"{type(self).__name__} has not seen the model yet; call the guide once with the "
-                "model's training arguments (for example guide(x, y)) first."
+                f"model's training arguments (for example guide(x, y)){before}."
             )
 
     def member_posteriors(self) -> list[dist.TorchDistribution]:
@@ -359,6 +377,9 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         :param int max_memory: at most this many bytes for the returned outputs (default 4
             GiB), checked before any member's draws run.
         """
+        # Set up on the training arguments, never here: prediction arguments lack the targets,
+        # which the set-up would then take for latent sites (Pyro's "discrete sample site").
+        self._ensure_setup("member_outputs")
         check_positive_int("num_samples", num_samples)
         order = torch.arange(self.num_members).repeat_interleave(num_samples)
 
@@ -451,7 +472,8 @@ class AutoEnsemble(MemberGuide):
         through Pyro's param store, which names every AutoDelta's parameters alike): guides each
         trained after ``pyro.clear_param_store()`` stay distinct members. Guides that share
         parameter tensors (trained one after the other without clearing the store, so they
-        trained the same tensors) are refused.
+        trained the same tensors) are refused, as are guides that never ran, members with NaN
+        or inf, and members equal bit for bit (one run counted twice).
     :param callable init_loc_fn: initial weights of an empty ensemble's members.
 
     References:
@@ -470,6 +492,9 @@ class AutoEnsemble(MemberGuide):
             _refuse_shared_parameters([m for m in listed if isinstance(m, nn.Module)])
             self._values = [self._member_values(k, m) for k, m in enumerate(listed)]
             _check_same_layout([_signature(v) for v in self._values], "ensemble member")
+            _refuse_identical(
+                [[values[name] for name in sorted(values)] for values in self._values]
+            )
             count = len(self._values)
         super().__init__(model, count, init_loc_fn=init_loc_fn)
 
@@ -481,6 +506,14 @@ class AutoEnsemble(MemberGuide):
         if self._values is not None:
             self._values = [{k: fn(v) for k, v in values.items()} for values in self._values]
         return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Reached also when the guide sits inside another module. Members given as values are
+        # packed only on the first call (the packing needs the model's sites), so a state saved
+        # before it would hold none of them and load into nothing.
+        if self._values is not None:
+            self._ensure_setup("state_dict() (the members are packed into it then)")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     @classmethod
     def _keep(cls, k: int, member):
@@ -494,6 +527,12 @@ class AutoEnsemble(MemberGuide):
                 raise TypeError(
                     f"members[{k}] must be a dict of site values or a trained guide with a "
                     f"median() method (e.g. AutoDelta); got {type(member).__name__}."
+                )
+            if getattr(member, "prototype_trace", False) is None:
+                raise ValueError(
+                    f"members[{k}] is an {type(member).__name__} that has not seen the model "
+                    "yet, so it holds no trained weights; train it (SVI steps on the model's "
+                    "data) before passing it, or pass its values (guide.median())."
                 )
             # The guide's own parameters, not the param store's: the store names the parameters of
             # every guide of a kind alike (AutoDelta.<site>), so through it every member trained
@@ -572,7 +611,7 @@ class AutoMultiSWAG(MemberGuide):
 
     :param callable model: the Pyro model over the lifted network (any member's).
     :param members: the M trained :class:`~pyro_bdl.guides.AutoSWAG` guides (each with at
-        least two collected snapshots), or an int M for M fresh ones built with
+        least two collected snapshots and finite weights), or an int M for M fresh ones built with
         ``swag_options`` (to load a ``state_dict`` into).
     :param swag_options: keyword arguments of the fresh members' :class:`AutoSWAG` (``rank``,
         ``diag_only``, ``scale``, ...), only with an int ``members``.
@@ -617,6 +656,14 @@ class AutoMultiSWAG(MemberGuide):
                         f"members[{k}] must be an AutoSWAG guide; got {type(guide).__name__}."
                     )
                 guide.require_collected(f"join a MultiSWAG ensemble (members[{k}])")
+                loc = guide._parameters["loc"]
+                if loc is not None and not bool(torch.isfinite(loc).all()):
+                    # collect() refuses such weights, so the run diverged after its last one.
+                    raise ValueError(
+                        f"members[{k}]'s weights (loc) contain NaN or inf: its training "
+                        "diverged after its last collect(). Train that member again with a "
+                        "lower learning rate."
+                    )
             _check_same_layout([_signature(g.layout) for g in guides], "MultiSWAG member")
             _refuse_shared_parameters(guides)
             _release_from_param_store(guides)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 import pyro
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta
-from scipy.stats import binom
+from scipy.stats import binom, chi2
 from torch import nn
 
 from pyro_bdl import bayesianize, models, priors
@@ -122,6 +123,26 @@ def test_members_are_trained_independently():
             assert not torch.equal(locs[j], locs[k]), (j, k)
 
 
+def test_from_training_is_the_documented_loop_bit_for_bit():
+    # docs/methods/swag_ensembles.md's loop: seed k, clear the store, build, train, copy.
+    x, y = contract.data()
+
+    def build():
+        return contract.small_model(seed=int(torch.randint(1000, ())))  # drawn under seed k
+
+    joined = AutoEnsemble.from_training(build, lambda m: train_delta(m, x, y), M, seed=0)
+    members = []
+    for k in range(M):
+        pyro.set_rng_seed(k)
+        pyro.clear_param_store()
+        model = build()
+        members.append(train_delta(model, x, y).median())
+    looped = AutoEnsemble(model, members)
+    for guide in (joined, looped):
+        guide(x[:4], y[:4])
+    assert torch.equal(joined.ensemble_locs, looped.ensemble_locs)
+
+
 def test_every_draw_is_a_member_and_members_are_picked_uniformly():
     _model, guide = _set_up(make_ensemble())
     n = 3000
@@ -133,6 +154,41 @@ def test_every_draw_is_a_member_and_members_are_picked_uniformly():
     # fails by chance with probability < 3e-4 — and the seed is fixed).
     lo, hi = binom.ppf(5e-5, n, 1 / M), binom.isf(5e-5, n, 1 / M)
     assert ((counts >= lo) & (counts <= hi)).all(), counts
+
+
+def _gaussians_or_points(kind: str, count: int) -> list:
+    """``count`` members 100 apart (member k near 100·k), Gaussians of scale 1 or points."""
+    locs = [torch.full((2,), 100.0 * k) for k in range(count)]
+    if kind == "points":
+        return [pyro.distributions.Delta(loc, event_dim=1) for loc in locs]
+    return [pyro.distributions.Normal(loc, 1.0).to_event(1) for loc in locs]
+
+
+@pytest.mark.parametrize("path", ["points", "gaussians", "traced"])
+def test_mixture_picks_its_members_with_equal_weights(path):
+    # Each sampling path of MemberMixture: gathered point masses, Gaussians drawn member by
+    # member, and the traced gather, whose later calls must draw other members.
+    count, n = 4, 4000
+    mix = MemberMixture(_gaussians_or_points("points" if path == "points" else "normal", count))
+    if path == "traced":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.jit.trace is deprecated
+            draw = torch.jit.trace(
+                lambda t: mix.sample((n // 2,)) + t, torch.zeros(()), check_trace=False
+            )
+        draws = torch.cat([draw(torch.zeros(())), draw(torch.zeros(()))])
+    else:
+        draws = mix.sample((n,))
+    # A Gaussian draw lies within 50 of its member's location but for a 50σ tail.
+    member = (draws[:, 0] / 100).round().long()
+    counts = torch.bincount(member, minlength=count).double()
+    assert counts.numel() == count
+    if path == "traced":  # the second call picked anew (equal picks: chance 4^-2000)
+        assert not torch.equal(member[: n // 2], member[n // 2 :])
+    # Pearson's statistic of the counts against n/M each is χ²(M − 1) under equal weights; its
+    # 1 − 1e-4 quantile fails by chance once in 10⁴ runs (and the seed is fixed).
+    statistic = float(((counts - n / count) ** 2 / (n / count)).sum())
+    assert statistic < chi2.isf(1e-4, count - 1), counts
 
 
 def test_member_outputs_are_each_members_network_exactly():
@@ -335,6 +391,28 @@ def test_multiswag_state_of_another_rank_is_refused_whole():
     assert all(m.num_collected == 0 for m in other.members)
 
 
+def test_state_dict_before_the_first_call_is_refused_not_empty():
+    # The members wait unpacked until the guide sees the model: a state saved before would be
+    # empty and load into nothing, also where the guide sits inside another module.
+    model, guide = make_ensemble()
+    for owner in (guide, nn.ModuleDict({"guide": guide})):
+        with pytest.raises(RuntimeError, match=r"call the guide once .* before state_dict\(\)"):
+            owner.state_dict()
+    _set_up((model, guide))
+    assert guide.state_dict()["ensemble_locs"].shape[0] == M
+
+
+@pytest.mark.parametrize("make", [make_ensemble, make_multiswag], ids=["ensemble", "multiswag"])
+def test_member_outputs_before_the_first_call_names_the_call(make):
+    # Without the targets the set-up would read them as a latent site (Pyro's "discrete sample
+    # site 'y'"), so member_outputs does not set the guide up.
+    model, guide = make()
+    x, _ = contract.data()
+    with pytest.raises(RuntimeError, match=r"guide\(x, y\)\) before member_outputs"):
+        guide.member_outputs(model, x[:4])
+    assert guide.prototype_trace is None
+
+
 # ----------------------------------------------------------------------------- refused inputs
 
 
@@ -363,6 +441,33 @@ def test_bad_members_are_refused(members, error, match):
         AutoEnsemble(model, members)
 
 
+def test_a_member_guide_that_never_ran_is_refused():
+    # Its median() would call the model without arguments (a TypeError of the model's).
+    model, _ = _values(0)
+    with pytest.raises(ValueError, match=r"members\[0\] is an AutoDelta that has not seen the"):
+        AutoEnsemble(model, [AutoDelta(model)])
+
+
+def test_identical_members_are_refused():
+    # A build() that seeds its own network: every member starts alike and, trained without
+    # noise on the same batches, ends alike (an ensemble of one run counted M times).
+    x, y = contract.data()
+    with pytest.raises(ValueError, match=r"members\[0\] and members\[1\] hold the same weights"):
+        AutoEnsemble.from_training(
+            lambda: contract.small_model(0), lambda m: train_delta(m, x, y), 2
+        )
+
+
+def test_members_given_in_another_key_order_are_one_layout():
+    model, values = _values(0)
+    _, other = _values(1)
+    reordered = dict(reversed(other.items()))
+    guide = AutoEnsemble(model, [values, reordered])
+    x, y = contract.data()
+    guide(x[:4], y[:4])
+    assert torch.equal(guide.layout.unpack(guide.ensemble_locs[1])["0.weight"], other["0.weight"])
+
+
 def test_members_of_different_layouts_are_refused():
     model, small = _values(0)
     _, wide = _values(1, width=7)
@@ -384,6 +489,16 @@ def test_a_member_with_nan_is_refused():
     values["0.bias"][0] = float("nan")
     with pytest.raises(ValueError, match=r"members\[0\]\['0.bias'\] contains NaN"):
         AutoEnsemble(model, [values])
+
+
+def test_multiswag_refuses_a_member_that_diverged_after_its_last_collect():
+    x, y = contract.data()
+    model = contract.small_model()
+    guide = train_swag(model, x, y)
+    with torch.no_grad():
+        guide.loc[2] = float("nan")  # what a diverging SGD step leaves
+    with pytest.raises(ValueError, match=r"members\[0\]'s weights \(loc\) contain NaN"):
+        AutoMultiSWAG(model, [guide])
 
 
 def test_multiswag_refuses_uncollected_and_foreign_members():

@@ -11,6 +11,7 @@ from torch import nn
 
 import pyro_bdl as bdl
 from pyro_bdl.guides import AutoSubnetLaplace
+from pyro_bdl.guides.laplace.evidence import SEARCH_RANGE, PriorPrecisionBoundWarning, tune_grid
 from tests.common import assert_close
 
 F64 = torch.float64
@@ -80,3 +81,56 @@ def test_layerwise_and_diagonal_marglik_are_at_least_the_scalar_optimum():
     # More freedom can only raise the maximum; the diagonal prior has one λ per weight.
     assert guide.marginal_likelihood() >= scalar - 1e-9
     assert guide.prior_precision.shape == (D + 1,)
+
+
+def _fitted_at(theta: torch.Tensor, zero_feature: int | None = None):
+    """The regressor of :func:`_blr` fitted at the weights ``theta`` (weight, then bias), with
+    input feature ``zero_feature`` always 0 (its weight has no curvature) if given."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, generator=g, dtype=F64)
+    y = x @ torch.randn(D, generator=g, dtype=F64) + 0.5 * torch.randn(N, generator=g, dtype=F64)
+    if zero_feature is not None:
+        x[:, zero_feature] = 0.0
+    net = nn.Sequential(nn.Linear(D, 1), nn.Flatten(0)).double()
+    model = bdl.models.regressor(bdl.bayesianize(net, bdl.priors.Normal(1.0)), N, NOISE)
+    guide = AutoSubnetLaplace(
+        model, subnetwork="all", prior_precision=LAM, hessian_structure="diag"
+    )
+    guide(x, y)
+    guide.loc.data = theta.clone()
+    return guide.fit((x, y), check_mode=False)
+
+
+def test_gradient_search_warns_where_lambda_runs_off_to_infinity():
+    # At θ* = 0 the evidence -½λ‖θ*‖² + ½ S log λ - ½ Σ log(e_k + λ) rises in λ without end.
+    guide = _fitted_at(torch.zeros(D + 1, dtype=F64))
+    with pytest.warns(
+        PriorPrecisionBoundWarning,
+        match=r"prior_structure='scalar'\) ran 1 of 1 prior precisions past the upper end "
+        r"of its range \[1e-08, 1e\+08\] \(to .*MAP limit.*weights at 0",
+    ) as caught:
+        lam = guide.tune_prior_precision()
+    assert lam > SEARCH_RANGE[1]
+    assert caught[0].filename == __file__  # points at the caller's line
+
+
+def test_gradient_search_warns_where_a_weight_without_curvature_runs_lambda_to_zero():
+    # Weight 0 sees an input that is always 0: its evidence -½λθ₀² + ½ log λ - ½ log λ falls
+    # with λ for θ₀ ≠ 0, so its λ runs off to 0; the other weights keep an interior optimum.
+    theta = torch.tensor([1.0, 0.5, -0.3, 0.2, 0.1], dtype=F64)
+    guide = _fitted_at(theta, zero_feature=0)
+    with pytest.warns(
+        PriorPrecisionBoundWarning,
+        match=r"prior_structure='diagonal'\) ran 1 of 5 prior precisions past the lower end"
+        r".*zero curvature",
+    ):
+        lam = guide.tune_prior_precision(prior_structure="diagonal")
+    assert lam[0] < SEARCH_RANGE[0] and (lam[1:] > SEARCH_RANGE[0]).all()
+    assert (lam[1:] < SEARCH_RANGE[1]).all()
+
+
+def test_grid_and_gradient_searches_warn_alike_at_a_bound():
+    # One warning class for both searches: a user filters "λ at a bound" once.
+    grid = torch.logspace(-2, 2, 5, dtype=F64)
+    with pytest.warns(PriorPrecisionBoundWarning, match="edge of the grid.*MAP limit"):
+        tune_grid(lambda v: v, grid)

@@ -62,6 +62,8 @@ from pyro_bdl.layout import SiteLayout
 __all__ = [
     "PRIOR_STRUCTURES",
     "SEARCHES",
+    "SEARCH_RANGE",
+    "PriorPrecisionBoundWarning",
     "default_grid",
     "eigenbasis",
     "evidence",
@@ -79,6 +81,31 @@ __all__ = [
 PRIOR_STRUCTURES = ("scalar", "layerwise", "diagonal")
 #: How ``tune_prior_precision`` searches.
 SEARCHES = ("gradient", "grid")
+#: The prior precisions the gradient search can call a maximum: four decades beyond the default
+#: grid on each side. A prior standard deviation of 10⁴ no longer constrains a weight and one of
+#: 10⁻⁴ pins it, so a λ past them is the search running off towards 0 or ∞, not an optimum.
+SEARCH_RANGE = (1e-8, 1e8)
+
+
+class PriorPrecisionBoundWarning(UserWarning):
+    """A prior precision search ended at a bound (the edge of its grid, or past
+    :data:`SEARCH_RANGE` by gradient): the score rises towards it with no maximum inside, so the
+    λ returned is where the search stopped, not the data's choice."""
+
+
+def _warn_at_bound(where: str, upper: bool, fix: str, stacklevel: int) -> None:
+    """Warn that a λ search ended at its ``upper`` (else lower) bound, as ``where`` says;
+    ``stacklevel`` counts from the caller of this function."""
+    meaning = (
+        "the data prefer the MAP limit (almost no posterior width)"
+        if upper
+        else "the data prefer the widest posterior the search allows"
+    )
+    warnings.warn(
+        f"{where}: {meaning}; {fix}",
+        PriorPrecisionBoundWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def tuning_search(
@@ -271,7 +298,34 @@ def optimize_marglik(
             "the marginal-likelihood optimisation diverged (non-finite evidence); start from "
             "another prior_precision or use search='grid'."
         )
+    _warn_outside_range(log_lam.detach().exp(), prior_structure)
     return result, (float(sigma) if sigma is not None else None), float(value)
+
+
+def _warn_outside_range(lam: torch.Tensor, prior_structure: str) -> None:
+    """Warn where the gradient search ran a prior precision ``lam`` (its own parameters: one,
+    one per layer or one per weight) past :data:`SEARCH_RANGE`."""
+    low, high = SEARCH_RANGE
+    for upper, past in ((True, lam > high), (False, lam < low)):
+        if bool(past.any()):
+            extreme = float(lam.max() if upper else lam.min())
+            why = (
+                "weights at 0 (dead units, pruned weights), whose evidence keeps rising with λ"
+                if upper
+                else "weights the data do not bend the loss for (zero curvature, such as those "
+                "of an input that is always 0), whose evidence keeps rising as λ falls"
+            )
+            _warn_at_bound(
+                f"the gradient search (prior_structure={prior_structure!r}) ran "
+                f"{int(past.sum())} of {lam.numel()} prior precisions past the "
+                f"{'upper' if upper else 'lower'} end of its range [{low:.0e}, {high:.0e}] (to "
+                f"{extreme:.3g})",
+                upper,
+                f"there is no maximum in between, so λ is where L-BFGS stopped. This comes of "
+                f"{why}: leave them out of the subnetwork, fix λ instead (prior_precision=), "
+                "or use a coarser prior_structure or search='grid'.",
+                stacklevel=5,  # through optimize_marglik, to the caller of tune_prior_precision
+            )
 
 
 def tune_grid(
@@ -284,17 +338,12 @@ def tune_grid(
     values = torch.where(torch.isfinite(values), values, torch.full_like(values, -math.inf))
     i = int(values.argmax())
     if len(grid) > 1 and i in (0, len(grid) - 1):
-        meaning = (
-            "the data prefer the MAP limit (almost no posterior width)"
-            if i == len(grid) - 1
-            else "the data prefer the widest posterior the grid allows"
-        )
-        warnings.warn(
+        _warn_at_bound(
             f"the best prior precision {float(grid[i]):.3g} sits at the edge of the grid "
-            f"[{float(grid[0]):.3g}, {float(grid[-1]):.3g}]: {meaning}; widen the grid to "
-            "look further.",
-            UserWarning,
-            stacklevel=3,
+            f"[{float(grid[0]):.3g}, {float(grid[-1]):.3g}]",
+            i == len(grid) - 1,
+            "widen the grid to look further.",
+            stacklevel=4,  # the caller of tune_prior_precision
         )
     if not refine or len(grid) < 3:
         return float(grid[i])
