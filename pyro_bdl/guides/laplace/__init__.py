@@ -2,9 +2,10 @@
 
 A Laplace fit reads as :mod:`~pyro_bdl.guides.laplace.guide` (the guides :class:`AutoLaplace`
 and :class:`AutoSubnetLaplace`) and :mod:`~pyro_bdl.guides.laplace.model` (the passes over the
-network); the mathematics is in :mod:`~pyro_bdl.guides.laplace.posterior` (the structures, their
-factorisation, the linearized predictive) and :mod:`~pyro_bdl.guides.laplace.evidence` (the
-marginal likelihood and the search over λ and σ); :mod:`~pyro_bdl.guides.laplace.subnetwork`
+network); the mathematics is in :mod:`~pyro_bdl.guides.laplace.posterior` (the structures and
+their factorisation), :mod:`~pyro_bdl.guides.laplace.predictive` (the linearized predictive) and
+:mod:`~pyro_bdl.guides.laplace.evidence` (the marginal likelihood and the search over λ and σ,
+which warns with :class:`PriorPrecisionBoundWarning` when λ ends at a bound); :mod:`~pyro_bdl.guides.laplace.subnetwork`
 chooses the subnetwork; :mod:`~pyro_bdl.guides.laplace.padding` regroups right-padded text
 batches by length for a fit (``fit(trim_padding=True)``).
 """
@@ -16,6 +17,7 @@ from pyro_bdl.guides.laplace.guide import (
     AutoSubnetLaplace,
     NotFittedError,
 )
+from pyro_bdl.guides.laplace.evidence import PriorPrecisionBoundWarning
 from pyro_bdl.guides.laplace.posterior import SubnetNormal
 
 __all__ = [
@@ -24,5 +26,6 @@ __all__ = [
     "AutoLaplace",
     "AutoSubnetLaplace",
     "NotFittedError",
+    "PriorPrecisionBoundWarning",
     "SubnetNormal",
 ]

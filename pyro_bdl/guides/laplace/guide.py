@@ -687,7 +687,9 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         likelihood), log σ, by L-BFGS (Immer et al. 2021). ``search="grid"`` searches one λ on
         a log grid (default :math:`10^{-4} … 10^{4}`, 17 values), then a finer grid between the
         best value's neighbours; it warns when the best value sits at the grid's edge (a
-        one-value grid just sets λ, silently). The searches are those of
+        one-value grid just sets λ, silently), and the gradient search when a λ ends outside
+        :data:`~pyro_bdl.guides.laplace.evidence.SEARCH_RANGE` (both a
+        :class:`~pyro_bdl.guides.laplace.evidence.PriorPrecisionBoundWarning`). The searches are those of
         :mod:`~pyro_bdl.guides.laplace.evidence`.
 
         :param data: validation ``(x, y)`` (or a DataLoader) for ``method="val_ll"``.
