@@ -5,11 +5,13 @@ and :class:`AutoSubnetLaplace`) and :mod:`~pyro_bdl.guides.laplace.model` (the p
 network); the mathematics is in :mod:`~pyro_bdl.guides.laplace.posterior` (the structures and
 their factorisation), :mod:`~pyro_bdl.guides.laplace.predictive` (the linearized predictive) and
 :mod:`~pyro_bdl.guides.laplace.evidence` (the marginal likelihood and the search over λ and σ,
-which warns with :class:`PriorPrecisionBoundWarning` when λ ends at a bound); :mod:`~pyro_bdl.guides.laplace.subnetwork`
-chooses the subnetwork; :mod:`~pyro_bdl.guides.laplace.padding` regroups right-padded text
-batches by length for a fit (``fit(trim_padding=True)``).
+which warns with :class:`PriorPrecisionBoundWarning` when λ ends at a bound);
+:mod:`~pyro_bdl.guides.laplace.subnetwork` chooses the subnetwork;
+:mod:`~pyro_bdl.guides.laplace.padding` regroups right-padded text batches by length for a fit
+(``fit(trim_padding=True)``).
 """
 
+from pyro_bdl.guides.laplace.evidence import PriorPrecisionBoundWarning
 from pyro_bdl.guides.laplace.guide import (
     HESSIAN_STRUCTURES,
     PRIOR_SCALINGS,
@@ -17,7 +19,6 @@ from pyro_bdl.guides.laplace.guide import (
     AutoSubnetLaplace,
     NotFittedError,
 )
-from pyro_bdl.guides.laplace.evidence import PriorPrecisionBoundWarning
 from pyro_bdl.guides.laplace.posterior import SubnetNormal
 
 __all__ = [

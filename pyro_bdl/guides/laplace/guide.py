@@ -689,8 +689,8 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         best value's neighbours; it warns when the best value sits at the grid's edge (a
         one-value grid just sets λ, silently), and the gradient search when a λ ends outside
         :data:`~pyro_bdl.guides.laplace.evidence.SEARCH_RANGE` (both a
-        :class:`~pyro_bdl.guides.laplace.evidence.PriorPrecisionBoundWarning`). The searches are those of
-        :mod:`~pyro_bdl.guides.laplace.evidence`.
+        :class:`~pyro_bdl.guides.laplace.evidence.PriorPrecisionBoundWarning`). The searches are
+        those of :mod:`~pyro_bdl.guides.laplace.evidence`.
 
         :param data: validation ``(x, y)`` (or a DataLoader) for ``method="val_ll"``.
         :param str method: ``"marglik"`` or ``"val_ll"`` (probit predictive log-likelihood).
