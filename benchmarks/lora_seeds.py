@@ -13,8 +13,8 @@ found in two files of one seed is refused.
 
 Usage::
 
-    python -m benchmarks.lora_seeds run-seed0-*.json run-seed1.json run-seed2.json \\
-        --out lora-cpu-val1000-3-seeds
+    python -m benchmarks.lora_seeds run-seed0-*.json run-seed1.json run-seed2.json run-seed3.json \\
+        --out lora-cpu-val1000-4-seeds
 """
 
 from __future__ import annotations
