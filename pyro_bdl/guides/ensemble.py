@@ -666,6 +666,7 @@ class AutoMultiSWAG(MemberGuide):
                     )
             _check_same_layout([_signature(g.layout) for g in guides], "MultiSWAG member")
             _refuse_shared_parameters(guides)
+            _refuse_identical([[g._parameters["loc"]] for g in guides])
             _release_from_param_store(guides)
         super().__init__(model, len(guides), init_loc_fn=init_loc_fn)
         self.members = nn.ModuleList(guides)

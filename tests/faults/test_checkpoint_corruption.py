@@ -18,7 +18,7 @@ import pyro
 import pytest
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
-from pyro.infer.autoguide import AutoDelta
+from pyro.infer.autoguide import AutoDelta, init_to_sample
 
 import pyro_bdl as bdl
 from pyro_bdl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -125,7 +125,13 @@ def _members(kind: str, seed: int, trained: bool) -> Run:
     for k in range(2):
         pyro.clear_param_store()
         pyro.set_rng_seed(seed + k)
-        member = AutoDelta(model) if kind == "AutoEnsemble" else AutoSWAG(model, rank=2)
+        # SWAG starts at the network's weights and its SGD draws no noise: each member starts
+        # from a prior draw of its own seed, or both runs would be one.
+        member = (
+            AutoDelta(model)
+            if kind == "AutoEnsemble"
+            else AutoSWAG(model, rank=2, init_loc_fn=init_to_sample)
+        )
         svi = SVI(model, member, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
         for _ in range(3):
             svi.step(x, y)

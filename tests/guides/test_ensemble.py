@@ -458,6 +458,20 @@ def test_identical_members_are_refused():
         )
 
 
+def test_identical_multiswag_members_are_refused():
+    # A script that builds each member's network from one seed and seeds each run alike: two
+    # SWAG runs on the same batches are one run.
+    x, y = contract.data()
+    members = []
+    for _ in range(2):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        model = contract.small_model(0)
+        members.append(train_swag(model, x, y))
+    with pytest.raises(ValueError, match=r"members\[0\] and members\[1\] hold the same weights"):
+        AutoMultiSWAG(model, members)
+
+
 def test_members_given_in_another_key_order_are_one_layout():
     model, values = _values(0)
     _, other = _values(1)
