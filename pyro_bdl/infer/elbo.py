@@ -170,6 +170,20 @@ def _refuse_unguided(model_trace, guide_trace) -> None:
         )
 
 
+def _with_log_prob_shape(site: dict) -> dict:
+    """``site`` with a ``log_prob`` of the shape Pyro would compute, for ``check_site_shape``: a
+    latent site's density is never evaluated here, so an empty stand-in of that shape (the
+    value's batch dims, the distribution's batch shape and a tensor scale or mask broadcast) lets
+    Pyro refuse undeclared batch dims as ``Trace_ELBO`` does, at no cost."""
+    if "log_prob" in site:
+        return site
+    value, fn = site["value"], site["fn"]
+    shapes = [value.shape[: value.dim() - len(fn.event_shape)], fn.batch_shape]
+    shapes += [t.shape for t in (site["scale"], site["mask"]) if isinstance(t, torch.Tensor)]
+    shape = torch.broadcast_shapes(*shapes)
+    return {**site, "log_prob": torch.empty(shape, device="meta")}
+
+
 @dataclass
 class _StepGuard:
     """Per-ELBO bookkeeping: the layers to save (known after the first step) and the steps done.
@@ -274,9 +288,10 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         model_trace = prune_subsample_sites(model_trace)
         model_trace.compute_log_prob(site_filter=lambda name, site: site["is_observed"])
         if is_validation_enabled():
-            for site in model_trace.nodes.values():
-                if site["type"] == "sample" and site["is_observed"]:
-                    check_site_shape(site, self.max_plate_nesting)
+            for trace in (model_trace, guide_trace):
+                for site in trace.nodes.values():
+                    if site["type"] == "sample":
+                        check_site_shape(_with_log_prob_shape(site), self.max_plate_nesting)
         return model_trace, guide_trace
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
