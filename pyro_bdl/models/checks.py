@@ -3,8 +3,10 @@ it: the batch itself (:func:`check_batch`), and the inputs against what the netw
 (:class:`NetworkShape`: the dtype and width of its first layer, the width of its last).
 
 Every check is O(1) in the network's size and raises before any state (weights sampled, running
-statistics, random number generators, the param store) changes; the first call of a model, whose
-output shape is not yet known, runs under :func:`rollback`.
+statistics, random number generators, the param store) changes. Two checks need the network's
+output, so the calls that run them are under :func:`rollback`: a model's first call, whose output
+shape is not yet known, and every call that scores a Gaussian likelihood, whose range check
+(:func:`~pyro_bdl.models.noise.check_likelihood_range`) compares the output with the targets.
 """
 
 from __future__ import annotations
@@ -496,7 +498,8 @@ def autocast_enabled(x: torch.Tensor) -> bool:
 def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
     """Restore the random number generators, the network's buffers (running statistics) and the
     param store (a lifted network's hidden parameters register there on the first forward pass)
-    if the block raises: a model's first call checks the outputs only after the forward pass."""
+    if the block raises: the checks of a model's first call, and a Gaussian likelihood's range
+    check, read the network's output, so they can only run after the forward pass."""
     store = pyro.get_param_store()
     names = set(store.keys())
     cpu = torch.get_rng_state()

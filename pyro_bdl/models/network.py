@@ -323,8 +323,8 @@ class NetworkModel:
                 "of training examples, or smaller batches (y=None predicts on any number of rows)."
             )
         if self.likelihood == "gaussian" and y is not None and y.dim() != 1:
-            # Checked again against the output after the forward pass; refused here first, so
-            # a call after the first (no rollback) leaves BatchNorm statistics alone.
+            # Checked again against the output after the forward pass; refused here first,
+            # before the network runs.
             if y.dim() == 2 and y.shape[1] > 1:
                 raise ValueError(
                     _multi_output(f"y has {y.shape[1]} targets per example, shape {tuple(y.shape)}")
@@ -335,7 +335,9 @@ class NetworkModel:
             )
         if self.check_inputs and isinstance(x, torch.Tensor):
             self.shape.check_inputs(x)
-        if not self._first:
+        # The first call checks the output's shape only after the forward pass, and a Gaussian
+        # likelihood checks its range (the output against y and σ) after it on every call.
+        if not (self._first or (self.likelihood == "gaussian" and y is not None)):
             return self._run(x, y, rows, device)
         with rollback(self.net, device):
             out = self._run(x, y, rows, device)
