@@ -203,7 +203,7 @@ def check_batch(
                 f"y must have shape ({rows},) of class labels; got {tuple(y.shape)}. "
                 "Use y.reshape(-1) (or y.argmax(-1) for one-hot labels)."
             )
-        if y.is_floating_point() or y.dtype == torch.bool:
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
             raise ValueError(
                 f"y must hold integer class labels for a categorical likelihood; got dtype "
                 f"{y.dtype}. Use y.long()."
@@ -228,6 +228,11 @@ def check_batch(
             raise ValueError(
                 f"y must have shape {shape} of 0/1 labels for a {task} classifier; got "
                 f"{tuple(y.shape)}. {fix}"
+            )
+        if y.is_complex():
+            raise ValueError(
+                f"y must hold real 0/1 labels for a {task} classifier; got dtype {y.dtype}. Pass "
+                "real labels (y.real)."
             )
         if task == "multilabel" and num_classes is not None and y.shape[1] != num_classes:
             raise ValueError(
@@ -304,7 +309,7 @@ class _Values:
 
 
 def _check_token_labels(y: torch.Tensor, vocab: int | None) -> None:
-    if y.dim() != 2 or y.is_floating_point() or y.dtype == torch.bool:
+    if y.dim() != 2 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(
             f"y must hold integer token labels of shape (B, T) for a token-level likelihood; got "
             f"{y.dtype} of shape {tuple(y.shape)}. Pass the token ids (y = batch['input_ids'], "

@@ -19,8 +19,9 @@ part of the model's contract (guides index their posteriors by it, ``guide.locs_
 then need distinct prefixes, as for the weights.
 
 Range. Before a Gaussian likelihood is scored, :func:`check_likelihood_range` refuses a σ that is
-not finite and positive, and targets, outputs or σ whose terms or σ-gradient overflow the dtype
-(targets ×1e30 in float32): such a step would store σ = inf or NaN.
+not finite and positive, a mean (the network's output) that is not finite, and targets, outputs or
+σ whose terms or σ-gradient overflow the dtype (targets ×1e30 in float32): such a step would store
+σ = inf or NaN.
 """
 
 from __future__ import annotations
@@ -171,6 +172,15 @@ def check_likelihood_range(
                 "drove it out of range: standardise the targets ((y - y.mean()) / y.std()) or "
                 "lower the learning rate, and restart σ (for a point σ: del "
                 "pyro.get_param_store()[name], or pyro.clear_param_store())."
+            )
+        bad = int((~torch.isfinite(mean)).sum())
+        if bad:
+            raise ValueError(
+                f"the network's output (the Gaussian's mean) holds {bad} non-finite value(s) "
+                "(NaN or inf) for finite inputs, so the likelihood was not scored and nothing was "
+                "changed: the weights (the guide's parameters) are not finite, or overflow the "
+                f"network's {mean.dtype}. A previous step diverged: lower the learning rate, and "
+                "restart from a checkpoint or a new guide."
             )
         ymax, mmax = float(y.abs().max()), float(mean.detach().abs().max())
         raise ValueError(

@@ -1,7 +1,7 @@
-"""The likelihoods' refusals after the network's forward pass: a Gaussian likelihood's range
-check reads the network's output, so it can refuse a batch on any call, not only the first; the
-refusal leaves the running statistics and the random state as they were, whichever ELBO runs the
-model (Pyro's own included)."""
+"""The likelihoods' refusals: a Gaussian likelihood's range check reads the network's output, so
+it can refuse a batch on any call, not only the first, and the refusal leaves the running
+statistics and the random state as they were, whichever ELBO runs the model (Pyro's own
+included); a non-finite mean is named as the network's; complex labels are refused by dtype."""
 
 from __future__ import annotations
 
@@ -52,3 +52,53 @@ def test_a_range_refusal_after_the_first_call_leaves_buffers_and_rng(noise):
         "params": {k: v.detach() for k, v in pyro.get_param_store().items()},
     }
     assert_same(before, after)
+
+
+class _TinyLM(nn.Module):
+    """Token ids (B, T) -> logits (B, T, 7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def _with_bias(net: nn.Module, column: int, value: float) -> nn.Module:
+    with torch.no_grad():
+        net.bias[column] = value
+    return net
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: models.regressor(_with_bias(nn.Linear(3, 1), 0, float("nan")), N, 1.0),
+        lambda: models.heteroscedastic_regressor(_with_bias(nn.Linear(3, 2), 0, float("inf")), N),
+    ],
+    ids=["regressor", "heteroscedastic"],
+)
+def test_a_non_finite_mean_is_named_as_the_networks_output_not_an_overflow(make):
+    # The inputs and targets are finite (checked before the network runs): a NaN or inf mean
+    # comes from the network's weights, and "standardise the targets" would not help.
+    with pytest.raises(ValueError, match=r"the network's output \(the Gaussian's mean\) holds 6 "):
+        make()(torch.randn(6, 3), torch.randn(6))
+
+
+@pytest.mark.parametrize(
+    "make,labels",
+    [
+        (lambda: models.classifier(nn.Linear(3, 4), N), torch.tensor([0, 1, 2, 3, 0, 1])),
+        (lambda: models.binary_classifier(nn.Linear(3, 1), N), torch.tensor([0, 1, 1, 0, 0, 1])),
+        (lambda: models.multilabel_classifier(nn.Linear(3, 2), N), torch.ones(6, 2)),
+        (lambda: models.language_model(_TinyLM(), N), torch.ones(6, 5, dtype=torch.long)),
+    ],
+    ids=["categorical", "binary", "multilabel", "tokens"],
+)
+def test_complex_labels_are_refused_by_dtype(make, labels):
+    model = make()
+    x = torch.ones(6, 5, dtype=torch.long) if model.likelihood == "tokens" else torch.randn(6, 3)
+    with pytest.raises(ValueError, match=r"torch\.complex64"):
+        model(x, labels.to(torch.complex64))
