@@ -7,6 +7,8 @@ import numpy as np
 import pyro
 import pytest
 import torch
+import torch.nn.functional as F
+from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from sklearn.calibration import calibration_curve
 from sklearn.metrics import brier_score_loss, log_loss
@@ -17,6 +19,7 @@ from pyro_bdl.curvature.ggn import output_hessian_factor
 from pyro_bdl.diagnostics.metrics_binary import binary_brier, binary_ece, binary_nll
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.infer import VOGN, TraceSuffStat_ELBO
+from tests.test_host_reads import _CountReads
 
 
 def _train(model, guide, x, y, steps, lr):
@@ -283,3 +286,67 @@ def test_every_likelihood_under_vectorized_particles(kind):
     loss = vectorized.loss(model, guide, x, y)
     assert math.isfinite(loss)
     assert loss == pytest.approx(sequential, rel=1e-4, abs=1e-3)
+
+
+# --- exact answers and cost -----------------------------------------------------------------
+
+
+def _hand_log_lik(kind, out, y, sigma):
+    """Σ log p(y | out) over the batch, written out from each likelihood's formula."""
+    if kind == "categorical":
+        return out.log_softmax(-1).gather(-1, y[:, None]).sum()
+    if kind in ("binary", "multilabel"):
+        y = y.to(out.dtype)
+        return (y * F.logsigmoid(out) + (1 - y) * F.logsigmoid(-out)).sum()
+    if kind == "heteroscedastic":  # y ~ N(mean, exp(log_var))
+        mean, log_var = out[:, 0], out[:, 1]
+        return (-0.5 * (math.log(2 * math.pi) + log_var + (y - mean) ** 2 / log_var.exp())).sum()
+    return (-0.5 * math.log(2 * math.pi) - torch.log(sigma) - 0.5 * ((y - out) / sigma) ** 2).sum()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_likelihood_is_its_formula_scaled_by_n_over_b_in_the_elbo(kind):
+    model, x, y = _problem(kind)
+    b = 4
+    guide = AutoMeanField(model)
+    guide(x, y)  # the set-up, which draws from the prior, before the seeded draws
+    # The KL is exact, the same for every y; a known plate nesting spares the guessing run,
+    # which would draw from the guide before the traced draw.
+    elbo = TraceSuffStat_ELBO(kl="exact", max_plate_nesting=1)
+    losses, hands = [], []
+    for rows in (slice(0, b), slice(b, 2 * b)):
+        # The same seed: the guide draws the same weights (and σ) for either batch.
+        pyro.set_rng_seed(1)
+        losses.append(elbo.loss(model, guide, x[rows], y[rows]))
+        pyro.set_rng_seed(1)
+        g = poutine.trace(guide).get_trace(x[rows], y[rows])
+        m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x[rows], y[rows])
+        site = m.nodes["y"]
+        sigma = {
+            "fixed": torch.tensor(0.5),
+            "point": pyro.param(model.param_names[0]) if kind == "point" else None,
+            "learned": m.nodes["sigma"]["value"] if kind == "learned" else None,
+        }.get(kind)
+        hand = _hand_log_lik(kind, m.nodes["_RETURN"]["value"], y[rows], sigma).detach()
+        assert site["scale"] == N / b
+        # float32 round-off of a sum of b terms of order 1
+        torch.testing.assert_close(site["fn"].log_prob(site["value"]).sum().detach(), hand)
+        hands.append(float(hand))
+    # The likelihood term is exactly N/B times the batch's sum (the KL cancels).
+    assert losses[0] - losses[1] == pytest.approx(-N / b * (hands[0] - hands[1]), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "point", "learned", "heteroscedastic"])
+def test_a_gaussian_likelihood_reads_back_its_two_checks_only(kind):
+    # With validation on, Normal's own checks (loc real, scale positive, y real) would each read
+    # a verdict back from the device; the batch check (y finite) and the range check (mean
+    # finite, σ finite and positive) already hold them.
+    model, x, y = _problem(kind)
+    guide = AutoSWAG(model, rank=2)
+    guide(x, y)
+    model(x, y)  # past the first call
+    g = poutine.trace(guide).get_trace(x, y)
+    with _CountReads() as counted:
+        m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x, y)
+        m.nodes["y"]["fn"].log_prob(y)
+    assert counted.reads == ["tolist", "__bool__"]

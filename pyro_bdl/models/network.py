@@ -474,9 +474,12 @@ class NetworkModel:
                 f"y must have the network output's shape {tuple(mean.shape)}; got "
                 f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
             )
-        if y is not None:
-            check_likelihood_range(y, mean, scale, self.dataset_size / rows, where=self._where())
-        return dist.Normal(mean, scale), y, ret
+        if y is None:
+            return dist.Normal(mean, scale), y, ret
+        check_likelihood_range(y, mean, scale, self.dataset_size / rows, where=self._where())
+        # The batch check found y finite and the range check the mean finite and σ finite and
+        # positive: Normal's own validation would read each verdict back again.
+        return dist.Normal(mean, scale, validate_args=False), y, ret
 
     def _where(self) -> str:
         if self.noise == "heteroscedastic":
