@@ -20,6 +20,7 @@ from pyro_bdl.diagnostics.metrics_binary import binary_brier, binary_ece, binary
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.infer import VOGN, TraceSuffStat_ELBO
 from tests.test_host_reads import _CountReads
+from tests.test_models import _TokenLM, _tokens
 
 
 def _train(model, guide, x, y, steps, lr):
@@ -350,3 +351,19 @@ def test_a_gaussian_likelihood_reads_back_its_two_checks_only(kind):
         m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x, y)
         m.nodes["y"]["fn"].log_prob(y)
     assert counted.reads == ["tolist", "__bool__"]
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_a_language_model_step_reads_its_label_range_once(validation):
+    # The scored labels' range joins the batch check's one read; with validation on, the
+    # categorical checks its logits (one read) but not the labels the batch check found in range.
+    pyro.enable_validation(validation)
+    model = models.language_model(bayesianize(_TokenLM()), dataset_size=8)
+    batch = _tokens(vocab=7)
+    y = batch["input_ids"].clone()
+    y[1, 1] = -100
+    model(batch, y)  # past the first call
+    with _CountReads() as counted:
+        tr = poutine.trace(model).get_trace(batch, y)
+        tr.nodes["y"]["fn"].log_prob(tr.nodes["y"]["value"])
+    assert counted.reads == (["tolist", "__bool__"] if validation else ["tolist"])

@@ -195,8 +195,13 @@ def check_batch(
             f"{tuple(y.shape)}. Pass matching slices of the data."
         )
     if task == "tokens":
-        values.check()
-        _check_token_labels(y, num_classes)
+        _check_token_labels(y)
+        if y.numel():
+            # Skipped labels count as 0, always in range: the fused read gives the scored range.
+            values.labels = y.masked_fill(y == IGNORE_INDEX, 0)
+        lo, hi = values.check()
+        if lo < 0 or (num_classes is not None and hi >= num_classes):
+            check_token_range(y, num_classes)  # the exact check names the scored min and max
     elif task == "classification":
         if y.dim() != 1:
             raise ValueError(
@@ -266,7 +271,7 @@ class _Values:
         self.binary: torch.Tensor | None = None  #: labels that must be 0 or 1
         #: (name, token ids, V): ids an embedding of V entries reads, which must lie in [0, V)
         self.ids: tuple[str, torch.Tensor, int] | None = None
-        self.labels: torch.Tensor | None = None  #: class labels whose range is read
+        self.labels: torch.Tensor | None = None  #: class or token labels whose range is read
 
     def add(self, name: str, t: torch.Tensor) -> None:
         if t.is_floating_point() or t.is_complex():
@@ -308,14 +313,13 @@ class _Values:
         return (read[-2], read[-1]) if self.labels is not None else (0, 0)
 
 
-def _check_token_labels(y: torch.Tensor, vocab: int | None) -> None:
+def _check_token_labels(y: torch.Tensor) -> None:
     if y.dim() != 2 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(
             f"y must hold integer token labels of shape (B, T) for a token-level likelihood; got "
             f"{y.dtype} of shape {tuple(y.shape)}. Pass the token ids (y = batch['input_ids'], "
             f"with {IGNORE_INDEX} where a token is not scored)."
         )
-    check_token_range(y, vocab)
 
 
 def check_token_range(y: torch.Tensor, vocab: int | None) -> None:

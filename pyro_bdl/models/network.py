@@ -394,6 +394,8 @@ class NetworkModel:
             )
         if y is not None and self._width is None:
             check_token_range(y, logits.shape[-1])
+        # The labels were checked against this vocabulary (before the forward pass, or just now).
+        in_range = self._width in (None, logits.shape[-1])
         self._width = logits.shape[-1]
         if self.shift:
             logits = logits[..., :-1, :]
@@ -406,7 +408,8 @@ class NetworkModel:
         if y is not None:
             scored = scored & (y != IGNORE_INDEX)
             value = y.masked_fill(~scored, 0)
-        fn = _LogSoftmaxCategorical(logits).mask(scored).to_event(1)
+        checked = value if in_range else None
+        fn = _LogSoftmaxCategorical(logits, checked=checked).mask(scored).to_event(1)
         return fn, value
 
     def _categorical(self, logits, y, rows):
