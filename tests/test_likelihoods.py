@@ -13,6 +13,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from sklearn.calibration import calibration_curve
 from sklearn.metrics import brier_score_loss, log_loss
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.curvature.ggn import output_hessian_factor
@@ -367,3 +368,31 @@ def test_a_language_model_step_reads_its_label_range_once(validation):
         tr = poutine.trace(model).get_trace(batch, y)
         tr.nodes["y"]["fn"].log_prob(tr.nodes["y"]["value"])
     assert counted.reads == (["tolist", "__bool__"] if validation else ["tolist"])
+
+
+class _CountNumberTensors(TorchFunctionMode):
+    """Counts tensors made from Python numbers: on a GPU each is a copy from the host that
+    waits for the queued kernels, as a read does."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[str, float]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("tensor", "as_tensor", "scalar_tensor") and isinstance(args[0], float):
+            self.made.append((name, args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["fixed", "point"])
+def test_a_known_sigma_is_not_copied_from_the_host_on_every_step(kind):
+    model, x, y = _problem(kind)
+    guide = AutoSWAG(model, rank=2)
+    guide(x, y)
+    model(x, y)  # past the first call, which makes the point σ's param
+    g = poutine.trace(guide).get_trace(x, y)
+    with _CountNumberTensors() as counted:
+        m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x, y)
+        m.nodes["y"]["fn"].log_prob(y)
+    assert counted.made == []

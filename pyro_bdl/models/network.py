@@ -248,7 +248,7 @@ class NetworkModel:
                 1.0 if noise_scale is None else noise_scale,
                 param_name(self.name, SIGMA),
             )
-            if noise in ("learned", "point")
+            if noise in ("fixed", "learned", "point")
             else None
         )
         self._task = {
@@ -470,7 +470,8 @@ class NetworkModel:
             mean = out.squeeze(-1) if _rows_at(out, rows, 2) and out.shape[-1] == 1 else out
             if not _rows_at(mean, rows, 1):
                 raise ValueError(_multi_output(f"it gave outputs of shape {tuple(out.shape)}"))
-            scale = self._fixed if self._sigma is None else self._sigma(mean)
+            assert self._sigma is not None
+            scale = self._sigma(mean)
             ret = mean
         if y is not None and y.shape != mean.shape[mean.dim() - y.dim() :]:
             raise ValueError(
@@ -487,9 +488,10 @@ class NetworkModel:
     def _where(self) -> str:
         if self.noise == "heteroscedastic":
             return "σ(x) from the network"
-        if self._sigma is None:
-            return "fixed"
-        return f"param {self._sigma.param!r}" if self.noise == "point" else "latent site 'sigma'"
+        if self.noise == "point":
+            assert self._sigma is not None
+            return f"param {self._sigma.param!r}"
+        return "latent site 'sigma'" if self.noise == "learned" else "fixed"
 
     def __repr__(self) -> str:
         extra = ""

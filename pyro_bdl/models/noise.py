@@ -96,13 +96,15 @@ def check_noise_prior(prior: object) -> Distribution:
 
 
 class NoiseSite:
-    """σ of a ``"learned"`` or ``"point"`` Gaussian noise, as the model asks for it on each
-    call: a sample from the prior, built once per dtype and device of the network's outputs,
-    or the positive param.
+    """σ of a ``"fixed"``, ``"learned"`` or ``"point"`` Gaussian noise, as the model asks for it
+    on each call: the fixed value, a sample from the prior or the positive param. The fixed value
+    and the prior are built once per dtype and device of the network's outputs (on a GPU, a
+    tensor made from a number on every call is a copy from the host that waits for the queued
+    kernels).
 
-    :param str noise: ``"learned"`` or ``"point"``.
+    :param str noise: ``"fixed"``, ``"learned"`` or ``"point"``.
     :param prior: the prior over σ (``"learned"``).
-    :param float init: the initial value of the param (``"point"``).
+    :param float init: σ (``"fixed"``), or the initial value of the param (``"point"``).
     :param str param: the param-store name of a point σ (:func:`param_name`).
     """
 
@@ -110,6 +112,14 @@ class NoiseSite:
         self.noise, self.prior, self.init = noise, prior, float(init)
         self.param = param
         self._priors: dict = {}
+        self._fixed: dict = {}
+
+    def _init_like(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, like.device)
+        value = self._fixed.get(key)
+        if value is None:
+            value = self._fixed[key] = torch.tensor(self.init, dtype=like.dtype, device=like.device)
+        return value
 
     def _prior_like(self, like: torch.Tensor) -> Distribution:
         assert self.prior is not None
@@ -128,9 +138,12 @@ class NoiseSite:
         return prior
 
     def __call__(self, like: torch.Tensor) -> torch.Tensor:
+        if self.noise == "fixed":
+            return self._init_like(like)
         if self.noise == "learned":
             return pyro.sample(SIGMA, self._prior_like(like))
-        init = torch.tensor(self.init, dtype=like.dtype, device=like.device)
+        # Lazy: the initial value is made only when the param store lacks the param.
+        init = lambda: torch.tensor(self.init, dtype=like.dtype, device=like.device)  # noqa: E731
         return pyro.param(self.param, init, constraint=constraints.positive)
 
     def current(self) -> float:
