@@ -12,6 +12,7 @@ from torch import nn
 
 from pyro_bdl import bayesianize, models
 from tests.faults.common import assert_same, rng_states
+from tests.test_models import _TokenLM, _tokens
 
 N = 32
 
@@ -54,18 +55,6 @@ def test_a_range_refusal_after_the_first_call_leaves_buffers_and_rng(noise):
     assert_same(before, after)
 
 
-class _TinyLM(nn.Module):
-    """Token ids (B, T) -> logits (B, T, 7)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(7, 4)
-        self.head = nn.Linear(4, 7)
-
-    def forward(self, ids):
-        return self.head(self.embed(ids))
-
-
 def _with_bias(net: nn.Module, column: int, value: float) -> nn.Module:
     with torch.no_grad():
         net.bias[column] = value
@@ -93,12 +82,12 @@ def test_a_non_finite_mean_is_named_as_the_networks_output_not_an_overflow(make)
         (lambda: models.classifier(nn.Linear(3, 4), N), torch.tensor([0, 1, 2, 3, 0, 1])),
         (lambda: models.binary_classifier(nn.Linear(3, 1), N), torch.tensor([0, 1, 1, 0, 0, 1])),
         (lambda: models.multilabel_classifier(nn.Linear(3, 2), N), torch.ones(6, 2)),
-        (lambda: models.language_model(_TinyLM(), N), torch.ones(6, 5, dtype=torch.long)),
+        (lambda: models.language_model(_TokenLM(), N), torch.ones(6, 5, dtype=torch.long)),
     ],
     ids=["categorical", "binary", "multilabel", "tokens"],
 )
 def test_complex_labels_are_refused_by_dtype(make, labels):
     model = make()
-    x = torch.ones(6, 5, dtype=torch.long) if model.likelihood == "tokens" else torch.randn(6, 3)
+    x = _tokens(rows=6, vocab=7) if model.likelihood == "tokens" else torch.randn(6, 3)
     with pytest.raises(ValueError, match=r"torch\.complex64"):
         model(x, labels.to(torch.complex64))
