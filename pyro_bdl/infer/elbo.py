@@ -29,7 +29,10 @@ Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
 ``scale * KL``). A prior masked out whole (``.mask(False)``) contributes no KL, as under Pyro's
 KL of a masked distribution. Weight sites live outside the data plate, so under a subsampled
-plate the KL is counted once per step while the likelihood is scaled by N/B.
+plate the KL is counted once per step while the likelihood is scaled by N/B. Under Pyro's
+validation every sample site of the model and the guide has its shape checked as under
+``Trace_ELBO``: a latent site with batch dims that no plate declares is refused, not summed into
+its KL.
 
 A refused step (a non-finite loss, or anything the model or guide raises) changes nothing: the
 network's buffers (BatchNorm's running statistics), torch's random state and the parameters'
