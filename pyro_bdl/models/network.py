@@ -392,10 +392,10 @@ class NetworkModel:
                 f"x['attention_mask'] has shape {tuple(mask.shape)}; expected ({rows}, {length}), "
                 "one entry per position of the logits."
             )
-        if y is not None and self._width is None:
+        if y is not None and self._width != logits.shape[-1]:
+            # Checked before the forward pass against no width (the first call of an opaque
+            # network) or the last layer's, which the network's forward did not keep.
             check_token_range(y, logits.shape[-1])
-        # The labels were checked against this vocabulary (before the forward pass, or just now).
-        in_range = self._width in (None, logits.shape[-1])
         self._width = logits.shape[-1]
         if self.shift:
             logits = logits[..., :-1, :]
@@ -408,8 +408,7 @@ class NetworkModel:
         if y is not None:
             scored = scored & (y != IGNORE_INDEX)
             value = y.masked_fill(~scored, 0)
-        checked = value if in_range else None
-        fn = _LogSoftmaxCategorical(logits, checked=checked).mask(scored).to_event(1)
+        fn = _LogSoftmaxCategorical(logits, checked=value).mask(scored).to_event(1)
         return fn, value
 
     def _categorical(self, logits, y, rows):
@@ -418,18 +417,18 @@ class NetworkModel:
                 f"a classifier needs network outputs of shape ({rows}, C), one logit per class; "
                 f"got {tuple(logits.shape)}. Use models.binary_classifier for one logit per row."
             )
-        if y is not None and self._width is None:
-            # The label range depends on the network's output width, known only now.
+        if y is not None and self._width != logits.shape[-1]:
+            # Checked before the forward pass against no width (the first call of an opaque
+            # network) or the last layer's, which the network's forward did not keep.
             lo, hi = label_range(y)
             if lo < 0 or hi >= logits.shape[-1]:
                 raise ValueError(
                     f"class labels must lie in [0, {logits.shape[-1]}); got min {lo}, max {hi}. "
                     "Check the label encoding or the network's number of outputs."
                 )
-        # The labels were checked against this width (before the forward pass, or just now).
-        checked = y if self._width in (None, logits.shape[-1]) else None
         self._width = logits.shape[-1]
-        return _LogSoftmaxCategorical(logits, checked=checked), y
+        # The labels were checked against this width (before the forward pass, or just now).
+        return _LogSoftmaxCategorical(logits, checked=y), y
 
     def _bernoulli(self, logits, y, rows):
         if not self.multilabel and _rows_at(logits, rows, core=2) and logits.shape[-1] == 1:

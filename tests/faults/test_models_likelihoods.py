@@ -91,3 +91,25 @@ def test_complex_labels_are_refused_by_dtype(make, labels):
     x = _tokens(rows=6, vocab=7) if model.likelihood == "tokens" else torch.randn(6, 3)
     with pytest.raises(ValueError, match=r"torch\.complex64"):
         model(x, labels.to(torch.complex64))
+
+
+class _FirstTwo(nn.Sequential):
+    """A Sequential whose forward keeps 2 of its last layer's outputs: the width read from the
+    layers (4) is not the width of the logits (2)."""
+
+    def forward(self, x):
+        return super().forward(x)[..., :2]
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_labels_are_checked_against_the_logits_width_not_the_last_layers(validation):
+    # Label 3 passes the check against the last layer's 4 outputs; against the 2 logits it is
+    # out of range (a gather out of bounds: on a GPU, a device-side assert that ends the process).
+    pyro.enable_validation(validation)
+    classifier = models.classifier(bayesianize(_FirstTwo(nn.Linear(3, 4))), N)
+    with pytest.raises(ValueError, match=r"class labels must lie in \[0, 2\); got min 0, max 3"):
+        classifier(torch.randn(3, 3), torch.tensor([0, 1, 3]))
+    lm = models.language_model(bayesianize(_FirstTwo(nn.Embedding(5, 4), nn.Linear(4, 4))), N)
+    ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    with pytest.raises(ValueError, match=r"token labels must lie in \[0, 2\) or be -100"):
+        lm(ids, torch.tensor([[0, 1, 3], [1, 0, 1]]))
