@@ -1,7 +1,8 @@
 """The likelihoods' refusals: a Gaussian likelihood's range check reads the network's output, so
 it can refuse a batch on any call, not only the first, and the refusal leaves the running
 statistics and the random state as they were, whichever ELBO runs the model (Pyro's own
-included); a non-finite mean is named as the network's; complex labels are refused by dtype."""
+included); a non-finite mean is named as the network's; complex labels are refused by dtype;
+labels are checked against the width of the logits, not only the last layer's."""
 
 from __future__ import annotations
 
