@@ -7,16 +7,21 @@ import numpy as np
 import pyro
 import pytest
 import torch
+import torch.nn.functional as F
+from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from sklearn.calibration import calibration_curve
 from sklearn.metrics import brier_score_loss, log_loss
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.curvature.ggn import output_hessian_factor
 from pyro_bdl.diagnostics.metrics_binary import binary_brier, binary_ece, binary_nll
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.infer import VOGN, TraceSuffStat_ELBO
+from tests.test_host_reads import _CountReads
+from tests.test_models import _TokenLM, _tokens
 
 
 def _train(model, guide, x, y, steps, lr):
@@ -283,3 +288,111 @@ def test_every_likelihood_under_vectorized_particles(kind):
     loss = vectorized.loss(model, guide, x, y)
     assert math.isfinite(loss)
     assert loss == pytest.approx(sequential, rel=1e-4, abs=1e-3)
+
+
+# --- exact answers and cost -----------------------------------------------------------------
+
+
+def _hand_log_lik(kind, out, y, sigma):
+    """Σ log p(y | out) over the batch, written out from each likelihood's formula."""
+    if kind == "categorical":
+        return out.log_softmax(-1).gather(-1, y[:, None]).sum()
+    if kind in ("binary", "multilabel"):
+        y = y.to(out.dtype)
+        return (y * F.logsigmoid(out) + (1 - y) * F.logsigmoid(-out)).sum()
+    if kind == "heteroscedastic":  # y ~ N(mean, exp(log_var))
+        mean, log_var = out[:, 0], out[:, 1]
+        return (-0.5 * (math.log(2 * math.pi) + log_var + (y - mean) ** 2 / log_var.exp())).sum()
+    return (-0.5 * math.log(2 * math.pi) - torch.log(sigma) - 0.5 * ((y - out) / sigma) ** 2).sum()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_likelihood_is_its_formula_scaled_by_n_over_b_in_the_elbo(kind):
+    model, x, y = _problem(kind)
+    b = 4
+    guide = AutoMeanField(model)
+    guide(x, y)  # the set-up, which draws from the prior, before the seeded draws
+    # The KL is exact, the same for every y; a known plate nesting spares the guessing run,
+    # which would draw from the guide before the traced draw.
+    elbo = TraceSuffStat_ELBO(kl="exact", max_plate_nesting=1)
+    losses, hands = [], []
+    for rows in (slice(0, b), slice(b, 2 * b)):
+        # The same seed: the guide draws the same weights (and σ) for either batch.
+        pyro.set_rng_seed(1)
+        losses.append(elbo.loss(model, guide, x[rows], y[rows]))
+        pyro.set_rng_seed(1)
+        g = poutine.trace(guide).get_trace(x[rows], y[rows])
+        m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x[rows], y[rows])
+        site = m.nodes["y"]
+        sigma = {
+            "fixed": torch.tensor(0.5),
+            "point": pyro.param(model.param_names[0]) if kind == "point" else None,
+            "learned": m.nodes["sigma"]["value"] if kind == "learned" else None,
+        }.get(kind)
+        hand = _hand_log_lik(kind, m.nodes["_RETURN"]["value"], y[rows], sigma).detach()
+        assert site["scale"] == N / b
+        # float32 round-off of a sum of b terms of order 1
+        torch.testing.assert_close(site["fn"].log_prob(site["value"]).sum().detach(), hand)
+        hands.append(float(hand))
+    # The likelihood term is exactly N/B times the batch's sum (the KL cancels).
+    assert losses[0] - losses[1] == pytest.approx(-N / b * (hands[0] - hands[1]), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "point", "learned", "heteroscedastic"])
+def test_a_gaussian_likelihood_reads_back_its_two_checks_only(kind):
+    # With validation on, Normal's own checks (loc real, scale positive, y real) would each read
+    # a verdict back from the device; the batch check (y finite) and the range check (mean
+    # finite, σ finite and positive) already hold them.
+    model, x, y = _problem(kind)
+    guide = AutoSWAG(model, rank=2)
+    guide(x, y)
+    model(x, y)  # past the first call
+    g = poutine.trace(guide).get_trace(x, y)
+    with _CountReads() as counted:
+        m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x, y)
+        m.nodes["y"]["fn"].log_prob(y)
+    assert counted.reads == ["tolist", "__bool__"]
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_a_language_model_step_reads_its_label_range_once(validation):
+    # The scored labels' range joins the batch check's one read; with validation on, the
+    # categorical checks its logits (one read) but not the labels the batch check found in range.
+    pyro.enable_validation(validation)
+    model = models.language_model(bayesianize(_TokenLM()), dataset_size=8)
+    batch = _tokens(vocab=7)
+    y = batch["input_ids"].clone()
+    y[1, 1] = -100
+    model(batch, y)  # past the first call
+    with _CountReads() as counted:
+        tr = poutine.trace(model).get_trace(batch, y)
+        tr.nodes["y"]["fn"].log_prob(tr.nodes["y"]["value"])
+    assert counted.reads == (["tolist", "__bool__"] if validation else ["tolist"])
+
+
+class _CountNumberTensors(TorchFunctionMode):
+    """Counts tensors made from Python numbers: on a GPU each is a copy from the host that
+    waits for the queued kernels, as a read does."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[str, float]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("tensor", "as_tensor", "scalar_tensor") and isinstance(args[0], float):
+            self.made.append((name, args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["fixed", "point"])
+def test_a_known_sigma_is_not_copied_from_the_host_on_every_step(kind):
+    model, x, y = _problem(kind)
+    guide = AutoSWAG(model, rank=2)
+    guide(x, y)
+    model(x, y)  # past the first call, which makes the point σ's param
+    g = poutine.trace(guide).get_trace(x, y)
+    with _CountNumberTensors() as counted:
+        m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x, y)
+        m.nodes["y"]["fn"].log_prob(y)
+    assert counted.made == []

@@ -29,7 +29,10 @@ Scale and mask follow Pyro: the E_q[log q] half takes the guide site's ``scale``
 E_q[log p] half the model site's (for an exact KL with equal scales this is TraceMeanField_ELBO's
 ``scale * KL``). A prior masked out whole (``.mask(False)``) contributes no KL, as under Pyro's
 KL of a masked distribution. Weight sites live outside the data plate, so under a subsampled
-plate the KL is counted once per step while the likelihood is scaled by N/B.
+plate the KL is counted once per step while the likelihood is scaled by N/B. Under Pyro's
+validation every sample site of the model and the guide has its shape checked as under
+``Trace_ELBO``: a latent site with batch dims that no plate declares is refused, not summed into
+its KL.
 
 A refused step (a non-finite loss, or anything the model or guide raises) changes nothing: the
 network's buffers (BatchNorm's running statistics), torch's random state and the parameters'
@@ -170,6 +173,20 @@ def _refuse_unguided(model_trace, guide_trace) -> None:
         )
 
 
+def _with_log_prob_shape(site: dict) -> dict:
+    """``site`` with a ``log_prob`` of the shape Pyro would compute, for ``check_site_shape``: a
+    latent site's density is never evaluated here, so an empty stand-in of that shape (the
+    value's batch dims, the distribution's batch shape and a tensor scale or mask broadcast) lets
+    Pyro refuse undeclared batch dims as ``Trace_ELBO`` does, at no cost."""
+    if "log_prob" in site:
+        return site
+    value, fn = site["value"], site["fn"]
+    shapes = [value.shape[: value.dim() - len(fn.event_shape)], fn.batch_shape]
+    shapes += [t.shape for t in (site["scale"], site["mask"]) if isinstance(t, torch.Tensor)]
+    shape = torch.broadcast_shapes(*shapes)
+    return {**site, "log_prob": torch.empty(shape, device="meta")}
+
+
 @dataclass
 class _StepGuard:
     """Per-ELBO bookkeeping: the layers to save (known after the first step) and the steps done.
@@ -274,9 +291,10 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         model_trace = prune_subsample_sites(model_trace)
         model_trace.compute_log_prob(site_filter=lambda name, site: site["is_observed"])
         if is_validation_enabled():
-            for site in model_trace.nodes.values():
-                if site["type"] == "sample" and site["is_observed"]:
-                    check_site_shape(site, self.max_plate_nesting)
+            for trace in (model_trace, guide_trace):
+                for site in trace.nodes.values():
+                    if site["type"] == "sample":
+                        check_site_shape(_with_log_prob_shape(site), self.max_plate_nesting)
         return model_trace, guide_trace
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:

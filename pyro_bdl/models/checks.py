@@ -3,8 +3,10 @@ it: the batch itself (:func:`check_batch`), and the inputs against what the netw
 (:class:`NetworkShape`: the dtype and width of its first layer, the width of its last).
 
 Every check is O(1) in the network's size and raises before any state (weights sampled, running
-statistics, random number generators, the param store) changes; the first call of a model, whose
-output shape is not yet known, runs under :func:`rollback`.
+statistics, random number generators, the param store) changes. Two checks need the network's
+output, so the calls that run them are under :func:`rollback`: a model's first call, whose output
+shape is not yet known, and every call that scores a Gaussian likelihood, whose range check
+(:func:`~pyro_bdl.models.noise.check_likelihood_range`) compares the output with the targets.
 """
 
 from __future__ import annotations
@@ -193,15 +195,20 @@ def check_batch(
             f"{tuple(y.shape)}. Pass matching slices of the data."
         )
     if task == "tokens":
-        values.check()
-        _check_token_labels(y, num_classes)
+        _check_token_labels(y)
+        if y.numel():
+            # Skipped labels count as 0, always in range: the fused read gives the scored range.
+            values.labels = y.masked_fill(y == IGNORE_INDEX, 0)
+        lo, hi = values.check()
+        if lo < 0 or (num_classes is not None and hi >= num_classes):
+            check_token_range(y, num_classes)  # the exact check names the scored min and max
     elif task == "classification":
         if y.dim() != 1:
             raise ValueError(
                 f"y must have shape ({rows},) of class labels; got {tuple(y.shape)}. "
                 "Use y.reshape(-1) (or y.argmax(-1) for one-hot labels)."
             )
-        if y.is_floating_point() or y.dtype == torch.bool:
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
             raise ValueError(
                 f"y must hold integer class labels for a categorical likelihood; got dtype "
                 f"{y.dtype}. Use y.long()."
@@ -226,6 +233,11 @@ def check_batch(
             raise ValueError(
                 f"y must have shape {shape} of 0/1 labels for a {task} classifier; got "
                 f"{tuple(y.shape)}. {fix}"
+            )
+        if y.is_complex():
+            raise ValueError(
+                f"y must hold real 0/1 labels for a {task} classifier; got dtype {y.dtype}. Pass "
+                "real labels (y.real)."
             )
         if task == "multilabel" and num_classes is not None and y.shape[1] != num_classes:
             raise ValueError(
@@ -259,7 +271,7 @@ class _Values:
         self.binary: torch.Tensor | None = None  #: labels that must be 0 or 1
         #: (name, token ids, V): ids an embedding of V entries reads, which must lie in [0, V)
         self.ids: tuple[str, torch.Tensor, int] | None = None
-        self.labels: torch.Tensor | None = None  #: class labels whose range is read
+        self.labels: torch.Tensor | None = None  #: class or token labels whose range is read
 
     def add(self, name: str, t: torch.Tensor) -> None:
         if t.is_floating_point() or t.is_complex():
@@ -301,14 +313,13 @@ class _Values:
         return (read[-2], read[-1]) if self.labels is not None else (0, 0)
 
 
-def _check_token_labels(y: torch.Tensor, vocab: int | None) -> None:
-    if y.dim() != 2 or y.is_floating_point() or y.dtype == torch.bool:
+def _check_token_labels(y: torch.Tensor) -> None:
+    if y.dim() != 2 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(
             f"y must hold integer token labels of shape (B, T) for a token-level likelihood; got "
             f"{y.dtype} of shape {tuple(y.shape)}. Pass the token ids (y = batch['input_ids'], "
             f"with {IGNORE_INDEX} where a token is not scored)."
         )
-    check_token_range(y, vocab)
 
 
 def check_token_range(y: torch.Tensor, vocab: int | None) -> None:
@@ -496,7 +507,8 @@ def autocast_enabled(x: torch.Tensor) -> bool:
 def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
     """Restore the random number generators, the network's buffers (running statistics) and the
     param store (a lifted network's hidden parameters register there on the first forward pass)
-    if the block raises: a model's first call checks the outputs only after the forward pass."""
+    if the block raises: the checks of a model's first call, and a Gaussian likelihood's range
+    check, read the network's output, so they can only run after the forward pass."""
     store = pyro.get_param_store()
     names = set(store.keys())
     cpu = torch.get_rng_state()

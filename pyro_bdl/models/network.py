@@ -248,7 +248,7 @@ class NetworkModel:
                 1.0 if noise_scale is None else noise_scale,
                 param_name(self.name, SIGMA),
             )
-            if noise in ("learned", "point")
+            if noise in ("fixed", "learned", "point")
             else None
         )
         self._task = {
@@ -323,8 +323,8 @@ class NetworkModel:
                 "of training examples, or smaller batches (y=None predicts on any number of rows)."
             )
         if self.likelihood == "gaussian" and y is not None and y.dim() != 1:
-            # Checked again against the output after the forward pass; refused here first, so
-            # a call after the first (no rollback) leaves BatchNorm statistics alone.
+            # Checked again against the output after the forward pass; refused here first,
+            # before the network runs.
             if y.dim() == 2 and y.shape[1] > 1:
                 raise ValueError(
                     _multi_output(f"y has {y.shape[1]} targets per example, shape {tuple(y.shape)}")
@@ -335,7 +335,9 @@ class NetworkModel:
             )
         if self.check_inputs and isinstance(x, torch.Tensor):
             self.shape.check_inputs(x)
-        if not self._first:
+        # The first call checks the output's shape only after the forward pass, and a Gaussian
+        # likelihood checks its range (the output against y and σ) after it on every call.
+        if not (self._first or (self.likelihood == "gaussian" and y is not None)):
             return self._run(x, y, rows, device)
         with rollback(self.net, device):
             out = self._run(x, y, rows, device)
@@ -390,7 +392,9 @@ class NetworkModel:
                 f"x['attention_mask'] has shape {tuple(mask.shape)}; expected ({rows}, {length}), "
                 "one entry per position of the logits."
             )
-        if y is not None and self._width is None:
+        if y is not None and self._width != logits.shape[-1]:
+            # Checked before the forward pass against no width (the first call of an opaque
+            # network) or the last layer's, which the network's forward did not keep.
             check_token_range(y, logits.shape[-1])
         self._width = logits.shape[-1]
         if self.shift:
@@ -404,7 +408,7 @@ class NetworkModel:
         if y is not None:
             scored = scored & (y != IGNORE_INDEX)
             value = y.masked_fill(~scored, 0)
-        fn = _LogSoftmaxCategorical(logits).mask(scored).to_event(1)
+        fn = _LogSoftmaxCategorical(logits, checked=value).mask(scored).to_event(1)
         return fn, value
 
     def _categorical(self, logits, y, rows):
@@ -413,18 +417,18 @@ class NetworkModel:
                 f"a classifier needs network outputs of shape ({rows}, C), one logit per class; "
                 f"got {tuple(logits.shape)}. Use models.binary_classifier for one logit per row."
             )
-        if y is not None and self._width is None:
-            # The label range depends on the network's output width, known only now.
+        if y is not None and self._width != logits.shape[-1]:
+            # Checked before the forward pass against no width (the first call of an opaque
+            # network) or the last layer's, which the network's forward did not keep.
             lo, hi = label_range(y)
             if lo < 0 or hi >= logits.shape[-1]:
                 raise ValueError(
                     f"class labels must lie in [0, {logits.shape[-1]}); got min {lo}, max {hi}. "
                     "Check the label encoding or the network's number of outputs."
                 )
-        # The labels were checked against this width (before the forward pass, or just now).
-        checked = y if self._width in (None, logits.shape[-1]) else None
         self._width = logits.shape[-1]
-        return _LogSoftmaxCategorical(logits, checked=checked), y
+        # The labels were checked against this width (before the forward pass, or just now).
+        return _LogSoftmaxCategorical(logits, checked=y), y
 
     def _bernoulli(self, logits, y, rows):
         if not self.multilabel and _rows_at(logits, rows, core=2) and logits.shape[-1] == 1:
@@ -465,23 +469,28 @@ class NetworkModel:
             mean = out.squeeze(-1) if _rows_at(out, rows, 2) and out.shape[-1] == 1 else out
             if not _rows_at(mean, rows, 1):
                 raise ValueError(_multi_output(f"it gave outputs of shape {tuple(out.shape)}"))
-            scale = self._fixed if self._sigma is None else self._sigma(mean)
+            assert self._sigma is not None
+            scale = self._sigma(mean)
             ret = mean
         if y is not None and y.shape != mean.shape[mean.dim() - y.dim() :]:
             raise ValueError(
                 f"y must have the network output's shape {tuple(mean.shape)}; got "
                 f"{tuple(y.shape)}. Use y.reshape({tuple(mean.shape)})."
             )
-        if y is not None:
-            check_likelihood_range(y, mean, scale, self.dataset_size / rows, where=self._where())
-        return dist.Normal(mean, scale), y, ret
+        if y is None:
+            return dist.Normal(mean, scale), y, ret
+        check_likelihood_range(y, mean, scale, self.dataset_size / rows, where=self._where())
+        # The batch check found y finite and the range check the mean finite and σ finite and
+        # positive: Normal's own validation would read each verdict back again.
+        return dist.Normal(mean, scale, validate_args=False), y, ret
 
     def _where(self) -> str:
         if self.noise == "heteroscedastic":
             return "σ(x) from the network"
-        if self._sigma is None:
-            return "fixed"
-        return f"param {self._sigma.param!r}" if self.noise == "point" else "latent site 'sigma'"
+        if self.noise == "point":
+            assert self._sigma is not None
+            return f"param {self._sigma.param!r}"
+        return "latent site 'sigma'" if self.noise == "learned" else "fixed"
 
     def __repr__(self) -> str:
         extra = ""

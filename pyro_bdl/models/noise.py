@@ -19,8 +19,9 @@ part of the model's contract (guides index their posteriors by it, ``guide.locs_
 then need distinct prefixes, as for the weights.
 
 Range. Before a Gaussian likelihood is scored, :func:`check_likelihood_range` refuses a σ that is
-not finite and positive, and targets, outputs or σ whose terms or σ-gradient overflow the dtype
-(targets ×1e30 in float32): such a step would store σ = inf or NaN.
+not finite and positive, a mean (the network's output) that is not finite, and targets, outputs or
+σ whose terms or σ-gradient overflow the dtype (targets ×1e30 in float32): such a step would store
+σ = inf or NaN.
 """
 
 from __future__ import annotations
@@ -95,13 +96,15 @@ def check_noise_prior(prior: object) -> Distribution:
 
 
 class NoiseSite:
-    """σ of a ``"learned"`` or ``"point"`` Gaussian noise, as the model asks for it on each
-    call: a sample from the prior, built once per dtype and device of the network's outputs,
-    or the positive param.
+    """σ of a ``"fixed"``, ``"learned"`` or ``"point"`` Gaussian noise, as the model asks for it
+    on each call: the fixed value, a sample from the prior or the positive param. The fixed value
+    and the prior are built once per dtype and device of the network's outputs (on a GPU, a
+    tensor made from a number on every call is a copy from the host that waits for the queued
+    kernels).
 
-    :param str noise: ``"learned"`` or ``"point"``.
+    :param str noise: ``"fixed"``, ``"learned"`` or ``"point"``.
     :param prior: the prior over σ (``"learned"``).
-    :param float init: the initial value of the param (``"point"``).
+    :param float init: σ (``"fixed"``), or the initial value of the param (``"point"``).
     :param str param: the param-store name of a point σ (:func:`param_name`).
     """
 
@@ -109,6 +112,14 @@ class NoiseSite:
         self.noise, self.prior, self.init = noise, prior, float(init)
         self.param = param
         self._priors: dict = {}
+        self._fixed: dict = {}
+
+    def _init_like(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, like.device)
+        value = self._fixed.get(key)
+        if value is None:
+            value = self._fixed[key] = torch.tensor(self.init, dtype=like.dtype, device=like.device)
+        return value
 
     def _prior_like(self, like: torch.Tensor) -> Distribution:
         assert self.prior is not None
@@ -127,9 +138,12 @@ class NoiseSite:
         return prior
 
     def __call__(self, like: torch.Tensor) -> torch.Tensor:
+        if self.noise == "fixed":
+            return self._init_like(like)
         if self.noise == "learned":
             return pyro.sample(SIGMA, self._prior_like(like))
-        init = torch.tensor(self.init, dtype=like.dtype, device=like.device)
+        # Lazy: the initial value is made only when the param store lacks the param.
+        init = lambda: torch.tensor(self.init, dtype=like.dtype, device=like.device)  # noqa: E731
         return pyro.param(self.param, init, constraint=constraints.positive)
 
     def current(self) -> float:
@@ -171,6 +185,15 @@ def check_likelihood_range(
                 "drove it out of range: standardise the targets ((y - y.mean()) / y.std()) or "
                 "lower the learning rate, and restart σ (for a point σ: del "
                 "pyro.get_param_store()[name], or pyro.clear_param_store())."
+            )
+        bad = int((~torch.isfinite(mean)).sum())
+        if bad:
+            raise ValueError(
+                f"the network's output (the Gaussian's mean) holds {bad} non-finite value(s) "
+                "(NaN or inf) for finite inputs, so the likelihood was not scored and nothing was "
+                "changed: the weights (the guide's parameters) are not finite, or overflow the "
+                f"network's {mean.dtype}. A previous step diverged: lower the learning rate, and "
+                "restart from a checkpoint or a new guide."
             )
         ymax, mmax = float(y.abs().max()), float(mean.detach().abs().max())
         raise ValueError(
