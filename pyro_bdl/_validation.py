@@ -21,7 +21,13 @@ def _describe(value: object) -> str:
 
 
 def check_positive(name: str, value: float | torch.Tensor, *, fix: str = "") -> None:
-    """Require a finite, strictly positive number (or tensor of them)."""
+    """Require a finite, strictly positive number (or tensor of them); a bool is not one."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(
+            f"{name} must be a positive number; got the bool {_describe(value)}, which would "
+            f"read as {float(value) if isinstance(value, bool) else 'its 0/1 values'}. "
+            + (fix or f"Pass a positive {name}.")
+        )
     t = (
         torch.as_tensor(value, dtype=torch.float64)
         if not isinstance(value, torch.Tensor)

@@ -37,8 +37,9 @@ def _data():
     return torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g)
 
 
-def _model():
-    torch.manual_seed(0)
+def _model(seed: int | None = 0):
+    if seed is not None:  # None: the caller seeds (AutoEnsemble.from_training, seed + k)
+        torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
     return models.classifier(bayesianize(net, priors.Normal(scale=1.0)), N)
 
@@ -172,7 +173,7 @@ def _ensemble_run(amp: bool):
 
     pyro.clear_param_store()
     with _autocast(amp):
-        guide = AutoEnsemble.from_training(_model, train, num_members=2)
+        guide = AutoEnsemble.from_training(lambda: _model(seed=None), train, num_members=2)
         guide(x, y)
     _assert_float32_or_wider(dict(guide.named_buffers()))
     _assert_float32_or_wider(dict(guide.named_parameters()))

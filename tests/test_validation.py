@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyro_bdl._validation import all_finite
+from pyro_bdl._validation import all_finite, check_positive
 
 
 def test_all_finite_decides_every_case_in_one_call():
@@ -36,3 +36,18 @@ def test_all_finite_reads_a_gradient_that_carries_a_graph_without_warning():
     w = torch.randn(5, requires_grad=True)
     (g,) = torch.autograd.grad((w**3).sum(), w, create_graph=True)
     assert g.requires_grad and all_finite([g])
+
+
+@pytest.mark.parametrize("value", [True, torch.tensor([True, False])])
+def test_a_bool_is_not_a_positive_number(value):
+    # True would pass as 1.0: regressor(net, N, noise_scale=True) meant σ = 1 without a word.
+    with pytest.raises(TypeError, match="noise_scale must be a positive number; got the bool"):
+        check_positive("noise_scale", value)
+
+
+def test_regressor_refuses_a_bool_noise_scale():
+    import pyro_bdl as bdl
+
+    net = bdl.bayesianize(torch.nn.Linear(2, 1))
+    with pytest.raises(TypeError, match="noise_scale"):
+        bdl.models.regressor(net, 10, noise_scale=True)

@@ -101,7 +101,10 @@ def _multiswag_ready(placeholder, model, args: Args):
     for k in range(2):
         pyro.set_rng_seed(k)
         pyro.clear_param_store()
-        members.append(_swag_ready(AutoSWAG(model, rank=2), model, args))
+        # From a prior draw of its own seed: SWAG's runs draw no noise, so two runs from the
+        # network's weights would be one run, which AutoMultiSWAG refuses.
+        member = AutoSWAG(model, rank=2, init_loc_fn=init_to_sample)
+        members.append(_swag_ready(member, model, args))
     guide = AutoMultiSWAG(model, members)
     guide(*args)
     return guide
