@@ -26,11 +26,6 @@ The linearized predictive over these structures is
 References:
     Daxberger et al., "Bayesian Deep Learning via Subnetwork Inference", ICML 2021.
     Ritter, Botev & Barber, "A Scalable Laplace Approximation for Neural Networks", ICLR 2018.
-    MacKay, "The evidence framework applied to classification networks", Neural Computation 1992.
-    Lu, Ie & Sha, "Uncertainty estimation with infinitesimal jackknife, its distribution and
-    mean-field approximation", 2020.
-    Hobbhahn, Kristiadi & Hennig, "Fast predictive uncertainty for classification with Bayesian
-    deep networks", UAI 2022.
 """
 
 from __future__ import annotations
