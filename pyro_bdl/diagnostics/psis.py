@@ -143,16 +143,16 @@ def _sampled(guide_trace) -> list[dict]:
     return [s for s in guide_trace.nodes.values() if s["type"] == "sample" and not s["is_observed"]]
 
 
-def _particles_differ(guide_trace, max_plate_nesting: int) -> bool:
-    """Whether the particles of a vectorized guide trace hold different values somewhere (the
-    particle plate is the dim left of the model's ``max_plate_nesting`` plates)."""
+def _particle_values(guide_trace, max_plate_nesting: int, first: bool) -> list[torch.Tensor]:
+    """The values a vectorized guide trace drew, or (``first``) those of its first particle (the
+    particle plate is the dim left of the model's ``max_plate_nesting`` plates), which broadcast
+    against every particle's."""
+    out = []
     for site in _sampled(guide_trace):
         value = site["value"]
         dim = value.dim() - site["fn"].event_dim - max_plate_nesting - 1
-        if dim >= 0 and value.shape[dim] > 1:
-            if not bool((value == value.narrow(dim, 0, 1)).all()):
-                return True
-    return False
+        out.append(value.narrow(dim, 0, 1) if first and dim >= 0 else value)
+    return out
 
 
 def _sequential_log_ratios(model, guide, num_samples, args, kwargs) -> tuple[torch.Tensor, bool]:
@@ -212,6 +212,7 @@ def psis_khat(
                 f"plates in the model); got {max_plate_nesting!r}."
             )
         chunks = []
+        first: list[torch.Tensor] | None = None  # the first draw, which every other is compared to
         differ = False
         with torch.no_grad():
             for start in range(0, num_samples, batch_size):
@@ -226,7 +227,11 @@ def psis_khat(
                     **kwargs,
                 )
                 chunks.append(lw.detach().double().reshape(-1).cpu())
-                differ = differ or _particles_differ(guide_trace, max_plate_nesting)
+                if first is None:
+                    first = _particle_values(guide_trace, max_plate_nesting, first=True)
+                if not differ:
+                    values = _particle_values(guide_trace, max_plate_nesting, first=False)
+                    differ = any(not bool((a == b).all()) for a, b in zip(first, values))
         log_ratios = torch.cat(chunks)
     else:
         with torch.no_grad():

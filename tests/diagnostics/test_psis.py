@@ -135,6 +135,19 @@ def point_guide_2d():
     pyro.sample("z", dist.Delta(torch.full((2,), 0.3, dtype=torch.float64)).to_event(1))
 
 
+def test_a_guide_with_a_spread_drawn_one_particle_a_pass_is_not_a_point_mass():
+    # Every vectorized pass holds one particle: the draws differ across passes only.
+    result = psis.psis_khat(
+        standard_normal_2d,
+        normal_guide_2d(0.9),
+        num_samples=50,
+        vectorize=True,
+        max_plate_nesting=0,
+        batch_size=1,
+    )
+    assert result.log_weights.shape == (50,)
+
+
 @pytest.mark.parametrize("vectorize", [False, True])
 def test_point_mass_guide_is_refused_not_called_good(vectorize):
     # Every draw is the same θ, so every ratio is the same and k̂ read -inf, "good: the guide is
