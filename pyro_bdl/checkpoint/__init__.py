@@ -54,6 +54,7 @@ import pyro
 import pyro.poutine as poutine
 import torch
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl.checkpoint._checks import part_errors
 from pyro_bdl.checkpoint._files import FORMAT, VERSION, atomic_save, read
 from pyro_bdl.checkpoint._parts import (
@@ -309,7 +310,7 @@ def load_checkpoint(
             f"{path!r} holds state for {', '.join(unused)}, which were not passed to "
             "load_checkpoint and are not restored.",
             CheckpointWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
     # (3) State.
@@ -328,7 +329,7 @@ def load_checkpoint(
             f"{path!r} holds no optimizer state: the optimizer restarts, so the resumed run "
             "will not be bit-exact.",
             CheckpointWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
     # (4) RNG last, after everything that might draw random numbers.
@@ -340,7 +341,7 @@ def load_checkpoint(
             f"{path!r} was saved without RNG state (rng=False): the resumed run will not be "
             "bit-exact.",
             CheckpointWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
     return {
         "step": payload["step"],

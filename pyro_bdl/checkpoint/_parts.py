@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from pyro.distributions import constraints
 
+from pyro_bdl._caller import user_stacklevel
+
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used: truncated, corrupt or not a checkpoint."""
@@ -79,7 +81,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             f"has {torch.cuda.device_count() if torch.cuda.is_available() else 0}; the CUDA "
             "generators were not restored, so GPU sampling will not resume bit for bit.",
             CheckpointWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -44,6 +44,7 @@ from pyro.infer.util import zero_grads
 from pyro.optim import PyroOptim
 from torch import nn
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl._validation import check_positive
 from pyro_bdl.distributed.comm import (
     all_gather_scalars,
@@ -187,7 +188,7 @@ class DataParallelSVI(SVI):
                 "torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) on GPUs for statistics "
                 "over the whole batch, or use LayerNorm/GroupNorm.",
                 BatchNormWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         self._buffers = [b for m in batchnorms.values() for b in m.buffers()]
         self._norm_modules = list(modules(model, guide))

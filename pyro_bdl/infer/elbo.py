@@ -62,6 +62,7 @@ from pyro.poutine.util import prune_subsample_sites
 from pyro.util import check_if_enumerated, check_model_guide_match, check_site_shape
 from torch.distributions import Distribution, Independent, kl_divergence
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.infer.kl import (
     NOISE_FAMILIES,
@@ -537,7 +538,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                 "enters through Trace_ELBO's one-sample term log p(z) - log q(z) at the guide's "
                 "draw (unbiased, with more variance).",
                 KLFallbackWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         self.kl_methods[name] = "trace_elbo"
         return self._trace_elbo_term(model_site, guide_site)

@@ -12,6 +12,7 @@ import pyro.distributions as dist
 import torch
 from torch import nn
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl.priors import Prior
 
 __all__ = [
@@ -165,7 +166,7 @@ def check_unmatched(
                 f"bayesianize: {argument} glob {rule!r} matches no parameter; the names look "
                 f"like {sample}. Check the glob against dict(net.named_parameters()).",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
 

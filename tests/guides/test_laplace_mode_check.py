@@ -59,9 +59,12 @@ def _guide(trained: bool, **kwargs):
 @pytest.mark.parametrize("kwargs", STRUCTURES, ids=lambda k: k.get("hessian_structure", "full"))
 def test_an_untrained_network_warns_to_train_it_first(kwargs):
     guide, data = _guide(trained=False, **kwargs)
-    with pytest.warns(NotAtModeWarning, match="not look trained to a MAP.*Train the network"):
+    with pytest.warns(
+        NotAtModeWarning, match="not look trained to a MAP.*Train the network"
+    ) as caught:
         guide.fit(data)
     assert guide.fitted  # the warning does not stop the fit
+    assert caught[0].filename == __file__  # it points at the caller's line
 
 
 @pytest.mark.parametrize("kwargs", STRUCTURES, ids=lambda k: k.get("hessian_structure", "full"))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl.app.compare import tuning
 from pyro_bdl.app.compare.problem import Problem, record_posteriors, seed_everything
 from pyro_bdl.app.compare.registry import METHODS
@@ -122,7 +123,11 @@ def export_method(
         try:
             written += plots.save_arviz_plots(data, output, prefix=f"{name}-")
         except Exception as err:  # an optional figure must not lose the run's results
-            warnings.warn(f"ArviZ plots for {name!r} failed: {err}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"ArviZ plots for {name!r} failed: {err}",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
     return written
 
 

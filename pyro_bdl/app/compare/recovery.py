@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
+from pyro_bdl._caller import user_stacklevel
+
 __all__ = ["ATTEMPTS", "FACTOR", "DivergedWarning", "diverged", "retry_lower"]
 
 #: Tries in all (the first at the given rate).
@@ -57,7 +59,7 @@ def retry_lower(
                 )
                 raise
             note = f"{desc}: diverged at rate {rate:g}; retried from scratch at {rate / FACTOR:g}"
-            warnings.warn(note, DivergedWarning, stacklevel=2)
+            warnings.warn(note, DivergedWarning, stacklevel=user_stacklevel())
             if notes is not None:
                 notes.append(note)
             rate /= FACTOR

@@ -26,6 +26,7 @@ from pyro.infer import Predictive
 from torch import nn
 
 from pyro_bdl import models
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl.app.compare.map import train_map
 from pyro_bdl.app.compare.problem import Predictor, Problem, predictive_probs, split_validation
 from pyro_bdl.diagnostics.temperature import fit_temperature
@@ -58,7 +59,7 @@ def validation_temperature(logits: torch.Tensor, y: torch.Tensor) -> float:
             f"map_ts: the MAP gets all {len(y)} validation rows right, so no finite temperature "
             "minimises their NLL; keeping T = 1 (plain MAP).",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return 1.0
     return fit_temperature(logits, y)

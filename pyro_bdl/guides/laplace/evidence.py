@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable
 import pyro.distributions as dist
 import torch
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
 from pyro_bdl.curvature.ggn import Split, mean_and_log_variance
 from pyro_bdl.guides.laplace.predictive import (
@@ -93,9 +94,9 @@ class PriorPrecisionBoundWarning(UserWarning):
     λ returned is where the search stopped, not the data's choice."""
 
 
-def _warn_at_bound(where: str, upper: bool, fix: str, stacklevel: int) -> None:
-    """Warn that a λ search ended at its ``upper`` (else lower) bound, as ``where`` says;
-    ``stacklevel`` counts from the caller of this function."""
+def _warn_at_bound(where: str, upper: bool, fix: str) -> None:
+    """Warn, at the user's line, that a λ search ended at its ``upper`` (else lower) bound, as
+    ``where`` says."""
     meaning = (
         "the data prefer the MAP limit (almost no posterior width)"
         if upper
@@ -104,7 +105,7 @@ def _warn_at_bound(where: str, upper: bool, fix: str, stacklevel: int) -> None:
     warnings.warn(
         f"{where}: {meaning}; {fix}",
         PriorPrecisionBoundWarning,
-        stacklevel=stacklevel + 1,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -324,7 +325,6 @@ def _warn_outside_range(lam: torch.Tensor, prior_structure: str) -> None:
                 f"there is no maximum in between, so λ is where L-BFGS stopped. This comes of "
                 f"{why}: leave them out of the subnetwork, fix λ instead (prior_precision=), "
                 "or use a coarser prior_structure or search='grid'.",
-                stacklevel=5,  # through optimize_marglik, to the caller of tune_prior_precision
             )
 
 
@@ -343,7 +343,6 @@ def tune_grid(
             f"[{float(grid[0]):.3g}, {float(grid[-1]):.3g}]",
             i == len(grid) - 1,
             "widen the grid to look further.",
-            stacklevel=4,  # the caller of tune_prior_precision
         )
     if not refine or len(grid) < 3:
         return float(grid[i])

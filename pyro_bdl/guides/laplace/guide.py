@@ -36,6 +36,7 @@ import torch
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.curvature.memory import check_memory
 from pyro_bdl.guides.access import SiteAccess
@@ -402,6 +403,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         )
         return 1.0 / (diag + lam)
 
+    @differentiates
     def fit(
         self, data: Any, *, reduce_fn=None, check_mode: bool = True, trim_padding: bool = False
     ) -> AutoSubnetLaplace:
@@ -535,6 +537,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         at = (self._raw_model, self.layout, self.map_loc, data, obs, self.subnet_index)
         return jacobians(*at, batch_size=self.batch_size, transform=transform)
 
+    @differentiates
     def predict(
         self,
         x: torch.Tensor,
@@ -567,6 +570,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         noise = obs.noise if self._noise is None else self._noise
         return predictive(chunks, obs.likelihood, noise, obs.vector, link, num_samples, generator)
 
+    @differentiates
     def predictive_distribution(
         self, x: torch.Tensor, *, num_samples: int = 1000, generator: torch.Generator | None = None
     ) -> torch.distributions.Distribution:
@@ -665,6 +669,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
             )
         return self._stats
 
+    @differentiates
     def tune_prior_precision(
         self,
         data: Any = None,

@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from pyro_bdl._caller import user_stacklevel
+
 __all__ = ["MODE_TOLERANCE_SD", "NotAtModeWarning", "warn_if_not_at_mode"]
 
 
@@ -53,5 +55,5 @@ def warn_if_not_at_mode(gradient: torch.Tensor, posterior) -> None:
             "(for example SVI with this guide and Trace_ELBO until the loss stops falling), then "
             "call fit; pass check_mode=False to fit at these weights anyway.",
             NotAtModeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )

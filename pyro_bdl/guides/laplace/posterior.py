@@ -40,6 +40,7 @@ import torch
 from pyro.distributions.torch_distribution import TorchDistribution
 from torch.distributions import constraints
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl.curvature.jacobian import ParamSlot, fast_kind
 from pyro_bdl.curvature.kfac import KronLayer
 from pyro_bdl.layout import SiteLayout
@@ -212,7 +213,7 @@ def _warn_if_material(matrix: torch.Tensor, jitter: float, what: str) -> None:
         f"{what}: the Cholesky factorisation needed a jitter of {jitter:.1e} on the diagonal, "
         f"{size}. Raise prior_precision, or {fix}.",
         RoundOffWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -247,7 +248,7 @@ def _warn_if_ill_conditioned(chol: torch.Tensor) -> None:
             "relative. Raise prior_precision, or accumulate in float64 "
             "(accumulate_dtype=torch.float64, the default).",
             RoundOffWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -37,6 +37,7 @@ import pyro
 import torch
 import torch.distributed as dist
 
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import (
     all_finite,
     check_positive,
@@ -279,6 +280,7 @@ class NaturalGradientVI:
 
     # -- set-up --------------------------------------------------------------------------------
 
+    @differentiates
     def setup(self, *args, **kwargs) -> None:
         """Read the model on a minibatch and initialise the state as the first :meth:`step` does
         before its update, leaving BatchNorm's running statistics as they were. Does nothing once
@@ -540,6 +542,7 @@ class NaturalGradientVI:
 
     # -- the public step -----------------------------------------------------------------------
 
+    @differentiates
     def step(self, *args, **kwargs) -> float:
         """One update on a minibatch; returns the estimated (tempered) negative ELBO,
         N/B Σᵢ ℓᵢ averaged over the particles plus τ·KL(q ‖ prior), like ``SVI.step``.

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl._validation import check_positive
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.infer.natural_gradient.checks import as_float, check_range, check_real
@@ -270,7 +271,7 @@ class VOGN(NaturalGradientVI):
             "Average over more examples: a batch size of 16 or more, or a smaller betas[1] "
             "(betas=(0.9, 0.01) averages over about 100 steps).",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     # -- the update ----------------------------------------------------------------------------
