@@ -54,6 +54,26 @@ def test_quick_mode_runs_every_method_and_writes_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+def test_the_peer_comparison_runs_under_bf16_autocast_for_both(tmp_path, monkeypatch):
+    pytest.importorskip("laplace")
+    monkeypatch.setattr("benchmarks.common.RESULTS", tmp_path)
+    runs = {}
+    for mode in ("none", "bf16"):
+        figures = lora.main(
+            ["--quick", "--methods", "map", "laplace_torch", "--peer-autocast", mode]
+        )
+        assert figures is not None and not figures["errors"], figures["errors"]
+        runs[mode] = figures["methods"]["laplace_torch"]
+        assert runs[mode]["autocast"] == mode
+    for structure in ("last_layer", "kron", "diag"):
+        for who in (f"ours_{structure}", structure):
+            fp32, bf16 = runs["none"][f"{who}_test_nll"], runs["bf16"][f"{who}_test_nll"]
+            # bf16 keeps 8 bits of mantissa (relative rounding 2⁻⁹ ≈ 0.2% per operation); over
+            # the tiny BERT's few layers the logits move by a few percent of their size at most,
+            # which moves an NLL near log 2 ≈ 0.69 by far less than 0.05.
+            assert abs(fp32 - bf16) < 0.05, (who, fp32, bf16)
+
+
 def test_full_run_skips_with_a_message_without_the_data(tmp_path, capsys):
     assert lora.main(["--data", str(tmp_path / "none.tsv")]) is None
     assert "skipped benchmarks.lora" in capsys.readouterr().out
