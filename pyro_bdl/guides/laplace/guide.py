@@ -98,6 +98,7 @@ from pyro_bdl.guides.laplace.state import (
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
+from pyro_bdl.models import NetworkModel
 from pyro_bdl.nn.lift import init_to_network
 
 __all__ = [
@@ -333,8 +334,20 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         return out
 
     def __getstate__(self):
-        self._user_model = None  # a model is often a closure, which cannot be pickled
-        return super().__getstate__()
+        # Pyro's AutoGuide.__getstate__ drops the model from the guide itself, which left the
+        # original of a copy.deepcopy, pickle or torch.save unable to fit or predict: drop it
+        # from the state only. A NetworkModel stays in it (its network's layers are those the
+        # layout refers to, so a copy fits and predicts with its own copy of them); any other
+        # model, often a closure that cannot be pickled, is dropped as Pyro does.
+        keep = {k: self.__dict__[k] for k in ("_model", "master", "_user_model")}
+        try:
+            self._user_model = None
+            state = super().__getstate__()
+        finally:
+            self.__dict__.update(keep)
+        if self._user_model and isinstance(self._user_model[0], NetworkModel):
+            state["_model"], state["_user_model"] = self._model, self._user_model
+        return state
 
     # ---- reading the model -------------------------------------------------------------------
 
@@ -349,7 +362,17 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
     def _raw_model(self):
         # The user's model without the guide's InitMessenger: predicting leaves the target site
         # unobserved, and a user's init_loc_fn need only know the weight sites.
-        return self._user_model[0] if self._user_model else self.model
+        if self._user_model:
+            return self._user_model[0]
+        if self._model is None:
+            raise RuntimeError(
+                "this AutoSubnetLaplace was copied or unpickled without its model (a model "
+                "other than a pyro_bdl.models NetworkModel is not pickled with the guide, as in "
+                "Pyro), so it can sample its posterior but not fit or predict. Create the guide "
+                "of the model again and load this one's state_dict() into it, or save and load "
+                "with pyro_bdl.checkpoint.save_checkpoint/load_checkpoint."
+            )
+        return self.model
 
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
         with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape

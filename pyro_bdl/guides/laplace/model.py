@@ -85,6 +85,7 @@ __all__ = [
     "leaf_slots",
     "network",
     "observe",
+    "random_state_kept",
     "read_outputs",
     "residual",
     "rows_of",
@@ -128,14 +129,16 @@ def eval_mode(model) -> Iterator[None]:
     """The network of a :class:`~pyro_bdl.models.NetworkModel` in eval mode inside the block
     (restored after); a hand-written model is left as it is."""
     net = network(model)
-    was = net.training if net is not None else False
+    # Each layer's own mode comes back, not net.train()'s: a network trained with some layers
+    # held in eval mode (a frozen BatchNorm) keeps them there.
+    modes = [(m, m.training) for m in net.modules()] if net is not None else []
     if net is not None:
         net.eval()
     try:
         yield
     finally:
-        if net is not None and was:
-            net.train()
+        for module, training in modes:
+            module.training = training
 
 
 def _unwrap(fn):
@@ -199,9 +202,7 @@ def observe(
     run = poutine.condition(model, data=values) if values is not None else model
     # Reading the model draws any site it does not hold (the targets when called without them):
     # the global random state is left as it was, so that reading (or a refusal) moves nothing.
-    leaves = batch_leaves(args).values()
-    cuda = {t.device.index or 0 for t in leaves if t.is_cuda}
-    with torch.random.fork_rng(devices=sorted(cuda)), torch.no_grad(), poutine.block():
+    with random_state_kept(args), torch.no_grad(), poutine.block():
         trace = poutine.trace(run).get_trace(*args)
     if known is not None:
         check_same_sites(trace, layout, known, targets=int(without_targets))
@@ -229,6 +230,13 @@ def observe(
     out = trace.nodes["_RETURN"]["value"] if split is not None else read_outputs(fn)
     outputs = out.shape[-1] if out.dim() == 2 else 1
     return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1, split)
+
+
+def random_state_kept(args: Any) -> contextlib.AbstractContextManager:
+    """The global random state (the CPU's and that of the CUDA devices the tensors of ``args``
+    are on) restored after the block: a model run without its targets draws them."""
+    cuda = {t.device.index or 0 for t in batch_leaves(args).values() if t.is_cuda}
+    return torch.random.fork_rng(devices=sorted(cuda))
 
 
 def heteroscedastic_split(model) -> Split | None:
@@ -740,14 +748,18 @@ def jacobians(
     ``batch_size`` rows at a time; the model gets the whole batch, as in a fit, so that a
     :class:`~pyro_bdl.models.NetworkModel` checks the targets of every batch (validation data),
     whatever Pyro's validation switch. With ``transform``, ``J_S`` is that of
-    ``transform(outputs)`` (b, K, S) (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`)."""
+    ``transform(outputs)`` (b, K, S) (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`).
+    The global random state is left as it was (the model draws the targets it is not given),
+    so that a deterministic predictive moves nothing and a Monte Carlo one draws the same
+    whatever ``batch_size``."""
     wanted = sites_touched(layout, index)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
             forward, slots = forward_at(model, layout, loc, batch, obs, wanted)
-            jac, out = subnet_jacobian(
-                forward, slots, index, return_outputs=True, transform=transform
-            )
+            with random_state_kept(batch):
+                jac, out = subnet_jacobian(
+                    forward, slots, index, return_outputs=True, transform=transform
+                )
             yield out, jac, batch
 
 
