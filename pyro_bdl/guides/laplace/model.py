@@ -750,8 +750,7 @@ def jacobians(
     whatever Pyro's validation switch. With ``transform``, ``J_S`` is that of
     ``transform(outputs)`` (b, K, S) (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`).
     The global random state is left as it was (the model draws the targets it is not given),
-    so that a deterministic predictive moves nothing and a Monte Carlo one draws the same
-    whatever ``batch_size``."""
+    so that a predictive draws only its own Monte Carlo samples from it."""
     wanted = sites_touched(layout, index)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
