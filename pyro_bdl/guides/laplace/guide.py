@@ -57,6 +57,7 @@ from pyro_bdl.guides.laplace.model import (
     Observation,
     check_reduce_fn,
     check_supported,
+    check_weight_dtype,
     declared_precision,
     eval_mode,
     fit_diag,
@@ -375,6 +376,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         return self.model
 
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
+        check_weight_dtype(self._raw_model, self.loc)
         with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
             values = leaf_slots(self.layout, self.loc)[0]
             return observe(

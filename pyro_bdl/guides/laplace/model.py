@@ -71,6 +71,7 @@ __all__ = [
     "check_reduce_fn",
     "check_same_sites",
     "check_supported",
+    "check_weight_dtype",
     "declared_precision",
     "eval_mode",
     "fit_diag",
@@ -139,6 +140,25 @@ def eval_mode(model) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
+
+
+def check_weight_dtype(model, loc: torch.Tensor) -> None:
+    """Refuse packed weights ``loc`` of another floating dtype than the network of a
+    :class:`~pyro_bdl.models.NetworkModel` (whose lifted layers keep their weights' dtype in
+    their initial values): one of the two was converted after the guide was set up, and the
+    network would mix them in its first product."""
+    net = network(model)
+    if net is None:
+        return
+    dtypes = {t.dtype for t in (*net.parameters(), *net.buffers()) if t.is_floating_point()}
+    if len(dtypes) != 1 or loc.dtype in dtypes:
+        return  # a mixed-dtype network has no one dtype to compare with
+    (dtype,) = dtypes
+    raise TypeError(
+        f"the guide's weights are {loc.dtype} but the network's are {dtype}: the network or "
+        "the guide was converted after the guide was set up. Convert both the same way, for "
+        f"example net.to({dtype}) and guide.to({dtype}), or neither."
+    )
 
 
 def _unwrap(fn):
