@@ -193,3 +193,19 @@ def test_the_curvature_helpers_differentiate_under_no_grad(mode):
         )
     # The same operations on the same numbers: equal bit for bit.
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_first_call_under_inference_mode_gives_ordinary_weights():
+    """The packed weights were an inference tensor then: fit raised "Setting requires_grad=True
+    on inference tensor outside InferenceMode", and no optimizer step could update them."""
+    x, y = _data()
+    guide = AutoSubnetLaplace(
+        bdl.models.classifier(bdl.bayesianize(_net()), 32), subnetwork="all", prior_precision=1.0
+    )
+    with torch.inference_mode():
+        guide(x, y)
+    assert not guide.loc.is_inference()
+    got = guide.fit((x, y), check_mode=False).predict(x)
+    pyro.clear_param_store()  # a guide of the same name would take the store's weights
+    # The same weights, posterior and predictions as after a first call with autograd on.
+    assert torch.equal(got, _guide(subnetwork="all").fit((x, y), check_mode=False).predict(x))

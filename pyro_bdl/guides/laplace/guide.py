@@ -245,7 +245,10 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         super()._setup_prototype(*args, **kwargs)
         # AutoContinuous keeps the subsampled sizes of plates, so the layout does too.
         self.layout, loc = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
-        self.loc = nn.Parameter(loc)
+        # A first call under torch.inference_mode() reads the weights as inference tensors,
+        # which no optimizer step could update later (SVI would train nothing, silently).
+        with torch.inference_mode(False):
+            self.loc = nn.Parameter(loc.clone() if loc.is_inference() else loc)
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
