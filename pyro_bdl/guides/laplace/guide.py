@@ -29,6 +29,8 @@ References:
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -340,16 +342,17 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
     def __getstate__(self):
         # Pyro's AutoGuide.__getstate__ drops the model from the guide itself, which left the
         # original of a copy.deepcopy, pickle or torch.save unable to fit or predict: drop it
-        # from the state only. A NetworkModel stays in it (its network's layers are those the
-        # layout refers to, so a copy fits and predicts with its own copy of them); any other
-        # model, often a closure that cannot be pickled, is dropped as Pyro does.
+        # from the state only. A NetworkModel that pickles stays in it (its network's layers
+        # are those the layout refers to, so a copy fits and predicts with its own copy of
+        # them); any other model, often a closure that cannot be pickled, is dropped as Pyro
+        # does, so that pickling the guide works whatever the model.
         keep = {k: self.__dict__[k] for k in ("_model", "master", "_user_model")}
         try:
             self._user_model = None
             state = super().__getstate__()
         finally:
             self.__dict__.update(keep)
-        if self._user_model and isinstance(self._user_model[0], NetworkModel):
+        if self._user_model and _pickles(self._user_model[0]):
             state["_model"], state["_user_model"] = self._model, self._user_model
         return state
 
@@ -810,6 +813,25 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         lam_s = torch.full((s,), best * ratio, dtype=torch.float64, device=theta.device)
         self._set_prior(lam_s, None)
         return best
+
+
+class _Skeleton(pickle.Pickler):
+    """Pickles an object without its modules and tensors (the costly parts, which pickle)."""
+
+    def persistent_id(self, obj):
+        return id(obj) if isinstance(obj, (nn.Module, torch.Tensor)) else None
+
+
+def _pickles(model) -> bool:
+    """Whether ``model`` is a :class:`~pyro_bdl.models.NetworkModel` whose own attributes
+    pickle (a ``split`` given as a lambda does not)."""
+    if not isinstance(model, NetworkModel):
+        return False
+    try:
+        _Skeleton(io.BytesIO()).dump(model)
+    except Exception:  # what fails to pickle raises any type (PicklingError, TypeError, ...)
+        return False
+    return True
 
 
 class AutoLaplace(AutoSubnetLaplace):
