@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl.curvature.jacobian import (
     ParamSlot,
     as_matrix,
@@ -282,6 +283,7 @@ def _linear_products(g, a, z, f, bias, positions, out, residual_fn, grad) -> Non
     out.index_put_((flat[:, None], flat[None, :]), block, accumulate=True)
 
 
+@differentiates
 def diagonal_ggn(
     forward: Callable[[], torch.Tensor],
     slots: Sequence[ParamSlot],
@@ -298,7 +300,8 @@ def diagonal_ggn(
     per example. Per-example gradients are formed ``batch_chunk`` examples at a time.
     With ``residual_fn`` (outputs (B, C) -> :math:`r` (B, C)) the gradient
     :math:`\sum_n J_n^\top r_n` is added to ``grad`` (D,), taken as one more column of the
-    same backward passes.
+    same backward passes. ``forward`` runs with autograd on, also when called under
+    ``torch.no_grad()`` or ``torch.inference_mode()``.
     """
     every = torch.arange(sum(s.value.numel() for s in slots))
     placed = placements(slots, every)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyro_bdl._grad_mode import differentiates
+
 __all__ = ["ParamSlot", "exact", "subnet_jacobian", "widened"]
 
 
@@ -191,6 +193,7 @@ def as_matrix(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@differentiates
 def subnet_jacobian(
     forward: Callable[[], torch.Tensor],
     slots: Sequence[ParamSlot],
@@ -204,7 +207,8 @@ def subnet_jacobian(
 
     The packed vector is the concatenation of ``slot.value.reshape(-1)`` in order. Examples must
     be independent (BatchNorm in eval mode). One backward pass per output for ``Linear``/``Conv2d``
-    weights; one per (example, output) for anything else.
+    weights; one per (example, output) for anything else. ``forward`` runs with autograd on,
+    also when called under ``torch.no_grad()`` or ``torch.inference_mode()``.
 
     :param forward: runs the network and returns its outputs, (B, C) or (B,) (taken as C = 1).
     :param slots: the weight tensors, in packing order.

@@ -29,6 +29,8 @@ References:
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +59,7 @@ from pyro_bdl.guides.laplace.model import (
     Observation,
     check_reduce_fn,
     check_supported,
+    check_weight_dtype,
     declared_precision,
     eval_mode,
     fit_diag,
@@ -98,6 +101,7 @@ from pyro_bdl.guides.laplace.state import (
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
+from pyro_bdl.models import NetworkModel
 from pyro_bdl.nn.lift import init_to_network
 
 __all__ = [
@@ -243,7 +247,10 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         super()._setup_prototype(*args, **kwargs)
         # AutoContinuous keeps the subsampled sizes of plates, so the layout does too.
         self.layout, loc = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
-        self.loc = nn.Parameter(loc)
+        # A first call under torch.inference_mode() reads the weights as inference tensors,
+        # which no optimizer step could update later (SVI would train nothing, silently).
+        with torch.inference_mode(False):
+            self.loc = nn.Parameter(loc.clone() if loc.is_inference() else loc)
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
@@ -333,8 +340,21 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         return out
 
     def __getstate__(self):
-        self._user_model = None  # a model is often a closure, which cannot be pickled
-        return super().__getstate__()
+        # Pyro's AutoGuide.__getstate__ drops the model from the guide itself, which left the
+        # original of a copy.deepcopy, pickle or torch.save unable to fit or predict: drop it
+        # from the state only. A NetworkModel that pickles stays in it (its network's layers
+        # are those the layout refers to, so a copy fits and predicts with its own copy of
+        # them); any other model, often a closure that cannot be pickled, is dropped as Pyro
+        # does, so that pickling the guide works whatever the model.
+        keep = {k: self.__dict__[k] for k in ("_model", "master", "_user_model")}
+        try:
+            self._user_model = None
+            state = super().__getstate__()
+        finally:
+            self.__dict__.update(keep)
+        if self._user_model and _pickles(self._user_model[0]):
+            state["_model"], state["_user_model"] = self._model, self._user_model
+        return state
 
     # ---- reading the model -------------------------------------------------------------------
 
@@ -349,9 +369,20 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
     def _raw_model(self):
         # The user's model without the guide's InitMessenger: predicting leaves the target site
         # unobserved, and a user's init_loc_fn need only know the weight sites.
-        return self._user_model[0] if self._user_model else self.model
+        if self._user_model:
+            return self._user_model[0]
+        if self._model is None:
+            raise RuntimeError(
+                "this AutoSubnetLaplace was copied or unpickled without its model (a model "
+                "other than a pyro_bdl.models NetworkModel is not pickled with the guide, as in "
+                "Pyro), so it can sample its posterior but not fit or predict. Create the guide "
+                "of the model again and load this one's state_dict() into it, or save and load "
+                "with pyro_bdl.checkpoint.save_checkpoint/load_checkpoint."
+            )
+        return self.model
 
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
+        check_weight_dtype(self._raw_model, self.loc)
         with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
             values = leaf_slots(self.layout, self.loc)[0]
             return observe(
@@ -782,6 +813,25 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         lam_s = torch.full((s,), best * ratio, dtype=torch.float64, device=theta.device)
         self._set_prior(lam_s, None)
         return best
+
+
+class _Skeleton(pickle.Pickler):
+    """Pickles an object without its modules and tensors (the costly parts, which pickle)."""
+
+    def persistent_id(self, obj):
+        return id(obj) if isinstance(obj, (nn.Module, torch.Tensor)) else None
+
+
+def _pickles(model) -> bool:
+    """Whether ``model`` is a :class:`~pyro_bdl.models.NetworkModel` whose own attributes
+    pickle (a ``split`` given as a lambda does not)."""
+    if not isinstance(model, NetworkModel):
+        return False
+    try:
+        _Skeleton(io.BytesIO()).dump(model)
+    except Exception:  # what fails to pickle raises any type (PicklingError, TypeError, ...)
+        return False
+    return True
 
 
 class AutoLaplace(AutoSubnetLaplace):

@@ -71,6 +71,7 @@ __all__ = [
     "check_reduce_fn",
     "check_same_sites",
     "check_supported",
+    "check_weight_dtype",
     "declared_precision",
     "eval_mode",
     "fit_diag",
@@ -85,6 +86,7 @@ __all__ = [
     "leaf_slots",
     "network",
     "observe",
+    "random_state_kept",
     "read_outputs",
     "residual",
     "rows_of",
@@ -128,14 +130,35 @@ def eval_mode(model) -> Iterator[None]:
     """The network of a :class:`~pyro_bdl.models.NetworkModel` in eval mode inside the block
     (restored after); a hand-written model is left as it is."""
     net = network(model)
-    was = net.training if net is not None else False
+    # Each layer's own mode comes back, not net.train()'s: a network trained with some layers
+    # held in eval mode (a frozen BatchNorm) keeps them there.
+    modes = [(m, m.training) for m in net.modules()] if net is not None else []
     if net is not None:
         net.eval()
     try:
         yield
     finally:
-        if net is not None and was:
-            net.train()
+        for module, training in modes:
+            module.training = training
+
+
+def check_weight_dtype(model, loc: torch.Tensor) -> None:
+    """Refuse packed weights ``loc`` of another floating dtype than the network of a
+    :class:`~pyro_bdl.models.NetworkModel` (whose lifted layers keep their weights' dtype in
+    their initial values): one of the two was converted after the guide was set up, and the
+    network would mix them in its first product."""
+    net = network(model)
+    if net is None:
+        return
+    dtypes = {t.dtype for t in (*net.parameters(), *net.buffers()) if t.is_floating_point()}
+    if len(dtypes) != 1 or loc.dtype in dtypes:
+        return  # a mixed-dtype network has no one dtype to compare with
+    (dtype,) = dtypes
+    raise TypeError(
+        f"the guide's weights are {loc.dtype} but the network's are {dtype}: the network or "
+        "the guide was converted after the guide was set up. Convert both the same way, for "
+        f"example net.to({dtype}) and guide.to({dtype}), or neither."
+    )
 
 
 def _unwrap(fn):
@@ -199,9 +222,7 @@ def observe(
     run = poutine.condition(model, data=values) if values is not None else model
     # Reading the model draws any site it does not hold (the targets when called without them):
     # the global random state is left as it was, so that reading (or a refusal) moves nothing.
-    leaves = batch_leaves(args).values()
-    cuda = {t.device.index or 0 for t in leaves if t.is_cuda}
-    with torch.random.fork_rng(devices=sorted(cuda)), torch.no_grad(), poutine.block():
+    with random_state_kept(args), torch.no_grad(), poutine.block():
         trace = poutine.trace(run).get_trace(*args)
     if known is not None:
         check_same_sites(trace, layout, known, targets=int(without_targets))
@@ -229,6 +250,13 @@ def observe(
     out = trace.nodes["_RETURN"]["value"] if split is not None else read_outputs(fn)
     outputs = out.shape[-1] if out.dim() == 2 else 1
     return Observation(observed[0], likelihood, noise, outputs, out.dim() == 1, split)
+
+
+def random_state_kept(args: Any) -> contextlib.AbstractContextManager:
+    """The global random state (the CPU's and that of the CUDA devices the tensors of ``args``
+    are on) restored after the block: a model run without its targets draws them."""
+    cuda = {t.device.index or 0 for t in batch_leaves(args).values() if t.is_cuda}
+    return torch.random.fork_rng(devices=sorted(cuda))
 
 
 def heteroscedastic_split(model) -> Split | None:
@@ -740,14 +768,17 @@ def jacobians(
     ``batch_size`` rows at a time; the model gets the whole batch, as in a fit, so that a
     :class:`~pyro_bdl.models.NetworkModel` checks the targets of every batch (validation data),
     whatever Pyro's validation switch. With ``transform``, ``J_S`` is that of
-    ``transform(outputs)`` (b, K, S) (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`)."""
+    ``transform(outputs)`` (b, K, S) (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`).
+    The global random state is left as it was (the model draws the targets it is not given),
+    so that a predictive draws only its own Monte Carlo samples from it."""
     wanted = sites_touched(layout, index)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
             forward, slots = forward_at(model, layout, loc, batch, obs, wanted)
-            jac, out = subnet_jacobian(
-                forward, slots, index, return_outputs=True, transform=transform
-            )
+            with random_state_kept(batch):
+                jac, out = subnet_jacobian(
+                    forward, slots, index, return_outputs=True, transform=transform
+                )
             yield out, jac, batch
 
 
