@@ -29,8 +29,6 @@ References:
 
 from __future__ import annotations
 
-import io
-import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +40,9 @@ from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.curvature.memory import check_memory
 from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.copying import KeepsModelOnCopy, model_lost
 from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
+from pyro_bdl.guides.laplace.batches import head, iter_batches
 from pyro_bdl.guides.laplace.evidence import (
     default_grid,
     eigenbasis,
@@ -65,8 +65,6 @@ from pyro_bdl.guides.laplace.model import (
     fit_diag,
     fit_full,
     fit_kron,
-    head,
-    iter_batches,
     jacobians,
     leaf_slots,
     observe,
@@ -101,7 +99,6 @@ from pyro_bdl.guides.laplace.state import (
 from pyro_bdl.guides.laplace.subnetwork import parse_subnetwork
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
-from pyro_bdl.models import NetworkModel
 from pyro_bdl.nn.lift import init_to_network
 
 __all__ = [
@@ -123,7 +120,7 @@ class StructureAttributeError(ValueError, AttributeError):
     ``AttributeError``, so that ``hasattr`` probing reads it as absent)."""
 
 
-class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
+class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, AutoContinuous):
     r"""Subnetwork linearized Laplace: a MAP guide while training, then a GGN Laplace posterior
     over a subnetwork S after :meth:`fit`, full-covariance by default, or Kronecker-factored or
     diagonal (``hessian_structure``); :class:`AutoLaplace` is the same family with
@@ -339,23 +336,6 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         self._stats = None if self._stats is None else fn(self._stats)
         return out
 
-    def __getstate__(self):
-        # Pyro's AutoGuide.__getstate__ drops the model from the guide itself, which left the
-        # original of a copy.deepcopy, pickle or torch.save unable to fit or predict: drop it
-        # from the state only. A NetworkModel that pickles stays in it (its network's layers
-        # are those the layout refers to, so a copy fits and predicts with its own copy of
-        # them); any other model, often a closure that cannot be pickled, is dropped as Pyro
-        # does, so that pickling the guide works whatever the model.
-        keep = {k: self.__dict__[k] for k in ("_model", "master", "_user_model")}
-        try:
-            self._user_model = None
-            state = super().__getstate__()
-        finally:
-            self.__dict__.update(keep)
-        if self._user_model and _pickles(self._user_model[0]):
-            state["_model"], state["_user_model"] = self._model, self._user_model
-        return state
-
     # ---- reading the model -------------------------------------------------------------------
 
     def _check_fitted(self, what: str) -> None:
@@ -372,13 +352,7 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         if self._user_model:
             return self._user_model[0]
         if self._model is None:
-            raise RuntimeError(
-                "this AutoSubnetLaplace was copied or unpickled without its model (a model "
-                "other than a pyro_bdl.models NetworkModel is not pickled with the guide, as in "
-                "Pyro), so it can sample its posterior but not fit or predict. Create the guide "
-                "of the model again and load this one's state_dict() into it, or save and load "
-                "with pyro_bdl.checkpoint.save_checkpoint/load_checkpoint."
-            )
+            raise model_lost(type(self).__name__, "fit or predict")
         return self.model
 
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
@@ -813,25 +787,6 @@ class AutoSubnetLaplace(PackedState, CheckedLoad, SiteAccess, AutoContinuous):
         lam_s = torch.full((s,), best * ratio, dtype=torch.float64, device=theta.device)
         self._set_prior(lam_s, None)
         return best
-
-
-class _Skeleton(pickle.Pickler):
-    """Pickles an object without its modules and tensors (the costly parts, which pickle)."""
-
-    def persistent_id(self, obj):
-        return id(obj) if isinstance(obj, (nn.Module, torch.Tensor)) else None
-
-
-def _pickles(model) -> bool:
-    """Whether ``model`` is a :class:`~pyro_bdl.models.NetworkModel` whose own attributes
-    pickle (a ``split`` given as a lambda does not)."""
-    if not isinstance(model, NetworkModel):
-        return False
-    try:
-        _Skeleton(io.BytesIO()).dump(model)
-    except Exception:  # what fails to pickle raises any type (PicklingError, TypeError, ...)
-        return False
-    return True
 
 
 class AutoLaplace(AutoSubnetLaplace):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pyro_bdl.guides.laplace.model import iter_batches
+from pyro_bdl.guides.laplace.batches import iter_batches
 from pyro_bdl.models.structured import rows_of
 
 __all__ = ["CALL_TOKENS", "SEQUENCE_KEYS", "ByLength", "plan_groups", "row_lengths"]
