@@ -322,7 +322,9 @@ def gaussian_log_likelihood(mean, scale, y, *, y_scale: float = 1.0) -> float:
     """
     check_positive("y_scale", y_scale)
     mean, y = _regression_inputs(mean, y)
-    scale_t = scale.detach() if isinstance(scale, torch.Tensor) else torch.as_tensor(np.asarray(scale))
+    scale_t = (
+        scale.detach() if isinstance(scale, torch.Tensor) else torch.as_tensor(np.asarray(scale))
+    )
     scale_t = scale_t.to(dtype=torch.float64, device=mean.device)
     check_positive("scale", scale_t, fix="Pass the predictive standard deviation σ > 0.")
     try:

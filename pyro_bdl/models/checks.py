@@ -456,10 +456,15 @@ class NetworkShape:
                 and (strict or x.is_floating_point())
                 and not autocast_enabled(x)
             ):
+                # Only a floating dtype is one a network can be converted to.
+                convert = (
+                    f" (or convert the network with net.to({x.dtype}) before creating the model)"
+                    if x.is_floating_point()
+                    else ""
+                )
                 raise TypeError(
                     f"x has dtype {x.dtype} but the network's weights are {ref.dtype}; the "
-                    f"network expects {ref.dtype} inputs. Use x.to({ref.dtype}) (or convert the "
-                    f"network with net.to({x.dtype}) before creating the model)."
+                    f"network expects {ref.dtype} inputs. Use x.to({ref.dtype}){convert}."
                 )
         if self.kind is None:
             return

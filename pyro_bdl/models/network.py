@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from torch import nn
 from torch.distributions import Distribution as TorchDistribution
 
@@ -158,6 +159,8 @@ class NetworkModel:
         among the live models: ``name=`` if given, else ``"model_<k>"`` with k counting the
         models built in this process. A checkpoint stores the params by these names, so a run
         resumed in another program builds its models in the same order, or passes ``name=``.
+        A copy made while the model lives (``copy.deepcopy``, ``pickle``) gets a fresh name and
+        its own copy of a point σ (:meth:`__setstate__`).
     """
 
     LIKELIHOODS = ("categorical", "bernoulli", "gaussian", "tokens")
@@ -483,6 +486,24 @@ class NetworkModel:
         # The batch check found y finite and the range check the mean finite and σ finite and
         # positive: Normal's own validation would read each verdict back again.
         return dist.Normal(mean, scale, validate_args=False), y, ret
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, ``pickle``, ``torch.save``/``torch.load``) keeps its name
+        where the name is free (a run loaded in another program), so that a checkpoint's params
+        still match; a copy made while the original lives gets a fresh name and a copy of the
+        original's point σ, so that training one leaves the other as it was."""
+        self.__dict__.update(state)
+        if self.name not in _LIVE:
+            _LIVE[self.name] = self
+            return
+        old = self.name
+        self.name = _claim_name(None, self)
+        if self._sigma is not None:
+            self._sigma.param = param_name(self.name, SIGMA)
+            store = pyro.get_param_store()
+            if self.noise == "point" and param_name(old, SIGMA) in store:
+                value = store[param_name(old, SIGMA)].detach().clone()
+                store.setdefault(self._sigma.param, value, constraint=constraints.positive)
 
     def _where(self) -> str:
         if self.noise == "heteroscedastic":
