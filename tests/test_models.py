@@ -434,3 +434,17 @@ def test_integer_inputs_are_refused_without_suggesting_an_integer_network():
         model(torch.randint(0, 5, (6, 3)), y)
     with pytest.raises(TypeError, match=r"net\.to\(torch\.float64\) before creating the model"):
         model(torch.randn(6, 3, dtype=torch.float64), y)
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_fix():
+    # Its batch checks read values a meta tensor has not: torch's "Cannot copy out of meta
+    # tensor; no data!", and the device error proposed y.to('meta').
+    net = bayesianize(nn.Linear(3, 4)).to("meta")
+    model = models.classifier(net, dataset_size=10)
+    x, y = torch.randn(4, 3, device="meta"), torch.randint(0, 4, (4,))
+    with pytest.raises(ValueError, match=r"x is on the meta device.*real device"):
+        model(x)
+    with pytest.raises(
+        ValueError, match=r"y is on device cpu but the network is on meta.*to_empty"
+    ):
+        model(x, y)
