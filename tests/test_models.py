@@ -392,6 +392,7 @@ def _copies():
         return torch.load(buffer, weights_only=False)
 
     return {
+        "copy": copy.copy,
         "deepcopy": copy.deepcopy,
         "pickle": lambda m: pickle.loads(pickle.dumps(m)),
         "torch.save": through_torch_save,

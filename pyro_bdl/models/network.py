@@ -3,6 +3,7 @@ data plate and its likelihoods."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import weakref
 from collections.abc import Callable, Mapping
@@ -499,6 +500,8 @@ class NetworkModel:
         old = self.name
         self.name = _claim_name(None, self)
         if self._sigma is not None:
+            # copy.copy shares the original's NoiseSite: rename a copy of it.
+            self._sigma = copy.copy(self._sigma)
             self._sigma.param = param_name(self.name, SIGMA)
             store = pyro.get_param_store()
             if self.noise == "point" and param_name(old, SIGMA) in store:
