@@ -425,7 +425,11 @@ def test_a_model_unpickled_where_its_name_is_free_keeps_it():
     model = models.regressor(bayesianize(nn.Linear(3, 1)), dataset_size=10, noise="point")
     name, blob = model.name, pickle.dumps(model)
     del model
-    assert pickle.loads(blob).name == name
+    loaded = pickle.loads(blob)
+    assert loaded.name == name
+    # ... and holds it: a model built later cannot share its point σ.
+    with pytest.raises(ValueError, match="is taken by another live model"):
+        models.regressor(bayesianize(nn.Linear(3, 1)), 10, noise="point", name=name)
 
 
 def test_integer_inputs_are_refused_without_suggesting_an_integer_network():
