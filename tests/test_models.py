@@ -453,3 +453,17 @@ def test_a_model_on_the_meta_device_is_refused_with_the_fix():
         ValueError, match=r"y is on device cpu but the network is on meta.*to_empty"
     ):
         model(x, y)
+
+
+def test_a_fixed_noise_scale_tensor_that_requires_grad_or_holds_several_is_refused():
+    # float() cut a σ that requires grad from its graph (it stayed fixed, with only torch's
+    # one-time warning), and several σ met float()'s "only one element tensors can be
+    # converted to Python scalars".
+    net = bayesianize(nn.Linear(3, 1))
+    learnable = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(TypeError, match=r"noise_scale must be a fixed number.*noise='point'"):
+        models.regressor(net, 10, noise_scale=learnable)
+    with pytest.raises(ValueError, match=r"noise_scale must be one number σ.*\(2,\).*heterosced"):
+        models.regressor(net, 10, noise_scale=torch.tensor([0.5, 0.6]))
+    # A point σ's start is only a value: any one-number tensor will do.
+    assert models.regressor(net, 10, learnable, noise="point").noise_scale == 0.5

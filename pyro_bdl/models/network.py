@@ -204,7 +204,7 @@ class NetworkModel:
                 "noise='learned' to infer it)."
             )
         if noise in ("fixed", "point") and noise_scale is not None:
-            check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")
+            noise_scale = _noise_number(noise_scale, noise)
         if noise in ("learned", "heteroscedastic") and noise_scale is not None:
             raise ValueError(
                 f"noise_scale fixes σ, but noise={noise!r} "
@@ -560,6 +560,30 @@ def _call_error(extra: tuple, unexpected: Mapping[str, object]) -> TypeError:
         "the targets as y (svi.step(x, y) or svi.step(x, y=labels)); inputs the network takes "
         "by keyword go inside x as a dict (x={'input_ids': ..., 'attention_mask': ...})."
     )
+
+
+def _noise_number(noise_scale: object, noise: str) -> float:
+    """``noise_scale`` as a float σ > 0; refuses a tensor of several σ, and a fixed σ given as a
+    tensor that requires grad (``float`` would cut it from its graph: a σ meant to be learned
+    would silently stay fixed). A point σ's start may be any one-number tensor."""
+    if isinstance(noise_scale, torch.Tensor):
+        if noise_scale.requires_grad and noise == "fixed":
+            raise TypeError(
+                "noise_scale must be a fixed number σ; got a tensor that requires grad, which "
+                "the model would turn into a constant (no gradient would reach it). To learn σ "
+                "pass noise='point' (a param starting at noise_scale) or noise='learned' (a "
+                "latent site)."
+            )
+        if noise_scale.numel() != 1:
+            raise ValueError(
+                f"noise_scale must be one number σ; got a tensor of shape "
+                f"{tuple(noise_scale.shape)}. For σ that differs between examples use "
+                "models.heteroscedastic_regressor (σ(x) from the network), or write a model "
+                "with dist.Normal(mean, sigma) inside models.data_plate."
+            )
+        noise_scale = noise_scale.detach()
+    check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")  # type: ignore[arg-type]
+    return float(noise_scale)  # type: ignore[arg-type]
 
 
 def _multi_output(what: str) -> str:
