@@ -1,3 +1,7 @@
+import copy
+import io
+import pickle
+
 import pyro
 import pytest
 import torch
@@ -378,3 +382,88 @@ def test_token_ids_outside_the_first_embedding_are_refused_before_the_network_ru
         with pytest.raises(ValueError, match=rf"x must hold token ids in \[0, 5\).*{got}"):
             model(torch.tensor([bad, 4]), torch.tensor([1, 0]))
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def _copies():
+    def through_torch_save(model):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    return {
+        "copy": copy.copy,
+        "deepcopy": copy.deepcopy,
+        "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+        "torch.save": through_torch_save,
+    }
+
+
+@pytest.mark.parametrize("clone", _copies().values(), ids=_copies().keys())
+def test_a_copy_of_a_live_model_has_its_own_name_and_point_sigma(clone):
+    model = models.regressor(bayesianize(nn.Linear(3, 1)), dataset_size=10, noise="point")
+    x, y = torch.randn(10, 3), torch.randn(10)
+    model(x, y)
+    store = pyro.get_param_store()
+    store[model.param_names[0]] = torch.tensor(0.7)
+    twin = clone(model)
+    # The copy shared the name, so its σ was the original's param in the param store.
+    assert twin.name != model.name and twin.param_names != model.param_names
+    assert twin.noise_scale == pytest.approx(0.7)
+    pyro.set_rng_seed(1)
+    expected = model(x, y)
+    pyro.set_rng_seed(1)
+    assert torch.equal(twin(x, y), expected)
+    store[twin.param_names[0]] = torch.tensor(2.0)  # training the copy changes its σ alone
+    assert model.noise_scale == pytest.approx(0.7) and twin.noise_scale == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="is taken by another live model"):
+        models.regressor(bayesianize(nn.Linear(3, 1)), 10, noise="point", name=twin.name)
+
+
+def test_a_model_unpickled_where_its_name_is_free_keeps_it():
+    # As in a run resumed in another program: a checkpoint's params match by this name.
+    model = models.regressor(bayesianize(nn.Linear(3, 1)), dataset_size=10, noise="point")
+    name, blob = model.name, pickle.dumps(model)
+    del model
+    loaded = pickle.loads(blob)
+    assert loaded.name == name
+    # ... and holds it: a model built later cannot share its point σ.
+    with pytest.raises(ValueError, match="is taken by another live model"):
+        models.regressor(bayesianize(nn.Linear(3, 1)), 10, noise="point", name=name)
+
+
+def test_integer_inputs_are_refused_without_suggesting_an_integer_network():
+    # The message suggested net.to(torch.int64), which nn.Module.to refuses.
+    model, y = _classifier(), torch.randint(0, 4, (6,))
+    with pytest.raises(TypeError, match=r"Use x\.to\(torch\.float32\)\.$"):
+        model(torch.randint(0, 5, (6, 3)), y)
+    with pytest.raises(TypeError, match=r"net\.to\(torch\.float64\) before creating the model"):
+        model(torch.randn(6, 3, dtype=torch.float64), y)
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_fix():
+    # Its batch checks read values a meta tensor has not: torch's "Cannot copy out of meta
+    # tensor; no data!", and the device error proposed y.to('meta').
+    net = bayesianize(nn.Linear(3, 4)).to("meta")
+    model = models.classifier(net, dataset_size=10)
+    x, y = torch.randn(4, 3, device="meta"), torch.randint(0, 4, (4,))
+    with pytest.raises(ValueError, match=r"x is on the meta device.*real device"):
+        model(x)
+    with pytest.raises(
+        ValueError, match=r"y is on device cpu but the network is on meta.*to_empty"
+    ):
+        model(x, y)
+
+
+def test_a_fixed_noise_scale_tensor_that_requires_grad_or_holds_several_is_refused():
+    # float() cut a σ that requires grad from its graph (it stayed fixed, with only torch's
+    # one-time warning), and several σ met float()'s "only one element tensors can be
+    # converted to Python scalars".
+    net = bayesianize(nn.Linear(3, 1))
+    learnable = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(TypeError, match=r"noise_scale must be a fixed number.*noise='point'"):
+        models.regressor(net, 10, noise_scale=learnable)
+    with pytest.raises(ValueError, match=r"noise_scale must be one number σ.*\(2,\).*heterosced"):
+        models.regressor(net, 10, noise_scale=torch.tensor([0.5, 0.6]))
+    # A point σ's start is only a value: any one-number tensor will do.
+    assert models.regressor(net, 10, learnable, noise="point").noise_scale == 0.5

@@ -126,10 +126,11 @@ def check_probs(probs, y=None, *, atol: float = 1e-4, name: str = "probs") -> No
 
 
 def _checked(probs, y) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs`` (float64) and ``y`` (long) checked, detached: a metric is a number, and
+    predictions straight from a network still carry its graph (which numpy refuses)."""
     check_probs(probs, y)
-    return as_tensor("probs", probs).double(), as_tensor("y", y).long().to(
-        as_tensor("probs", probs).device
-    )
+    probs = as_tensor("probs", probs).detach()
+    return probs.double(), as_tensor("y", y).detach().long().to(probs.device)
 
 
 def accuracy(probs, y) -> float:
@@ -272,7 +273,7 @@ def ece(probs, y, *, num_bins: int = 15) -> float:
 
 
 def _regression_inputs(mean, y) -> tuple[torch.Tensor, torch.Tensor]:
-    mean, y = as_tensor("mean", mean), as_tensor("y", y)
+    mean, y = as_tensor("mean", mean).detach(), as_tensor("y", y).detach()  # as in _checked
     if y.dim() != 1 or y.shape[0] == 0:
         raise ValueError(
             f"y must have shape (n,) with n ≥ 1; got {tuple(y.shape)}. Use y.reshape(-1)."
@@ -321,7 +322,9 @@ def gaussian_log_likelihood(mean, scale, y, *, y_scale: float = 1.0) -> float:
     """
     check_positive("y_scale", y_scale)
     mean, y = _regression_inputs(mean, y)
-    scale_t = scale if isinstance(scale, torch.Tensor) else torch.as_tensor(np.asarray(scale))
+    scale_t = (
+        scale.detach() if isinstance(scale, torch.Tensor) else torch.as_tensor(np.asarray(scale))
+    )
     scale_t = scale_t.to(dtype=torch.float64, device=mean.device)
     check_positive("scale", scale_t, fix="Pass the predictive standard deviation σ > 0.")
     try:

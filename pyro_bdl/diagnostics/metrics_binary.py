@@ -21,7 +21,8 @@ __all__ = ["binary_brier", "binary_ece", "binary_nll"]
 
 
 def _checked(p, y) -> tuple[torch.Tensor, torch.Tensor]:
-    p, y = torch.as_tensor(p), torch.as_tensor(y)
+    # Detached: a metric is a number, and p straight from a network still carries its graph.
+    p, y = torch.as_tensor(p).detach(), torch.as_tensor(y).detach()
     if not p.is_floating_point():
         raise TypeError(f"p must hold probabilities P(y = 1) (floating point); got {p.dtype}.")
     if p.shape != y.shape or p.numel() == 0:

@@ -256,13 +256,14 @@ def fit_temperature(
     )
 
 
-def temperature_scale(logits, temperature: float) -> torch.Tensor:
+def temperature_scale(logits, temperature: float | torch.Tensor) -> torch.Tensor:
     """``softmax(logits / temperature)`` over the last dimension, in the dtype of ``logits``.
 
     The argmax of every row (so the accuracy) is the same at every temperature.
 
     :param logits: shape (..., C), floating point, finite.
-    :param float temperature: T > 0, usually from :func:`fit_temperature`.
+    :param temperature: T > 0, usually from :func:`fit_temperature`: a number, or a tensor
+        holding one, through which the gradient flows (to fit T by gradient descent).
     :returns: probabilities of the same shape; each row sums to 1.
 
     Usage::
@@ -270,10 +271,22 @@ def temperature_scale(logits, temperature: float) -> torch.Tensor:
         probs = temperature_scale(net(x_test), fit_temperature(net(x_val), y_val))
     """
     check_positive("temperature", temperature, fix="Pass T > 0, e.g. from fit_temperature.")
+    if isinstance(temperature, torch.Tensor) and temperature.numel() != 1:
+        raise ValueError(
+            f"temperature must be one number; got a tensor of shape {tuple(temperature.shape)}. "
+            "Pass one T > 0 for all rows (temperature scaling fits a single scalar)."
+        )
     logits = _check_logits(logits, rows=False)
     # Each row shifted by its maximum (softmax does not change) is at most 0, so dividing by a
     # small T cannot overflow to inf (softmax(inf) is NaN); float16 and bfloat16 are computed
     # in float32 and rounded once at the end.
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     z = z - z.max(-1, keepdim=True).values
-    return torch.softmax(z / float(temperature), dim=-1).to(logits.dtype)
+    # A tensor T stays a tensor: float(T) would cut it from the graph, and a T being fitted by
+    # gradient descent would silently stay where it started.
+    t = (
+        temperature.reshape(()).to(z)
+        if isinstance(temperature, torch.Tensor)
+        else float(temperature)
+    )
+    return torch.softmax(z / t, dim=-1).to(logits.dtype)

@@ -126,6 +126,13 @@ def check_device(
     if device is None:
         return
     for name, t in tensors.items():
+        if t.device != device and device.type == "meta":
+            raise ValueError(
+                f"{name} is on device {t.device} but the network is on meta, a device of shapes "
+                "without values, which cannot run a model. Give the network storage on the "
+                f"batch's device, net.to_empty(device={str(t.device)!r}), and load its weights "
+                "(net.load_state_dict(...)) before creating the model and guide."
+            )
         if t.device != device:
             raise ValueError(
                 f"{name} is on device {t.device} but the network is on {device}; the batch must "
@@ -154,8 +161,8 @@ def check_batch(
         ``"tokens"`` (integer token labels ``(B, T)``, :data:`IGNORE_INDEX` where skipped).
     :param int num_classes: C, the number of classes (``"classification"``), of label columns
         (``"multilabel"``) or the vocabulary size (``"tokens"``), when known.
-    :param device: the network's device (:meth:`NetworkShape.device`), checked first; ``None``
-        skips the check.
+    :param device: the network's device (:meth:`NetworkShape.device`), checked first, and a
+        batch on the meta device (no values to check) is refused; ``None`` skips both checks.
     :param int vocabulary: V: the network's first input holds token ids in [0, V)
         (:attr:`NetworkShape.vocabulary`).
     """
@@ -163,6 +170,13 @@ def check_batch(
     check_device(tensors, device, batch=x)
     if isinstance(y, torch.Tensor):
         check_device({"y": y}, device)
+    for name, t in {**tensors, "y": y}.items():
+        if device is not None and isinstance(t, torch.Tensor) and t.is_meta:
+            raise ValueError(
+                f"{name} is on the meta device (shapes without values), so the model can neither "
+                "check its values nor score them. Build the batch on a real device, and the "
+                "network too (one on meta: net.to_empty(device='cpu'), then load its weights)."
+            )
     for name, t in tensors.items():
         if t.dim() == 0 or t.shape[0] == 0:
             raise ValueError(f"{name} must have at least one row; got shape {tuple(t.shape)}.")
@@ -456,10 +470,15 @@ class NetworkShape:
                 and (strict or x.is_floating_point())
                 and not autocast_enabled(x)
             ):
+                # Only a floating dtype is one a network can be converted to.
+                convert = (
+                    f" (or convert the network with net.to({x.dtype}) before creating the model)"
+                    if x.is_floating_point()
+                    else ""
+                )
                 raise TypeError(
                     f"x has dtype {x.dtype} but the network's weights are {ref.dtype}; the "
-                    f"network expects {ref.dtype} inputs. Use x.to({ref.dtype}) (or convert the "
-                    f"network with net.to({x.dtype}) before creating the model)."
+                    f"network expects {ref.dtype} inputs. Use x.to({ref.dtype}){convert}."
                 )
         if self.kind is None:
             return

@@ -3,6 +3,7 @@ data plate and its likelihoods."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import weakref
 from collections.abc import Callable, Mapping
@@ -10,6 +11,7 @@ from collections.abc import Callable, Mapping
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from torch import nn
 from torch.distributions import Distribution as TorchDistribution
 
@@ -158,6 +160,8 @@ class NetworkModel:
         among the live models: ``name=`` if given, else ``"model_<k>"`` with k counting the
         models built in this process. A checkpoint stores the params by these names, so a run
         resumed in another program builds its models in the same order, or passes ``name=``.
+        A copy made while the model lives (``copy.deepcopy``, ``pickle``) gets a fresh name and
+        its own copy of a point σ (:meth:`__setstate__`).
     """
 
     LIKELIHOODS = ("categorical", "bernoulli", "gaussian", "tokens")
@@ -200,7 +204,7 @@ class NetworkModel:
                 "noise='learned' to infer it)."
             )
         if noise in ("fixed", "point") and noise_scale is not None:
-            check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")
+            noise_scale = _noise_number(noise_scale, noise)
         if noise in ("learned", "heteroscedastic") and noise_scale is not None:
             raise ValueError(
                 f"noise_scale fixes σ, but noise={noise!r} "
@@ -484,6 +488,26 @@ class NetworkModel:
         # positive: Normal's own validation would read each verdict back again.
         return dist.Normal(mean, scale, validate_args=False), y, ret
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, ``pickle``, ``torch.save``/``torch.load``) keeps its name
+        where the name is free (a run loaded in another program), so that a checkpoint's params
+        still match; a copy made while the original lives gets a fresh name and a copy of the
+        original's point σ, so that training one leaves the other as it was."""
+        self.__dict__.update(state)
+        if self.name not in _LIVE:
+            _LIVE[self.name] = self
+            return
+        old = self.name
+        self.name = _claim_name(None, self)
+        if self._sigma is not None:
+            # copy.copy shares the original's NoiseSite: rename a copy of it.
+            self._sigma = copy.copy(self._sigma)
+            self._sigma.param = param_name(self.name, SIGMA)
+            store = pyro.get_param_store()
+            if self.noise == "point" and param_name(old, SIGMA) in store:
+                value = store[param_name(old, SIGMA)].detach().clone()
+                store.setdefault(self._sigma.param, value, constraint=constraints.positive)
+
     def _where(self) -> str:
         if self.noise == "heteroscedastic":
             return "σ(x) from the network"
@@ -536,6 +560,30 @@ def _call_error(extra: tuple, unexpected: Mapping[str, object]) -> TypeError:
         "the targets as y (svi.step(x, y) or svi.step(x, y=labels)); inputs the network takes "
         "by keyword go inside x as a dict (x={'input_ids': ..., 'attention_mask': ...})."
     )
+
+
+def _noise_number(noise_scale: object, noise: str) -> float:
+    """``noise_scale`` as a float σ > 0; refuses a tensor of several σ, and a fixed σ given as a
+    tensor that requires grad (``float`` would cut it from its graph: a σ meant to be learned
+    would silently stay fixed). A point σ's start may be any one-number tensor."""
+    if isinstance(noise_scale, torch.Tensor):
+        if noise_scale.requires_grad and noise == "fixed":
+            raise TypeError(
+                "noise_scale must be a fixed number σ; got a tensor that requires grad, which "
+                "the model would turn into a constant (no gradient would reach it). To learn σ "
+                "pass noise='point' (a param starting at noise_scale) or noise='learned' (a "
+                "latent site)."
+            )
+        if noise_scale.numel() != 1:
+            raise ValueError(
+                f"noise_scale must be one number σ; got a tensor of shape "
+                f"{tuple(noise_scale.shape)}. For σ that differs between examples use "
+                "models.heteroscedastic_regressor (σ(x) from the network), or write a model "
+                "with dist.Normal(mean, sigma) inside models.data_plate."
+            )
+        noise_scale = noise_scale.detach()
+    check_positive("noise_scale", noise_scale, fix="Pass the observation noise σ > 0.")  # type: ignore[arg-type]
+    return float(noise_scale)  # type: ignore[arg-type]
 
 
 def _multi_output(what: str) -> str:

@@ -142,9 +142,12 @@ class NoiseSite:
             return self._init_like(like)
         if self.noise == "learned":
             return pyro.sample(SIGMA, self._prior_like(like))
-        # Lazy: the initial value is made only when the param store lacks the param.
+        # Lazy: the initial value is made only when the param store lacks the param. It is made
+        # with inference mode off: a param first made under torch.inference_mode() is an
+        # inference tensor, which the optimizer never updates (σ would stay at its start).
         init = lambda: torch.tensor(self.init, dtype=like.dtype, device=like.device)  # noqa: E731
-        return pyro.param(self.param, init, constraint=constraints.positive)
+        with torch.inference_mode(False):
+            return pyro.param(self.param, init, constraint=constraints.positive)
 
     def current(self) -> float:
         """The point estimate now (its initial value before the first call)."""

@@ -7,6 +7,7 @@ finds it from a trace site (through the prior distribution it built) and
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +121,11 @@ class SiteSpec:
         key = (like.device, like.dtype)
         d = self._cache.get(key) if cacheable else None
         if d is None:
-            d = self.prior(self.module, self.param_name, like)
+            # A cached prior is built with inference mode off even when the first forward pass
+            # runs under torch.inference_mode(): built there, its tensors would be inference
+            # tensors, and every later training step would fail to save them for backward.
+            with torch.inference_mode(False) if cacheable else contextlib.nullcontext():
+                d = self.prior(self.module, self.param_name, like)
             d._bdl_site = self  # lets init_to_network and the ELBOs find the spec from a trace
             if cacheable:
                 self._cache.clear()
