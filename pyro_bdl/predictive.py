@@ -48,7 +48,7 @@ from pyro.infer.predictive import _guess_max_plate_nesting
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models import NetworkModel
-from pyro_bdl.models.checks import batch_tensors
+from pyro_bdl.models.checks import batch_tensors, check_device
 from pyro_bdl.models.structured import rows_of
 
 __all__ = ["draw_outputs", "forget_output_sizes", "sample_outputs"]
@@ -183,6 +183,8 @@ def draw_outputs(
         # The batch by keyword, as the model takes it too: the network's replay reads it first.
         kwargs = dict(kwargs)
         args = (kwargs.pop("x"),)
+    if isinstance(model, NetworkModel) and model.check_inputs and args:
+        _check_batch(model, args[0])
     around: Draws = draws if draws is not None else (lambda start, size: nullcontext())
     sequential = not parallel or num_samples == 1
     chunk = num_samples if max_parallel is None else max_parallel
@@ -233,6 +235,16 @@ def draw_outputs(
             meta = torch.empty(one.shape, dtype=one.dtype, device="meta")
             _OUTPUT_SIZES.setdefault(model, {})[signature] = meta
         return _draw_chunks(model, guide, args, kwargs, num_samples, chunk, nesting, around)
+
+
+def _check_batch(model: NetworkModel, x: Any) -> None:
+    """The checks of the model's own call that concern ``x``: its tensors on the network's
+    device, and a tensor batch of the network's dtype and input width. The draws replay the
+    network alone, where a batch of another device or dtype would meet torch's error, which
+    names neither; nothing has run yet when this refuses."""
+    check_device(batch_tensors(x), model.shape.device(), batch=x)
+    if isinstance(x, torch.Tensor):
+        model.shape.check_inputs(x)
 
 
 def _draw_chunks(
