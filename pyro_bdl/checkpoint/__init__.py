@@ -55,6 +55,7 @@ import pyro.poutine as poutine
 import torch
 
 from pyro_bdl._caller import user_stacklevel
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl.checkpoint._checks import part_errors
 from pyro_bdl.checkpoint._files import FORMAT, VERSION, atomic_save, read
 from pyro_bdl.checkpoint._parts import (
@@ -194,6 +195,11 @@ def save_checkpoint(
 # Reading
 
 
+# Outside inference mode whatever the caller's: the optimizer states and the param-store entries
+# it creates would otherwise be inference tensors, which the next optimizer step cannot update
+# in place; and the guide's set-up call runs as a training step would (inference tensors among
+# example_args are copied).
+@differentiates
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -243,6 +249,9 @@ def load_checkpoint(
         param-store entries that do not exist yet are created on ``map_location``; RNG states
         always go back to the CPU tensors torch keeps them in. ``"meta"`` is refused (it loads
         no values).
+
+    It restores the same state under ``torch.no_grad()`` or ``torch.inference_mode()``: the
+    restored tensors are never inference tensors, so training resumes after it.
     :returns: a dict with ``step``, ``extra`` (as saved), ``rng_restored`` and
         ``optim_restored`` (bools).
     :raises FileNotFoundError: if ``path`` does not exist.
