@@ -45,6 +45,7 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.infer.predictive import _guess_max_plate_nesting
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models import NetworkModel
@@ -189,6 +190,8 @@ def draw_outputs(
     sequential = not parallel or num_samples == 1
     chunk = num_samples if max_parallel is None else max_parallel
     network = isinstance(model, NetworkModel)
+    if network and not sequential:
+        _check_batchnorm_eval(model.net)
     probe_args, probe_kwargs, rows = (
         (args, kwargs, 1) if sequential else _probe_inputs(model, args, kwargs)
     )
@@ -245,6 +248,21 @@ def _check_batch(model: NetworkModel, x: Any) -> None:
     check_device(batch_tensors(x), model.shape.device(), batch=x)
     if isinstance(x, torch.Tensor):
         model.shape.check_inputs(x)
+
+
+def _check_batchnorm_eval(net: torch.nn.Module) -> None:
+    """Refuse a BatchNorm layer in training mode before a vectorized draw: it would normalise
+    with the statistics of the batch (of one row, for the measuring draw) and write its running
+    statistics from inside the batched pass, which torch refuses with errors that name neither
+    the layer nor the fix."""
+    for name, m in net.named_modules():
+        if isinstance(m, _BatchNorm) and m.training:
+            raise ValueError(
+                f"the network's BatchNorm layer {name!r} is in training mode, but "
+                "sample_outputs draws the samples in one vectorized pass (parallel=True), "
+                "where BatchNorm must use its running statistics. Call net.eval() before "
+                "predicting (net.train() after, to go on training), or pass parallel=False."
+            )
 
 
 def _draw_chunks(
