@@ -49,7 +49,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models import NetworkModel
-from pyro_bdl.models.checks import batch_tensors, check_device
+from pyro_bdl.models.checks import NetworkShape, batch_tensors, check_device
 from pyro_bdl.models.structured import rows_of
 
 __all__ = ["draw_outputs", "forget_output_sizes", "sample_outputs"]
@@ -185,7 +185,7 @@ def draw_outputs(
         kwargs = dict(kwargs)
         args = (kwargs.pop("x"),)
     if isinstance(model, NetworkModel) and model.check_inputs and args:
-        _check_batch(model, args[0])
+        check_network_input(model.shape, args[0])
     around: Draws = draws if draws is not None else (lambda start, size: nullcontext())
     sequential = not parallel or num_samples == 1
     chunk = num_samples if max_parallel is None else max_parallel
@@ -240,14 +240,14 @@ def draw_outputs(
         return _draw_chunks(model, guide, args, kwargs, num_samples, chunk, nesting, around)
 
 
-def _check_batch(model: NetworkModel, x: Any) -> None:
-    """The checks of the model's own call that concern ``x``: its tensors on the network's
-    device, and a tensor batch of the network's dtype and input width. The draws replay the
-    network alone, where a batch of another device or dtype would meet torch's error, which
-    names neither; nothing has run yet when this refuses."""
-    check_device(batch_tensors(x), model.shape.device(), batch=x)
+def check_network_input(shape: NetworkShape, x: Any) -> None:
+    """The checks of a :class:`~pyro_bdl.models.NetworkModel`'s own call that concern its
+    batch ``x``: its tensors on the network's device, and a tensor batch of the network's dtype
+    and input width. Callers that run the network alone (the draws here, a BatchNorm refresh)
+    would otherwise meet torch's error, which names neither the argument nor the fix."""
+    check_device(batch_tensors(x), shape.device(), batch=x)
     if isinstance(x, torch.Tensor):
-        model.shape.check_inputs(x)
+        shape.check_inputs(x)
 
 
 def _check_batchnorm_eval(net: torch.nn.Module) -> None:

@@ -19,7 +19,8 @@ from pyro import poutine
 from torch import nn
 
 from pyro_bdl._validation import check_positive_int, check_probability
-from pyro_bdl.models.checks import NetworkShape, check_device
+from pyro_bdl.models.checks import NetworkShape
+from pyro_bdl.predictive import check_network_input
 
 __all__ = ["batchnorm_layers", "predict_with_bn_refresh", "refresh_batchnorm"]
 
@@ -29,14 +30,6 @@ _BatchNorm = nn.modules.batchnorm._BatchNorm
 def batchnorm_layers(net: nn.Module) -> list[_BatchNorm]:
     """The BatchNorm layers of ``net`` that keep running statistics."""
     return [m for m in net.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
-
-
-def _checked(shape: NetworkShape, x: torch.Tensor) -> torch.Tensor:
-    """``x``, refused unless it is on the network's device with its dtype and input width (a
-    batch torch's layers would refuse with an error that names neither)."""
-    check_device({"x": x}, shape.device(), batch=x)
-    shape.check_inputs(x)
-    return x
 
 
 def _is_lifted(net: nn.Module) -> bool:
@@ -155,7 +148,8 @@ def refresh_batchnorm(
             if weights is not None:
                 stack.enter_context(poutine.condition(data=dict(weights)))
             for x in batches:
-                net(_checked(shape, x))
+                check_network_input(shape, x)
+                net(x)
                 seen += x.shape[0]
     except BaseException:
         _restore(layers, saved)
@@ -219,7 +213,7 @@ def predict_with_bn_refresh(
     _check_fraction(bn_fraction)
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0:
         raise ValueError("x must be a tensor with at least one row of test inputs.")
-    _checked(NetworkShape(net), x)
+    check_network_input(NetworkShape(net), x)
     layers = batchnorm_layers(net)
     if layers and bn_data is None:
         raise ValueError(
