@@ -184,12 +184,13 @@ def draw_outputs(
         # The batch by keyword, as the model takes it too: the network's replay reads it first.
         kwargs = dict(kwargs)
         args = (kwargs.pop("x"),)
-    if isinstance(model, NetworkModel) and model.check_inputs and args:
-        check_network_input(model.shape, args[0])
     around: Draws = draws if draws is not None else (lambda start, size: nullcontext())
     sequential = not parallel or num_samples == 1
     chunk = num_samples if max_parallel is None else max_parallel
     network = isinstance(model, NetworkModel)
+    # Refused before anything runs: the draws replay the network alone, past the model's checks.
+    if network and model.check_inputs and args:
+        check_network_input(model.shape, args[0])
     if network and not sequential:
         _check_batchnorm_eval(model.net)
     probe_args, probe_kwargs, rows = (
@@ -259,8 +260,8 @@ def _check_batchnorm_eval(net: torch.nn.Module) -> None:
         if isinstance(m, _BatchNorm) and m.training:
             raise ValueError(
                 f"the network's BatchNorm layer {name!r} is in training mode, but "
-                "sample_outputs draws the samples in one vectorized pass (parallel=True), "
-                "where BatchNorm must use its running statistics. Call net.eval() before "
+                "the posterior draws run in one vectorized pass (parallel=True), where "
+                "BatchNorm must use its running statistics. Call net.eval() before "
                 "predicting (net.train() after, to go on training), or pass parallel=False."
             )
 

@@ -219,7 +219,9 @@ def load_checkpoint(
     ``example_args`` (Pyro guides create their parameters lazily and draw random numbers while
     doing so); (2) compare the fingerprint and refuse a different model, guide or likelihood,
     before anything changes; (3) restore the param store, guide, modules, optimizer and
-    generators; (4) restore every RNG last.
+    generators; (4) restore every RNG last. It restores the same state under
+    ``torch.no_grad()`` or ``torch.inference_mode()``: the restored tensors are never inference
+    tensors, so training resumes after it.
 
     Usage::
 
@@ -249,9 +251,6 @@ def load_checkpoint(
         param-store entries that do not exist yet are created on ``map_location``; RNG states
         always go back to the CPU tensors torch keeps them in. ``"meta"`` is refused (it loads
         no values).
-
-    It restores the same state under ``torch.no_grad()`` or ``torch.inference_mode()``: the
-    restored tensors are never inference tensors, so training resumes after it.
     :returns: a dict with ``step``, ``extra`` (as saved), ``rng_restored`` and
         ``optim_restored`` (bools).
     :raises FileNotFoundError: if ``path`` does not exist.
