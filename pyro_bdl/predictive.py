@@ -45,10 +45,11 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.infer.predictive import _guess_max_plate_nesting
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models import NetworkModel
-from pyro_bdl.models.checks import batch_tensors
+from pyro_bdl.models.checks import NetworkShape, batch_tensors, check_device
 from pyro_bdl.models.structured import rows_of
 
 __all__ = ["draw_outputs", "forget_output_sizes", "sample_outputs"]
@@ -187,6 +188,11 @@ def draw_outputs(
     sequential = not parallel or num_samples == 1
     chunk = num_samples if max_parallel is None else max_parallel
     network = isinstance(model, NetworkModel)
+    # Refused before anything runs: the draws replay the network alone, past the model's checks.
+    if network and model.check_inputs and args:
+        check_network_input(model.shape, args[0])
+    if network and not sequential:
+        _check_batchnorm_eval(model.net)
     probe_args, probe_kwargs, rows = (
         (args, kwargs, 1) if sequential else _probe_inputs(model, args, kwargs)
     )
@@ -233,6 +239,31 @@ def draw_outputs(
             meta = torch.empty(one.shape, dtype=one.dtype, device="meta")
             _OUTPUT_SIZES.setdefault(model, {})[signature] = meta
         return _draw_chunks(model, guide, args, kwargs, num_samples, chunk, nesting, around)
+
+
+def check_network_input(shape: NetworkShape, x: Any) -> None:
+    """The checks of a :class:`~pyro_bdl.models.NetworkModel`'s own call that concern its
+    batch ``x``: its tensors on the network's device, and a tensor batch of the network's dtype
+    and input width. Callers that run the network alone (the draws here, a BatchNorm refresh)
+    would otherwise meet torch's error, which names neither the argument nor the fix."""
+    check_device(batch_tensors(x), shape.device(), batch=x)
+    if isinstance(x, torch.Tensor):
+        shape.check_inputs(x)
+
+
+def _check_batchnorm_eval(net: torch.nn.Module) -> None:
+    """Refuse a BatchNorm layer in training mode before a vectorized draw: it would normalise
+    with the statistics of the batch (of one row, for the measuring draw) and write its running
+    statistics from inside the batched pass, which torch refuses with errors that name neither
+    the layer nor the fix."""
+    for name, m in net.named_modules():
+        if isinstance(m, _BatchNorm) and m.training:
+            raise ValueError(
+                f"the network's BatchNorm layer {name!r} is in training mode, but "
+                "the posterior draws run in one vectorized pass (parallel=True), where "
+                "BatchNorm must use its running statistics. Call net.eval() before "
+                "predicting (net.train() after, to go on training), or pass parallel=False."
+            )
 
 
 def _draw_chunks(

@@ -55,6 +55,7 @@ import pyro.poutine as poutine
 import torch
 
 from pyro_bdl._caller import user_stacklevel
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl.checkpoint._checks import part_errors
 from pyro_bdl.checkpoint._files import FORMAT, VERSION, atomic_save, read
 from pyro_bdl.checkpoint._parts import (
@@ -194,6 +195,11 @@ def save_checkpoint(
 # Reading
 
 
+# Outside inference mode whatever the caller's: the optimizer states and the param-store entries
+# it creates would otherwise be inference tensors, which the next optimizer step cannot update
+# in place; and the guide's set-up call runs as a training step would (inference tensors among
+# example_args are copied).
+@differentiates
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -213,7 +219,9 @@ def load_checkpoint(
     ``example_args`` (Pyro guides create their parameters lazily and draw random numbers while
     doing so); (2) compare the fingerprint and refuse a different model, guide or likelihood,
     before anything changes; (3) restore the param store, guide, modules, optimizer and
-    generators; (4) restore every RNG last.
+    generators; (4) restore every RNG last. It restores the same state under
+    ``torch.no_grad()`` or ``torch.inference_mode()``: the restored tensors are never inference
+    tensors, so training resumes after it.
 
     Usage::
 

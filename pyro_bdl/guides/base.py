@@ -35,7 +35,7 @@ from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
 
 from pyro_bdl._validation import check_positive
-from pyro_bdl.guides.access import SiteAccess, check_same_sites
+from pyro_bdl.guides.access import SiteAccess, check_same_sites, sets_up
 from pyro_bdl.guides.block_sites import BlockSites, softplus
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import Site, SiteLayout
@@ -143,6 +143,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
 
     # -- set-up ------------------------------------------------------------------------------
 
+    @sets_up
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
         layout, loc = SiteLayout.from_trace(self.prototype_trace)

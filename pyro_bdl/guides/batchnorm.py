@@ -19,6 +19,8 @@ from pyro import poutine
 from torch import nn
 
 from pyro_bdl._validation import check_positive_int, check_probability
+from pyro_bdl.models.checks import NetworkShape
+from pyro_bdl.predictive import check_network_input
 
 __all__ = ["batchnorm_layers", "predict_with_bn_refresh", "refresh_batchnorm"]
 
@@ -93,7 +95,9 @@ def refresh_batchnorm(
     The statistics are reset and re-estimated as the exact average over the chosen batches
     (``momentum=None`` while refreshing), with only the BatchNorm layers in training mode (dropout
     and other layers keep their mode, so they do not perturb the statistics). Training flags and
-    momenta are restored afterwards. A network without BatchNorm is left untouched.
+    momenta are restored afterwards. A network without BatchNorm is left untouched. A batch the
+    network cannot take (another device, dtype or input width) is refused naming the fix, and
+    the statistics are then those from before the call.
 
     Usage::
 
@@ -129,8 +133,10 @@ def refresh_batchnorm(
     if not layers:
         return 0
     batches = _input_batches(data, fraction=fraction, batch_size=batch_size, generator=generator)
+    shape = NetworkShape(net)
     modes = {m: m.training for m in net.modules()}
     momenta = {m: m.momentum for m in layers}
+    saved = _bn_state(layers)
     seen = 0
     try:
         net.eval()
@@ -142,8 +148,12 @@ def refresh_batchnorm(
             if weights is not None:
                 stack.enter_context(poutine.condition(data=dict(weights)))
             for x in batches:
+                check_network_input(shape, x)
                 net(x)
                 seen += x.shape[0]
+    except BaseException:
+        _restore(layers, saved)
+        raise
     finally:
         for m, momentum in momenta.items():
             m.momentum = momentum
@@ -156,6 +166,12 @@ def refresh_batchnorm(
 
 def _bn_state(layers: list[_BatchNorm]) -> list[dict[str, torch.Tensor]]:
     return [{k: v.clone() for k, v in m._buffers.items() if v is not None} for m in layers]
+
+
+def _restore(layers: list[_BatchNorm], saved: list[dict[str, torch.Tensor]]) -> None:
+    for m, state in zip(layers, saved):
+        for k, v in state.items():
+            m._buffers[k].copy_(v)  # type: ignore[union-attr]
 
 
 @torch.no_grad()
@@ -197,6 +213,7 @@ def predict_with_bn_refresh(
     _check_fraction(bn_fraction)
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0:
         raise ValueError("x must be a tensor with at least one row of test inputs.")
+    check_network_input(NetworkShape(net), x)
     layers = batchnorm_layers(net)
     if layers and bn_data is None:
         raise ValueError(
@@ -219,9 +236,7 @@ def predict_with_bn_refresh(
                 probs = torch.cat([net(xb).softmax(-1) for xb in x.split(batch_size)])
             total = probs if total is None else total.add_(probs)
     finally:
-        for m, state in zip(layers, saved):
-            for k, v in state.items():
-                m._buffers[k].copy_(v)  # type: ignore[union-attr]
+        _restore(layers, saved)
         for module, training in modes.items():
             module.training = training
     assert total is not None

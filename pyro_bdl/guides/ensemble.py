@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributions import Distribution
 
 from pyro_bdl._validation import check_positive_int
-from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.access import SiteAccess, sets_up
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.guides.swag import AutoSWAG
 from pyro_bdl.layout import SiteLayout
@@ -268,6 +268,7 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         self._member: int | torch.Tensor | None = None
         super().__init__(model, init_loc_fn=init_loc_fn)
 
+    @sets_up
     def _setup_prototype(self, *args, **kwargs):
         # All or nothing: a refused set-up (members of another model) leaves the guide as it
         # was before, so the next call refuses the same way instead of meeting a half-built one.
@@ -683,6 +684,7 @@ class AutoMultiSWAG(MemberGuide):
             if guide.prototype_trace is None:
                 guide._setup_prototype(*self._args_kwargs[0], **self._args_kwargs[1])
 
+    @sets_up
     def _setup_prototype(self, *args, **kwargs):
         self._args_kwargs = (args, kwargs)  # fresh members set up on the same arguments
         try:

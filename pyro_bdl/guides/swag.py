@@ -62,7 +62,7 @@ from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
-from pyro_bdl.guides.access import SiteAccess, check_same_sites
+from pyro_bdl.guides.access import SiteAccess, check_same_sites, sets_up
 from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout
@@ -476,6 +476,7 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
 
     # ------------------------------------------------------------------ set-up and state
 
+    @sets_up
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
         # The sites at the prototype's shapes, as AutoContinuous packs them.

@@ -114,11 +114,22 @@ def test_cache_is_dropped_when_switched_off_and_inference_mode_buffers_work():
     guide.cache_std = False
     guide.get_posterior().sample()
     assert guide._std is None  # the D numbers are given back
-    # Buffers made under inference_mode keep no version counter: the σ is then not cached.
+    # A guide set up under inference_mode makes ordinary buffers (a set-up ignores the grad
+    # mode), whose σ is cached as any other's.
     with torch.inference_mode():
         fresh = AutoSWAG(vector_model(d), rank=3, cache_std=True)
         fresh()
         feed(fresh, torch.randn(4, d, dtype=F64))
+    assert not any(b.is_inference() for b in fresh.buffers())
+    assert torch.isfinite(fresh.get_posterior().sample()).all() and fresh._std is not None
+    # Buffers remade under inference_mode (a conversion there) keep no version counter: the σ
+    # is then not cached.
+    fresh = AutoSWAG(vector_model(d), rank=3, cache_std=True)
+    fresh()
+    with torch.inference_mode():
+        fresh._apply(torch.clone)
+        feed(fresh, torch.randn(4, d, dtype=F64))
+    assert all(b.is_inference() for b in fresh.buffers())
     assert torch.isfinite(fresh.get_posterior().sample()).all() and fresh._std is None
 
 
