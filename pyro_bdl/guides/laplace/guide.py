@@ -39,7 +39,7 @@ from torch import nn
 from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.curvature.memory import check_memory
-from pyro_bdl.guides.access import SiteAccess
+from pyro_bdl.guides.access import SiteAccess, sets_up
 from pyro_bdl.guides.copying import KeepsModelOnCopy, model_lost
 from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
 from pyro_bdl.guides.laplace.batches import head, iter_batches
@@ -240,14 +240,12 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
 
     # ---- Pyro guide protocol -------------------------------------------------------------
 
+    @sets_up
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
         # AutoContinuous keeps the subsampled sizes of plates, so the layout does too.
         self.layout, loc = SiteLayout.from_trace(self.prototype_trace, full_plates=False)
-        # A first call under torch.inference_mode() reads the weights as inference tensors,
-        # which no optimizer step could update later (SVI would train nothing, silently).
-        with torch.inference_mode(False):
-            self.loc = nn.Parameter(loc.clone() if loc.is_inference() else loc)
+        self.loc = nn.Parameter(loc)
 
     def _ensure_setup(self) -> None:
         if self.prototype_trace is None:
