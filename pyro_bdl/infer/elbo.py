@@ -63,6 +63,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from torch.distributions import Distribution, Independent, kl_divergence
 
 from pyro_bdl._caller import user_stacklevel
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.infer.kl import (
     NOISE_FAMILIES,
@@ -298,6 +299,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                         check_site_shape(_with_log_prob_shape(site), self.max_plate_nesting)
         return model_trace, guide_trace
 
+    @differentiates
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """Trace_ELBO's loss and backward pass over ``num_particles`` particles, undone on any
         error: the network's buffers, the random state and the gradients (with several

@@ -137,8 +137,15 @@ class FusedOptim(PyroOptim):
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         """Step exactly ``params`` (an iterable of parameters), in one torch ``step`` call, and
         set their gradients to ``None``. Parameters seen for the first time join the optimizer,
-        with any state :meth:`set_state` left waiting for them."""
-        params = list(params)
+        with any state :meth:`set_state` left waiting for them.
+
+        Runs outside inference mode: a first step under ``torch.inference_mode()`` would create
+        the optimizer's state (Adam's moments) as inference tensors, which every later step
+        outside it would fail to update in place."""
+        with torch.inference_mode(False):
+            self._step(list(params), *args, **kwargs)
+
+    def _step(self, params: list[torch.Tensor], *args, **kwargs) -> None:
         for p in params:
             if p not in self._held:
                 self._add(p)

@@ -354,8 +354,13 @@ class NaturalGradientVI:
         """Hand the state's mean and ``scale`` to the guide, and allocate every buffer like the
         state (at set-up, and again after :meth:`to`)."""
         assert self.state is not None and self.layout is not None
+        self.guide.attach(self.layout, self.state.mean, scale)
+        self._allocate_buffers()
+
+    def _allocate_buffers(self) -> None:
+        """Allocate every buffer of the passes like the state (see :meth:`_attach`)."""
+        assert self.state is not None and self.layout is not None
         mean = self.state.mean
-        self.guide.attach(self.layout, mean, scale)
         #: Where an update writes the new mean, momentum and curvature, kept only if all are
         #: finite (then the storages are swapped with the state's).
         self._spare = NaturalGradientState(
@@ -370,6 +375,16 @@ class NaturalGradientVI:
         self._values = self._written(self._weight_views)
         self._rollback = Rollback(self._buffer_entries)
         self._allocate()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle, then allocate the buffers of the passes afresh: ``pickle`` copies each tensor
+        on its own storage, so the per-site views that a pass writes through (the weight sample
+        the layers read, the per-layer gradients the estimates sum) would no longer be views,
+        and the copy would train on stale weights and gradients without a word. (``torch.save``
+        and ``copy.deepcopy`` keep the views; allocating again is harmless there.)"""
+        self.__dict__.update(state)
+        if self.state is not None:
+            self._allocate_buffers()
 
     @torch.no_grad()
     def to(self, *args, **kwargs) -> NaturalGradientVI:
