@@ -1,0 +1,145 @@
+"""Everyday PyTorch habits around the inference objects: a pickled copy trains like the original,
+and a training step taken under ``torch.no_grad()`` or ``torch.inference_mode()`` (as evaluation
+code wraps its calls) is the step taken outside it."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from torch import nn
+
+from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.distributed import DataParallelSVI
+from pyro_bdl.guides import AutoMeanField
+from pyro_bdl.infer import IVON, VOGN, FusedOptim, TraceSuffStat_ELBO
+
+MODES = {
+    "outside": contextlib.nullcontext,
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+}
+
+
+def small_classifier(batchnorm: bool = True):
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)]
+    if batchnorm:
+        layers.insert(1, nn.BatchNorm1d(5))
+    net = bayesianize(nn.Sequential(*layers).double(), priors.Normal(scale=1.0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 3, generator=g, dtype=torch.float64)
+    return models.classifier(net, 16), x, (x[:, 0] > 0).long()
+
+
+def _method(name: str, model):
+    if name == "VOGN":
+        return VOGN(model, dataset_size=16, lr=0.1)
+    return IVON(model, dataset_size=16, lr=0.1, hess_init=0.1)
+
+
+def _store() -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+
+# -- pickle --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["VOGN", "IVON"])
+def test_an_unpickled_method_steps_like_the_original(method):
+    """``pickle`` copies each tensor on its own storage, so the per-site views a pass writes
+    through (the weight sample the layers read, the per-layer gradients) stopped being views:
+    the copy trained on stale weights and gradients, with another loss and no error."""
+    model, x, y = small_classifier()
+    original = _method(method, model)
+    original.step(x, y)
+    copy = pickle.loads(pickle.dumps(original))
+    mean_before = original.state.mean.clone()
+
+    torch.manual_seed(3)
+    copy_losses = [copy.step(x, y) for _ in range(2)]
+    assert torch.equal(original.state.mean, mean_before)  # the copy shares no storage
+    torch.manual_seed(3)
+    losses = [original.step(x, y) for _ in range(2)]
+
+    assert copy_losses == losses
+    assert torch.equal(copy.state.mean, original.state.mean)
+    assert torch.equal(copy.guide.scale, original.guide.scale)
+    assert copy.guide.loc is copy.state.mean  # the copy's guide reads the copy's state
+
+
+# -- grad modes ----------------------------------------------------------------------------------
+
+
+def _svi_run(kind: str, optim: str, mode: str, loss=None) -> tuple[list[float], dict]:
+    """Three steps from the same start, the first and the last under ``mode``."""
+    pyro.clear_param_store()
+    model, x, y = small_classifier()
+    guide = AutoMeanField(model)
+    guide(x, y)
+    opt = (
+        pyro.optim.Adam({"lr": 0.01})
+        if optim == "pyro"
+        else FusedOptim(torch.optim.Adam, {"lr": 0.01})
+    )
+    svi = (SVI if kind == "SVI" else DataParallelSVI)(
+        model, guide, opt, loss or TraceSuffStat_ELBO(num_kl_samples=10)
+    )
+    pyro.set_rng_seed(4)
+    with MODES[mode]():
+        losses = [svi.step(x, y)]
+    losses.append(svi.step(x, y))
+    with MODES[mode]():
+        losses.append(svi.step(x, y))
+    return losses, _store()
+
+
+@pytest.mark.parametrize(
+    ("kind", "optim", "mode"),
+    [
+        ("SVI", "pyro", "no_grad"),
+        # Pyro's own optimizers would keep Adam's moments as inference tensors, which the step
+        # outside inference mode cannot update; FusedOptim steps outside inference mode.
+        ("SVI", "fused", "inference_mode"),
+        ("DataParallelSVI", "pyro", "no_grad"),
+        ("DataParallelSVI", "pyro", "inference_mode"),
+    ],
+)
+def test_a_suffstat_elbo_step_under_no_grad_is_the_step_with_grad(kind, optim, mode):
+    """The ELBO's backward pass was skipped under no_grad (the loss did not require grad), so
+    the optimizer stepped without gradients: the parameters did not move, without a word."""
+    reference = _svi_run(kind, optim, "outside")
+    losses, params = _svi_run(kind, optim, mode)
+    assert losses == reference[0]
+    assert params.keys() == reference[1].keys()
+    for name, value in params.items():
+        assert torch.equal(value, reference[1][name]), name
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_data_parallel_step_with_any_elbo_under_no_grad_is_the_step_with_grad(mode):
+    # DataParallelSVI.step itself turns autograd on, whatever ELBO it wraps (Pyro's here).
+    reference = _svi_run("DataParallelSVI", "pyro", "outside", Trace_ELBO())
+    losses, params = _svi_run("DataParallelSVI", "pyro", mode, Trace_ELBO())
+    assert losses == reference[0]
+    for name, value in params.items():
+        assert torch.equal(value, reference[1][name]), name
+
+
+def test_a_fused_step_under_inference_mode_keeps_a_usable_state():
+    """Adam's moments created by a first step under inference mode were inference tensors, and
+    the next step outside it raised torch's "Inplace update to inference tensor"."""
+    results = []
+    for first in ("outside", "inference_mode"):
+        p = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+        optim = FusedOptim(torch.optim.Adam, {"lr": 0.1})
+        for k, mode in enumerate((first, "outside", first)):
+            p.grad = torch.tensor([0.3, -0.1, 2.0]) * (k + 1)
+            with MODES[mode]():
+                optim([p])
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
