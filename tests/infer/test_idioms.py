@@ -143,3 +143,23 @@ def test_a_fused_step_under_inference_mode_keeps_a_usable_state():
                 optim([p])
         results.append(p.detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+def test_a_data_parallel_evaluation_first_under_inference_mode_leaves_the_steps_usable():
+    """The step's snapshot of BatchNorm's statistics was first allocated by the evaluation, as
+    inference tensors there, and every later step raised torch's "Inplace update to inference
+    tensor" when it saved into them."""
+    runs = []
+    for mode in ("outside", "inference_mode"):
+        pyro.clear_param_store()
+        model, x, y = small_classifier()
+        guide = AutoMeanField(model)
+        guide(x, y)
+        svi = DataParallelSVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), seed=4)
+        with MODES[mode]():
+            losses = [svi.evaluate_loss(x, y)]
+        losses += [svi.step(x, y), svi.step(x, y)]
+        runs.append((losses, _store()))
+    assert runs[0][0] == runs[1][0]
+    for name, value in runs[1][1].items():
+        assert torch.equal(value, runs[0][1][name]), name
