@@ -163,3 +163,42 @@ def test_a_data_parallel_evaluation_first_under_inference_mode_leaves_the_steps_
     assert runs[0][0] == runs[1][0]
     for name, value in runs[1][1].items():
         assert torch.equal(value, runs[0][1][name]), name
+
+
+# -- the guide on its own ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["VOGN", "IVON"])
+def test_a_guide_converted_on_its_own_is_refused_by_the_next_step(method):
+    """``guide.to(dtype)`` replaced the guide's loc by a converted copy: the method went on
+    updating its state while the guide predicted from the μ of the conversion, without a word
+    (and wrote the new σ into the guide's copy)."""
+    model, x, y = small_classifier()
+    runner = _method(method, model)
+    runner.step(x, y)
+    runner.guide.to(torch.float32)
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in runner.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"guide was moved or converted.*{method.lower()}\.to"):
+        runner.step(x, y)
+    with pytest.raises(RuntimeError, match="guide was moved or converted"):
+        runner.evaluate_loss(x, y)
+    for key in ("mean", "momentum", "curvature"):
+        assert torch.equal(runner.state_dict()[key], state[key])  # the refusal changed nothing
+    # The fix the message names: the method moves the guide with its state and layers.
+    runner.to(torch.float32)
+    runner.step(x.float(), y)
+    assert runner.guide.loc is runner.state.mean and runner.guide.loc.dtype == torch.float32
+
+
+def test_a_guide_state_loaded_before_the_method_has_seen_the_model_names_the_way():
+    # torch said only 'Unexpected key(s) in state_dict: "loc", "scale"'.
+    model, x, y = small_classifier()
+    vogn = _method("VOGN", model)
+    vogn.step(x, y)
+    saved = vogn.guide.state_dict()
+    fresh = _method("VOGN", small_classifier()[0])
+    with pytest.raises(RuntimeError, match=r"vogn\.load_state_dict.*vogn\.setup\(x, y\)"):
+        fresh.guide.load_state_dict(saved)
+    fresh.setup(x, y)  # the guide alone then loads, into the state's own μ
+    fresh.guide.load_state_dict(saved)
+    assert torch.equal(fresh.state.mean, vogn.state.mean)

@@ -152,3 +152,17 @@ def check_not_meta(state, method: str, where: str) -> None:
             f"nothing was changed. To resume, build a new {method} over the network on a real "
             "device and load the state_dict into it."
         )
+
+
+def check_guide_reads(guide, state, method: str, where: str) -> None:
+    """Refuse to go on once ``guide`` no longer reads ``state`` (set up): ``guide.to(...)``,
+    ``.double()`` or ``.cuda()`` on the guide alone replaces its ``loc`` by a converted copy, which
+    the updates of the state would never reach, so the guide would predict from a stale μ."""
+    if state is not None and guide._buffers.get("loc") is not state.mean:
+        name = method.lower()
+        raise RuntimeError(
+            f"{where}: {name}.guide no longer reads {method}'s state: the guide was moved or "
+            "converted on its own (guide.to(...), .double(), .cuda()), so its loc is a copy that "
+            f"{method}'s updates would not reach; nothing was changed. Move {method}, its guide "
+            f"and the layers it trains together with {name}.to(...) (the same arguments)."
+        )

@@ -47,6 +47,7 @@ from pyro_bdl._validation import (
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.natural_gradient.checks import (
+    check_guide_reads,
     check_hyperparameters,
     check_inputs,
     check_loss,
@@ -574,6 +575,7 @@ class NaturalGradientVI:
         self._in_reduction = False
         try:
             check_not_meta(self.state, self.name, where)
+            check_guide_reads(self.guide, self.state, self.name, where)
             check_hyperparameters(self.optimizer, step, self.name)
             check_inputs(args, kwargs, where)
             tau = self._next_temperature(step)
@@ -734,6 +736,7 @@ class NaturalGradientVI:
                 f"{self.name} has not seen the model yet; call {self.name.lower()}.step(x, y) "
                 "first."
             )
+        check_guide_reads(self.guide, self.state, self.name, f"{self.name}.evaluate_loss")
         step = self.step_count + 1
         self._rollback.save()
         try:
@@ -785,6 +788,7 @@ class NaturalGradientVI:
         if self.state is None:
             return
         check_not_meta(self.state, self.name, f"{self.name}.load_state_dict")
+        check_guide_reads(self.guide, self.state, self.name, f"{self.name}.load_state_dict")
         curvature = state["curvature"].to(self.state.curvature)
         tau = float(state["temperature"]) if self.state_format.temperature else 1.0
         scale, log_scale = torch.empty_like(curvature), torch.empty_like(curvature)
