@@ -276,6 +276,14 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         self._warned: set[str] = set()
         self._guard = _StepGuard()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The buffers learned on the first step are the layers of the network it ran; a copy
+        # (deepcopy, pickle) would hold copies of those layers and, used with the original
+        # network, put back the copies' buffers on a refusal. The copy learns them afresh.
+        state = dict(self.__dict__)
+        state["_guard"] = _StepGuard(steps=self._guard.steps)
+        return state
+
     def _get_trace(self, model, guide, args, kwargs):
         # As pyro.infer.enum.get_importance_trace, minus the log-densities of latent sites in the
         # model and the guide: they enter only through their KL, so computing them is wasted

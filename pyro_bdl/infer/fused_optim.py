@@ -234,6 +234,17 @@ class FusedOptim(PyroOptim):
 
     # -- state ------------------------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, ``pickle``) holds the state by parameter name, as
+        :meth:`get_state` gives it, and takes it up when it first steps the param store's
+        parameters of those names: a copy of the torch optimizer would hold copies of the
+        parameters, which the copy would never step, and start every moment afresh (and Pyro's
+        parameters carry weak references, which ``pickle`` refuses)."""
+        state = dict(self.__dict__)
+        waiting = {**self._state_waiting_to_be_consumed, **self.get_state()}
+        state.update(optimizer=None, _held=set(), _state_waiting_to_be_consumed=waiting)
+        return state
+
     def get_state(self) -> dict:
         """``{param name: the torch state_dict of that one parameter}``, as PyroOptim's."""
         out: dict[str, dict] = {}

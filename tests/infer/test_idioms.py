@@ -5,6 +5,7 @@ code wraps its calls) is the step taken outside it."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import pickle
 
 import pyro
@@ -57,19 +58,68 @@ def test_an_unpickled_method_steps_like_the_original(method):
     model, x, y = small_classifier()
     original = _method(method, model)
     original.step(x, y)
-    copy = pickle.loads(pickle.dumps(original))
+    twin = pickle.loads(pickle.dumps(original))
     mean_before = original.state.mean.clone()
 
     torch.manual_seed(3)
-    copy_losses = [copy.step(x, y) for _ in range(2)]
+    copy_losses = [twin.step(x, y) for _ in range(2)]
     assert torch.equal(original.state.mean, mean_before)  # the copy shares no storage
     torch.manual_seed(3)
     losses = [original.step(x, y) for _ in range(2)]
 
     assert copy_losses == losses
-    assert torch.equal(copy.state.mean, original.state.mean)
-    assert torch.equal(copy.guide.scale, original.guide.scale)
-    assert copy.guide.loc is copy.state.mean  # the copy's guide reads the copy's state
+    assert torch.equal(twin.state.mean, original.state.mean)
+    assert torch.equal(twin.guide.scale, original.guide.scale)
+    assert twin.guide.loc is twin.state.mean  # the copy's guide reads the copy's state
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda obj: pickle.loads(pickle.dumps(obj))}
+
+
+@pytest.mark.parametrize("how", COPIES)
+def test_a_copied_fused_optimizer_resumes_the_moments(how):
+    """The copy held copies of the parameters with their Adam moments, and met the param
+    store's parameters as new ones (moments from zero); pickle refused Pyro's weak references."""
+    runs = []
+    for copied in (False, True):
+        pyro.clear_param_store()
+        model, x, y = small_classifier()
+        guide = AutoMeanField(model)
+        guide(x, y)
+        optim = FusedOptim(torch.optim.Adam, {"lr": 0.01})
+        pyro.set_rng_seed(1)
+        SVI(model, guide, optim, Trace_ELBO()).step(x, y)
+        if copied:
+            optim = COPIES[how](optim)
+        svi = SVI(model, guide, optim, Trace_ELBO())
+        runs.append(([svi.step(x, y) for _ in range(2)], _store()))
+    assert runs[0][0] == runs[1][0]
+    for name, value in runs[1][1].items():
+        assert torch.equal(value, runs[0][1][name]), name
+
+
+@pytest.mark.parametrize("how", COPIES)
+def test_a_copied_elbo_rolls_back_the_network_it_runs(how):
+    """The copy of an ELBO that had stepped held copies of the layers whose buffers it had
+    learned to save: with the original network, a refused step put back the copies' BatchNorm
+    statistics and left the network's changed by the refused pass."""
+    model, x, y = small_classifier()
+    guide = AutoMeanField(model)
+    guide(x, y)
+    elbo = TraceSuffStat_ELBO(num_kl_samples=10)
+    SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), elbo).step(x, y)
+
+    def refusing(x, y):
+        model(x, y)  # a training pass: BatchNorm's running statistics change
+        raise RuntimeError("refused after the forward pass")
+
+    svi = SVI(refusing, guide, pyro.optim.Adam({"lr": 0.01}), COPIES[how](elbo))
+    batchnorm = model.net[1]
+    before = {k: v.clone() for k, v in batchnorm.state_dict().items()}
+    with pytest.raises(RuntimeError, match="refused after the forward pass"):
+        svi.step(x + 1.0, y)
+    for name, value in batchnorm.state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 # -- grad modes ----------------------------------------------------------------------------------
