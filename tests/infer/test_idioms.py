@@ -252,3 +252,20 @@ def test_a_guide_state_loaded_before_the_method_has_seen_the_model_names_the_way
     fresh.setup(x, y)  # the guide alone then loads, into the state's own μ
     fresh.guide.load_state_dict(saved)
     assert torch.equal(fresh.state.mean, vogn.state.mean)
+
+
+@pytest.mark.parametrize("method", ["VOGN", "IVON"])
+def test_a_method_moved_under_inference_mode_trains_as_one_moved_outside(method):
+    # The moved state and layers were inference tensors, and the next step raised torch's
+    # "Inplace update to inference tensor outside InferenceMode".
+    runs = []
+    for mode in ("outside", "inference_mode"):
+        model, x, y = small_classifier()
+        runner = _method(method, model)
+        runner.step(x, y)
+        with MODES[mode]():
+            runner.to(torch.float32)
+        torch.manual_seed(3)
+        runs.append(([runner.step(x.float(), y) for _ in range(2)], runner.state.mean.clone()))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])

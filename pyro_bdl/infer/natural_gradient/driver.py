@@ -388,6 +388,7 @@ class NaturalGradientVI:
             self._allocate_buffers()
 
     @torch.no_grad()
+    @torch.inference_mode(False)  # moved under inference_mode, the state would not train again
     def to(self, *args, **kwargs) -> NaturalGradientVI:
         """Move the state (μ, the moments, σ, the buffers of every pass) and the network's layers
         that this method trains (the lifted and hidden layers and the layers with running
