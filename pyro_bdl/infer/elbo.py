@@ -375,6 +375,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         self._guard.steps += 1
         return loss
 
+    @differentiates  # a streaming KL takes the prior's score by autograd, chunk by chunk
     def loss(self, model, guide, *args, **kwargs) -> float:
         """An estimate of the negative ELBO (no gradient), averaged over ``num_particles``."""
         loss = 0.0

@@ -9,6 +9,7 @@ import copy
 import pickle
 
 import pyro
+import pyro.distributions as pdist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
@@ -269,3 +270,27 @@ def test_a_method_moved_under_inference_mode_trains_as_one_moved_outside(method)
         runs.append(([runner.step(x.float(), y) for _ in range(2)], runner.state.mean.clone()))
     assert runs[0][0] == runs[1][0]
     assert torch.equal(runs[0][1], runs[1][1])
+
+
+def _constrained_model(y):
+    # Element-wise priors without a closed-form KL: the streaming estimator with autograd scores.
+    s = pyro.sample("s", pdist.Gamma(2.0, 1.0))
+    m = pyro.sample("m", pdist.StudentT(3.0, 0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", pdist.Normal(m, s), obs=y)
+
+
+def test_a_streaming_kl_loss_under_inference_mode_is_the_loss_outside():
+    # Under inference_mode the per-chunk autograd score of the prior raised autograd's "element
+    # 0 of tensors does not require grad" from TraceSuffStat_ELBO.loss (SVI.evaluate_loss).
+    y = torch.linspace(-1.0, 2.0, 10)
+    guide = AutoMeanField(_constrained_model)
+    guide(y)
+    elbo = TraceSuffStat_ELBO(num_kl_samples=20)
+    pyro.set_rng_seed(0)
+    expected = elbo.loss(_constrained_model, guide, y)
+    assert set(elbo.kl_methods.values()) == {"streaming_elementwise"}
+    svi = SVI(_constrained_model, guide, pyro.optim.Adam({"lr": 0.01}), elbo)
+    with torch.inference_mode():
+        pyro.set_rng_seed(0)
+        assert svi.evaluate_loss(y) == expected
