@@ -294,3 +294,23 @@ def test_a_streaming_kl_loss_under_inference_mode_is_the_loss_outside():
     with torch.inference_mode():
         pyro.set_rng_seed(0)
         assert svi.evaluate_loss(y) == expected
+
+
+@pytest.mark.parametrize("method", ["VOGN", "IVON"])
+def test_a_network_converted_on_its_own_is_refused_with_the_fix(method):
+    """``net.float()`` after the first step left a float64 state writing float64 weight samples
+    into float32 layers: torch's "mat1 and mat2 must have the same dtype" named neither."""
+    model, x, y = small_classifier()
+    runner = _method(method, model)
+    runner.step(x, y)
+    model.net.float()
+    before = runner.state_dict()
+    with pytest.raises(RuntimeError, match=rf"converted or moved on its own.*{method.lower()}\.to"):
+        runner.step(x.float(), y)
+    with pytest.raises(RuntimeError, match="converted or moved on its own"):
+        runner.evaluate_loss(x.float(), y)
+    for key in ("mean", "momentum", "curvature"):
+        assert torch.equal(runner.state_dict()[key], before[key])
+    runner.to(torch.float32)  # the fix the message names
+    runner.step(x.float(), y)
+    assert runner.state.mean.dtype == torch.float32

@@ -375,6 +375,7 @@ class NaturalGradientVI:
         # parameters themselves (what PyroModule's pyro.param statement would return).
         self._values = self._written(self._weight_views)
         self._rollback = Rollback(self._buffer_entries)
+        self._kinds = self._layer_kinds()  # to explain a pass refused after net.to(...)
         self._allocate()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -464,12 +465,7 @@ class NaturalGradientVI:
         """Move the parameters and buffers of the layers this method writes or reads, and point
         the param store at a parameter that the move replaced by a new tensor (as the guides'
         ``.to`` does)."""
-        layers: dict[int, torch.nn.Module] = {}
-        for spec in self._specs:
-            for layer in (spec.module, *(sub for sub, _ in spec.alias_layers)):
-                layers.setdefault(id(layer), layer)
-        for layer in [h.module for h in self._hidden] + [m for m, _ in self._buffer_entries]:
-            layers.setdefault(id(layer), layer)
+        layers = self._trained_layers()
         store = pyro.get_param_store()
         for h in self._hidden:
             before = h.module._parameters[h.param_name]
@@ -481,6 +477,42 @@ class NaturalGradientVI:
                 store[h.name] = after
         for layer in layers.values():
             layer._apply(convert, recurse=False)
+
+    def _trained_layers(self) -> dict[int, torch.nn.Module]:
+        """The layers this method writes or reads (the lifted ones and their aliases, those with
+        hidden parameters or running statistics), by ``id``."""
+        layers: dict[int, torch.nn.Module] = {}
+        for spec in self._specs:
+            for layer in (spec.module, *(sub for sub, _ in spec.alias_layers)):
+                layers.setdefault(id(layer), layer)
+        for layer in [h.module for h in self._hidden] + [m for m, _ in self._buffer_entries]:
+            layers.setdefault(id(layer), layer)
+        return layers
+
+    def _layer_kinds(self) -> list[tuple[str, torch.dtype, torch.device]]:
+        """(layer, dtype, device) of every floating tensor of :meth:`_trained_layers`."""
+        return [
+            (type(layer).__name__, t.dtype, t.device)
+            for layer in self._trained_layers().values()
+            for t in (*layer._parameters.values(), *layer._buffers.values())
+            if t is not None and t.is_floating_point()
+        ]
+
+    def _moved_alone(self, where: str) -> RuntimeError | None:
+        """The error that explains a refused pass, if the network's layers were converted or
+        moved since the state was (``net.float()``, ``net.to(device)``): torch's own error, a
+        dtype or device mismatch inside a layer, names neither the cause nor the fix."""
+        moved = [(now, then) for now, then in zip(self._layer_kinds(), self._kinds) if now != then]
+        if not moved:
+            return None
+        (layer, dtype, device), (_, was, was_on) = moved[0]
+        return RuntimeError(
+            f"{where}: the network was converted or moved on its own since {self.name} last saw "
+            f"it (a {layer} now holds {dtype} on {device}, not {was} on {was_on}: net.float(), "
+            f"net.to(...)); the step was refused and nothing was updated. Convert the method "
+            f"with the network: {self.name.lower()}.to(...) with the same arguments moves its "
+            "state, its guide and the layers it trains."
+        )
 
     def _uninstall(self, pending: dict | None) -> None:
         """Back to a method that has not seen the model (a refused first step)."""
@@ -605,6 +637,9 @@ class NaturalGradientVI:
             if undo_setup is not None:
                 undo_setup()
             self._tell_ranks(err)
+            moved = None if undo_setup is not None else self._moved_alone(where)
+            if moved is not None:
+                raise moved from err
             raise
         self._commit(candidate)
         self._temperature = tau
@@ -746,8 +781,11 @@ class NaturalGradientVI:
                 self._sample()
                 _, batch, total = self._run(self._values, args, kwargs, step)
                 nll += total / batch
-        except BaseException:
+        except BaseException as err:
             self._rollback.restore()
+            moved = self._moved_alone(f"{self.name}.evaluate_loss")
+            if moved is not None:
+                raise moved from err
             raise
         nll = nll / self.num_particles
         return nll * self.dataset_size + self._temperature * self._kl()
