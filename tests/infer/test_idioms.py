@@ -314,3 +314,24 @@ def test_a_network_converted_on_its_own_is_refused_with_the_fix(method):
     runner.to(torch.float32)  # the fix the message names
     runner.step(x.float(), y)
     assert runner.state.mean.dtype == torch.float32
+
+
+@pytest.mark.parametrize("method", ["VOGN", "IVON"])
+def test_a_copy_whose_model_runs_the_original_network_is_refused_naming_the_cause(method):
+    # The copy wrote its samples on its own copied layers while the function ran the original
+    # network, which drew its weights from the prior: the refusal blamed a changed structure.
+    model, x, y = small_classifier(batchnorm=False)
+    net = model.net
+
+    def function_model(x, y):
+        logits = net(x)
+        with pyro.plate("data", 16, subsample_size=len(x)):
+            pyro.sample("y", pdist.Categorical(logits=logits), obs=y)
+
+    runner = _method(method, function_model)
+    runner.step(x, y)
+    twin = copy.deepcopy(runner)
+    mean = twin.state.mean.clone()
+    with pytest.raises(ValueError, match=rf"copy of {method}.*model is a function.*original"):
+        twin.step(x, y)
+    assert torch.equal(twin.state.mean, mean)

@@ -349,6 +349,7 @@ class NaturalGradientVI:
         self._layers = list(ready.tape.calls)
         self._buffer_entries = ready.statistics.written()
         self._specs = [site.spec for site in layout if site.spec is not None]
+        self._weight_names = frozenset(site.name for site in layout)
         self._attach(torch.zeros_like(self.state.mean))
 
     def _attach(self, scale: torch.Tensor) -> None:
@@ -557,7 +558,8 @@ class NaturalGradientVI:
     def _run(self, values, args, kwargs, step: int) -> tuple[torch.Tensor, int, float]:
         """One pass with ``values`` written on the layers: the per-example NLL, B and its sum."""
         where = f"{self.name} step {step}"
-        return per_example_nll(run_substituted(self.model, values, args, kwargs, where), where)
+        sites = run_substituted(self.model, values, args, kwargs, where, self._weight_names)
+        return per_example_nll(sites, where)
 
     def _gradients(self, tape: PerExampleGradients, losses: torch.Tensor, out, add: bool) -> None:
         """Σg and Σg² of each layer's parameters into ``out`` (added to them if ``add``)."""
