@@ -1,6 +1,7 @@
-"""Everyday PyTorch habits around the inference objects: a pickled copy trains like the original,
-and a training step taken under ``torch.no_grad()`` or ``torch.inference_mode()`` (as evaluation
-code wraps its calls) is the step taken outside it."""
+"""Everyday PyTorch habits around the inference objects: copies (``copy.deepcopy``, ``pickle``)
+train like the originals, a call under ``torch.no_grad()`` or ``torch.inference_mode()`` (as
+evaluation code wraps its calls) is the call outside it, and a guide or network converted on
+its own is refused with the fix rather than trained past."""
 
 from __future__ import annotations
 
@@ -15,27 +16,16 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 from torch import nn
 
-from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.distributed import DataParallelSVI
 from pyro_bdl.guides import AutoMeanField
 from pyro_bdl.infer import IVON, VOGN, FusedOptim, TraceSuffStat_ELBO
+from tests.infer.test_ivon import small_classifier
 
 MODES = {
     "outside": contextlib.nullcontext,
     "no_grad": torch.no_grad,
     "inference_mode": torch.inference_mode,
 }
-
-
-def small_classifier(batchnorm: bool = True):
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)]
-    if batchnorm:
-        layers.insert(1, nn.BatchNorm1d(5))
-    net = bayesianize(nn.Sequential(*layers).double(), priors.Normal(scale=1.0))
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 3, generator=g, dtype=torch.float64)
-    return models.classifier(net, 16), x, (x[:, 0] > 0).long()
 
 
 def _method(name: str, model):
