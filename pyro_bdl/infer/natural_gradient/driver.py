@@ -510,7 +510,7 @@ class NaturalGradientVI:
         return RuntimeError(
             f"{where}: the network was converted or moved on its own since {self.name} last saw "
             f"it (a {layer} now holds {dtype} on {device}, not {was} on {was_on}: net.float(), "
-            f"net.to(...)); the step was refused and nothing was updated. Convert the method "
+            f"net.to(...)); the call was refused and nothing was updated. Convert the method "
             f"with the network: {self.name.lower()}.to(...) with the same arguments moves its "
             "state, its guide and the layers it trains."
         )
