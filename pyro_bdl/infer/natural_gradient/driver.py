@@ -47,6 +47,7 @@ from pyro_bdl._validation import (
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.natural_gradient.checks import (
+    check_candidate,
     check_guide_reads,
     check_hyperparameters,
     check_inputs,
@@ -54,6 +55,8 @@ from pyro_bdl.infer.natural_gradient.checks import (
     check_not_meta,
     check_real,
     first_non_finite,
+    layer_kinds,
+    raise_if_moved,
 )
 from pyro_bdl.infer.natural_gradient.model import (
     Hidden,
@@ -356,13 +359,8 @@ class NaturalGradientVI:
         """Hand the state's mean and ``scale`` to the guide, and allocate every buffer like the
         state (at set-up, and again after :meth:`to`)."""
         assert self.state is not None and self.layout is not None
-        self.guide.attach(self.layout, self.state.mean, scale)
-        self._allocate_buffers()
-
-    def _allocate_buffers(self) -> None:
-        """Allocate every buffer of the passes like the state (see :meth:`_attach`)."""
-        assert self.state is not None and self.layout is not None
         mean = self.state.mean
+        self.guide.attach(self.layout, mean, scale)
         #: Where an update writes the new mean, momentum and curvature, kept only if all are
         #: finite (then the storages are swapped with the state's).
         self._spare = NaturalGradientState(
@@ -376,18 +374,15 @@ class NaturalGradientVI:
         # parameters themselves (what PyroModule's pyro.param statement would return).
         self._values = self._written(self._weight_views)
         self._rollback = Rollback(self._buffer_entries)
-        self._kinds = self._layer_kinds()  # to explain a pass refused after net.to(...)
+        self._kinds = layer_kinds(self._trained_layers().values())  # see raise_if_moved
         self._allocate()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle, then allocate the buffers of the passes afresh: ``pickle`` copies each tensor
-        on its own storage, so the per-site views that a pass writes through (the weight sample
-        the layers read, the per-layer gradients the estimates sum) would no longer be views,
-        and the copy would train on stale weights and gradients without a word. (``torch.save``
-        and ``copy.deepcopy`` keep the views; allocating again is harmless there.)"""
+        """Unpickle, and allocate the buffers of the passes afresh: ``pickle`` gives each tensor
+        its own storage, so the per-site views a pass writes through would stop being views."""
         self.__dict__.update(state)
         if self.state is not None:
-            self._allocate_buffers()
+            self._attach(self.guide.scale)
 
     @torch.no_grad()
     @torch.inference_mode(False)  # moved under inference_mode, the state would not train again
@@ -480,8 +475,7 @@ class NaturalGradientVI:
             layer._apply(convert, recurse=False)
 
     def _trained_layers(self) -> dict[int, torch.nn.Module]:
-        """The layers this method writes or reads (the lifted ones and their aliases, those with
-        hidden parameters or running statistics), by ``id``."""
+        """The layers this method writes or reads, by ``id``."""
         layers: dict[int, torch.nn.Module] = {}
         for spec in self._specs:
             for layer in (spec.module, *(sub for sub, _ in spec.alias_layers)):
@@ -489,31 +483,6 @@ class NaturalGradientVI:
         for layer in [h.module for h in self._hidden] + [m for m, _ in self._buffer_entries]:
             layers.setdefault(id(layer), layer)
         return layers
-
-    def _layer_kinds(self) -> list[tuple[str, torch.dtype, torch.device]]:
-        """(layer, dtype, device) of every floating tensor of :meth:`_trained_layers`."""
-        return [
-            (type(layer).__name__, t.dtype, t.device)
-            for layer in self._trained_layers().values()
-            for t in (*layer._parameters.values(), *layer._buffers.values())
-            if t is not None and t.is_floating_point()
-        ]
-
-    def _moved_alone(self, where: str) -> RuntimeError | None:
-        """The error that explains a refused pass, if the network's layers were converted or
-        moved since the state was (``net.float()``, ``net.to(device)``): torch's own error, a
-        dtype or device mismatch inside a layer, names neither the cause nor the fix."""
-        moved = [(now, then) for now, then in zip(self._layer_kinds(), self._kinds) if now != then]
-        if not moved:
-            return None
-        (layer, dtype, device), (_, was, was_on) = moved[0]
-        return RuntimeError(
-            f"{where}: the network was converted or moved on its own since {self.name} last saw "
-            f"it (a {layer} now holds {dtype} on {device}, not {was} on {was_on}: net.float(), "
-            f"net.to(...)); the call was refused and nothing was updated. Convert the method "
-            f"with the network: {self.name.lower()}.to(...) with the same arguments moves its "
-            "state, its guide and the layers it trains."
-        )
 
     def _uninstall(self, pending: dict | None) -> None:
         """Back to a method that has not seen the model (a refused first step)."""
@@ -639,9 +608,8 @@ class NaturalGradientVI:
             if undo_setup is not None:
                 undo_setup()
             self._tell_ranks(err)
-            moved = None if undo_setup is not None else self._moved_alone(where)
-            if moved is not None:
-                raise moved from err
+            if undo_setup is None:
+                raise_if_moved(err, self._trained_layers().values(), self._kinds, self.name, where)
             raise
         self._commit(candidate)
         self._temperature = tau
@@ -707,40 +675,12 @@ class NaturalGradientVI:
         if several and shapes and self.reduce_fn is not None:
             self.reduce_fn([torch.full_like(t, math.nan) for t in shapes])
 
-    def _state_names(self) -> list[str]:
-        names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
-        out = [f"the mean of {names[0]}", f"the momentum of {names[0]}"]
-        out += [f"the curvature of {names[0]}"]
-        out += [f"{n}" for n in names[1:]]
-        out += [f"the momentum of {n}" for n in names[1:]]
-        return out + [f"the curvature of {n}" for n in names[1:]]
-
     def _check_state(self, step: int, candidate: NaturalGradientState) -> None:
-        """Refuse an update that would leave a non-finite state, or a σ that is not finite and
-        > 0 (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
-        committed: a NaN written into the curvature would refuse every later step."""
-        tensors = state_tensors(candidate)
-        # The curvature of the weights needs no sum: σ, and so Σσ² and Σ log σ², is finite only
-        # where it is.
-        if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, self._var_sums)):
-            return
-        bad = [
-            (n, i, t)
-            for i, (n, t) in enumerate(zip(self._state_names(), tensors))
-            if not bool(torch.isfinite(t).all())
-        ]
-        what, where = "the posterior scale σ (zero or inf, from the curvature)", ""
-        if bad:
-            what, i, tensor = bad[0]
-            place = first_non_finite(tensor, self.layout if i < 3 else None)
-            where = f" The first non-finite entry is {place}."
+        """Refuse an update that would leave a non-finite state or σ, before it is committed."""
+        hidden = [h.name for h in self._hidden]
         g_hat = self._split()[0][0]
-        raise FloatingPointError(
-            f"{self.name} step {step}: the update would make {what} non-finite; the step was "
-            f"refused and nothing was updated.{where} The batch's gradients are too large for the "
-            f"state's float precision (largest |ĝ| {float(g_hat.abs().max()):.3g}): check the "
-            "scale of the inputs (standardise them), or lower the learning rate."
-        )
+        args = (self._var_sums, hidden, self.layout, g_hat, self.name, step)
+        check_candidate(state_tensors(candidate), *args)
 
     def _loss(self, args, kwargs, step: int, tau: float) -> float:
         """ĝ, ĥ into :attr:`estimates` and the loss, with every check; changes only what
@@ -785,9 +725,8 @@ class NaturalGradientVI:
                 nll += total / batch
         except BaseException as err:
             self._rollback.restore()
-            moved = self._moved_alone(f"{self.name}.evaluate_loss")
-            if moved is not None:
-                raise moved from err
+            layers, where = self._trained_layers().values(), f"{self.name}.evaluate_loss"
+            raise_if_moved(err, layers, self._kinds, self.name, where)
             raise
         nll = nll / self.num_particles
         return nll * self.dataset_size + self._temperature * self._kl()
