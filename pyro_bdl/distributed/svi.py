@@ -45,6 +45,7 @@ from pyro.optim import PyroOptim
 from torch import nn
 
 from pyro_bdl._caller import user_stacklevel
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_positive
 from pyro_bdl.distributed.comm import (
     all_gather_scalars,
@@ -302,6 +303,7 @@ class DataParallelSVI(SVI):
 
     # -- training ---------------------------------------------------------------------------
 
+    @differentiates
     def step(self, *args, **kwargs) -> float:
         """One data-parallel gradient step on this rank's batch.
 

@@ -86,6 +86,20 @@ class NaturalGradientGuide(SiteAccess, AutoGuide):
         self._buffers.pop("scale", None)
         self.__dict__.pop("layout", None)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # Before the method has seen the model there are no buffers to load into, and torch's
+        # "Unexpected key(s)" would not say why, nor which state resumes a run.
+        if self.prototype_trace is None and any(prefix + k in state_dict for k in ("loc", "scale")):
+            name = self.owner.lower()
+            raise RuntimeError(
+                f"this guide's loc and scale belong to {self.owner}, which has not seen the model "
+                f"yet: there is nothing to load them into, and nothing was loaded. To resume a "
+                f"run, load {self.owner}'s own state ({name}.load_state_dict(state), or "
+                f"pyro_bdl.checkpoint.load_checkpoint); to load only the guide, call "
+                f"{name}.setup(x, y) first."
+            )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _setup_prototype(self, *args, **kwargs) -> None:
         self._ensure_setup()
 

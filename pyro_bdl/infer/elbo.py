@@ -63,6 +63,7 @@ from pyro.util import check_if_enumerated, check_model_guide_match, check_site_s
 from torch.distributions import Distribution, Independent, kl_divergence
 
 from pyro_bdl._caller import user_stacklevel
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.infer.kl import (
     NOISE_FAMILIES,
@@ -275,6 +276,14 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         self._warned: set[str] = set()
         self._guard = _StepGuard()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The buffers learned on the first step are the layers of the network it ran; a copy
+        # (deepcopy, pickle) would hold copies of those layers and, used with the original
+        # network, put back the copies' buffers on a refusal. The copy learns them afresh.
+        state = dict(self.__dict__)
+        state["_guard"] = _StepGuard(steps=self._guard.steps)
+        return state
+
     def _get_trace(self, model, guide, args, kwargs):
         # As pyro.infer.enum.get_importance_trace, minus the log-densities of latent sites in the
         # model and the guide: they enter only through their KL, so computing them is wasted
@@ -298,6 +307,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                         check_site_shape(_with_log_prob_shape(site), self.max_plate_nesting)
         return model_trace, guide_trace
 
+    @differentiates
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """Trace_ELBO's loss and backward pass over ``num_particles`` particles, undone on any
         error: the network's buffers, the random state and the gradients (with several
@@ -365,6 +375,7 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         self._guard.steps += 1
         return loss
 
+    @differentiates  # a streaming KL takes the prior's score by autograd, chunk by chunk
     def loss(self, model, guide, *args, **kwargs) -> float:
         """An estimate of the negative ELBO (no gradient), averaged over ``num_particles``."""
         loss = 0.0

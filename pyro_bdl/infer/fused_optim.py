@@ -137,8 +137,15 @@ class FusedOptim(PyroOptim):
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         """Step exactly ``params`` (an iterable of parameters), in one torch ``step`` call, and
         set their gradients to ``None``. Parameters seen for the first time join the optimizer,
-        with any state :meth:`set_state` left waiting for them."""
-        params = list(params)
+        with any state :meth:`set_state` left waiting for them.
+
+        Runs outside inference mode: a first step under ``torch.inference_mode()`` would create
+        the optimizer's state (Adam's moments) as inference tensors, which every later step
+        outside it would fail to update in place."""
+        with torch.inference_mode(False):
+            self._step(list(params), *args, **kwargs)
+
+    def _step(self, params: list[torch.Tensor], *args, **kwargs) -> None:
         for p in params:
             if p not in self._held:
                 self._add(p)
@@ -226,6 +233,17 @@ class FusedOptim(PyroOptim):
             return None
 
     # -- state ------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, ``pickle``) holds the state by parameter name, as
+        :meth:`get_state` gives it, and takes it up when it first steps the param store's
+        parameters of those names: a copy of the torch optimizer would hold copies of the
+        parameters, which the copy would never step, and start every moment afresh (and Pyro's
+        parameters carry weak references, which ``pickle`` refuses)."""
+        state = dict(self.__dict__)
+        waiting = {**self._state_waiting_to_be_consumed, **self.get_state()}
+        state.update(optimizer=None, _held=set(), _state_waiting_to_be_consumed=waiting)
+        return state
 
     def get_state(self) -> dict:
         """``{param name: the torch state_dict of that one parameter}``, as PyroOptim's."""

@@ -373,8 +373,10 @@ def autograd_score(prior: Distribution) -> LogProbAndScore:
     r"""``w -> (log p(w), ∂ log p / ∂w)`` for any element-wise prior, by autograd per chunk."""
 
     def fn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.enable_grad():
-            w = w.detach().requires_grad_(True)
+        # Under torch.inference_mode() autograd records nothing, and a tensor made there cannot
+        # enter a graph: the score is taken outside it, from a normal copy of such a w.
+        with torch.inference_mode(False), torch.enable_grad():
+            w = (w.clone() if w.is_inference() else w.detach()).requires_grad_(True)
             lp = prior.log_prob(w)
             (score,) = torch.autograd.grad(lp.sum(), w)
         return lp.detach(), score

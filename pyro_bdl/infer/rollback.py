@@ -54,9 +54,11 @@ class Rollback:
         rollback.save()
         return rollback
 
+    @torch.inference_mode(False)
     def save(self, tensors: Sequence[torch.Tensor] = ()) -> None:
         """Copy the buffers and ``tensors`` (into storage kept between steps) and the generator
-        states."""
+        states. The storage is made outside inference mode, also when the caller runs under
+        ``torch.inference_mode()`` (an evaluation first): a later save outside it writes there."""
         # ``_buffers`` directly: a PyroModule's __getattr__ costs microseconds per lookup.
         buffers = [module._buffers[name] for module, name in self._entries]
         live = cast(list[torch.Tensor], buffers)  # written() lists no None buffer
@@ -93,6 +95,7 @@ class _Copies:
         self.copies: list[torch.Tensor] = []
 
     @torch.no_grad()
+    @torch.inference_mode(False)  # as Rollback.save
     def save(self, tensors: Sequence[torch.Tensor]) -> None:
         live = list(tensors)
         if len(live) == len(self.live) and all(map(operator.is_, live, self.live)):

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 
 import torch
+from torch import nn
 
-from pyro_bdl._validation import check_finite
+from pyro_bdl._validation import all_finite, check_finite
 from pyro_bdl.layout import SiteLayout
 
 __all__ = [
     "as_float",
     "betas_ok",
+    "check_candidate",
     "check_hyperparameters",
     "check_inputs",
     "check_loss",
@@ -22,7 +25,10 @@ __all__ = [
     "check_range",
     "check_real",
     "first_non_finite",
+    "layer_kinds",
     "lr_ok",
+    "raise_if_moved",
+    "state_names",
 ]
 
 
@@ -152,3 +158,93 @@ def check_not_meta(state, method: str, where: str) -> None:
             f"nothing was changed. To resume, build a new {method} over the network on a real "
             "device and load the state_dict into it."
         )
+
+
+def check_guide_reads(guide, state, method: str, where: str) -> None:
+    """Refuse to go on once ``guide`` no longer reads ``state`` (set up): ``guide.to(...)``,
+    ``.double()`` or ``.cuda()`` on the guide alone replaces its ``loc`` by a converted copy, which
+    the updates of the state would never reach, so the guide would predict from a stale μ."""
+    if state is not None and guide._buffers.get("loc") is not state.mean:
+        name = method.lower()
+        raise RuntimeError(
+            f"{where}: {name}.guide no longer reads {method}'s state: the guide was moved or "
+            "converted on its own (guide.to(...), .double(), .cuda()), so its loc is a copy that "
+            f"{method}'s updates would not reach; nothing was changed. Move {method}, its guide "
+            f"and the layers it trains together with {name}.to(...) (the same arguments)."
+        )
+
+
+def layer_kinds(layers: Iterable[nn.Module]) -> list[tuple[str, torch.dtype, torch.device]]:
+    """(layer type, dtype, device) of every floating parameter and buffer of ``layers``."""
+    return [
+        (type(layer).__name__, t.dtype, t.device)
+        for layer in layers
+        for t in (*layer._parameters.values(), *layer._buffers.values())
+        if t is not None and t.is_floating_point()
+    ]
+
+
+def raise_if_moved(
+    err: BaseException, layers: Iterable[nn.Module], kinds: list, method: str, where: str
+) -> None:
+    """Raise the error that explains ``err`` (a refused pass) if ``layers`` no longer hold the
+    ``kinds`` (:func:`layer_kinds`) they held when the state was set up or moved: after
+    ``net.float()`` or ``net.to(device)`` on the network alone, torch's dtype or device error
+    inside a layer names neither the cause nor the fix."""
+    moved = [(now, then) for now, then in zip(layer_kinds(layers), kinds) if now != then]
+    if not moved:
+        return
+    (layer, dtype, device), (_, was, was_on) = moved[0]
+    raise RuntimeError(
+        f"{where}: the network was converted or moved on its own since {method} last saw it (a "
+        f"{layer} now holds {dtype} on {device}, not {was} on {was_on}: net.float(), "
+        "net.to(...)); the call was refused and nothing was updated. Convert the method with "
+        f"the network: {method.lower()}.to(...) with the same arguments moves its state, its "
+        "guide and the layers it trains."
+    ) from err
+
+
+def state_names(hidden: list[str]) -> list[str]:
+    """What each tensor of ``state_tensors`` is, for messages (``hidden``: the hidden
+    parameters' names)."""
+    names = ["weights", *(f"{h} (hidden)" for h in hidden)]
+    out = [f"the mean of {names[0]}", f"the momentum of {names[0]}"]
+    out += [f"the curvature of {names[0]}"]
+    out += [f"{n}" for n in names[1:]]
+    out += [f"the momentum of {n}" for n in names[1:]]
+    return out + [f"the curvature of {n}" for n in names[1:]]
+
+
+def check_candidate(
+    tensors: list[torch.Tensor],
+    var_sums: tuple[float, float],
+    hidden: list[str],
+    layout: SiteLayout | None,
+    g_hat: torch.Tensor,
+    method: str,
+    step: int,
+) -> None:
+    """Refuse an update whose state (``tensors``, as ``state_tensors`` lists them) would be
+    non-finite, or whose σ would not be finite and > 0 (the KL's sums ``var_sums``, Σσ² and
+    Σ log σ², are finite only if every σ is), before it is committed: a NaN written into the
+    curvature would refuse every later step. ``g_hat``: the weights' ĝ, for the message."""
+    # The curvature of the weights needs no sum: σ, and so Σσ² and Σ log σ², is finite only
+    # where it is.
+    if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, var_sums)):
+        return
+    bad = [
+        (n, i, t)
+        for i, (n, t) in enumerate(zip(state_names(hidden), tensors))
+        if not bool(torch.isfinite(t).all())
+    ]
+    what, where = "the posterior scale σ (zero or inf, from the curvature)", ""
+    if bad:
+        what, i, tensor = bad[0]
+        place = first_non_finite(tensor, layout if i < 3 else None)
+        where = f" The first non-finite entry is {place}."
+    raise FloatingPointError(
+        f"{method} step {step}: the update would make {what} non-finite; the step was "
+        f"refused and nothing was updated.{where} The batch's gradients are too large for the "
+        f"state's float precision (largest |ĝ| {float(g_hat.abs().max()):.3g}): check the "
+        "scale of the inputs (standardise them), or lower the learning rate."
+    )

@@ -47,12 +47,16 @@ from pyro_bdl._validation import (
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.natural_gradient.checks import (
+    check_candidate,
+    check_guide_reads,
     check_hyperparameters,
     check_inputs,
     check_loss,
     check_not_meta,
     check_real,
     first_non_finite,
+    layer_kinds,
+    raise_if_moved,
 )
 from pyro_bdl.infer.natural_gradient.model import (
     Hidden,
@@ -348,6 +352,7 @@ class NaturalGradientVI:
         self._layers = list(ready.tape.calls)
         self._buffer_entries = ready.statistics.written()
         self._specs = [site.spec for site in layout if site.spec is not None]
+        self._weight_names = frozenset(site.name for site in layout)
         self._attach(torch.zeros_like(self.state.mean))
 
     def _attach(self, scale: torch.Tensor) -> None:
@@ -369,9 +374,18 @@ class NaturalGradientVI:
         # parameters themselves (what PyroModule's pyro.param statement would return).
         self._values = self._written(self._weight_views)
         self._rollback = Rollback(self._buffer_entries)
+        self._kinds = layer_kinds(self._trained_layers().values())  # see raise_if_moved
         self._allocate()
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle, and allocate the buffers of the passes afresh: ``pickle`` gives each tensor
+        its own storage, so the per-site views a pass writes through would stop being views."""
+        self.__dict__.update(state)
+        if self.state is not None:
+            self._attach(self.guide.scale)
+
     @torch.no_grad()
+    @torch.inference_mode(False)  # moved under inference_mode, the state would not train again
     def to(self, *args, **kwargs) -> NaturalGradientVI:
         """Move the state (μ, the moments, σ, the buffers of every pass) and the network's layers
         that this method trains (the lifted and hidden layers and the layers with running
@@ -447,12 +461,7 @@ class NaturalGradientVI:
         """Move the parameters and buffers of the layers this method writes or reads, and point
         the param store at a parameter that the move replaced by a new tensor (as the guides'
         ``.to`` does)."""
-        layers: dict[int, torch.nn.Module] = {}
-        for spec in self._specs:
-            for layer in (spec.module, *(sub for sub, _ in spec.alias_layers)):
-                layers.setdefault(id(layer), layer)
-        for layer in [h.module for h in self._hidden] + [m for m, _ in self._buffer_entries]:
-            layers.setdefault(id(layer), layer)
+        layers = self._trained_layers()
         store = pyro.get_param_store()
         for h in self._hidden:
             before = h.module._parameters[h.param_name]
@@ -464,6 +473,16 @@ class NaturalGradientVI:
                 store[h.name] = after
         for layer in layers.values():
             layer._apply(convert, recurse=False)
+
+    def _trained_layers(self) -> dict[int, torch.nn.Module]:
+        """The layers this method writes or reads, by ``id``."""
+        layers: dict[int, torch.nn.Module] = {}
+        for spec in self._specs:
+            for layer in (spec.module, *(sub for sub, _ in spec.alias_layers)):
+                layers.setdefault(id(layer), layer)
+        for layer in [h.module for h in self._hidden] + [m for m, _ in self._buffer_entries]:
+            layers.setdefault(id(layer), layer)
+        return layers
 
     def _uninstall(self, pending: dict | None) -> None:
         """Back to a method that has not seen the model (a refused first step)."""
@@ -508,7 +527,8 @@ class NaturalGradientVI:
     def _run(self, values, args, kwargs, step: int) -> tuple[torch.Tensor, int, float]:
         """One pass with ``values`` written on the layers: the per-example NLL, B and its sum."""
         where = f"{self.name} step {step}"
-        return per_example_nll(run_substituted(self.model, values, args, kwargs, where), where)
+        sites = run_substituted(self.model, values, args, kwargs, where, self._weight_names)
+        return per_example_nll(sites, where)
 
     def _gradients(self, tape: PerExampleGradients, losses: torch.Tensor, out, add: bool) -> None:
         """Σg and Σg² of each layer's parameters into ``out`` (added to them if ``add``)."""
@@ -559,6 +579,7 @@ class NaturalGradientVI:
         self._in_reduction = False
         try:
             check_not_meta(self.state, self.name, where)
+            check_guide_reads(self.guide, self.state, self.name, where)
             check_hyperparameters(self.optimizer, step, self.name)
             check_inputs(args, kwargs, where)
             tau = self._next_temperature(step)
@@ -587,6 +608,8 @@ class NaturalGradientVI:
             if undo_setup is not None:
                 undo_setup()
             self._tell_ranks(err)
+            if undo_setup is None:
+                raise_if_moved(err, self._trained_layers().values(), self._kinds, self.name, where)
             raise
         self._commit(candidate)
         self._temperature = tau
@@ -652,40 +675,12 @@ class NaturalGradientVI:
         if several and shapes and self.reduce_fn is not None:
             self.reduce_fn([torch.full_like(t, math.nan) for t in shapes])
 
-    def _state_names(self) -> list[str]:
-        names = ["weights", *(f"{h.name} (hidden)" for h in self._hidden)]
-        out = [f"the mean of {names[0]}", f"the momentum of {names[0]}"]
-        out += [f"the curvature of {names[0]}"]
-        out += [f"{n}" for n in names[1:]]
-        out += [f"the momentum of {n}" for n in names[1:]]
-        return out + [f"the curvature of {n}" for n in names[1:]]
-
     def _check_state(self, step: int, candidate: NaturalGradientState) -> None:
-        """Refuse an update that would leave a non-finite state, or a σ that is not finite and
-        > 0 (the sums Σσ² and Σ log σ² of the KL are finite only if every σ is), before it is
-        committed: a NaN written into the curvature would refuse every later step."""
-        tensors = state_tensors(candidate)
-        # The curvature of the weights needs no sum: σ, and so Σσ² and Σ log σ², is finite only
-        # where it is.
-        if all_finite(tensors[:2] + tensors[3:]) and all(map(math.isfinite, self._var_sums)):
-            return
-        bad = [
-            (n, i, t)
-            for i, (n, t) in enumerate(zip(self._state_names(), tensors))
-            if not bool(torch.isfinite(t).all())
-        ]
-        what, where = "the posterior scale σ (zero or inf, from the curvature)", ""
-        if bad:
-            what, i, tensor = bad[0]
-            place = first_non_finite(tensor, self.layout if i < 3 else None)
-            where = f" The first non-finite entry is {place}."
+        """Refuse an update that would leave a non-finite state or σ, before it is committed."""
+        hidden = [h.name for h in self._hidden]
         g_hat = self._split()[0][0]
-        raise FloatingPointError(
-            f"{self.name} step {step}: the update would make {what} non-finite; the step was "
-            f"refused and nothing was updated.{where} The batch's gradients are too large for the "
-            f"state's float precision (largest |ĝ| {float(g_hat.abs().max()):.3g}): check the "
-            "scale of the inputs (standardise them), or lower the learning rate."
-        )
+        args = (self._var_sums, hidden, self.layout, g_hat, self.name, step)
+        check_candidate(state_tensors(candidate), *args)
 
     def _loss(self, args, kwargs, step: int, tau: float) -> float:
         """ĝ, ĥ into :attr:`estimates` and the loss, with every check; changes only what
@@ -719,6 +714,7 @@ class NaturalGradientVI:
                 f"{self.name} has not seen the model yet; call {self.name.lower()}.step(x, y) "
                 "first."
             )
+        check_guide_reads(self.guide, self.state, self.name, f"{self.name}.evaluate_loss")
         step = self.step_count + 1
         self._rollback.save()
         try:
@@ -727,8 +723,10 @@ class NaturalGradientVI:
                 self._sample()
                 _, batch, total = self._run(self._values, args, kwargs, step)
                 nll += total / batch
-        except BaseException:
+        except BaseException as err:
             self._rollback.restore()
+            layers, where = self._trained_layers().values(), f"{self.name}.evaluate_loss"
+            raise_if_moved(err, layers, self._kinds, self.name, where)
             raise
         nll = nll / self.num_particles
         return nll * self.dataset_size + self._temperature * self._kl()
@@ -770,6 +768,7 @@ class NaturalGradientVI:
         if self.state is None:
             return
         check_not_meta(self.state, self.name, f"{self.name}.load_state_dict")
+        check_guide_reads(self.guide, self.state, self.name, f"{self.name}.load_state_dict")
         curvature = state["curvature"].to(self.state.curvature)
         tau = float(state["temperature"]) if self.state_format.temperature else 1.0
         scale, log_scale = torch.empty_like(curvature), torch.empty_like(curvature)

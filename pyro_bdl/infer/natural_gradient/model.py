@@ -19,7 +19,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,10 +240,12 @@ def run_substituted(
     args: tuple,
     kwargs: dict,
     where: str,
+    weights: Collection[str] = (),
 ) -> list[dict]:
     """Run ``model`` with ``module.<name> = value`` for every entry of ``values``; returns the
     observed sites of the data plate, refusing a latent site or a parameter (the model changed
-    its structure). ``where`` (``"VOGN step 3"``) starts the messages."""
+    its structure). ``where`` (``"VOGN step 3"``) starts the messages; ``weights`` are the
+    names of the weight sites the values stand for."""
     recorder = SiteRecorder(where)
     try:
         for module, name, value in values:
@@ -259,6 +261,17 @@ def run_substituted(
     for site in recorder.sites:
         if site_is_subsample(site):
             continue
+        if not site["is_observed"] and site["name"] in weights:
+            method = where.split()[0]
+            raise ValueError(
+                f"{where}: the model drew weight site {site['name']!r} from its prior: it ran "
+                f"layers other than the ones {method} writes its weight samples on. That is "
+                f"what a copy of {method} (copy.deepcopy, pickle, torch.save) does when its "
+                "model is a function that uses the original network, which the copy does not "
+                "copy. Nothing was updated. Give the copy a model over its own network (a "
+                f"pyro_bdl.models model is copied with its network), or build a new {method} "
+                "and load the state_dict into it."
+            )
         if not site["is_observed"] or data_frame(site) is None:
             kind = "latent" if not site["is_observed"] else "outside the data plate"
             raise ValueError(
