@@ -8,6 +8,10 @@ and Pyro's ``SVI.step`` do, :func:`differentiates` turns autograd back on for th
 it the Laplace calls would raise autograd's "element 0 of tensors does not require grad", and an
 IVON step would read a zero gradient without a word.
 
+A guide's set-up (:func:`sets_up`) runs the other way round: outside inference mode, so that the
+parameters it makes can be trained, and without autograd, so that its prototype trace holds no
+graph and ``copy.deepcopy`` can copy it.
+
 A tensor made under ``torch.inference_mode()`` (an *inference tensor*) cannot enter a graph at
 all; one passed directly (``x``, or a tensor inside a mapping, tuple or list argument) is copied
 into a normal tensor first, and one that arrives otherwise (from a DataLoader built under
@@ -22,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["differentiates"]
+__all__ = ["differentiates", "sets_up"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -72,5 +76,23 @@ def differentiates(method: F) -> F:
                     "under torch.no_grad() instead, or pass copies made outside inference "
                     "mode (tensor.clone())."
                 ) from err
+
+    return wrapper  # type: ignore[return-value]
+
+
+def sets_up(method: F) -> F:
+    """Run a guide's ``_setup_prototype`` outside inference mode and without autograd, whatever
+    the caller's mode.
+
+    Parameters made under ``torch.inference_mode()`` would be inference tensors, which no
+    optimizer step can update ("Inference tensors do not track version counter"). Without
+    autograd the prototype trace holds no graph: its values (the model's outputs among them) are
+    leaves, which ``copy.deepcopy`` copies, where torch refuses to deepcopy a tensor inside a
+    graph. The set-up reads only shapes, supports and initial values, never gradients."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -10,43 +10,21 @@ marginal location (or exists before the marginals do) overrides :meth:`SiteAcces
 A guide that packs its sites into fixed-size parameters covers the sites it was set up on only;
 :func:`check_same_sites` is the one check that the model still has those sites.
 
-A guide's set-up runs whatever the caller's grad mode (:func:`sets_up`), so that a guide first
-called under ``torch.no_grad()`` or ``torch.inference_mode()`` (an evaluation, a ``Predictive``)
-trains afterwards, and ``copy.deepcopy`` copies it.
+A guide's set-up runs whatever the caller's grad mode (:func:`~pyro_bdl._grad_mode.sets_up`), so
+that a guide first called under ``torch.no_grad()`` or ``torch.inference_mode()`` (an evaluation,
+a ``Predictive``) trains afterwards, and ``copy.deepcopy`` copies it.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
 
 import pyro
 import torch
 
 from pyro_bdl.layout import Site, SiteLayout
 
-__all__ = ["SiteAccess", "SiteSetChangedError", "check_quantiles", "check_same_sites", "sets_up"]
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def sets_up(method: F) -> F:
-    """Run a guide's ``_setup_prototype`` outside inference mode and without autograd, whatever
-    the caller's mode.
-
-    Parameters made under ``torch.inference_mode()`` would be inference tensors, which no
-    optimizer step can update ("Inference tensors do not track version counter"). Without
-    autograd the prototype trace holds no graph: its values (the model's outputs among them) are
-    leaves, which ``copy.deepcopy`` copies, where torch refuses to deepcopy a tensor inside a
-    graph. The set-up reads only shapes, supports and initial values, never gradients."""
-
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with torch.inference_mode(False), torch.no_grad():
-            return method(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+__all__ = ["SiteAccess", "SiteSetChangedError", "check_quantiles", "check_same_sites"]
 
 
 def check_quantiles(quantiles, like: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,9 @@ from pyro.poutine.plate_messenger import PlateMessenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
 
+from pyro_bdl._grad_mode import sets_up
 from pyro_bdl._validation import check_positive
-from pyro_bdl.guides.access import SiteAccess, check_same_sites, sets_up
+from pyro_bdl.guides.access import SiteAccess, check_same_sites
 from pyro_bdl.guides.block_sites import BlockSites, softplus
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import Site, SiteLayout

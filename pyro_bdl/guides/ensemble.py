@@ -38,8 +38,9 @@ from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 from torch.distributions import Distribution
 
+from pyro_bdl._grad_mode import sets_up
 from pyro_bdl._validation import check_positive_int
-from pyro_bdl.guides.access import SiteAccess, sets_up
+from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.guides.swag import AutoSWAG
 from pyro_bdl.layout import SiteLayout

@@ -61,8 +61,9 @@ from pyro.distributions.torch_distribution import TorchDistribution, TorchDistri
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
+from pyro_bdl._grad_mode import sets_up
 from pyro_bdl._validation import check_choice, check_positive, check_positive_int
-from pyro_bdl.guides.access import SiteAccess, check_same_sites, sets_up
+from pyro_bdl.guides.access import SiteAccess, check_same_sites
 from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
 from pyro_bdl.guides.state_checks import CheckedLoad
 from pyro_bdl.layout import SiteLayout

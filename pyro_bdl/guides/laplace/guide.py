@@ -36,10 +36,10 @@ import torch
 from pyro.infer.autoguide import AutoContinuous
 from torch import nn
 
-from pyro_bdl._grad_mode import differentiates
+from pyro_bdl._grad_mode import differentiates, sets_up
 from pyro_bdl._validation import check_choice, check_positive_int
 from pyro_bdl.curvature.memory import check_memory
-from pyro_bdl.guides.access import SiteAccess, sets_up
+from pyro_bdl.guides.access import SiteAccess
 from pyro_bdl.guides.copying import KeepsModelOnCopy, model_lost
 from pyro_bdl.guides.flat_sites import PointMass, sample_sites, split_latent
 from pyro_bdl.guides.laplace.batches import head, iter_batches
