@@ -56,8 +56,10 @@ from pyro_bdl.guides.laplace.evidence import (
     val_ll_score,
 )
 from pyro_bdl.guides.laplace.model import (
+    KeptObservation,
     Observation,
     check_reduce_fn,
+    check_same_sites,
     check_supported,
     check_weight_dtype,
     declared_precision,
@@ -228,6 +230,7 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
         self._noise0: float | None = None  # the model's σ, at which the GGN was computed
         self._likelihood = ""
         self.batch_size = batch_size
+        self._observation = KeptObservation()
         self.accumulate_dtype = accumulate_dtype
         self.max_memory = max_memory
         self.chunk_memory = chunk_memory
@@ -356,13 +359,12 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
     def _observe(self, batch: tuple, *, without_targets: bool = False) -> Observation:
         check_weight_dtype(self._raw_model, self.loc)
         with eval_mode(self._raw_model):  # one row is enough to read the outputs' shape
-            values = leaf_slots(self.layout, self.loc)[0]
             return observe(
                 self._raw_model,
                 self.layout,
                 head(batch, 1),
                 without_targets=without_targets,
-                values=values,
+                values=leaf_slots(self.layout, self.loc)[0],
                 known=self.prototype_trace.nodes,  # type: ignore[attr-defined]
             )
 
@@ -535,10 +537,10 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
 
     # ---- predicting ------------------------------------------------------------------------
 
-    def _jacobians(self, data: Any, obs: Observation, transform=None):
+    def _jacobians(self, data: Any, obs: Observation, transform=None, check=None):
         """``(outputs, J_S, batch)`` at the MAP values (:func:`~.model.jacobians`)."""
         at = (self._raw_model, self.layout, self.map_loc, data, obs, self.subnet_index)
-        return jacobians(*at, batch_size=self.batch_size, transform=transform)
+        return jacobians(*at, batch_size=self.batch_size, transform=transform, check=check)
 
     @differentiates
     def predict(
@@ -608,10 +610,13 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
                 f"x must be a torch.Tensor or a dict of tensors (a structured batch); got "
                 f"{type(x).__name__}."
             )
-        obs = self._observe((x,), without_targets=True)
-        posterior = self.posterior
-        parts = self._jacobians((x,), obs, jacobian_transform(obs.likelihood, link))
-        return obs, ((out, posterior.apply_scale(jac)) for out, jac, _ in parts)
+        check_weight_dtype(self._raw_model, self.loc)
+        read = lambda: self._observe((x,), without_targets=True)  # noqa: E731
+        obs = self._observation.get(self._raw_model, read)
+        known = self.prototype_trace.nodes  # type: ignore[attr-defined]
+        check = lambda trace: check_same_sites(trace, self.layout, known, targets=1)  # noqa: E731
+        parts = self._jacobians((x,), obs, jacobian_transform(obs.likelihood, link), check)
+        return obs, ((out, self.posterior.apply_scale(jac)) for out, jac, _ in parts)
 
     # ---- the evidence and the prior precision ----------------------------------------------
 

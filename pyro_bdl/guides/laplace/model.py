@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyro.distributions as dist
@@ -63,6 +63,7 @@ from pyro_bdl.priors import NonGaussianPriorError, gaussian_prior
 
 __all__ = [
     "MODE_TOLERANCE_SD",
+    "KeptObservation",
     "NotAtModeWarning",
     "Observation",
     "ReduceFn",
@@ -113,6 +114,31 @@ class Observation:
     outputs: int
     vector: bool
     split: Split | None = None
+
+
+class KeptObservation:
+    """The :class:`Observation` that ``predict`` reads from a
+    :class:`~pyro_bdl.models.NetworkModel`, kept between calls: reading it runs the model on one
+    row, a whole pass through the network's layers (a sixth of a 16-row batch's predictive on a
+    6-layer transformer). What a NetworkModel fixes is kept (the site, the likelihood, the
+    outputs' shape); σ, which training moves, is read afresh each call, and the caller checks the
+    model's sites on every pass that uses it (``check`` of :func:`jacobians`). Any other model
+    is read on every call. A copy starts empty: it reads its own model."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[Any, Observation] | None = None
+
+    def __getstate__(self) -> dict:
+        return {"_kept": None}
+
+    def get(self, model, read: Callable[[], Observation]) -> Observation:
+        """The observation of ``model``: the kept one, else ``read()`` (kept if a NetworkModel)."""
+        if self._kept is not None and self._kept[0] is model:
+            obs = self._kept[1]
+            return replace(obs, noise=None if obs.split is not None else model.noise_scale)
+        obs = read()
+        self._kept = (model, obs) if isinstance(model, NetworkModel) else None
+        return obs
 
 
 def network(model) -> nn.Module | None:
@@ -353,17 +379,25 @@ def sites_touched(layout: SiteLayout, index: torch.Tensor) -> set[int]:
 
 
 def forward_fn(
-    model, values: dict, args: tuple, obs_name: str, *, returned: bool = False
+    model,
+    values: dict,
+    args: tuple,
+    obs_name: str,
+    *,
+    returned: bool = False,
+    check: Callable[[Any], None] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A function running ``model(*args)`` with the weight sites at ``values`` and returning the
     network outputs behind the observed site ``obs_name`` (with ``returned``, the model's return
     value: a heteroscedastic regressor's network outputs, of which its ``split`` reads the mean
-    and the variance)."""
+    and the variance). ``check(trace)`` runs on each pass's trace before anything is read."""
 
     def forward() -> torch.Tensor:
         with poutine.block():
             conditioned = poutine.condition(model, data=values)
             trace = poutine.trace(conditioned).get_trace(*args)
+        if check is not None:
+            check(trace)
         if obs_name not in trace.nodes:
             raise ValueError(f"the model has no site {obs_name!r} any more.")
         if returned:
@@ -404,13 +438,14 @@ def forward_at(
     args: tuple,
     obs: Observation,
     wanted: set[int] | None = None,
+    check: Callable[[Any], None] | None = None,
 ):
     """``(forward function, slots)`` of the network of ``model`` with the weights at the packed
-    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`); with ``wanted``, only those sites require
-    grad."""
+    ``flat`` (:func:`leaf_slots`, :func:`forward_fn`, which runs ``check``); with ``wanted``,
+    only those sites require grad."""
     values, slots = leaf_slots(layout, flat, wanted)
     returned = obs.split is not None
-    return forward_fn(model, values, args, obs.name, returned=returned), slots
+    return forward_fn(model, values, args, obs.name, returned=returned, check=check), slots
 
 
 #: Set on an exception raised by ``reduce_fn`` itself (see :func:`raised_by_reduction`).
@@ -690,6 +725,7 @@ def jacobians(
     *,
     batch_size: int,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    check: Callable[[Any], None] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple]]:
     """``(outputs (b, C), J_S (b, C, S), batch)`` of ``model`` at the packed weights ``loc``,
     ``batch_size`` rows at a time; the model gets the whole batch, as in a fit, so that a
@@ -697,11 +733,12 @@ def jacobians(
     whatever Pyro's validation switch. With ``transform``, ``J_S`` is that of
     ``transform(outputs)`` (b, K, S) (:func:`~pyro_bdl.curvature.jacobian.subnet_jacobian`).
     The global random state is left as it was (the model draws the targets it is not given),
-    so that a predictive draws only its own Monte Carlo samples from it."""
+    so that a predictive draws only its own Monte Carlo samples from it. ``check(trace)`` runs
+    on every pass (:func:`forward_fn`)."""
     wanted = sites_touched(layout, index)
     with eval_mode(model):
         for batch in iter_batches(data, batch_size):
-            forward, slots = forward_at(model, layout, loc, batch, obs, wanted)
+            forward, slots = forward_at(model, layout, loc, batch, obs, wanted, check)
             with random_state_kept(batch):
                 jac, out = subnet_jacobian(
                     forward, slots, index, return_outputs=True, transform=transform
