@@ -214,6 +214,9 @@ def _lift(module, prior, param, uses, inits, registry) -> None:
         mark_constant(sub, attr, False)
         if sub is owner and attr == pname:
             sub.register_buffer(INIT_PREFIX + attr, inits[name], persistent=False)
+            if not sub.__dict__.get(_LOADS_ATTR):
+                sub.register_load_state_dict_pre_hook(load_lifted_weights)
+                object.__setattr__(sub, _LOADS_ATTR, True)
         else:
             tied.install_alias(sub, attr, spec, full)
             spec.alias_uses.append((full, sub, attr))
@@ -222,6 +225,35 @@ def _lift(module, prior, param, uses, inits, registry) -> None:
     registry[name] = spec
     if isinstance(param, nn.Parameter):
         _SOURCES[param] = spec
+
+
+#: Set on a layer once :func:`load_lifted_weights` is registered on it.
+_LOADS_ATTR = "_bdl_loads_lifted_weights"
+
+
+def load_lifted_weights(
+    layer: nn.Module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+) -> None:
+    """A ``load_state_dict`` pre-hook of a lifted layer: the value of a lifted weight in the
+    state_dict (a pretrained network's ``"0.weight"``) becomes the site's initial location, the
+    one :func:`init_to_network` starts a guide from, instead of an unexpected key. A tied
+    weight's other names are taken as the same tensor; a shape that differs is a load error."""
+    for attr, prior in layer.__dict__.get("_pyro_samples", {}).items():
+        key = prefix + attr
+        if not isinstance(prior, SiteSpec) or key not in state_dict:
+            continue
+        value = state_dict.pop(key)
+        target = layer._buffers.get(INIT_PREFIX + attr)
+        if target is None:  # a tied name of a site another layer holds
+            continue
+        if value.shape != target.shape:
+            errors.append(
+                f"size mismatch for {key}: copying a weight of shape {tuple(value.shape)} into "
+                f"the lifted site of shape {tuple(target.shape)}."
+            )
+            continue
+        with torch.no_grad():
+            target.copy_(value)
 
 
 def _freeze(module, param, uses) -> None:

@@ -46,3 +46,60 @@ def test_a_first_call_under_inference_mode_leaves_the_model_trainable(kind, prio
     for name, value in pyro.get_param_store().named_parameters():
         assert not value.is_inference(), name
         assert not torch.equal(value, before.get(name, value + 1)), name
+
+
+# -- loading a pretrained state_dict into a lifted network ---------------------------------------
+
+
+def _pretrained_pair():
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))  # noqa: E731
+    return bdl.bayesianize(make()), make()
+
+
+def test_a_pretrained_state_dict_loads_into_the_lifted_sites_initial_locations():
+    lifted, pretrained = _pretrained_pair()
+    result = lifted.load_state_dict(pretrained.state_dict())  # strict: no key left over
+    assert not result.missing_keys and not result.unexpected_keys
+    pyro.clear_param_store()
+    model = models.classifier(lifted, dataset_size=8)
+    guide = bdl.guides.AutoMeanField(model)
+    guide(torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
+    median = guide.median()
+    for name, value in pretrained.named_parameters():
+        if name.startswith("1."):  # the LayerNorm stays a parameter of the network
+            assert torch.equal(dict(lifted.named_parameters())[name], value)
+        else:  # the guide starts at the pretrained weights (init_to_network)
+            assert torch.equal(median[name], value.detach())
+
+
+def test_a_pretrained_weight_of_another_shape_is_a_load_error_naming_it():
+    lifted, pretrained = _pretrained_pair()
+    state = pretrained.state_dict()
+    state["0.weight"] = torch.zeros(5, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0\.weight: .*\(5, 3\).*\(4, 3\)"):
+        lifted.load_state_dict(state)
+
+
+def test_a_tied_weight_loads_once_under_either_name():
+    from tests.common import TiedLinear
+
+    torch.manual_seed(0)
+    pretrained = TiedLinear()
+    lifted = bdl.bayesianize(TiedLinear())
+    result = lifted.load_state_dict(pretrained.state_dict())
+    assert not result.unexpected_keys
+    assert torch.equal(bdl.sites(lifted)["a.weight"].init_value, pretrained.a.weight.detach())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_lifted_network_still_loads_pretrained_weights(how):
+    import copy
+    import pickle
+
+    lifted, pretrained = _pretrained_pair()
+    copied = copy.deepcopy(lifted) if how == "deepcopy" else pickle.loads(pickle.dumps(lifted))
+    assert not copied.load_state_dict(pretrained.state_dict()).unexpected_keys
+    target = pretrained[2].weight.detach()
+    assert torch.equal(bdl.sites(copied)["2.weight"].init_value, target)
+    assert not torch.equal(bdl.sites(lifted)["2.weight"].init_value, target)  # the original's
