@@ -49,7 +49,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models import NetworkModel
-from pyro_bdl.models.checks import NetworkShape, batch_tensors, check_device
+from pyro_bdl.models.checks import batch_tensors, check_network_input
 from pyro_bdl.models.structured import rows_of
 
 __all__ = ["draw_outputs", "forget_output_sizes", "sample_outputs"]
@@ -239,16 +239,6 @@ def draw_outputs(
             meta = torch.empty(one.shape, dtype=one.dtype, device="meta")
             _OUTPUT_SIZES.setdefault(model, {})[signature] = meta
         return _draw_chunks(model, guide, args, kwargs, num_samples, chunk, nesting, around)
-
-
-def check_network_input(shape: NetworkShape, x: Any) -> None:
-    """The checks of a :class:`~pyro_bdl.models.NetworkModel`'s own call that concern its
-    batch ``x``: its tensors on the network's device, and a tensor batch of the network's dtype
-    and input width. Callers that run the network alone (the draws here, a BatchNorm refresh)
-    would otherwise meet torch's error, which names neither the argument nor the fix."""
-    check_device(batch_tensors(x), shape.device(), batch=x)
-    if isinstance(x, torch.Tensor):
-        shape.check_inputs(x)
 
 
 def _check_batchnorm_eval(net: torch.nn.Module) -> None:

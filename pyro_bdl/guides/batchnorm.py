@@ -19,8 +19,7 @@ from pyro import poutine
 from torch import nn
 
 from pyro_bdl._validation import check_positive_int, check_probability
-from pyro_bdl.models.checks import NetworkShape
-from pyro_bdl.predictive import check_network_input
+from pyro_bdl.models.checks import NetworkShape, check_network_input
 
 __all__ = ["batchnorm_layers", "predict_with_bn_refresh", "refresh_batchnorm"]
 

@@ -49,6 +49,7 @@ import torch
 from pyro.distributions.util import sum_rightmost
 from torch.distributions import Chi2, Distribution, Laplace, Normal
 
+from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.distributions.radial import Radial, radial_log_density, radial_noise
 from pyro_bdl.distributions.scale_mixture import ScaleMixtureNormal
@@ -372,13 +373,11 @@ ChunkSums = Callable[
 def autograd_score(prior: Distribution) -> LogProbAndScore:
     r"""``w -> (log p(w), ∂ log p / ∂w)`` for any element-wise prior, by autograd per chunk."""
 
+    @differentiates  # also under no_grad/inference_mode, from a normal copy of an inference w
     def fn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Under torch.inference_mode() autograd records nothing, and a tensor made there cannot
-        # enter a graph: the score is taken outside it, from a normal copy of such a w.
-        with torch.inference_mode(False), torch.enable_grad():
-            w = (w.clone() if w.is_inference() else w.detach()).requires_grad_(True)
-            lp = prior.log_prob(w)
-            (score,) = torch.autograd.grad(lp.sum(), w)
+        w = w.detach().requires_grad_(True)
+        lp = prior.log_prob(w)
+        (score,) = torch.autograd.grad(lp.sum(), w)
         return lp.detach(), score
 
     return fn

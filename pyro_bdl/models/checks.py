@@ -31,6 +31,7 @@ __all__ = [
     "check_batch",
     "check_binary_labels",
     "check_device",
+    "check_network_input",
     "label_range",
     "rollback",
 ]
@@ -548,3 +549,14 @@ def rollback(net: nn.Module, device: torch.device) -> Iterator[None]:
         for name in set(store.keys()) - names:
             del store[name]
         raise
+
+
+def check_network_input(shape: NetworkShape, x: Any) -> None:
+    """The checks of a :class:`~pyro_bdl.models.NetworkModel`'s own call that concern its
+    batch ``x``: its tensors on the network's device, and a tensor batch of the network's dtype
+    and input width. Callers that run the network alone (the draws of
+    :mod:`pyro_bdl.predictive`, a BatchNorm refresh) would otherwise meet torch's error, which
+    names neither the argument nor the fix."""
+    check_device(batch_tensors(x), shape.device(), batch=x)
+    if isinstance(x, torch.Tensor):
+        shape.check_inputs(x)
