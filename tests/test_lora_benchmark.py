@@ -236,7 +236,7 @@ def test_ivon_candidates_zip_the_four_lists():
 
 
 def test_linear_decay_steps_down_to_the_last_step():
-    from pyro_bdl.infer.natural_gradient.driver import NaturalGradientOptimizer
+    from pyro_bdl.infer.natural_gradient.optimizer import NaturalGradientOptimizer
 
     class Stub:
         optimizer = NaturalGradientOptimizer(lr=2.0, betas=(0.9, 0.99))

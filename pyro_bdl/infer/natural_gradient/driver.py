@@ -58,6 +58,11 @@ from pyro_bdl.infer.natural_gradient.checks import (
     layer_kinds,
     raise_if_moved,
 )
+from pyro_bdl.infer.natural_gradient.loss_scaling import (
+    LossScaling,
+    SkippedStep,
+    check_grad_scaler,
+)
 from pyro_bdl.infer.natural_gradient.model import (
     Hidden,
     Prepared,
@@ -65,6 +70,7 @@ from pyro_bdl.infer.natural_gradient.model import (
     prepare,
     run_substituted,
 )
+from pyro_bdl.infer.natural_gradient.optimizer import NaturalGradientOptimizer
 from pyro_bdl.infer.natural_gradient.prior import GaussianPrior
 from pyro_bdl.infer.natural_gradient.state import (
     NaturalGradientState,
@@ -80,47 +86,7 @@ from pyro_bdl.infer.natural_gradient.state import (
 from pyro_bdl.infer.rollback import Rollback, refused
 from pyro_bdl.layout import SiteLayout
 
-__all__ = ["NaturalGradientOptimizer", "NaturalGradientVI"]
-
-
-class NaturalGradientOptimizer(torch.optim.Optimizer):
-    """The learning rate α and the betas of a natural-gradient method, for PyTorch's
-    learning-rate schedulers.
-
-    Pass it to any ``torch.optim.lr_scheduler`` class; the method reads ``param_groups[0]["lr"]``
-    and ``["betas"]`` before every update. It holds none of the method's state
-    (:class:`~pyro_bdl.infer.natural_gradient.state.NaturalGradientState` does) and one
-    placeholder tensor as its parameter; :meth:`step` updates nothing and is called after each
-    update, so that the schedulers see the optimizer step before theirs.
-    """
-
-    def __init__(self, lr: float, betas: tuple[float, float]):
-        super().__init__([torch.zeros(0)], {"lr": float(lr), "betas": tuple(betas)})
-
-    @property
-    def lr(self) -> float:
-        return float(self.param_groups[0]["lr"])
-
-    @property
-    def betas(self) -> tuple[float, float]:
-        b1, b2 = self.param_groups[0]["betas"]
-        return float(b1), float(b2)
-
-    def step(self, closure: Callable | None = None):  # type: ignore[override]
-        return closure() if closure is not None else None
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Refused once the one group exists: the method reads ``param_groups[0]`` only, so
-        another group's hyperparameters would be ignored (and its state_dict not load back)."""
-        if self.param_groups:
-            keys = sorted(k for k in param_group if k != "params")
-            raise ValueError(
-                "a natural-gradient method has one parameter group: its lr and betas are "
-                "param_groups[0]['lr'] and ['betas'], which apply to every weight; another group "
-                f"would be ignored. Got a group with {keys}; "
-                "set param_groups[0]['lr'] (or use a learning-rate scheduler) instead."
-            )
-        super().add_param_group(param_group)
+__all__ = ["NaturalGradientVI"]
 
 
 class NaturalGradientVI:
@@ -146,6 +112,10 @@ class NaturalGradientVI:
         :func:`~pyro_bdl.distributed.allreduce_mean` a rank that refuses its step makes every
         rank refuse it with the same error; with any other function, the refusing rank passes it
         NaN tensors (after the first step), which the other ranks refuse.
+    :param grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast: the differentiated
+        loss is scaled by its S, the estimates divided by it, a step whose scaled gradients
+        overflow is skipped (nothing changes, :attr:`skipped_steps` counts it) and S follows the
+        scaler's backoff and growth (:mod:`~pyro_bdl.infer.natural_gradient.loss_scaling`).
     """
 
     #: The method's name in messages (``"VOGN"``).
@@ -155,6 +125,8 @@ class NaturalGradientVI:
     #: Whether the pass that reads the model is a training pass whose BatchNorm statistics the
     #: first step keeps (VOGN's first curvature comes from it; IVON's does not).
     reading_pass_trains: ClassVar[bool] = False
+    #: How ĥ scales with the loss: 1 if it is linear in the gradient, 2 if quadratic.
+    curvature_power: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -167,6 +139,7 @@ class NaturalGradientVI:
         num_particles: int,
         chunk_size: int | None,
         reduce_fn: Callable[[list[torch.Tensor]], None] | None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ):
         if not callable(model):
             raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
@@ -191,6 +164,8 @@ class NaturalGradientVI:
         self.model, self.dataset_size = model, dataset_size
         self.num_particles, self.chunk_size = num_particles, chunk_size
         self.reduce_fn = reduce_fn
+        scaler = check_grad_scaler(self.name, grad_scaler)
+        self._scaling = None if scaler is None else LossScaling(scaler, self.curvature_power)
         self.prior_precision = None if prior_precision is None else float(prior_precision)
         #: Ñ, the dataset size the likelihood stands for (set by the method).
         self.effective_size = float(dataset_size)
@@ -272,6 +247,11 @@ class NaturalGradientVI:
     @property
     def lr(self) -> float:
         return self.optimizer.lr
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped by float16 loss scaling (``grad_scaler``) since this object was made."""
+        return 0 if self._scaling is None else self._scaling.skipped_steps
 
     @property
     def step_count(self) -> int:
@@ -512,6 +492,10 @@ class NaturalGradientVI:
 
     # -- the passes ------------------------------------------------------------------------------
 
+    def _scaled(self, root: torch.Tensor) -> torch.Tensor:
+        """``root``, what a method differentiates, times the loss scale S (if ``grad_scaler``)."""
+        return root if self._scaling is None else self._scaling.scale(root)
+
     def _written(self, weights: list[torch.Tensor]) -> list[tuple[Any, str, torch.Tensor]]:
         """(layer, name, value) of every weight site's ``weights`` and every hidden parameter."""
         out = [(spec.module, spec.param_name, w) for spec, w in zip(self._specs, weights)]
@@ -600,13 +584,19 @@ class NaturalGradientVI:
             self._refresh_scale(tau, candidate)
             self._check_state(step, candidate)
         except BaseException as err:
-            refused(err, where)
+            skipped = isinstance(err, SkippedStep)  # float16 overflow: skipped, S shrinks
+            if not skipped:
+                refused(err, where)
+            if self._scaling is not None:
+                self._scaling.finish(skipped=True) if skipped else self._scaling.abandon()
             rollback.restore()
             self._unreduced = unreduced
             if scale_tau is not None:
                 self._refresh_scale(scale_tau)  # σ back to what it was, bit for bit
             if undo_setup is not None:
                 undo_setup()
+            if isinstance(err, SkippedStep):
+                return err.loss
             self._tell_ranks(err)
             if undo_setup is None:
                 raise_if_moved(err, self._trained_layers().values(), self._kinds, self.name, where)
@@ -614,6 +604,8 @@ class NaturalGradientVI:
         self._commit(candidate)
         self._temperature = tau
         self.optimizer.step()  # marks the step for the learning-rate schedulers
+        if self._scaling is not None:
+            self._scaling.finish(skipped=False)
         return loss
 
     def _update_trainable(self, state: NaturalGradientState) -> NaturalGradientState:
@@ -685,7 +677,8 @@ class NaturalGradientVI:
     def _loss(self, args, kwargs, step: int, tau: float) -> float:
         """ĝ, ĥ into :attr:`estimates` and the loss, with every check; changes only what
         :meth:`step` rolls back on a refusal (σ, the buffers of the layers, the random state,
-        the state that the first reduction averages)."""
+        the state that the first reduction averages); :class:`SkippedStep` when loss scaling
+        finds the scaled estimates overflowed."""
         if self._unreduced and self.reduce_fn is not None:  # the first draw's σ: from the
             self._reduce(self._unreduced, last=False)  # ranks' mean first curvature, as in one
             self._unreduced, self._scale_temperature = [], None  # process
@@ -695,13 +688,20 @@ class NaturalGradientVI:
         nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
         # This rank's own checks come before the reduction, so that a refusal here reaches the
         # other ranks through it (a mean of finite values can still overflow: checked again).
-        self._check_finite(step)
+        # Under loss scaling a non-finite estimate is an overflow, skipped after the reduction,
+        # which spreads it, so that every rank skips the step together.
+        scaling = self._scaling
+        if scaling is None:
+            self._check_finite(step)
         check_loss(step, nll_total, 0.0, self.name)
         if self.reduce_fn is not None:
             self._reduce(self.estimates, last=True)
-            self._check_finite(step, reduced=True)
+            if scaling is None:
+                self._check_finite(step, reduced=True)
         kl = self._kl()
         check_loss(step, nll_total, kl, self.name)
+        if scaling is not None and not scaling.unscale(self.estimates, self._split()[1]):
+            raise SkippedStep(nll_total + tau * kl)
         return nll_total + tau * kl
 
     @torch.no_grad()

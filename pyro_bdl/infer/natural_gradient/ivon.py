@@ -101,6 +101,10 @@ class IVON(NaturalGradientVI):
         weight moves by more than α·r per step (hidden parameters too). While h is still near
         h₀ the step is large wherever the gradient is; a small r (IVON-LoRA: 10⁻³) makes the
         first steps sign-like instead. The default keeps Algorithm 1 unchanged.
+    :param grad_scaler: a ``torch.amp.GradScaler`` when training under float16 autocast: the
+        loss is scaled by its S before the backward pass and ĝ, ĥ divided by it after; a step
+        whose scaled gradients overflow is skipped (nothing changes; :attr:`skipped_steps` counts
+        it) and S backs off and grows as the scaler says (docs/methods/precision.md).
 
     References: Shen et al., "Variational Learning is Effective for Large Deep Networks",
     ICML 2024.
@@ -124,6 +128,7 @@ class IVON(NaturalGradientVI):
         num_particles: int = 1,
         reduce_fn: Callable[[list[torch.Tensor]], None] | None = None,
         clip_radius: float = math.inf,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ):
         super().__init__(
             model,
@@ -134,6 +139,7 @@ class IVON(NaturalGradientVI):
             num_particles=num_particles,
             chunk_size=None,
             reduce_fn=reduce_fn,
+            grad_scaler=grad_scaler,
         )
         self.hess_init = check_range(
             "IVON",
@@ -214,7 +220,8 @@ class IVON(NaturalGradientVI):
             wrt = [*leaves, *(p for p in hidden_params if p.requires_grad)]
             grads: list[torch.Tensor | None] = [None] * (len(leaves) + len(hidden_params))
             if losses.requires_grad:  # else the likelihood depends on no weight
-                found = iter(torch.autograd.grad(losses.sum() / batch, wrt, allow_unused=True))
+                root = self._scaled(losses.sum() / batch)
+                found = iter(torch.autograd.grad(root, wrt, allow_unused=True))
                 grads = [next(found) for _ in leaves]
                 grads += [next(found) if p.requires_grad else None for p in hidden_params]
             with torch.no_grad():

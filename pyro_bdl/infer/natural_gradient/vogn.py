@@ -113,6 +113,10 @@ class VOGN(NaturalGradientVI):
         applies the same update (docs/design/distributed.md). The first step calls it once more,
         before drawing the weights, on the initial s of μ and of each hidden parameter, so every
         rank draws with the σ one process would use on the concatenated batch.
+    :param grad_scaler: a ``torch.amp.GradScaler`` when training under float16 autocast: the
+        loss is scaled by its S before the backward pass and ĝ, ĥ divided by it after; a step
+        whose scaled gradients overflow is skipped (nothing changes; :attr:`skipped_steps` counts
+        it) and S backs off and grows as the scaler says (docs/methods/precision.md).
 
     References: Osawa et al., "Practical Deep Learning with Bayesian Principles", NeurIPS 2019.
     """
@@ -128,6 +132,7 @@ class VOGN(NaturalGradientVI):
         nonnegative_curvature=True,
     )
     reading_pass_trains = True
+    curvature_power = 2  # ĥ sums squared per-example gradients: S² under loss scaling
 
     def __init__(
         self,
@@ -143,6 +148,7 @@ class VOGN(NaturalGradientVI):
         damping: float = 0.0,
         chunk_size: int | None = None,
         reduce_fn: Callable[[list[torch.Tensor]], None] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ):
         super().__init__(
             model,
@@ -153,6 +159,7 @@ class VOGN(NaturalGradientVI):
             num_particles=num_particles,
             chunk_size=chunk_size,
             reduce_fn=reduce_fn,
+            grad_scaler=grad_scaler,
         )
         if not callable(temperature):
             temperature = check_real("temperature", temperature)
@@ -248,7 +255,7 @@ class VOGN(NaturalGradientVI):
             self._sample()
             with self._tape:
                 losses, batch, nll = self._run(self._values, args, kwargs, step)
-            self._gradients(self._tape, losses, self._out, add=k > 0)
+            self._gradients(self._tape, self._scaled(losses), self._out, add=k > 0)
             nlls.append(nll)
         torch._foreach_div_(self.estimates, float(self.num_particles * batch))
         self._check_average(batch, step)

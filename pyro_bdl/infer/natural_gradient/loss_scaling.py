@@ -1,0 +1,124 @@
+r"""Loss scaling for float16 autocast: a natural-gradient step driven by torch's ``GradScaler``.
+
+Under ``torch.autocast(..., dtype=torch.float16)`` the backward pass runs through float16
+activations, whose gradients below about 6·10⁻⁸ flush to zero. Mixed-precision training
+multiplies the loss by a scale S before the backward pass and divides the gradients by S after
+it; a step whose scaled gradients overflow is skipped and S shrinks, and S grows again after a
+run of good steps (Micikevicius et al., "Mixed Precision Training", ICLR 2018).
+
+A natural-gradient method runs its own backward pass, so ``GradScaler.scale(loss).backward()``
+cannot be written around it. :class:`LossScaling` lets the method use the user's scaler through
+its public API instead: the method scales the quantity it differentiates with
+``scaler.scale``; the estimates become the gradients of placeholder parameters of a small
+optimizer (:class:`EstimatesOptimizer`), so that ``scaler.unscale_`` divides them by S in place
+and records any inf or NaN, ``scaler.step`` skips or takes the (empty) step, and
+``scaler.update`` shrinks or grows S exactly as for any torch optimizer. The scaler's own
+state_dict stays the one to save with a checkpoint.
+
+Estimates that are quadratic in the gradient (VOGN's Σ gᵢ², scaled by S²) are divided by S once
+more before the scaler's division. Scaling by a power of two (GradScaler's default factors) is
+exact in floating point, so without autocast a scaled step equals the unscaled one bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pyro_bdl._validation import all_finite
+
+__all__ = ["EstimatesOptimizer", "LossScaling", "SkippedStep", "check_grad_scaler"]
+
+
+class SkippedStep(Exception):
+    """A step whose scaled estimates overflowed: skipped, with ``loss`` its loss."""
+
+    def __init__(self, loss: float):
+        super().__init__(f"the scaled gradients overflowed (loss {loss!r}); step skipped")
+        self.loss = loss
+
+
+def check_grad_scaler(method: str, scaler: object) -> torch.amp.GradScaler | None:
+    """``scaler`` if it is an enabled ``torch.amp.GradScaler``; ``None`` for ``None`` or a
+    disabled one (which scales nothing); anything else is refused."""
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"{method}: grad_scaler must be a torch.amp.GradScaler (or None); got "
+            f"{type(scaler).__name__}. Pass e.g. grad_scaler=torch.amp.GradScaler('cuda') to "
+            "train under float16 autocast."
+        )
+    return scaler if scaler.is_enabled() else None
+
+
+class EstimatesOptimizer(torch.optim.Optimizer):
+    """A step's estimates as the ``.grad`` of placeholder parameters (zero-stride, one element
+    of memory each), so that ``GradScaler.unscale_`` and ``GradScaler.step`` treat them as an
+    optimizer's gradients. :meth:`step` updates nothing: the method's own update follows."""
+
+    def __init__(self, estimates: Sequence[torch.Tensor]):
+        params = []
+        for e in estimates:
+            p = torch.nn.Parameter(torch.zeros((), dtype=e.dtype, device=e.device).expand_as(e))
+            p.grad = e
+            params.append(p)
+        super().__init__(params, {})
+        self.estimates = list(estimates)
+
+    def step(self, closure: Callable | None = None):  # type: ignore[override]
+        return closure() if closure is not None else None
+
+
+class LossScaling:
+    """One natural-gradient method's use of a ``GradScaler``, step by step.
+
+    :param scaler: an enabled ``torch.amp.GradScaler``.
+    :param int curvature_power: how the method's ĥ scales with the loss: 1 when ĥ is linear in
+        the gradient (IVON's ĝε/σ), 2 when it is a square (VOGN's Σ gᵢ²).
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler, curvature_power: int):
+        self.scaler = scaler
+        self.curvature_power = curvature_power
+        self._optimizer: EstimatesOptimizer | None = None
+        self._unscaled = False
+        #: Steps skipped because their scaled gradients were not finite.
+        self.skipped_steps = 0
+
+    def scale(self, root: torch.Tensor) -> torch.Tensor:
+        """``root`` (the quantity the method differentiates) times the current scale S."""
+        return self.scaler.scale(root)
+
+    def unscale(self, estimates: list[torch.Tensor], curvatures: list[torch.Tensor]) -> bool:
+        """Divide the step's ``estimates`` by S in place (``curvatures``, a subset of them,
+        by S^curvature_power); whether all are finite."""
+        known = self._optimizer.estimates if self._optimizer is not None else []
+        if len(known) != len(estimates) or any(a is not b for a, b in zip(known, estimates)):
+            self._optimizer = EstimatesOptimizer(estimates)  # new buffers: set-up, .to()
+        if self.curvature_power > 1:
+            extra = self.scaler.get_scale() ** (self.curvature_power - 1)
+            torch._foreach_div_(curvatures, extra)
+        self.scaler.unscale_(self._optimizer)  # type: ignore[arg-type]  # set just above
+        self._unscaled = True
+        return all_finite(estimates)
+
+    def finish(self, skipped: bool) -> None:
+        """After a taken or skipped step: the scaler steps (or skips) its placeholder optimizer
+        and updates S (backs off after a skip, grows after ``growth_interval`` good steps)."""
+        assert self._optimizer is not None and self._unscaled
+        self.scaler.step(self._optimizer)
+        self.scaler.update()
+        self._unscaled = False
+        self.skipped_steps += int(skipped)
+
+    def abandon(self) -> None:
+        """After a step refused for another reason: forget this step's unscaling, keep S."""
+        if self._unscaled:
+            self.scaler.update(new_scale=self.scaler.get_scale())
+            self._unscaled = False
+
+    def __getstate__(self) -> dict:
+        # The placeholder optimizer holds views of the method's buffers: rebuilt on use.
+        return {**self.__dict__, "_optimizer": None, "_unscaled": False}

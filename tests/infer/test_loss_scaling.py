@@ -1,0 +1,195 @@
+"""VOGN and IVON with ``grad_scaler=``: float16 autocast with torch's GradScaler, on the CPU
+(``torch.autocast("cpu", dtype=torch.float16)`` and ``torch.amp.GradScaler("cpu")`` behave as on
+a GPU). docs/methods/precision.md, pyro_bdl/infer/natural_gradient/loss_scaling.py."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import pickle
+
+import pyro
+import pytest
+import torch
+from torch import nn
+
+from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.infer import IVON, VOGN
+
+METHODS = [VOGN, IVON]
+N = 32
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 3, generator=g)
+    return x, (x[:, 0] > 0).long()
+
+
+def _method(cls, scaler=None, batchnorm: bool = False, reduce_fn=None):
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)]
+    if batchnorm:
+        layers.insert(1, nn.BatchNorm1d(8))
+    model = models.classifier(bayesianize(nn.Sequential(*layers), priors.Normal(scale=1.0)), N)
+    lr = 0.05 if cls is VOGN else 0.1
+    return cls(model, dataset_size=N, lr=lr, grad_scaler=scaler, reduce_fn=reduce_fn)
+
+
+def _run(method, steps: int, fp16: bool = False):
+    """μ after each step (μ₀ first, read after set-up) and the losses."""
+    x, y = _data()
+    torch.manual_seed(2)
+    method.setup(x, y)
+    means, losses = [method.state.mean.clone()], []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            losses.append(method.step(x, y))
+        means.append(method.state.mean.clone())
+    return means, losses
+
+
+def _snapshot(method) -> dict[str, torch.Tensor]:
+    state = method.state
+    out = {"mean": state.mean, "momentum": state.momentum, "curvature": state.curvature}
+    out |= {"scale": method.guide.scale, "rng": torch.get_rng_state()}
+    out |= {f"buffer{i}": b for i, b in enumerate(method.guide.model.net.buffers())}
+    return {k: v.clone() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_scaled_step_equals_the_unscaled_one_bit_for_bit(cls):
+    # Scaling by a power of two is exact in floating point (absent overflow and underflow, which
+    # float32 does not reach here): the backward pass's every product and sum is the unscaled
+    # one times S, and the division by S (S² for VOGN's squares) undoes it exactly. The scale
+    # grows every second step, so several values of S are used.
+    plain, _ = _run(_method(cls), steps=5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    method = _method(cls, scaler)
+    scaled, _ = _run(method, steps=5)
+    assert all(torch.equal(a, b) for a, b in zip(plain, scaled))
+    assert method.skipped_steps == 0 and scaler.get_scale() == 2.0**12
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_float16_autocast_with_a_scaler_follows_the_float32_run(cls):
+    means32, losses32 = _run(_method(cls), steps=3)
+    method = _method(cls, torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    means16, losses16 = _run(method, steps=3, fp16=True)
+    assert method.skipped_steps == 0
+    state = method.state
+    for t in (state.mean, state.momentum, state.curvature, *method.estimates, method.guide.scale):
+        assert t.dtype == torch.float32  # no accumulator in float16
+    # float16 keeps 11 significant bits: u = 2⁻¹¹. As for bf16 (tests/infer/test_ivon.py), each
+    # of the two layers rounds its input and output (≈ 3u on its output and on the gradient
+    # back through it): ĝ and ĥ ≈ 6u relative, a step ≈ 12u; summed over the steps, with a
+    # factor 2 for errors fed forward into later gradients. The scale (2⁸) keeps every gradient
+    # inside float16's normal range, so it adds no underflow.
+    u = 2.0**-11
+    path = sum(float((b - a).norm()) for a, b in itertools.pairwise(means32))
+    assert float((means16[-1] - means32[-1]).norm()) <= 2 * 12 * u * path
+    for lo, hi in zip(losses16, losses32):
+        assert abs(lo - hi) <= 2 * 6 * u * abs(hi)
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_an_overflowing_step_is_skipped_changes_nothing_and_the_scale_backs_off(cls):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    method = _method(cls, scaler, batchnorm=True)
+    _run(method, steps=2, fp16=True)
+    # ∂loss/∂logits is about (p − y)/B per example; at S = 2³⁰ the float16 gradient overflows
+    # (its largest finite value is 65504).
+    scaler.update(new_scale=2.0**30)
+    before, step = _snapshot(method), method.step_count
+    x, y = _data()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = method.step(x, y)
+    assert torch.isfinite(torch.tensor(loss))
+    assert method.skipped_steps == 1 and method.step_count == step
+    after = _snapshot(method)
+    assert all(torch.equal(before[k], after[k]) for k in before), [
+        k for k in before if not torch.equal(before[k], after[k])
+    ]
+    assert scaler.get_scale() == 2.0**29  # GradScaler's backoff factor 0.5
+    # It backs off until the gradients fit, then trains.
+    for _ in range(40):
+        with torch.autocast("cpu", dtype=torch.float16):
+            method.step(x, y)
+        if method.step_count > step:
+            break
+    assert method.step_count == step + 1 and not torch.equal(method.state.mean, before["mean"])
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_an_overflowing_first_step_is_skipped_and_the_next_one_sets_up(cls):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+    method = _method(cls, scaler)
+    x, y = _data()
+    with torch.autocast("cpu", dtype=torch.float16):
+        method.step(x, y)
+    assert method.skipped_steps == 1 and method.needs_setup  # as a refused first step
+    while method.needs_setup:
+        with torch.autocast("cpu", dtype=torch.float16):
+            method.step(x, y)
+    assert method.step_count == 1 and scaler.get_scale() < 2.0**30
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_refused_step_keeps_the_scale_and_the_next_step_runs(cls):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    method = _method(cls, scaler)
+    _run(method, steps=1, fp16=True)
+    scale, step = scaler.get_scale(), method.step_count
+    x, y = _data()
+    # A refusal after the estimates were unscaled: the update's state check.
+    method.optimizer.param_groups[0]["lr"] = float("inf")
+    with pytest.raises((ValueError, FloatingPointError)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            method.step(x, y)
+    assert scaler.get_scale() == scale and method.step_count == step
+    method.optimizer.param_groups[0]["lr"] = 0.05
+    with torch.autocast("cpu", dtype=torch.float16):
+        method.step(x, y)  # GradScaler would raise here had the refused step left it unscaled
+    assert method.step_count == step + 1 and scaler.get_scale() == 2 * scale
+
+
+def test_a_skip_seen_through_reduce_fn_is_skipped_not_refused():
+    # Under loss scaling a rank whose scaled gradients overflow passes inf through the
+    # reduction, so every rank sees the non-finite mean and skips the same step.
+    hit = {"overflow": False}
+
+    def reduce_fn(tensors):
+        if hit["overflow"]:
+            tensors[0][0] = float("inf")
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    method = _method(IVON, scaler, reduce_fn=reduce_fn)
+    _run(method, steps=1)
+    hit["overflow"] = True
+    mean = method.state.mean.clone()
+    method.step(*_data())
+    assert method.skipped_steps == 1 and torch.equal(method.state.mean, mean)
+    assert scaler.get_scale() == 2.0**7
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_grad_scaler_must_be_a_grad_scaler_and_a_disabled_one_scales_nothing(cls):
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        _method(cls, scaler=2.0**16)
+    disabled = _method(cls, torch.amp.GradScaler("cpu", enabled=False))
+    assert disabled._scaling is None and disabled.skipped_steps == 0
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))])
+def test_a_method_with_a_scaler_copies_between_steps_and_trains_on(copier):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    method = _method(IVON, scaler)
+    _run(method, steps=2, fp16=True)
+    twin = copier(method)
+    x, y = _data()
+    for m in (method, twin):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.float16):
+            m.step(x, y)
+    assert torch.equal(method.state.mean, twin.state.mean) and twin.step_count == 3
