@@ -175,7 +175,7 @@ def test_a_skip_seen_through_reduce_fn_is_skipped_not_refused():
 
 @pytest.mark.parametrize("cls", METHODS)
 def test_grad_scaler_must_be_a_grad_scaler_and_a_disabled_one_scales_nothing(cls):
-    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+    with pytest.raises(TypeError, match=r"grad_scaler must be a torch\.amp\.GradScaler"):
         _method(cls, scaler=2.0**16)
     disabled = _method(cls, torch.amp.GradScaler("cpu", enabled=False))
     assert disabled._scaling is None and disabled.skipped_steps == 0
@@ -193,3 +193,26 @@ def test_a_method_with_a_scaler_copies_between_steps_and_trains_on(copier):
         with torch.autocast("cpu", dtype=torch.float16):
             m.step(x, y)
     assert torch.equal(method.state.mean, twin.state.mean) and twin.step_count == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", METHODS)
+def test_float16_with_a_cuda_grad_scaler_steps_on_the_gpu(cls):
+    """The GPU form (``make gpu-check`` runs the gpu-marked tests): float16 autocast on CUDA
+    with ``GradScaler("cuda")`` keeps a float32 state on the device, skips no step at S = 2⁸,
+    and moves μ to finite values (the numerics are the CPU tests' above: the noise here is the
+    device's generator's, so there is no weight-by-weight comparison)."""
+    x, y = _data()
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
+    method = _method(cls, scaler)
+    method.guide.model.net.cuda()
+    x, y = x.cuda(), y.cuda()
+    method.setup(x, y)
+    start = method.state.mean.clone()
+    for _ in range(5):
+        with torch.autocast("cuda", dtype=torch.float16):
+            method.step(x, y)
+    mean = method.state.mean
+    assert mean.dtype == torch.float32 and mean.is_cuda and method.step_count == 5
+    assert method.skipped_steps == 0 and scaler.get_scale() == 2.0**8
+    assert bool(torch.isfinite(mean).all()) and not torch.equal(mean, start)
