@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyro
 import pytest
@@ -75,11 +75,18 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 BATCHES = _batches()
 
 
-def _model(seed: int | None = 0):
+PRIORS: dict[str, Callable[[], priors.Prior]] = {
+    "Normal": lambda: priors.Normal(scale=1.0),
+    "Laplace": lambda: priors.Laplace(scale=1.0),
+    "ScaleMixtureNormal": priors.ScaleMixtureNormal,
+}
+
+
+def _model(seed: int | None = 0, prior: str = "Normal"):
     if seed is not None:  # None: the caller seeds (AutoEnsemble.from_training, seed + k)
         torch.manual_seed(seed)
     net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
-    return models.classifier(bayesianize(net, priors.Normal(scale=1.0)), N)
+    return models.classifier(bayesianize(net, PRIORS[prior]()), N)
 
 
 class _Float16Ops(TorchFunctionMode):
@@ -163,7 +170,6 @@ class _Recipe:
         _assert_float32_or_wider(dict(self.guide.named_parameters()))
         _assert_float32_or_wider(dict(self.guide.named_buffers()))
         _assert_float32_or_wider(_optimizer_state(self.optimizer))
-        assert self.ops.names <= FLOAT16_FUNCTIONS, self.ops.names - FLOAT16_FUNCTIONS
         return loss.item(), skipped
 
 
@@ -195,49 +201,73 @@ GUIDES: dict[str, Callable[[Callable], nn.Module]] = {
     "AutoSubnetLaplace": lambda model: AutoSubnetLaplace(model, subnetwork="last_layer"),
 }
 
+
+class Case(NamedTuple):
+    guide: str
+    elbo: str
+    prior: str = "Normal"
+    #: How TraceSuffStat_ELBO takes every site's KL (``kl_methods``); None for Trace_ELBO.
+    kl: str | None = None
+
+
+#: The streaming estimator's sums over the M KL samples run in float16 under autocast
+#: (``torch.linalg.vecdot`` in pyro_bdl/infer/kl.py is on autocast's float16 list).
+STREAMING_IN_FLOAT16 = pytest.mark.xfail(
+    strict=True,
+    reason="kl.py's streaming chunk sums call torch.linalg.vecdot, which autocast runs in "
+    "float16: Σⱼ ξⱼ f′(wⱼ) over the KL samples is rounded to float16",
+)
+
 CASES = [
-    ("AutoMeanField", "Trace_ELBO"),
-    ("AutoMeanField", "TraceSuffStat_ELBO"),
-    ("AutoMeanField", "TraceSuffStat_ELBO-mc"),
-    ("AutoRadial", "Trace_ELBO"),
-    ("AutoRadial", "TraceSuffStat_ELBO"),
-    ("AutoSWAG", "Trace_ELBO"),
-    ("AutoSubnetLaplace", "Trace_ELBO"),
+    Case("AutoMeanField", "Trace_ELBO"),
+    Case("AutoMeanField", "TraceSuffStat_ELBO", kl="exact"),
+    Case("AutoMeanField", "TraceSuffStat_ELBO-mc", kl="suffstat_normal"),
+    Case("AutoMeanField", "TraceSuffStat_ELBO", "ScaleMixtureNormal", "streaming_scale_mixture"),
+    Case("AutoRadial", "Trace_ELBO"),
+    Case("AutoRadial", "TraceSuffStat_ELBO", kl="exact"),
+    Case("AutoRadial", "TraceSuffStat_ELBO", "Laplace", "streaming_laplace"),
+    Case("AutoSWAG", "Trace_ELBO"),
+    Case("AutoSubnetLaplace", "Trace_ELBO"),
 ]
+IDS = ["-".join(filter(None, case[:3])) for case in CASES]
+LAPLACE_POINT_PHASE = Case("AutoSubnetLaplace", "Trace_ELBO")
 
 
-def _recipe(guide_name: str, elbo_name: str, *, amp: bool, init_scale: float = SAFE_SCALE):
+def _recipe(case: Case, *, amp: bool, init_scale: float = SAFE_SCALE) -> _Recipe:
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    model = _model()
-    return _Recipe(
-        model, GUIDES[guide_name](model), ELBOS[elbo_name](), amp=amp, init_scale=init_scale
+    model = _model(prior=case.prior)
+    run = _Recipe(
+        model, GUIDES[case.guide](model), ELBOS[case.elbo](), amp=amp, init_scale=init_scale
     )
+    return run
 
 
-def _train(guide_name: str, elbo_name: str, amp: bool):
-    run = _recipe(guide_name, elbo_name, amp=amp)
+def _train(case: Case, amp: bool):
+    run = _recipe(case, amp=amp)
     start = _flat(run.guide).clone()
     losses = []
     for k in range(STEPS):
         loss, skipped = run.step(k)
         assert not skipped, f"step {k} overflowed at init_scale {SAFE_SCALE}"
         losses.append(loss)
-        if guide_name == "AutoSWAG":
+        if case.guide == "AutoSWAG":
             run.guide.collect()
+    # The case tests the KL it names (each site's, as TraceSuffStat_ELBO chose it).
+    assert set(getattr(run.elbo, "kl_methods", {}).values()) == ({case.kl} - {None})
     return run, start, losses
 
 
-@pytest.mark.parametrize(("guide_name", "elbo_name"), CASES)
-def test_float16_with_grad_scaler_follows_float32(guide_name, elbo_name):
-    fp32, start, losses32 = _train(guide_name, elbo_name, amp=False)
-    amp, start_amp, losses16 = _train(guide_name, elbo_name, amp=True)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_float16_with_grad_scaler_follows_float32(case):
+    fp32, start, losses32 = _train(case, amp=False)
+    amp, start_amp, losses16 = _train(case, amp=True)
     assert torch.equal(start, start_amp)
     _assert_moved_alike(start, _flat(fp32.guide), _flat(amp.guide))
     # The loss: a sum of float32 terms whose data part comes through the float16 layers.
     for a, b in zip(losses16, losses32, strict=True):
         assert abs(a - b) <= RELATIVE * abs(b)
-    if guide_name == "AutoSWAG":
+    if case.guide == "AutoSWAG":
         # The SWAG mean averages the iterates: its movement is a mean of movements, each within
         # RELATIVE of float32's.
         _assert_moved_alike(start, fp32.guide.swag_mean, amp.guide.swag_mean)
@@ -254,7 +284,7 @@ def test_laplace_fit_after_float16_point_phase_matches_float32():
     inherit the sum: rtol 8u + RELATIVE = 53u ≈ 0.026 (measured: 3.4u)."""
     variances = []
     for amp in (False, True):
-        run, start, _ = _train("AutoSubnetLaplace", "Trace_ELBO", amp=amp)
+        run, start, _ = _train(LAPLACE_POINT_PHASE, amp=amp)
         assert (_flat(run.guide) - start).norm() <= start.norm() / 2
         x = torch.cat([xb for xb, _ in BATCHES])
         y = torch.cat([yb for _, yb in BATCHES])
@@ -267,9 +297,9 @@ def test_laplace_fit_after_float16_point_phase_matches_float32():
     assert_close(fp16, fp32, rtol=8 * U + RELATIVE, atol=0.0)
 
 
-@pytest.mark.parametrize(("guide_name", "elbo_name"), CASES)
-def test_an_overflowing_step_is_skipped_and_training_recovers(guide_name, elbo_name):
-    run = _recipe(guide_name, elbo_name, amp=True, init_scale=DEFAULT_SCALE)
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_an_overflowing_step_is_skipped_and_training_recovers(case):
+    run = _recipe(case, amp=True, init_scale=DEFAULT_SCALE)
     before = _snapshot(run.guide)
     loss, skipped = run.step(0)
     assert skipped and math.isfinite(loss)
@@ -292,6 +322,21 @@ def _assert_recovers(run: _Recipe, before: dict) -> None:
     assert moved
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=STREAMING_IN_FLOAT16) if "streaming" in (c.kl or "") else c
+        for c in CASES
+    ],
+    ids=IDS,
+)
+def test_nothing_but_the_network_runs_in_float16(case):
+    """No log-density, KL sum or sampling step returns float16: only the network's layers."""
+    run, _, _ = _train(case, amp=True)
+    assert run.ops.names <= FLOAT16_FUNCTIONS, run.ops.names - FLOAT16_FUNCTIONS
+    assert run.ops.names  # the layers did run in float16
+
+
 # --- the ensemble: every member trained by the recipe --------------------------------------------
 
 
@@ -303,6 +348,7 @@ def _ensemble(amp: bool, init_scale: float = SAFE_SCALE):
         starts.append(_flat(run.guide).clone())
         for k in range(STEPS):
             assert not run.step(k)[1]
+        assert run.ops.names <= FLOAT16_FUNCTIONS
         runs.append(run)
         return run.guide
 
