@@ -446,12 +446,15 @@ class _StreamingLogPrior(torch.autograd.Function):
         g_loc = torch.zeros_like(loc)
         g_scale = torch.zeros_like(loc)
         noise_sum = loc.new_zeros(loc.shape[: loc.dim() - event_dim])
-        for xi in chunks:
-            f, g_mu, g_sigma = chunk_sums(xi, loc, scale)
-            total += f
-            g_loc += g_mu
-            g_scale += g_sigma
-            noise_sum += noise_sum_fn(xi, event_dim)
+        # The chunk sums run over M samples: under autocast their dot products (vecdot) would
+        # round each sum to 16 bits, so they run in the guide's float32 whatever the context.
+        with torch.autocast(loc.device.type, enabled=False):
+            for xi in chunks:
+                f, g_mu, g_sigma = chunk_sums(xi, loc, scale)
+                total += f
+                g_loc += g_mu
+                g_scale += g_sigma
+                noise_sum += noise_sum_fn(xi, event_dim)
         ctx.event_dim = event_dim
         ctx.save_for_backward(g_loc, g_scale)
         ctx.mark_non_differentiable(noise_sum)
