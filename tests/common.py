@@ -42,3 +42,24 @@ class TiedLinear(nn.Module):
 
     def forward(self, x):
         return self.out(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def assert_float32_or_wider(named: dict) -> None:
+    """Every floating tensor among ``named``'s values is float32 or wider: no accumulator,
+    parameter or optimizer state is ever bfloat16 or float16."""
+    wrong = {
+        k: v.dtype
+        for k, v in named.items()
+        if isinstance(v, torch.Tensor)
+        and v.is_floating_point()
+        and v.dtype not in (torch.float32, torch.float64)
+    }
+    assert not wrong, f"narrower than float32: {wrong}"
+
+
+def assert_moved_alike(start, fp32, amp, relative: float) -> None:
+    """A mixed-precision run's movement from ``start`` is within ``relative`` of the float32
+    run's (which must have moved)."""
+    moved = (fp32 - start).norm()
+    assert moved > 0
+    assert (amp - fp32).norm() <= relative * moved, float((amp - fp32).norm() / moved)

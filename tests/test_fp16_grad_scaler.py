@@ -54,7 +54,7 @@ from torch.overrides import TorchFunctionMode
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import AutoEnsemble, AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.infer import TraceSuffStat_ELBO
-from tests.common import assert_close
+from tests.common import assert_close, assert_float32_or_wider, assert_moved_alike
 
 #: float16's unit round-off (11 significant bits) and its largest finite number.
 U, FP16_MAX = 2.0**-11, 65504.0
@@ -110,17 +110,6 @@ class _Float16Ops(TorchFunctionMode):
 FLOAT16_FUNCTIONS = {"conv2d", "linear", "relu", "flatten"}
 
 
-def _assert_float32_or_wider(named: dict[str, Any]) -> None:
-    wrong = {
-        k: v.dtype
-        for k, v in named.items()
-        if isinstance(v, torch.Tensor)
-        and v.is_floating_point()
-        and v.dtype not in (torch.float32, torch.float64)
-    }
-    assert not wrong, f"narrower than float32: {wrong}"
-
-
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {
         f"{i}/{key}": value
@@ -168,21 +157,14 @@ class _Recipe:
         self.scaler.step(self.optimizer)  # skipped when a scaled gradient is inf or NaN
         self.scaler.update()
         skipped = self.amp and self.scaler.get_scale() < scale
-        _assert_float32_or_wider(dict(self.guide.named_parameters()))
-        _assert_float32_or_wider(dict(self.guide.named_buffers()))
-        _assert_float32_or_wider(_optimizer_state(self.optimizer))
+        assert_float32_or_wider(dict(self.guide.named_parameters()))
+        assert_float32_or_wider(dict(self.guide.named_buffers()))
+        assert_float32_or_wider(_optimizer_state(self.optimizer))
         return loss.item(), skipped
 
 
 def _flat(guide: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in guide.parameters()])
-
-
-def _assert_moved_alike(start, fp32, amp) -> None:
-    """The float16 run's movement from ``start`` is within RELATIVE of the float32 run's."""
-    moved = (fp32 - start).norm()
-    assert moved > 0
-    assert (amp - fp32).norm() <= RELATIVE * moved, float((amp - fp32).norm() / moved)
 
 
 # --- the guides trained by SVI: mean-field, Radial, SWAG, the Laplace point phase ---------------
@@ -254,14 +236,14 @@ def test_float16_with_grad_scaler_follows_float32(case):
     fp32, start, losses32 = _train(case, amp=False)
     amp, start_amp, losses16 = _train(case, amp=True)
     assert torch.equal(start, start_amp)
-    _assert_moved_alike(start, _flat(fp32.guide), _flat(amp.guide))
+    assert_moved_alike(start, _flat(fp32.guide), _flat(amp.guide), RELATIVE)
     # The loss: a sum of float32 terms whose data part comes through the float16 layers.
     for a, b in zip(losses16, losses32, strict=True):
         assert abs(a - b) <= RELATIVE * abs(b)
     if case.guide == "AutoSWAG":
         # The SWAG mean averages the iterates: its movement is a mean of movements, each within
         # RELATIVE of float32's.
-        _assert_moved_alike(start, fp32.guide.swag_mean, amp.guide.swag_mean)
+        assert_moved_alike(start, fp32.guide.swag_mean, amp.guide.swag_mean, RELATIVE)
 
 
 def test_laplace_fit_after_float16_point_phase_matches_float32():
@@ -281,7 +263,7 @@ def test_laplace_fit_after_float16_point_phase_matches_float32():
         y = torch.cat([yb for _, yb in BATCHES])
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
             run.guide.fit((x, y), check_mode=False)  # three steps do not reach the mode
-        _assert_float32_or_wider(dict(run.guide.named_buffers()))
+        assert_float32_or_wider(dict(run.guide.named_buffers()))
         variances.append(run.guide.posterior.variances())
     fp32, fp16 = variances
     assert fp16.dtype == torch.float64  # the curvature accumulates in float64 by default
@@ -339,7 +321,7 @@ def _ensemble(amp: bool):
     guide = AutoEnsemble.from_training(lambda: _model(seed=None), train, num_members=2)
     with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
         guide(*BATCHES[0])
-    _assert_float32_or_wider(dict(guide.named_buffers()))
+    assert_float32_or_wider(dict(guide.named_buffers()))
     return torch.stack(starts), guide.ensemble_locs.detach().clone()
 
 
@@ -347,7 +329,7 @@ def test_ensemble_members_trained_in_float16_follow_float32():
     start, fp32 = _ensemble(amp=False)
     start_amp, amp = _ensemble(amp=True)
     assert torch.equal(start, start_amp)
-    _assert_moved_alike(start, fp32, amp)
+    assert_moved_alike(start, fp32, amp, RELATIVE)
 
 
 def test_an_ensemble_members_overflowing_step_is_skipped():

@@ -26,6 +26,7 @@ from torch import nn
 from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import AutoEnsemble, AutoMeanField, AutoRadial, AutoSWAG
 from pyro_bdl.infer import TraceSuffStat_ELBO
+from tests.common import assert_float32_or_wider, assert_moved_alike
 
 #: Relative error of the movement of the weights, derived in the module docstring.
 RELATIVE = 16 * 2.0**-8
@@ -52,16 +53,6 @@ def _optim():
     return pyro.optim.SGD({"lr": 1e-3, "momentum": 0.9})
 
 
-def _assert_float32_or_wider(named: dict) -> None:
-    """Every floating tensor is float32 or wider (SWAG keeps its running mean in float64)."""
-    wrong = {
-        k: v.dtype
-        for k, v in named.items()
-        if v.is_floating_point() and v.dtype not in (torch.float32, torch.float64)
-    }
-    assert not wrong, f"narrower than float32: {wrong}"
-
-
 def _optim_state(optim) -> dict:
     return {
         f"{name}/{key}": value
@@ -70,13 +61,6 @@ def _optim_state(optim) -> dict:
         for key, value in per_param.items()
         if isinstance(value, torch.Tensor)
     }
-
-
-def _assert_moved_alike(start, fp32, amp) -> None:
-    """The bf16 run's movement from ``start`` is within RELATIVE of the float32 run's."""
-    moved = (fp32 - start).norm()
-    assert moved > 0
-    assert (amp - fp32).norm() <= RELATIVE * moved, (amp - fp32).norm() / moved
 
 
 def _set_up(make_guide):
@@ -99,8 +83,8 @@ def _svi_run(guide_cls, elbo_cls, amp: bool):
     for _ in range(STEPS):
         with _autocast(amp):
             losses.append(svi.step(x, y))
-        _assert_float32_or_wider(dict(pyro.get_param_store().items()))
-        _assert_float32_or_wider(_optim_state(optim))
+        assert_float32_or_wider(dict(pyro.get_param_store().items()))
+        assert_float32_or_wider(_optim_state(optim))
     with _autocast(amp):  # what the ELBOs sum: every latent site's value, log-density and KL
         guide_tr = poutine.trace(guide).get_trace(x, y)
         model_tr = poutine.trace(poutine.replay(model, guide_tr)).get_trace(x, y)
@@ -113,11 +97,11 @@ def _svi_run(guide_cls, elbo_cls, amp: bool):
         }
     for tr in (guide_tr, model_tr):
         sites = [s for s in tr.nodes.values() if s["type"] == "sample" and not s["is_observed"]]
-        _assert_float32_or_wider({s["name"]: s["value"] for s in sites})
-        _assert_float32_or_wider(
+        assert_float32_or_wider({s["name"]: s["value"] for s in sites})
+        assert_float32_or_wider(
             {s["name"]: s["log_prob_sum"] for s in tr.nodes.values() if "log_prob_sum" in s}
         )
-    _assert_float32_or_wider(kl)
+    assert_float32_or_wider(kl)
     end = torch.cat([guide.loc, guide.rho]).detach().clone()
     return start, end, losses
 
@@ -128,7 +112,7 @@ def test_svi_under_bf16_autocast_follows_float32(guide_cls, elbo_cls):
     start, fp32, losses32 = _svi_run(guide_cls, elbo_cls, amp=False)
     start_amp, amp, losses16 = _svi_run(guide_cls, elbo_cls, amp=True)
     assert torch.equal(start, start_amp)
-    _assert_moved_alike(start, fp32, amp)
+    assert_moved_alike(start, fp32, amp, RELATIVE)
     # The loss: a sum of float32 terms whose data part comes through the bf16 layers.
     for a, b in zip(losses16, losses32):
         assert abs(a - b) <= RELATIVE * abs(b)
@@ -143,9 +127,9 @@ def _swag_run(amp: bool):
         with _autocast(amp):
             svi.step(x, y)
             guide.collect()
-    _assert_float32_or_wider(dict(guide.named_buffers()))
-    _assert_float32_or_wider(dict(pyro.get_param_store().items()))
-    _assert_float32_or_wider(_optim_state(optim))
+    assert_float32_or_wider(dict(guide.named_buffers()))
+    assert_float32_or_wider(dict(pyro.get_param_store().items()))
+    assert_float32_or_wider(_optim_state(optim))
     return start, guide.swag_mean.detach().clone()
 
 
@@ -154,7 +138,7 @@ def test_swag_collection_under_bf16_autocast_follows_float32():
     _, amp = _swag_run(amp=True)
     # The SWAG mean averages the iterates: its movement is a mean of movements, each within
     # RELATIVE of float32's.
-    _assert_moved_alike(start, fp32, amp)
+    assert_moved_alike(start, fp32, amp, RELATIVE)
 
 
 def _ensemble_run(amp: bool):
@@ -175,8 +159,8 @@ def _ensemble_run(amp: bool):
     with _autocast(amp):
         guide = AutoEnsemble.from_training(lambda: _model(seed=None), train, num_members=2)
         guide(x, y)
-    _assert_float32_or_wider(dict(guide.named_buffers()))
-    _assert_float32_or_wider(dict(guide.named_parameters()))
+    assert_float32_or_wider(dict(guide.named_buffers()))
+    assert_float32_or_wider(dict(guide.named_parameters()))
     return torch.stack(starts), guide.ensemble_locs.detach().clone()
 
 
@@ -184,4 +168,4 @@ def test_ensemble_under_bf16_autocast_follows_float32():
     start, fp32 = _ensemble_run(amp=False)
     start_amp, amp = _ensemble_run(amp=True)
     assert torch.equal(start, start_amp)
-    _assert_moved_alike(start, fp32, amp)
+    assert_moved_alike(start, fp32, amp, RELATIVE)
