@@ -368,3 +368,34 @@ def test_the_param_store_also_holds_the_models_parameters():
     store = {id(p) for p in _store_parameters()}
     own = {id(p) for p in guide.parameters()}
     assert own < store and len(store - own) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_recipe_with_cuda_trains_every_guide_on_the_gpu(case):
+    """The recipe with "cuda" in both places (``make gpu-check`` runs the gpu-marked tests): no
+    step skipped at the rule's scale, finite losses, float32 parameters on the device that
+    moved. The numerics are the CPU tests' above (the noise is the device's generator's)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = _model(prior=case.prior)
+    model.net.cuda()
+    guide = GUIDES[case.guide](model)
+    batches = [(x.cuda(), y.cuda()) for x, y in BATCHES[:STEPS]]
+    guide(*batches[0])
+    optimizer = torch.optim.SGD(_store_parameters(), lr=1e-3, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda", init_scale=SAFE_SCALE)
+    elbo = ELBOS[case.elbo]()
+    start = _flat(guide).clone()
+    for x, y in batches:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = elbo.differentiable_loss(model, guide, x, y)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert bool(torch.isfinite(loss))
+    assert scaler.get_scale() == SAFE_SCALE  # no step was skipped
+    after = _flat(guide)
+    assert after.is_cuda and after.dtype == torch.float32 and not torch.equal(after, start)
+    assert_float32_or_wider(dict(guide.named_buffers()))
