@@ -20,6 +20,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
+from pyro.distributions.torch_distribution import TorchDistribution
 from pyro.distributions.util import sum_rightmost
 
 from pyro_bdl.layout import SiteLayout
@@ -33,13 +34,37 @@ class PointMass(dist.Delta):
     (two passes over every weight per training step whose result is always 0). Build it with
     ``validate_args=False``: validating the constant log-density is a device→host sync.
 
+    Built with the number 0 as ``log_density``, it makes the zero tensor only when something
+    reads ``log_density`` (an ELBO that knows the density is 0 never does): one fill kernel per
+    site and step fewer.
+
     :ivar bool zero_density: built with the number 0 as ``log_density`` (no Jacobian): the
         density of its own draw is exactly 0, which an ELBO may use without evaluating it.
     """
 
     def __init__(self, v, log_density=0.0, event_dim=0, validate_args=None):
         self.zero_density = isinstance(log_density, (int, float)) and log_density == 0
-        super().__init__(v, log_density, event_dim, validate_args)
+        if not self.zero_density or event_dim > v.dim():
+            super().__init__(v, log_density, event_dim, validate_args)
+            return
+        batch_dim = v.dim() - event_dim
+        self.v = v
+        self._log_density: torch.Tensor | None = None
+        TorchDistribution.__init__(
+            self, v.shape[:batch_dim], v.shape[batch_dim:], validate_args=validate_args
+        )
+
+    @property
+    def log_density(self) -> torch.Tensor:
+        value = self.__dict__.get("_log_density")
+        if value is None:
+            value = self.v.new_zeros(self.batch_shape)
+            self._log_density = value
+        return value
+
+    @log_density.setter
+    def log_density(self, value: torch.Tensor) -> None:
+        self._log_density = value
 
     def expand(self, batch_shape, _instance=None):
         new = self._get_checked_instance(PointMass, _instance)

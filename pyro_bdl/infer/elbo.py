@@ -338,16 +338,19 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                     model_trace, guide_trace
                 )
                 loss += loss_particle / self.num_particles
-                params = [
-                    _leaf(site["value"])
+                sites = [
+                    site
                     for trace in (model_trace, guide_trace)
                     for site in trace.nodes.values()
                     if site["type"] == "param"
                 ]
-                if params and getattr(surrogate, "requires_grad", False):
+                if sites and getattr(surrogate, "requires_grad", False):
                     if grads is None and self.num_particles > 1:
+                        params = [_leaf(site["value"]) for site in sites]
                         grads = [(p, None if p.grad is None else p.grad.clone()) for p in params]
-                    (surrogate / self.num_particles).backward(retain_graph=self.retain_graph)
+                    if self.num_particles > 1:  # one particle: no division op to launch
+                        surrogate = surrogate / self.num_particles
+                    surrogate.backward(retain_graph=self.retain_graph)
         except BaseException as err:
             refused(err, f"TraceSuffStat_ELBO step {self._guard.current}")
             if recorder is not None:
@@ -437,11 +440,15 @@ class TraceSuffStat_ELBO(Trace_ELBO):
         if place is not None:
             assert grouped is not None
             terms[place] = ("KL", grouped, grouped.total())
-        elbo = sum(t for _, _, t in terms)
-        loss = torch_item(-elbo) if isinstance(elbo, torch.Tensor) else -float(elbo)
+        # Summed from the first term, not from 0, and negated once: two ops fewer per step.
+        elbo = terms[0][2] if terms else 0.0
+        for _, _, t in terms[1:]:
+            elbo = elbo + t
+        negated = -elbo
+        loss = torch_item(negated) if isinstance(negated, torch.Tensor) else float(negated)
         if not math.isfinite(loss):
             self._raise_non_finite(terms, loss)
-        return loss, -elbo
+        return loss, negated
 
     def _raise_non_finite(self, terms, loss: float) -> None:
         where = "" if self._guard.current is None else f" at step {self._guard.current}"

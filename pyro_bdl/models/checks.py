@@ -305,7 +305,9 @@ class _Values:
         if not probes:
             return 0, 0
         if len({p.device for p in probes}) == 1:
-            read = torch.stack([p.long() for p in probes]).tolist()
+            # stack promotes the boolean verdicts to the labels' integer dtype in its own
+            # kernel; a cast per boolean probe would be one more.
+            read = torch.stack(probes).tolist()
         else:  # no common device (the network's device is unknown): one read per probe
             read = [int(p) for p in probes]
         for (name, t), ok in zip(self.floats, read):

@@ -15,6 +15,11 @@ layer's class and of ``PyroModule``. Two kinds of third-party layer need care:
 
 Layers that cannot work once converted are refused by :func:`pyro_classes`, naming the layer
 and the way out (see docs/methods/layers.md).
+
+A converted layer's class is a subclass of ``PyroModule[type(layer)]`` (:func:`lifted_class`)
+whose attribute lookup and call skip Pyro's per-access work where it does nothing: a forward
+pass reads every submodule and buffer through ``PyroModule.__getattr__`` and calls every layer
+through ``PyroModule.__call__``, hundreds of times per pass on a ResNet.
 """
 
 from __future__ import annotations
@@ -26,9 +31,19 @@ from pyro.nn import PyroModule
 from pyro.nn.module import _Context, _make_name, _PyroModuleMeta
 from torch import nn
 
-__all__ = ["LayerNotLiftable", "convert_", "pyro_classes", "set_weight"]
+__all__ = [
+    "FastAccess",
+    "LayerNotLiftable",
+    "convert_",
+    "lifted_class",
+    "pyro_classes",
+    "set_weight",
+]
 
 _METAS: dict[tuple[type, ...], type] = {}
+_LIFTED: dict[type, type] = {}
+_PYRO_GETATTR = PyroModule.__getattr__
+_PYRO_CALL = PyroModule.__call__
 
 
 class LayerNotLiftable(TypeError):
@@ -38,12 +53,55 @@ class LayerNotLiftable(TypeError):
 def _new(module_class: type) -> Any:
     """Unpickling helper: an empty instance of the converted ``module_class`` (rebuilding the
     class in a fresh process, where no conversion has run yet)."""
-    return object.__new__(pyro_class(module_class))
+    return object.__new__(lifted_class(module_class))
 
 
 def _reduce(self: nn.Module) -> tuple:
     state = getattr(self, "__getstate__", self.__dict__.copy)()
-    return _new, (type(self).__bases__[0],), state
+    return _new, (type(self).__dict__["_bdl_layer_class"],), state
+
+
+class FastAccess:
+    """Mixin of the lifted layer classes: ``PyroModule.__getattr__`` and ``__call__`` with the
+    same results, minus the work they do on every access that cannot change anything.
+
+    - Reading a submodule that is a named ``PyroModule`` (or ``None``), a buffer that is not a
+      parameter, or a ``None`` parameter returns it straight from the layer's dicts: Pyro would
+      look up the same dicts in the same order (its sample and param sites first) and add
+      nothing. Every other name (a sample site, a parameter, which Pyro registers as a
+      ``pyro.param`` site, a plain ``nn.Module``) takes Pyro's own path.
+    - Calling a layer while its Pyro context is already active (every layer inside a lifted
+      network's forward pass) is ``nn.Module.__call__``: Pyro's ``__call__`` would only count
+      the nesting up and down and read a global setting it acts on outside a context.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        try:
+            params, buffers, modules = d["_parameters"], d["_buffers"], d["_modules"]
+            pyro_params, pyro_samples = d["_pyro_params"], d["_pyro_samples"]
+        except KeyError:  # an instance being built or unpickled
+            return _PYRO_GETATTR(self, name)  # type: ignore[arg-type]
+        if name not in pyro_params and name not in pyro_samples:
+            if name in params:
+                if params[name] is None:
+                    return None
+            elif name in buffers:
+                value = buffers[name]
+                if not isinstance(value, nn.Parameter):
+                    return value
+            elif name in modules:
+                child = modules[name]
+                if child is None or (
+                    isinstance(child, PyroModule) and child.__dict__.get("_pyro_name")
+                ):
+                    return child
+        return _PYRO_GETATTR(self, name)  # type: ignore[arg-type]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__["_pyro_context"].active:
+            return super(PyroModule, self).__call__(*args, **kwargs)  # type: ignore[misc]
+        return _PYRO_CALL(self, *args, **kwargs)  # type: ignore[arg-type]
 
 
 def _metaclass(metas: list[type]) -> type:
@@ -75,10 +133,30 @@ def pyro_class(module_class: type) -> type:
     converted = meta(
         "Pyro" + module_class.__name__,
         (module_class, *bases),
-        {"__reduce__": _reduce, "__module__": __name__},
+        {"__reduce__": _reduce, "__module__": __name__, "_bdl_layer_class": module_class},
     )
     cache[module_class] = converted
     return converted
+
+
+def lifted_class(module_class: type) -> type:
+    """The class a lifted layer of ``module_class`` gets: :func:`pyro_class` with the
+    :class:`FastAccess` mixin in front, where Pyro's own ``__getattr__`` and ``__call__`` are the
+    ones that class resolves to (a layer class with its own, such as a wrapper that forwards
+    attributes to what it wraps, keeps :func:`pyro_class`)."""
+    base = pyro_class(module_class)
+    pyros_own = getattr(base, "__getattr__", None) is _PYRO_GETATTR and base.__call__ is _PYRO_CALL
+    if issubclass(module_class, PyroModule) or not pyros_own:
+        return base
+    lifted = _LIFTED.get(base)
+    if lifted is None:
+        lifted = type(base)(
+            base.__name__,
+            (FastAccess, base),
+            {"__reduce__": _reduce, "__module__": __name__, "_bdl_layer_class": module_class},
+        )
+        _LIFTED[base] = lifted
+    return lifted
 
 
 def _refusal(name: str, layer: nn.Module) -> str | None:
@@ -101,9 +179,10 @@ def _refusal(name: str, layer: nn.Module) -> str | None:
 
 
 def pyro_classes(module: nn.Module) -> dict[type, type]:
-    """Build the ``PyroModule`` class of every layer of ``module`` (the only global state this
-    touches is Pyro's class cache), or raise :class:`LayerNotLiftable` naming the first layer
-    that cannot be lifted and what to do instead. The module itself is not changed."""
+    """Build the ``PyroModule`` class (:func:`lifted_class`) of every layer of ``module`` (the
+    only global state this touches is Pyro's class cache and this module's), or raise
+    :class:`LayerNotLiftable` naming the first layer that cannot be lifted and what to do
+    instead. The module itself is not changed."""
     out: dict[type, type] = {}
     for name, layer in module.named_modules():
         reason = _refusal(name, layer)
@@ -113,7 +192,7 @@ def pyro_classes(module: nn.Module) -> dict[type, type]:
         if cls in out:
             continue
         try:
-            out[cls] = pyro_class(cls)
+            out[cls] = lifted_class(cls)
         except TypeError as e:
             raise LayerNotLiftable(
                 f"layer {name or '<root>'!r} ({cls.__name__}) cannot become a PyroModule: {e}. "

@@ -25,16 +25,13 @@ import weakref
 import pyro
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["note_unvectorized_pass", "refuse_training_mode"]
 
 
 def _is_training_norm(sub: nn.Module) -> bool:
-    return (
-        isinstance(sub, nn.modules.batchnorm._BatchNorm)
-        and sub.training
-        and sub.track_running_stats
-    )
+    return isinstance(sub, _BatchNorm) and sub.training and sub.track_running_stats
 
 
 def _training_layers(module: nn.Module) -> list[nn.Module]:
@@ -46,19 +43,26 @@ _Holders = list[dict]
 
 
 def _walk(module: nn.Module) -> tuple[list[nn.Module], _Holders]:
-    """The training-mode normalisation layers and every layer's parameter and buffer dicts,
-    in one walk over the modules (this runs on every forward inside Pyro)."""
+    """The training-mode normalisation layers and every layer's non-empty parameter and buffer
+    dicts, in one walk over the modules (this runs on every forward inside Pyro). A dict left
+    out because it is empty and filled later is in the next pass's walk, whose fingerprint then
+    differs."""
     layers: list[nn.Module] = []
     holders: _Holders = []
     # A plain stack over the children's dicts: modules() builds a memo set and a generator per
     # layer. A layer reachable twice is listed twice, which changes nothing compared.
-    stack = [module]
+    stack: list[nn.Module | None] = [module]
     while stack:
         sub = stack.pop()
-        holders += (sub._parameters, sub._buffers)
+        if sub is None:
+            continue
+        if sub._parameters:
+            holders.append(sub._parameters)
+        if sub._buffers:
+            holders.append(sub._buffers)
         if _is_training_norm(sub):
             layers.append(sub)
-        stack += [child for child in sub._modules.values() if child is not None]
+        stack.extend(sub._modules.values())
     return layers, holders
 
 
@@ -69,12 +73,15 @@ def _versions(holders: _Holders) -> list[int]:
     optimiser step writes them in place, a load may replace them)."""
     # Plain loops: this runs twice per forward pass inside Pyro, over every tensor.
     fingerprint: list[int] = []
+    append = fingerprint.append
     for tensors in holders:
         for t in tensors.values():
             if t is not None:
-                fingerprint += (id(t), t._version)
+                append(id(t))
+                append(t._version)
     for _, p in pyro.get_param_store().named_parameters():
-        fingerprint += (id(p), p._version)
+        append(id(p))
+        append(p._version)
     return fingerprint
 
 

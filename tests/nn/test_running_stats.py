@@ -46,3 +46,10 @@ def test_every_writer_between_passes_changes_the_fingerprint():
             write()
         assert not _unchanged(holders, before)
         assert _unchanged(holders, _versions(holders))
+
+
+def test_a_tensor_registered_on_a_layer_that_had_none_changes_the_fingerprint():
+    net = _net()
+    before = _versions(_walk(net)[1])
+    net[2].register_buffer("scale", torch.ones(1))  # the inner Sequential had no tensors
+    assert not _unchanged(_walk(net)[1], before)
