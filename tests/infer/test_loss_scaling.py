@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import pickle
 
 import pyro
@@ -216,3 +217,40 @@ def test_float16_with_a_cuda_grad_scaler_steps_on_the_gpu(cls):
     assert mean.dtype == torch.float32 and mean.is_cuda and method.step_count == 5
     assert method.skipped_steps == 0 and scaler.get_scale() == 2.0**8
     assert bool(torch.isfinite(mean).all()) and not torch.equal(mean, start)
+
+
+class _NaNGradient(nn.Module):
+    """Once ``broken``, a finite loss whose gradient is NaN (√ at 0): a model defect, which no
+    loss scale can cure."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(3, 2)
+        self.broken = False
+
+    def forward(self, x):
+        out = self.layer(x)
+        return torch.sqrt(out * 0.0) if self.broken else out
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_non_finite_gradient_below_scale_one_is_refused_not_skipped_forever(cls):
+    # Without a scaler the step is refused naming the weight; with one, each non-finite step was
+    # skipped and S halved, so the run stalled silently (S → 0, never a step). Below S = 1 the
+    # scale shrinks the gradients instead of enlarging them: a non-finite estimate there is no
+    # overflow of the scaled loss, and the step is refused as without a scaler.
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = _NaNGradient()
+    model = models.classifier(bayesianize(net, priors.Normal(scale=1.0)), N)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    method = cls(model, dataset_size=N, lr=0.05, grad_scaler=scaler)
+    x, y = _data()
+    method.step(x, y)
+    net.broken = True
+    for _ in range(3):  # S = 4, 2, 1: skipped, as overflows
+        assert math.isfinite(method.step(x, y))
+    assert method.skipped_steps == 3 and scaler.get_scale() == 0.5
+    with pytest.raises(ValueError, match=r"not finite[\s\S]*grad_scaler's scale is 0\.5"):
+        method.step(x, y)
+    assert method.skipped_steps == 3 and scaler.get_scale() == 0.5 and method.step_count == 1

@@ -701,6 +701,7 @@ class NaturalGradientVI:
         kl = self._kl()
         check_loss(step, nll_total, kl, self.name)
         if scaling is not None and not scaling.unscale(self.estimates, self._split()[1]):
+            scaling.refuse_below_one(lambda: self._check_finite(step, self.reduce_fn is not None))
             raise SkippedStep(nll_total + tau * kl)
         return nll_total + tau * kl
 

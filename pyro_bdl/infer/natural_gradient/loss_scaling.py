@@ -104,6 +104,26 @@ class LossScaling:
         self._unscaled = True
         return all_finite(estimates)
 
+    def refuse_below_one(self, refuse: Callable[[], None]) -> None:
+        """Before a skip: below S = 1 the scale shrinks the gradients instead of enlarging them,
+        so a non-finite estimate is no overflow of the scaled loss (but a NaN or inf gradient of
+        a finite loss, which backing off would hide for ever): ``refuse()``, the method's check
+        of its estimates, raises the refusal a method without a scaler gives, noted here."""
+        scale = self.scaler.get_scale()
+        if scale >= 1:
+            return
+        try:
+            refuse()
+        except ValueError as err:
+            err.add_note(
+                f"grad_scaler's scale is {scale!r} (below 1, after {self.skipped_steps} skipped "
+                "step(s)): there loss scaling shrinks the gradients, so a non-finite estimate is "
+                "not an overflow of the scaled loss, and the step is refused instead of skipped. "
+                "Fix the model or the data, then set the scale back, e.g. "
+                "scaler.update(new_scale=2.0**16)."
+            )
+            raise
+
     def finish(self, skipped: bool) -> None:
         """After a taken or skipped step: the scaler steps (or skips) its placeholder optimizer
         and updates S (backs off after a skip, grows after ``growth_interval`` good steps)."""
