@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.distributed import allreduce_mean
 from pyro_bdl.infer import IVON, VOGN
 
 METHODS = [VOGN, IVON]
@@ -254,3 +255,125 @@ def test_a_non_finite_gradient_below_scale_one_is_refused_not_skipped_forever(cl
     with pytest.raises(ValueError, match=r"not finite[\s\S]*grad_scaler's scale is 0\.5"):
         method.step(x, y)
     assert method.skipped_steps == 3 and scaler.get_scale() == 0.5 and method.step_count == 1
+
+
+def test_one_scaler_shared_with_a_torch_optimizer_in_the_documented_order():
+    # docs/methods/precision.md: the method's step ends with scaler.update(); another optimizer
+    # on the same scaler scales, steps and updates after it. An overflow of that optimizer's
+    # gradients then backs off the scale the method uses next, and a refused method step
+    # leaves the scaler ready for the optimizer.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    method = _method(IVON, scaler)
+    head = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([head], lr=0.1)
+    x, y = _data()
+
+    def head_step(factor: float) -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (head * factor).sum()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    for factor in (1.0, math.inf):  # a finite step, then an overflowing one
+        with torch.autocast("cpu", dtype=torch.float16):
+            method.step(x, y)
+        head_step(factor)
+    assert method.step_count == 2 and scaler.get_scale() == 2.0**7
+    assert torch.equal(head.detach(), torch.full((3,), 0.9))  # the second step was skipped
+    with pytest.raises(ValueError, match="non-finite"):
+        method.step(torch.full_like(x, math.nan), y)
+    head_step(1.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        method.step(x, y)
+    assert method.step_count == 3 and method.skipped_steps == 0
+    # The other order is what the docs warn against: the method's step updated the scaler
+    # already, so an update of one's own finds nothing recorded.
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        scaler.update()
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_resuming_from_the_method_and_scaler_state_dicts_is_bit_identical(cls):
+    # docs/methods/precision.md: save method.state_dict() and scaler.state_dict() (with the
+    # network's buffers and the RNG); restoring both into fresh objects continues the run bit
+    # for bit, scale, growth count and skipped steps included.
+    x, y = _data()
+
+    def steps(method, n):
+        out = []
+        for _ in range(n):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out.append(method.step(x, y))
+        return out
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
+    method = _method(cls, scaler, batchnorm=True)
+    torch.manual_seed(2)
+    steps(method, 4)
+    net = method.guide.model.net
+    saved = copy.deepcopy((method.state_dict(), scaler.state_dict(), net.state_dict()))
+    rng, skipped = torch.get_rng_state(), method.skipped_steps
+    losses = steps(method, 6)
+    resumed_scaler = torch.amp.GradScaler("cpu")
+    resumed = _method(cls, resumed_scaler, batchnorm=True)
+    resumed.setup(x, y)
+    resumed.load_state_dict(saved[0])
+    resumed_scaler.load_state_dict(saved[1])
+    resumed.guide.model.net.load_state_dict(saved[2])
+    torch.set_rng_state(rng)
+    assert steps(resumed, 6) == losses
+    assert torch.equal(resumed.state.mean, method.state.mean)
+    assert resumed_scaler.state_dict() == scaler.state_dict()
+    assert resumed.skipped_steps == method.skipped_steps - skipped  # each counts its own
+
+
+class _Poisoned:
+    """``allreduce_mean()`` with an inf written into rank 1's ĝ at its ``at``-th call: one
+    rank's overflow."""
+
+    def __init__(self, rank: int, at: int):
+        self.inner, self.rank, self.at, self.calls = allreduce_mean(), rank, at, 0
+
+    def __call__(self, tensors):
+        self.calls += 1
+        if self.rank == 1 and self.calls == self.at:
+            tensors[0].view(-1)[0] = math.inf
+        return self.inner(tensors)
+
+    def refuse(self, error: BaseException) -> None:
+        self.inner.refuse(error)
+
+
+def _phase_one_rank_overflows(rank: int) -> dict:
+    x, y = _data()
+    part = slice(rank * N // 2, (rank + 1) * N // 2)
+    out = {}
+    for cls, at in ((IVON, 3), (VOGN, 4)):  # VOGN's first call averages the first curvature
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        method = _method(cls, scaler, reduce_fn=_Poisoned(rank, at))
+        pyro.set_rng_seed(7)  # shared weight noise
+        losses = []
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                losses.append(method.step(x[part], y[part]))
+        out[cls.name] = {
+            "mean": method.state.mean.clone(),
+            "steps": method.step_count,
+            "skipped": method.skipped_steps,
+            "scale": scaler.get_scale(),
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    from tests.distributed.test_data_parallel import spawn_phases
+
+    ranks = [r["skip"] for r in spawn_phases(tmp_path, {"skip": _phase_one_rank_overflows})]
+    for name in ("IVON", "VOGN"):
+        a, b = ranks[0][name], ranks[1][name]
+        assert a["steps"] == b["steps"] == 4 and a["skipped"] == b["skipped"] == 1, name
+        assert a["scale"] == b["scale"] == 2.0**7, name
+        assert torch.equal(a["mean"], b["mean"]), name
