@@ -39,6 +39,19 @@ def _method(cls, scaler=None, batchnorm: bool = False, reduce_fn=None):
     return cls(model, dataset_size=N, lr=lr, grad_scaler=scaler, reduce_fn=reduce_fn)
 
 
+def _confident_vogn(scaler=None, reduce_fn=None):
+    """VOGN on a network whose logits favour class 0 by about 18 (last bias ±9): for y = 0 the
+    per-example gradients ∂ℓ/∂logits = p − y are about e⁻¹⁸ ≈ 10⁻⁸, below float16's smallest
+    number (6·10⁻⁸); for y = 1 they are about −1, which overflows float16 at S = 2¹⁶."""
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    with torch.no_grad():
+        net[2].bias.copy_(torch.tensor([9.0, -9.0]))
+    model = models.classifier(bayesianize(net, priors.Normal(scale=1.0)), N)
+    return VOGN(model, dataset_size=N, lr=0.05, grad_scaler=scaler, reduce_fn=reduce_fn)
+
+
 def _run(method, steps: int, fp16: bool = False):
     """μ after each step (μ₀ first, read after set-up) and the losses."""
     x, y = _data()
@@ -364,6 +377,17 @@ def _phase_one_rank_overflows(rank: int) -> dict:
             "skipped": method.skipped_steps,
             "scale": scaler.get_scale(),
         }
+    # VOGN's set-up pass overflows on rank 1 only (y = 1 there: gradients ≈ −2¹⁶ in float16),
+    # before the first reduction, which averages the first curvature and so spreads it.
+    scaler = torch.amp.GradScaler("cpu")
+    method = _confident_vogn(scaler, reduce_fn=allreduce_mean())
+    y = torch.full((N // 2,), rank, dtype=torch.long)
+    losses = []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.float16):
+            losses.append(method.step(x[part], y))
+    out["set-up"] = {"losses": losses, "steps": method.step_count, "scale": scaler.get_scale()}
+    out["set-up"]["mean"] = method.state.mean.clone()
     return out
 
 
@@ -377,3 +401,49 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
         assert a["steps"] == b["steps"] == 4 and a["skipped"] == b["skipped"] == 1, name
         assert a["scale"] == b["scale"] == 2.0**7, name
         assert torch.equal(a["mean"], b["mean"]), name
+    a, b = ranks[0]["set-up"], ranks[1]["set-up"]
+    assert math.isnan(a["losses"][0]) and math.isnan(b["losses"][0])
+    assert a["steps"] == b["steps"] == 1 and a["scale"] == b["scale"] == 2.0**15
+    assert torch.equal(a["mean"], b["mean"])
+
+
+def test_vogn_scales_its_set_up_pass_so_its_first_curvature_does_not_underflow():
+    # The set-up pass (s at w = μ) ran unscaled under float16 autocast: per-example gradients
+    # of 10⁻⁸ flushed to zero (every first-layer s was 0 here) while every later pass was
+    # scaled. Scaled by S = 2¹⁶ they are ≈ 10⁻³, normal float16 numbers (11 significant bits).
+    x, _ = _data()
+    y = torch.zeros(N, dtype=torch.long)
+    plain = _confident_vogn()
+    plain.setup(x, y)
+    method = _confident_vogn(torch.amp.GradScaler("cpu"))
+    with torch.autocast("cpu", dtype=torch.float16):
+        method.setup(x, y)
+    ref, got = plain.state.curvature, method.state.curvature
+    seen = ref != 0  # float32 rounds p₀ = 1 − 10⁻⁸ to 1: that bias's gradient is exactly 0
+    # Each s sums (p − y)² times squared activations: the float16 logits (about ±9, rounded to
+    # 2⁻⁷) give e^{−Δ} within 2·2⁻⁸ ≈ 0.8%, its square within 1.6%, and the float16 rounding
+    # of the scaled gradient and of the activations adds a few u = 2⁻¹¹: 3% bounds it.
+    assert bool(seen.any()) and bool((got[~seen] == 0).all())
+    assert float(((got - ref).abs()[seen] / ref[seen]).max()) <= 0.03
+
+
+def test_vogn_skips_a_first_step_whose_set_up_pass_overflows():
+    # For y = 1 the set-up pass's gradients are ≈ −1: −2¹⁶ overflows float16 (largest 65504).
+    # The first step is skipped like any overflowing one (nothing set up, S backs off, the loss
+    # NaN: there is no σ yet); the next sets up at S = 2¹⁵. setup() itself cannot skip: it
+    # refuses, naming the scale, and changes nothing.
+    x, _ = _data()
+    y = torch.ones(N, dtype=torch.long)
+    scaler = torch.amp.GradScaler("cpu")
+    method = _confident_vogn(scaler)
+    with pytest.raises(ValueError, match=r"grad_scaler's scale S = 65536\.0 too large"):
+        with torch.autocast("cpu", dtype=torch.float16):
+            method.setup(x, y)
+    assert method.needs_setup and scaler.get_scale() == 2.0**16
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = method.step(x, y)
+    assert math.isnan(loss) and method.needs_setup and method.skipped_steps == 1
+    assert scaler.get_scale() == 2.0**15
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert math.isfinite(method.step(x, y))
+    assert method.step_count == 1 and method.skipped_steps == 1

@@ -22,17 +22,20 @@ exact in floating point, so without autocast a scaled step equals the unscaled o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 from pyro_bdl._validation import all_finite
+from pyro_bdl.infer.natural_gradient.state import NaturalGradientState
 
 __all__ = ["EstimatesOptimizer", "LossScaling", "SkippedStep", "check_grad_scaler"]
 
 
 class SkippedStep(Exception):
-    """A step whose scaled estimates overflowed: skipped, with ``loss`` its loss."""
+    """A step whose scaled estimates overflowed: skipped, with ``loss`` its loss (NaN when the
+    first step's set-up pass overflowed: there is no σ yet)."""
 
     def __init__(self, loss: float):
         super().__init__(f"the scaled gradients overflowed (loss {loss!r}); step skipped")
@@ -84,12 +87,46 @@ class LossScaling:
         self.curvature_power = curvature_power
         self._optimizer: EstimatesOptimizer | None = None
         self._unscaled = False
+        #: Whether the set-up pass (VOGN's first curvature) overflowed; its check is pending.
+        self.first_overflowed, self._first_pending = False, False
         #: Steps skipped because their scaled gradients were not finite.
         self.skipped_steps = 0
 
     def scale(self, root: torch.Tensor) -> torch.Tensor:
         """``root`` (the quantity the method differentiates) times the current scale S."""
         return self.scaler.scale(root)
+
+    def unscale_first(self, estimates: list[torch.Tensor], curvatures: list[torch.Tensor]) -> None:
+        """Divide the set-up pass's ``estimates`` by S in place (``curvatures`` by
+        S^curvature_power), without the scaler's bookkeeping (the step's own :meth:`unscale`
+        follows); an overflow is noted, and settled by :meth:`check_first`."""
+        scale = self.scaler.get_scale()
+        torch._foreach_div_(estimates, scale)
+        if self.curvature_power > 1:
+            torch._foreach_div_(curvatures, scale ** (self.curvature_power - 1))
+        self.first_overflowed, self._first_pending = not all_finite(estimates), True
+
+    def check_first(self, state: NaturalGradientState | None, where: str) -> None:
+        """Once after a scaled set-up, when the ranks have averaged the first curvature of
+        ``state`` (an overflow on any rank reaches all): :class:`SkippedStep` if it is not
+        finite, or, below S = 1, the refusal :meth:`refuse_below_one` explains."""
+        if not self._first_pending:
+            return
+        self._first_pending = False
+        assert state is not None
+        if all_finite([state.curvature, *state.hidden_curvature]):
+            return
+        scale = self.scaler.get_scale()
+        if scale < 1:
+            raise ValueError(
+                f"{where}: the first curvature (the set-up pass at w = μ) is not finite at "
+                f"grad_scaler's scale {scale!r} (below 1, after {self.skipped_steps} skipped "
+                "step(s)): there loss scaling shrinks the gradients, so this is not an overflow "
+                "of the scaled loss but a NaN or inf gradient of a finite loss; nothing was "
+                "set up. Fix the model or the data, then set the scale back, e.g. "
+                "scaler.update(new_scale=2.0**16)."
+            )
+        raise SkippedStep(math.nan)
 
     def unscale(self, estimates: list[torch.Tensor], curvatures: list[torch.Tensor]) -> bool:
         """Divide the step's ``estimates`` by S in place (``curvatures``, a subset of them,
@@ -127,7 +164,10 @@ class LossScaling:
     def finish(self, skipped: bool) -> None:
         """After a taken or skipped step: the scaler steps (or skips) its placeholder optimizer
         and updates S (backs off after a skip, grows after ``growth_interval`` good steps)."""
-        assert self._optimizer is not None and self._unscaled
+        if not self._unscaled:  # the set-up pass overflowed: the scaler records an inf
+            self._optimizer = EstimatesOptimizer([torch.full((), math.inf)])
+            self.scaler.unscale_(self._optimizer)
+        assert self._optimizer is not None
         self.scaler.step(self._optimizer)
         self.scaler.update()
         self._unscaled = False
