@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pyro_bdl import bayesianize, models, priors
+from pyro_bdl.checkpoint import load_checkpoint, save_checkpoint
 from pyro_bdl.distributed import allreduce_mean
 from pyro_bdl.infer import IVON, VOGN
 
@@ -28,15 +29,16 @@ def _data():
     return x, (x[:, 0] > 0).long()
 
 
-def _method(cls, scaler=None, batchnorm: bool = False, reduce_fn=None):
+def _method(cls, scaler=None, batchnorm: bool = False, reduce_fn=None, dtype=None, **options):
     pyro.clear_param_store()
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)]
     if batchnorm:
         layers.insert(1, nn.BatchNorm1d(8))
-    model = models.classifier(bayesianize(nn.Sequential(*layers), priors.Normal(scale=1.0)), N)
+    net = nn.Sequential(*layers).to(dtype)
+    model = models.classifier(bayesianize(net, priors.Normal(scale=1.0)), N)
     lr = 0.05 if cls is VOGN else 0.1
-    return cls(model, dataset_size=N, lr=lr, grad_scaler=scaler, reduce_fn=reduce_fn)
+    return cls(model, dataset_size=N, lr=lr, grad_scaler=scaler, reduce_fn=reduce_fn, **options)
 
 
 def _confident_vogn(scaler=None, reduce_fn=None):
@@ -52,9 +54,10 @@ def _confident_vogn(scaler=None, reduce_fn=None):
     return VOGN(model, dataset_size=N, lr=0.05, grad_scaler=scaler, reduce_fn=reduce_fn)
 
 
-def _run(method, steps: int, fp16: bool = False):
+def _run(method, steps: int, fp16: bool = False, dtype=None):
     """μ after each step (μ₀ first, read after set-up) and the losses."""
     x, y = _data()
+    x = x.to(dtype)
     torch.manual_seed(2)
     method.setup(x, y)
     means, losses = [method.state.mean.clone()], []
@@ -73,16 +76,29 @@ def _snapshot(method) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in out.items()}
 
 
-@pytest.mark.parametrize("cls", METHODS)
-def test_a_scaled_step_equals_the_unscaled_one_bit_for_bit(cls):
+CONFIGURATIONS = {
+    "plain": {},
+    "particles": {"num_particles": 3},
+    "float64": {"dtype": torch.float64},
+    "batchnorm": {"batchnorm": True},  # hidden parameters: their ĝ (and VOGN's ĥ) unscaled too
+    "clip": {"clip_radius": 1e-3},  # IVON's only
+}
+
+
+@pytest.mark.parametrize(
+    ("cls", "config"),
+    [(cls, c) for cls in METHODS for c in CONFIGURATIONS if c != "clip" or cls is IVON],
+)
+def test_a_scaled_step_equals_the_unscaled_one_bit_for_bit(cls, config):
     # Scaling by a power of two is exact in floating point (absent overflow and underflow, which
     # float32 does not reach here): the backward pass's every product and sum is the unscaled
     # one times S, and the division by S (S² for VOGN's squares) undoes it exactly. The scale
     # grows every second step, so several values of S are used.
-    plain, _ = _run(_method(cls), steps=5)
+    options = CONFIGURATIONS[config]
+    plain, _ = _run(_method(cls, **options), steps=5, dtype=options.get("dtype"))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    method = _method(cls, scaler)
-    scaled, _ = _run(method, steps=5)
+    method = _method(cls, scaler, **options)
+    scaled, _ = _run(method, steps=5, dtype=options.get("dtype"))
     assert all(torch.equal(a, b) for a, b in zip(plain, scaled))
     assert method.skipped_steps == 0 and scaler.get_scale() == 2.0**12
 
@@ -340,6 +356,34 @@ def test_resuming_from_the_method_and_scaler_state_dicts_is_bit_identical(cls):
     assert torch.equal(resumed.state.mean, method.state.mean)
     assert resumed_scaler.state_dict() == scaler.state_dict()
     assert resumed.skipped_steps == method.skipped_steps - skipped  # each counts its own
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_save_checkpoint_takes_the_scaler_as_a_module_and_resumes_bit_for_bit(cls, tmp_path):
+    x, y = _data()
+
+    def steps(method, n):
+        out = []
+        for _ in range(n):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out.append(method.step(x, y))
+        return out
+
+    def parts(method, scaler):
+        return {"method": method, "scaler": scaler, "net": method.guide.model.net}
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
+    method = _method(cls, scaler, batchnorm=True)
+    torch.manual_seed(2)
+    steps(method, 4)
+    save_checkpoint(tmp_path / "run.ckpt", modules=parts(method, scaler), step=4)
+    losses = steps(method, 6)
+    resumed_scaler = torch.amp.GradScaler("cpu")
+    resumed = _method(cls, resumed_scaler, batchnorm=True)
+    modules = parts(resumed, resumed_scaler)
+    assert load_checkpoint(tmp_path / "run.ckpt", modules=modules, example_args=(x, y))["step"] == 4
+    assert steps(resumed, 6) == losses and torch.equal(resumed.state.mean, method.state.mean)
+    assert resumed_scaler.state_dict() == scaler.state_dict()
 
 
 class _Poisoned:
