@@ -208,6 +208,8 @@ def test_a_skip_seen_through_reduce_fn_is_skipped_not_refused():
 def test_grad_scaler_must_be_a_grad_scaler_and_a_disabled_one_scales_nothing(cls):
     with pytest.raises(TypeError, match=r"grad_scaler must be a torch\.amp\.GradScaler"):
         _method(cls, scaler=2.0**16)
+    with pytest.raises(TypeError, match=r"got the class GradScaler itself, not an instance"):
+        _method(cls, scaler=torch.amp.GradScaler)
     disabled = _method(cls, torch.amp.GradScaler("cpu", enabled=False))
     assert disabled._scaling is None and disabled.skipped_steps == 0
 

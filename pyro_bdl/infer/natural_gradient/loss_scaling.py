@@ -48,10 +48,12 @@ def check_grad_scaler(method: str, scaler: object) -> torch.amp.GradScaler | Non
     if scaler is None:
         return None
     if not isinstance(scaler, torch.amp.GradScaler):
+        got = type(scaler).__name__
+        if isinstance(scaler, type):  # GradScaler itself, not an instance of it
+            got = f"the class {scaler.__name__} itself, not an instance"
         raise TypeError(
-            f"{method}: grad_scaler must be a torch.amp.GradScaler (or None); got "
-            f"{type(scaler).__name__}. Pass e.g. grad_scaler=torch.amp.GradScaler('cuda') to "
-            "train under float16 autocast."
+            f"{method}: grad_scaler must be a torch.amp.GradScaler (or None); got {got}. Pass "
+            "e.g. grad_scaler=torch.amp.GradScaler('cuda') to train under float16 autocast."
         )
     return scaler if scaler.is_enabled() else None
 
