@@ -493,3 +493,23 @@ def test_vogn_skips_a_first_step_whose_set_up_pass_overflows():
     with torch.autocast("cpu", dtype=torch.float16):
         assert math.isfinite(method.step(x, y))
     assert method.step_count == 1 and method.skipped_steps == 1
+
+
+@pytest.mark.parametrize("cls", METHODS)
+def test_a_method_moved_between_steps_unscales_its_new_estimates(cls):
+    # .to() allocates new estimate buffers: the placeholder optimizer must follow them, or the
+    # scaler would unscale the old ones and the step read unscaled (S times too large) values.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    method = _method(cls, scaler)
+    _run(method, steps=2, fp16=True)
+    method.to(torch.float64)
+    twin = copy.deepcopy(method)
+    twin._scaling = None  # the same run without a scaler
+    x, y = _data()
+    for m, fp16 in ((method, True), (twin, False)):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            m.step(x.double(), y)
+    # float64 layers do not autocast: the scaled float64 step equals the unscaled one.
+    assert method.estimates[0].dtype == torch.float64 and method.skipped_steps == 0
+    assert torch.equal(method.state.mean, twin.state.mean)
