@@ -513,3 +513,20 @@ def test_a_method_moved_between_steps_unscales_its_new_estimates(cls):
     # float64 layers do not autocast: the scaled float64 step equals the unscaled one.
     assert method.estimates[0].dtype == torch.float64 and method.skipped_steps == 0
     assert torch.equal(method.state.mean, twin.state.mean)
+
+
+def test_vogn_refuses_a_non_finite_first_curvature_below_scale_one():
+    # The set-up pass's NaN gradient is skipped as an overflow while S ≥ 1, then refused.
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = _NaNGradient()
+    net.broken = True
+    model = models.classifier(bayesianize(net, priors.Normal(scale=1.0)), N)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    method = VOGN(model, dataset_size=N, lr=0.05, grad_scaler=scaler)
+    x, y = _data()
+    for _ in range(2):  # S = 2, 1
+        assert math.isnan(method.step(x, y))
+    with pytest.raises(ValueError, match=r"first curvature[\s\S]*scale is 0\.5 \(below 1"):
+        method.step(x, y)
+    assert method.needs_setup and method.skipped_steps == 2 and scaler.get_scale() == 0.5

@@ -18,6 +18,14 @@ state_dict stays the one to save with a checkpoint.
 Estimates that are quadratic in the gradient (VOGN's Σ gᵢ², scaled by S²) are divided by S once
 more before the scaler's division. Scaling by a power of two (GradScaler's default factors) is
 exact in floating point, so without autocast a scaled step equals the unscaled one bit for bit.
+
+VOGN's set-up pass (its first curvature, at w = μ) is scaled too, and divided by S²
+without the scaler (:meth:`LossScaling.unscale_first`): the step's own ``unscale_`` follows. Its
+overflow is settled once the ranks have averaged the first curvature, which spreads it
+(:meth:`LossScaling.check_first`): the first step is skipped on every rank, and the scaler
+records the overflow through a placeholder gradient of inf. Below S = 1 a non-finite value is
+no overflow (the scale shrinks the gradients there) but a NaN or inf gradient of a finite loss,
+which backing off would hide while S sinks to 0: it is refused, as without a scaler.
 """
 
 from __future__ import annotations
@@ -121,12 +129,8 @@ class LossScaling:
         scale = self.scaler.get_scale()
         if scale < 1:
             raise ValueError(
-                f"{where}: the first curvature (the set-up pass at w = μ) is not finite at "
-                f"grad_scaler's scale {scale!r} (below 1, after {self.skipped_steps} skipped "
-                "step(s)): there loss scaling shrinks the gradients, so this is not an overflow "
-                "of the scaled loss but a NaN or inf gradient of a finite loss; nothing was "
-                "set up. Fix the model or the data, then set the scale back, e.g. "
-                "scaler.update(new_scale=2.0**16)."
+                f"{where}: the first curvature (of the set-up pass at w = μ) is not finite; "
+                f"nothing was set up. {self._below_one(scale)}"
             )
         raise SkippedStep(math.nan)
 
@@ -154,14 +158,18 @@ class LossScaling:
         try:
             refuse()
         except ValueError as err:
-            err.add_note(
-                f"grad_scaler's scale is {scale!r} (below 1, after {self.skipped_steps} skipped "
-                "step(s)): there loss scaling shrinks the gradients, so a non-finite estimate is "
-                "not an overflow of the scaled loss, and the step is refused instead of skipped. "
-                "Fix the model or the data, then set the scale back, e.g. "
-                "scaler.update(new_scale=2.0**16)."
-            )
+            err.add_note(self._below_one(scale))
             raise
+
+    def _below_one(self, scale: float) -> str:
+        """Why a non-finite value at ``scale`` < 1 is refused, and the fix."""
+        return (
+            f"grad_scaler's scale is {scale!r} (below 1, after {self.skipped_steps} skipped "
+            "step(s)): there loss scaling shrinks the gradients, so a non-finite value is no "
+            "overflow of the scaled loss but a NaN or inf gradient of a finite loss, refused "
+            "instead of skipped. Fix the model or the data, then set the scale back, e.g. "
+            "scaler.update(new_scale=2.0**16)."
+        )
 
     def finish(self, skipped: bool) -> None:
         """After a taken or skipped step: the scaler steps (or skips) its placeholder optimizer
