@@ -68,6 +68,16 @@ def _run(method, steps: int, fp16: bool = False, dtype=None):
     return means, losses
 
 
+def _steps(method, n: int) -> list[float]:
+    """``n`` steps on the whole data set under float16 autocast; their losses."""
+    x, y = _data()
+    out = []
+    for _ in range(n):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out.append(method.step(x, y))
+    return out
+
+
 def _snapshot(method) -> dict[str, torch.Tensor]:
     state = method.state
     out = {"mean": state.mean, "momentum": state.momentum, "curvature": state.curvature}
@@ -332,21 +342,14 @@ def test_resuming_from_the_method_and_scaler_state_dicts_is_bit_identical(cls):
     # for bit, scale, growth count and skipped steps included.
     x, y = _data()
 
-    def steps(method, n):
-        out = []
-        for _ in range(n):
-            with torch.autocast("cpu", dtype=torch.float16):
-                out.append(method.step(x, y))
-        return out
-
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
     method = _method(cls, scaler, batchnorm=True)
     torch.manual_seed(2)
-    steps(method, 4)
+    _steps(method, 4)
     net = method.guide.model.net
     saved = copy.deepcopy((method.state_dict(), scaler.state_dict(), net.state_dict()))
     rng, skipped = torch.get_rng_state(), method.skipped_steps
-    losses = steps(method, 6)
+    losses = _steps(method, 6)
     resumed_scaler = torch.amp.GradScaler("cpu")
     resumed = _method(cls, resumed_scaler, batchnorm=True)
     resumed.setup(x, y)
@@ -354,7 +357,7 @@ def test_resuming_from_the_method_and_scaler_state_dicts_is_bit_identical(cls):
     resumed_scaler.load_state_dict(saved[1])
     resumed.guide.model.net.load_state_dict(saved[2])
     torch.set_rng_state(rng)
-    assert steps(resumed, 6) == losses
+    assert _steps(resumed, 6) == losses
     assert torch.equal(resumed.state.mean, method.state.mean)
     assert resumed_scaler.state_dict() == scaler.state_dict()
     assert resumed.skipped_steps == method.skipped_steps - skipped  # each counts its own
@@ -364,27 +367,20 @@ def test_resuming_from_the_method_and_scaler_state_dicts_is_bit_identical(cls):
 def test_save_checkpoint_takes_the_scaler_as_a_module_and_resumes_bit_for_bit(cls, tmp_path):
     x, y = _data()
 
-    def steps(method, n):
-        out = []
-        for _ in range(n):
-            with torch.autocast("cpu", dtype=torch.float16):
-                out.append(method.step(x, y))
-        return out
-
     def parts(method, scaler):
         return {"method": method, "scaler": scaler, "net": method.guide.model.net}
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
     method = _method(cls, scaler, batchnorm=True)
     torch.manual_seed(2)
-    steps(method, 4)
+    _steps(method, 4)
     save_checkpoint(tmp_path / "run.ckpt", modules=parts(method, scaler), step=4)
-    losses = steps(method, 6)
+    losses = _steps(method, 6)
     resumed_scaler = torch.amp.GradScaler("cpu")
     resumed = _method(cls, resumed_scaler, batchnorm=True)
     modules = parts(resumed, resumed_scaler)
     assert load_checkpoint(tmp_path / "run.ckpt", modules=modules, example_args=(x, y))["step"] == 4
-    assert steps(resumed, 6) == losses and torch.equal(resumed.state.mean, method.state.mean)
+    assert _steps(resumed, 6) == losses and torch.equal(resumed.state.mean, method.state.mean)
     assert resumed_scaler.state_dict() == scaler.state_dict()
 
 
