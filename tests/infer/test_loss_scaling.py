@@ -261,6 +261,23 @@ def test_float16_with_a_cuda_grad_scaler_steps_on_the_gpu(cls):
     assert bool(torch.isfinite(mean).all()) and not torch.equal(mean, start)
 
 
+@pytest.mark.gpu
+def test_vogn_skips_an_overflowing_set_up_pass_on_the_gpu():
+    """The GPU form of the set-up overflow: the scaler records it through a placeholder
+    gradient of inf on the loss's device (``make gpu-check`` runs the gpu-marked tests)."""
+    x, _ = _data()
+    x, y = x.cuda(), torch.ones(N, dtype=torch.long, device="cuda")
+    scaler = torch.amp.GradScaler("cuda")
+    method = _confident_vogn(scaler)
+    method.guide.model.net.cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert math.isnan(method.step(x, y))
+    assert method.needs_setup and method.skipped_steps == 1 and scaler.get_scale() == 2.0**15
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert math.isfinite(method.step(x, y))
+    assert method.step_count == 1 and method.state.mean.is_cuda
+
+
 class _NaNGradient(nn.Module):
     """Once ``broken``, a finite loss whose gradient is NaN (√ at 0): a model defect, which no
     loss scale can cure."""

@@ -97,6 +97,7 @@ class LossScaling:
         self.curvature_power = curvature_power
         self._optimizer: EstimatesOptimizer | None = None
         self._unscaled = False
+        self._device = torch.device("cpu")
         #: Whether the set-up pass (VOGN's first curvature) overflowed; its check is pending.
         self.first_overflowed, self._first_pending = False, False
         #: Steps skipped because their scaled gradients were not finite.
@@ -104,6 +105,7 @@ class LossScaling:
 
     def scale(self, root: torch.Tensor) -> torch.Tensor:
         """``root`` (the quantity the method differentiates) times the current scale S."""
+        self._device = root.device  # where an overflow of the set-up pass is recorded
         return self.scaler.scale(root)
 
     def unscale_first(self, estimates: list[torch.Tensor], curvatures: list[torch.Tensor]) -> None:
@@ -175,7 +177,7 @@ class LossScaling:
         """After a taken or skipped step: the scaler steps (or skips) its placeholder optimizer
         and updates S (backs off after a skip, grows after ``growth_interval`` good steps)."""
         if not self._unscaled:  # the set-up pass overflowed: the scaler records an inf
-            self._optimizer = EstimatesOptimizer([torch.full((), math.inf)])
+            self._optimizer = EstimatesOptimizer([torch.full((), math.inf, device=self._device)])
             self.scaler.unscale_(self._optimizer)
         assert self._optimizer is not None
         self.scaler.step(self._optimizer)
