@@ -112,10 +112,9 @@ class NaturalGradientVI:
         :func:`~pyro_bdl.distributed.allreduce_mean` a rank that refuses its step makes every
         rank refuse it with the same error; with any other function, the refusing rank passes it
         NaN tensors (after the first step), which the other ranks refuse.
-    :param grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast: the differentiated
-        loss is scaled by its S, the estimates divided by it, a step whose scaled gradients
-        overflow is skipped (nothing changes, :attr:`skipped_steps` counts it) and S follows the
-        scaler's backoff and growth (:mod:`~pyro_bdl.infer.natural_gradient.loss_scaling`).
+    :param grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast: what is differentiated
+        is scaled by its S, the estimates unscaled, an overflowing step skipped with nothing
+        changed (:mod:`~pyro_bdl.infer.natural_gradient.loss_scaling`).
     """
 
     #: The method's name in messages (``"VOGN"``).
@@ -308,7 +307,8 @@ class NaturalGradientVI:
                     ) from err
             else:
                 self._initialise(ready)
-                if not all(map(math.isfinite, self._var_sums)):
+                overflow = keep_statistics and getattr(self._scaling, "first_overflowed", False)
+                if not (all(map(math.isfinite, self._var_sums)) or overflow):  # a step skips
                     raise ValueError(
                         f"{where}: {self._initial_scale_problem()} the initial posterior scale σ "
                         "is zero or not finite somewhere (float precision exceeded); nothing was "
@@ -676,20 +676,20 @@ class NaturalGradientVI:
 
     def _loss(self, args, kwargs, step: int, tau: float) -> float:
         """ĝ, ĥ into :attr:`estimates` and the loss, with every check; changes only what
-        :meth:`step` rolls back on a refusal (σ, the buffers of the layers, the random state,
-        the state that the first reduction averages); :class:`SkippedStep` when loss scaling
-        finds the scaled estimates overflowed."""
+        :meth:`step` rolls back (σ, the layers' buffers, the random state, what the first
+        reduction averages); :class:`SkippedStep` when the scaled estimates overflowed."""
         if self._unreduced and self.reduce_fn is not None:  # the first draw's σ: from the
             self._reduce(self._unreduced, last=False)  # ranks' mean first curvature, as in one
             self._unreduced, self._scale_temperature = [], None  # process
+        if self._scaling is not None:  # a scaled set-up's overflow, on any rank: skipped
+            self._scaling.check_first(self.state, f"{self.name} step {step}")
         if self._scale_temperature != tau:  # τ or the first curvature changed since σ was set
             self._refresh_scale(tau)
         nlls, batch = self._estimate_gradients(args, kwargs, step)
         nll_total = sum(nll * self.dataset_size / batch for nll in nlls) / self.num_particles
         # This rank's own checks come before the reduction, so that a refusal here reaches the
         # other ranks through it (a mean of finite values can still overflow: checked again).
-        # Under loss scaling a non-finite estimate is an overflow, skipped after the reduction,
-        # which spreads it, so that every rank skips the step together.
+        # Under loss scaling an overflow is skipped after the reduction, which spreads it.
         scaling = self._scaling
         if scaling is None:
             self._check_finite(step)
@@ -701,6 +701,7 @@ class NaturalGradientVI:
         kl = self._kl()
         check_loss(step, nll_total, kl, self.name)
         if scaling is not None and not scaling.unscale(self.estimates, self._split()[1]):
+            scaling.refuse_below_one(lambda: self._check_finite(step, self.reduce_fn is not None))
             raise SkippedStep(nll_total + tau * kl)
         return nll_total + tau * kl
 

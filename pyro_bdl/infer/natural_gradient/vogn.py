@@ -180,6 +180,15 @@ class VOGN(NaturalGradientVI):
         self._warned_average = False
         self._temperature = 1.0 if callable(temperature) else float(temperature)
 
+    def _initial_scale_problem(self) -> str:
+        if self._scaling is None or not self._scaling.first_overflowed:
+            return super()._initial_scale_problem()
+        return (
+            f"with grad_scaler's scale S = {self._scaling.scaler.get_scale()!r} too large for "
+            "the first pass (its float16 gradients overflow at w = μ: lower init_scale, or let "
+            "the first step set up, which skips an overflowing step and backs S off),"
+        )
+
     # -- the temperature -----------------------------------------------------------------------
 
     @property
@@ -237,12 +246,18 @@ class VOGN(NaturalGradientVI):
         return [e[0], *e[2 : 2 + k]], [e[1], *e[2 + k :]]
 
     def _initialise(self, ready: Prepared) -> None:
-        """s from ĥ of the first minibatch at w = μ (Algorithm 1, line 1)."""
+        """s from ĥ of the first minibatch at w = μ (Algorithm 1, line 1). Under loss scaling
+        this pass is scaled as every later one (unscaled, its float16 gradients would flush to
+        zero where the scaled ones do not); its overflow skips the first step once the ranks
+        have averaged s (``LossScaling.check_first``)."""
         assert self.state is not None
         losses, batch, _ = per_example_nll(ready.observed, "VOGN step 1")
-        self._gradients(ready.tape, losses, self._out, add=False)
-        self._check_finite(1)
+        self._gradients(ready.tape, self._scaled(losses), self._out, add=False)
         _, h = self._split()
+        if self._scaling is None:
+            self._check_finite(1)
+        else:
+            self._scaling.unscale_first(self.estimates, h)
         self.state.curvature = h[0] / batch
         self.state.hidden_curvature = [t / batch for t in h[1:]]
         if self.reduce_fn is not None:  # averaged across ranks by the first step
