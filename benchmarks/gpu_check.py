@@ -1,6 +1,6 @@
 """``make gpu-check``: everything a lent GPU machine should tell us, in one command (docs/gpu.md).
 
-Six parts, each in its own process with its own time budget, under a global deadline of
+Seven parts, each in its own process with its own time budget, under a global deadline of
 :data:`DEADLINE` seconds (7.5 minutes); each writes ``gpu-<part>.json`` (the GPU's name, the
 torch and package versions, the date, the part's status and figures) and ``gpu-summary.json``
 lists how each part ended. A part that overruns is killed with its children and recorded as
@@ -11,6 +11,9 @@ lists how each part ended. A part that overruns is killed with its children and 
 ``steps``      every method's step vs its plain-PyTorch reference on ResNet-18 at B = 128
                (:mod:`benchmarks.resnet`, CUDA events), fp32 and under bf16 autocast, against
                the targets in :data:`TARGETS`
+``profile``    where each step's time goes: host time, device (kernel) time, kernel launches and
+               host reads per step of every method and reference on ResNet-18 at B = 128
+               (``torch.profiler``), so a host-bound step shows as such in one run
 ``forms``      the per-example form the cost model picks for each ResNet-18 layer at B = 128,
                beside each form's measured time on this device
 ``compare``    one small ``python -m pyro_bdl compare`` run on this device
@@ -65,7 +68,8 @@ DEADLINE = 450.0
 #: Seconds each part may take at most (and never past the global deadline).
 BUDGETS: dict[str, float] = {
     "tests": 60.0,
-    "steps": 150.0,
+    "steps": 110.0,
+    "profile": 40.0,
     "forms": 40.0,
     "compare": 80.0,
     "match": 30.0,
@@ -282,6 +286,98 @@ def part_steps(device: str, quick: bool, deadline: float, progress: Progress = n
             longest = max(longest, time.monotonic() - began)
             progress({"config": config, "figures": figures})
             print(f"steps {precision} {key}: {result.get('time_ratio', result['status'])}")
+    return {"config": config, "figures": figures}
+
+
+# ----------------------------------------------------------------------------- profile
+
+#: Steps of each variant under the profiler (after three unprofiled ones).
+PROFILED_STEPS = 5
+
+#: Runtime calls that launch work on the device, and aten operators that read a value back to
+#: the host (each a synchronisation on a GPU).
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaMemcpyAsync")
+HOST_READS = ("aten::_local_scalar_dense",)
+
+
+def step_profile(fn: Callable[[], object], device: str, steps: int = PROFILED_STEPS) -> dict:
+    """Per step of ``fn``: wall milliseconds under the profiler (host time: on a GPU the host
+    runs ahead of the device except where it reads a value back), the device's kernel
+    milliseconds, the kernel launches, the host reads, and the aten operators called from
+    Python (on a CPU, the proxy of launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    count = lambda names: sum(e.count for e in events if e.key in names)  # noqa: E731
+    kernel_us = sum(
+        e.self_device_time_total
+        for e in events
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+    )
+    top = [e for e in prof.events() if e.key.startswith("aten::") and e.cpu_parent is None]
+    # The runtime's own calls by name, in case a CUDA version names its launches otherwise.
+    runtime = sorted(((e.count, e.key) for e in events if e.key.startswith("cu")), reverse=True)
+    return {
+        "wall_ms": 1e3 * wall / steps,
+        "device_kernel_ms": kernel_us / 1e3 / steps if cuda else None,
+        "launches": count(LAUNCHES) / steps if cuda else None,
+        "host_reads": count(HOST_READS) / steps,
+        "top_level_aten_ops": len(top) / steps,
+        "runtime_calls_per_step": {k: n / steps for n, k in runtime[:8]},
+    }
+
+
+def part_profile(
+    device: str, quick: bool, deadline: float, progress: Progress = no_progress
+) -> dict:
+    """:func:`step_profile` of every method of ``steps`` and of each reference, fp32, one
+    variant at a time (each on its own copy of the network, as ``steps`` builds them)."""
+    import pyro
+
+    from benchmarks import resnet
+
+    pyro.enable_validation(False)
+    if quick:
+        build, batch, shape = (lambda: resnet.wide_mlp((3, 4, 4), width=16)), 4, (3, 4, 4)
+    else:
+        build, batch, shape = (lambda: resnet.resnet18((3, 32, 32))), 128, (3, 32, 32)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, *shape, generator=g).to(device)
+    y = torch.randint(0, resnet.CLASSES, (batch,), generator=g).to(device)
+    variants = [*resnet.REFERENCE, *dict.fromkeys(resnet.REFERENCE.values())]
+    figures: dict = {}
+    longest = 0.0
+    for name in variants:
+        began = time.monotonic()
+        if began + longest > deadline:
+            figures[name] = {"status": "not run: part budget"}
+            continue
+        try:
+            fn = resnet.build_steps(build, x, y, device, [name])[name]
+            for _ in range(3):
+                fn()
+            fn.activate()
+            figures[name] = {"status": "ok", **step_profile(fn.step, device)}
+        except Exception as err:  # recorded: the other variants still run
+            figures[name] = {"status": "error", "error": f"{type(err).__name__}: {err}"[:2000]}
+        finally:
+            pyro.clear_param_store()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        longest = max(longest, time.monotonic() - began)
+        progress({"figures": figures})
+        print(f"profile {name}: {figures[name]}")
+    config = {"batch": batch, "shape": shape, "steps": PROFILED_STEPS, "quick": quick}
     return {"config": config, "figures": figures}
 
 
@@ -706,6 +802,7 @@ def part_arviz(device: str, quick: bool, deadline: float, progress: Progress = n
 PARTS: dict[str, Callable[..., dict]] = {
     "tests": part_tests,
     "steps": part_steps,
+    "profile": part_profile,
     "forms": part_forms,
     "compare": part_compare,
     "match": part_match,
@@ -727,6 +824,12 @@ def _steps_headline(figures: dict) -> dict:
 HEADLINES: dict[str, Callable[[dict], object]] = {
     "tests": lambda r: {**r["counts"], "rc": r["rc"]},  # rc None: pytest was cut off
     "steps": lambda r: _steps_headline(r["figures"]),
+    "profile": lambda r: {
+        k: {m: v.get(m) for m in ("wall_ms", "device_kernel_ms", "launches")}
+        if v["status"] == "ok"
+        else v["status"]
+        for k, v in r["figures"].items()
+    },
     "forms": lambda r: {
         k: r["figures"]["summary"][k] for k in ("layers", "picked", "picked_is_fastest")
     },

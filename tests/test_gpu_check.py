@@ -47,6 +47,23 @@ def test_steps_part_stops_at_its_budget(quiet_cpu):
     assert statuses == {"not run: part budget"}
 
 
+def test_profile_part_profiles_every_method_and_reference(quiet_cpu):
+    out = gpu_check.part_profile("cpu", True, time.monotonic() + FAR)
+    assert set(out["figures"]) == {"meanfield", "mf_plain", "vogn", "adam"}
+    for name, r in out["figures"].items():
+        assert r["status"] == "ok", (name, r)
+        assert r["wall_ms"] > 0 and r["top_level_aten_ops"] > 0
+        assert r["device_kernel_ms"] is None and r["launches"] is None  # no device here
+    # The mean-field model reads the batch check back once per step at least (a host read),
+    # the plain step only its loss.
+    assert out["figures"]["meanfield"]["host_reads"] >= 1
+
+
+def test_profile_part_stops_at_its_budget(quiet_cpu):
+    out = gpu_check.part_profile("cpu", True, time.monotonic() - 1)
+    assert {r["status"] for r in out["figures"].values()} == {"not run: part budget"}
+
+
 def test_forms_part_times_every_form_of_every_layer(quiet_cpu):
     out = gpu_check.part_forms("cpu", True, time.monotonic() + FAR)
     layers = out["figures"]["layers"]
