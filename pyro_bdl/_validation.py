@@ -56,7 +56,10 @@ def check_probability(name: str, value: float, *, open_interval: bool = True) ->
 def check_positive_int(name: str, value: object) -> int:
     """Require a Python integer >= 1 (bools are refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1; got {type(value).__name__} {value!r}.")
+        raise TypeError(
+            f"{name} must be an int >= 1; got {type(value).__name__} {value!r}. Pass a Python "
+            "int (int(x) converts a whole float or a one-element tensor)."
+        )
     if value < 1:
         raise ValueError(f"{name} must be >= 1; got {value}. Use at least 1.")
     return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyro_bdl._validation import all_finite, check_positive
+from pyro_bdl._validation import all_finite, check_positive, check_positive_int
 
 
 def test_all_finite_decides_every_case_in_one_call():
@@ -51,3 +51,12 @@ def test_regressor_refuses_a_bool_noise_scale():
     net = bdl.bayesianize(torch.nn.Linear(2, 1))
     with pytest.raises(TypeError, match="noise_scale"):
         bdl.models.regressor(net, 10, noise_scale=True)
+
+
+@pytest.mark.parametrize("value", [1437.0, torch.tensor(1437), True])
+def test_a_count_that_is_not_an_int_names_the_conversion(value):
+    # classifier(net, len(x_train) * 0.8) or a tensor's size: the message gives the fix too.
+    with pytest.raises(
+        TypeError, match=r"dataset_size must be an int >= 1; got .*Pass a Python int \(int\(x\)"
+    ):
+        check_positive_int("dataset_size", value)

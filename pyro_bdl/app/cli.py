@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         type=_folder,
         default=None,
-        help=f"folder with data on disk; None reads ${DATA_ENV}",
+        help=f"folder with data on disk; unset: ${DATA_ENV}",
     )
     c.add_argument(
         "--methods",

@@ -26,6 +26,7 @@ References:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from pyro import poutine
 from pyro.infer.importance import vectorized_importance_weights
 
+from pyro_bdl._caller import user_stacklevel
 from pyro_bdl._validation import check_positive_int
 from pyro_bdl.diagnostics import arviz_compat
 from pyro_bdl.diagnostics.metrics import as_tensor
@@ -155,6 +157,26 @@ def _particle_values(guide_trace, max_plate_nesting: int, first: bool) -> list[t
     return out
 
 
+def _warn_if_subsampled(model_trace) -> None:
+    """Warn when an observed site carries a scale: a subsampled plate (``N/B``, a minibatch of
+    the data) or ``poutine.scale`` makes ``log p(θ, y)`` an estimate, and k̂ then measures it."""
+    for name, site in model_trace.nodes.items():
+        if site["type"] != "sample" or not site["is_observed"]:
+            continue
+        scale = site["scale"]
+        scale = float(scale.max()) if isinstance(scale, torch.Tensor) else float(scale)
+        if scale != 1.0:
+            warnings.warn(
+                f"psis_khat: the model scales observed site {name!r} by {scale:.4g} (a "
+                "subsampled plate, pyro.plate(..., subsample_size=B), or poutine.scale), so "
+                "p(θ, y) and k̂ are estimates. Pass the full training data, with the model's "
+                "dataset_size equal to the rows passed.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return
+
+
 def _sequential_log_ratios(model, guide, num_samples, args, kwargs) -> tuple[torch.Tensor, bool]:
     """The log ratios of ``num_samples`` draws, and whether any two draws differ."""
     out = torch.empty(num_samples, dtype=torch.float64)
@@ -168,6 +190,7 @@ def _sequential_log_ratios(model, guide, num_samples, args, kwargs) -> tuple[tor
         out[s] = float(model_trace.log_prob_sum() - guide_trace.log_prob_sum())
         values = [site["value"] for site in _sampled(guide_trace)]
         if s == 0:
+            _warn_if_subsampled(model_trace)
             first = values
         elif not differ:
             differ = any(not torch.equal(a, b) for a, b in zip(first, values))
@@ -217,7 +240,7 @@ def psis_khat(
         with torch.no_grad():
             for start in range(0, num_samples, batch_size):
                 n = min(batch_size, num_samples - start)
-                lw, _, guide_trace = vectorized_importance_weights(
+                lw, model_trace, guide_trace = vectorized_importance_weights(
                     model,
                     guide,
                     *args,
@@ -228,6 +251,7 @@ def psis_khat(
                 )
                 chunks.append(lw.detach().double().reshape(-1).cpu())
                 if first is None:
+                    _warn_if_subsampled(model_trace)
                     first = _particle_values(guide_trace, max_plate_nesting, first=True)
                 if not differ:
                     values = _particle_values(guide_trace, max_plate_nesting, first=False)

@@ -63,12 +63,14 @@ def check_same_sites(
     :param int now_size: numbers the sites need now.
     :raises SiteSetChangedError: if they differ.
     """
+    # Every guide of a class has the same parameter names in Pyro's store, so these were made
+    # by an earlier guide: over another network, or over this model before it changed.
     fix = (
-        f"{guide} packs a fixed set of sites into its parameters, so it cannot follow a model "
-        "whose sites change: build a new guide after the model is complete (and "
-        "pyro.clear_param_store(), or give the new guide another name, so that the old "
-        "parameters are not picked up), or use pyro.infer.autoguide.AutoNormal, which keeps "
-        "each site's parameters apart, for models whose sites change."
+        f"Every {guide} stores its parameters under the same names, so a second {guide} in one "
+        "program (for another network, or for a model that has grown or lost a site) finds "
+        "the first one's: call pyro.clear_param_store() before building it. For a model "
+        f"whose sites change while it trains use pyro.infer.autoguide.AutoNormal ({guide} "
+        "packs a fixed set of sites), which keeps each site's parameters apart."
     )
     if set_up is not None:
         if list(set_up) == list(now):
@@ -77,16 +79,16 @@ def check_same_sites(
         missing = [n for n in set_up if n not in set(now)]
         listed = lambda names: ", ".join(map(repr, names)) or "none"  # noqa: E731
         raise SiteSetChangedError(
-            f"the model's sites changed since {guide} was set up: new sites {listed(new)}; "
-            f"missing sites {listed(missing)}"
+            f"Pyro's param store holds {guide} parameters made for other sites than the "
+            f"model's: new sites {listed(new)}; missing sites {listed(missing)}"
             + ("; the same sites in another order" if not new and not missing else "")
             + f". {fix}"
         )
     if set_up_size is not None and now_size is not None and set_up_size != now_size:
         raise SiteSetChangedError(
-            f"the model's sites changed since {guide}'s parameters were made: they hold "
-            f"{set_up_size} numbers, the model's sites ({', '.join(map(repr, now))}) need "
-            f"{now_size}. {fix}"
+            f"Pyro's param store holds {guide} parameters made for other sites than the "
+            f"model's: they hold {set_up_size} numbers, the model's sites "
+            f"({', '.join(map(repr, now))}) need {now_size}. {fix}"
         )
 
 

@@ -462,6 +462,31 @@ class NetworkShape:
         unit = "channels" if self.kind == "conv" else "features"
         return f"{base.__name__} with {self.width} input {unit}"
 
+    def check_batched(self, x: torch.Tensor) -> None:
+        """Refuse a 1-D ``x`` before a first ``Linear``, naming the reshape it needs: torch's
+        Linear takes it as one unbatched example, but the model reads ``x.shape[0]`` as the
+        number of rows, so it would fail later at the rows of ``y`` or the output's shape."""
+        if self.kind != "linear" or x.dim() != 1:
+            return
+        n, w = x.shape[0], self.width
+        entry = f"the network's first layer ({self._entry_name()})"
+        if n == w:
+            fix = (
+                f"x has shape ({n},): one example without its batch dimension, but the model "
+                f"takes a batch of rows, shape (B, {w}). Pass x.unsqueeze(0) for one row."
+            )
+        elif w == 1:
+            fix = (
+                f"x has shape ({n},) but {entry} expects one feature per row, shape ({n}, 1). "
+                "Pass x.unsqueeze(-1)."
+            )
+        else:
+            fix = (
+                f"x has shape ({n},) but {entry} expects a batch of rows of {w} features, "
+                f"shape (B, {w}). Pass a 2-D batch."
+            )
+        raise ValueError(fix)
+
     def check_inputs(self, x: torch.Tensor) -> None:
         """Refuse inputs of the wrong dtype or feature width for the network, naming both."""
         if self.dtype_source is not None:
@@ -486,6 +511,7 @@ class NetworkShape:
         if self.kind is None:
             return
         if self.kind == "linear":
+            self.check_batched(x)
             got, where = (x.shape[-1] if x.dim() else None), "x.shape[-1]"
         elif self.kind == "flatten":
             got, where = x[0].numel(), "the product of x's non-batch dims"

@@ -313,6 +313,8 @@ class NetworkModel:
         if extra or unexpected:
             raise _call_error(extra, unexpected)
         width = self._width if self._task in ("classification", "multilabel", "tokens") else None
+        if self.check_inputs and isinstance(x, torch.Tensor):
+            self.shape.check_batched(x)  # before the rows of x and y are compared
         expected = self.shape.device() if self.check_inputs else None
         vocabulary = self.shape.vocabulary if self.check_inputs else None
         check_batch(

@@ -370,6 +370,25 @@ def bayesianize(
             "Pass the network itself (for example torchvision.models.resnet18())."
         )
     prior = Normal() if prior is None else prior
+    # A distribution and a class are callable too, but not as (module, name, param).
+    use = (
+        "Use bdl.priors.Normal(loc, scale) (or Laplace, ScaleMixtureNormal), or a callable "
+        "returning dist.Normal(0, 1).expand(param.shape).to_event(param.dim())."
+    )
+    if isinstance(prior, torch.distributions.Distribution):
+        raise TypeError(
+            f"prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "
+            f"Distribution; got the distribution {type(prior).__name__}, which has no shape "
+            f"for each weight. {use}"
+        )
+    if isinstance(prior, type):
+        fix = (
+            f"Pass an instance: bdl.priors.{prior.__name__}()." if issubclass(prior, Prior) else use
+        )
+        raise TypeError(
+            f"prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "
+            f"Distribution; got the class {prior.__name__}. {fix}"
+        )
     if not callable(prior):
         raise TypeError(
             f"prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "

@@ -160,3 +160,19 @@ def test_point_mass_guide_is_refused_not_called_good(vectorize):
             vectorize=vectorize,
             max_plate_nesting=0,
         )
+
+
+def test_a_subsampled_likelihood_warns_naming_the_fix():
+    """A model whose plate scales the likelihood by N/B (a minibatch of the training data, the
+    usual mistake) makes p(θ, y) an estimate; psis_khat says so instead of a k̂ without meaning."""
+    from pyro_bdl import bayesianize, models
+    from pyro_bdl.guides import AutoMeanField
+
+    x, y = torch.randn(20, 3), torch.randint(0, 2, (20,))
+    model = models.classifier(bayesianize(torch.nn.Linear(3, 2)), 100)
+    guide = AutoMeanField(model)
+    with pytest.warns(UserWarning, match=r"scales observed site 'y' by 5.*full training data"):
+        psis.psis_khat(model, guide, x, y, num_samples=20)
+    pyro.clear_param_store()
+    full = models.classifier(bayesianize(torch.nn.Linear(3, 2)), 20)
+    psis.psis_khat(full, AutoMeanField(full), x, y, num_samples=20)  # no warning: the full data

@@ -114,6 +114,17 @@ def _switchable(with_b: list):
     return guide, x, y
 
 
+def test_data_that_is_not_batches_is_refused_with_the_fix():
+    """A Dataset (no __iter__) or inputs without labels: the message names what to pass."""
+    pyro.clear_param_store()
+    guide = AutoSubnetLaplace(_classifier(), subnetwork="all")
+    x, y = _data()
+    dataset = torch.utils.data.TensorDataset(x, y)
+    _refuses(guide, lambda: guide.fit(dataset), TypeError, r"got TensorDataset\. Wrap .*DataLoader")
+    _refuses(guide, lambda: guide.fit(x), TypeError, r"got Tensor\. Pass \(x, y\)")
+    guide.fit(torch.utils.data.DataLoader(dataset, batch_size=8), check_mode=False)  # the fix
+
+
 def test_a_grown_model_is_refused_naming_the_new_site():
     with_b = [False]
     guide, x, y = _switchable(with_b)

@@ -125,6 +125,22 @@ def test_flatten_and_conv_first_layers():
     _refused(model, conv, (torch.randn(3, 6, 6), Y[:3]), ValueError, r"x must have 4 dims")
 
 
+def test_an_unbatched_input_is_refused_with_its_reshape():
+    """A 1-D x passes torch's Linear as one unbatched example, which the model would read as
+    x.shape[0] rows and refuse later at the output's shape, without the reshape to make."""
+    net = _bn_net()
+    model = models.classifier(net, N)
+    _refused(
+        model, net, (X[0], Y[:1]), ValueError, r"shape \(4,\): one example .*x\.unsqueeze\(0\)"
+    )
+    _refused(model, net, (torch.randn(6),), ValueError, r"shape \(6,\) .*rows of 4 features")
+    line = bayesianize(nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)))
+    regressor = models.regressor(line, N, noise_scale=0.1)
+    x, y = torch.linspace(-1, 1, 10), torch.zeros(10)
+    _refused(regressor, line, (x, y), ValueError, r"one feature per row.*x\.unsqueeze\(-1\)")
+    regressor(x.unsqueeze(-1), y)  # the reshape it names is accepted
+
+
 def test_input_checks_can_be_switched_off_for_a_converting_network():
     class Converts(nn.Module):
         def __init__(self):

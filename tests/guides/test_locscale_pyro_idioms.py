@@ -15,6 +15,7 @@ from pyro import poutine
 from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoGuideList
 
+from pyro_bdl import bayesianize, models
 from pyro_bdl.guides import AutoMeanField, AutoRadial
 from pyro_bdl.guides.access import SiteSetChangedError, check_same_sites
 
@@ -119,8 +120,8 @@ def growing_model(names):
     return model
 
 
-def svi_step(model, guide):
-    return SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO()).step()
+def svi_step(model, guide, *args):
+    return SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO()).step(*args)
 
 
 @pytest.mark.parametrize("guide_cls", GUIDES)
@@ -145,6 +146,25 @@ def test_a_guide_on_a_model_whose_sites_changed_refuses_naming_them(guide_cls, l
     pyro.clear_param_store()  # the fix the message proposes
     guide = guide_cls(model)
     assert math.isfinite(svi_step(model, guide)) and guide.site_names == later
+
+
+@pytest.mark.parametrize("guide_cls", GUIDES)
+def test_a_second_guide_for_another_network_names_the_param_store(guide_cls):
+    """The usual way to meet the refusal: two methods or networks in one program, the second
+    guide built without clearing the store. The message must say where the parameters came
+    from and the fix, not that this guide's model changed."""
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    first = models.classifier(bayesianize(torch.nn.Linear(4, 3)), 8)
+    svi_step(first, guide_cls(first), x, y)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    second = models.classifier(bayesianize(net), 8)
+    with pytest.raises(SiteSetChangedError) as info:
+        svi_step(second, guide_cls(second), x, y)
+    message = str(info.value)
+    assert message.startswith(f"Pyro's param store holds {guide_cls.__name__} parameters")
+    assert "second" in message and "pyro.clear_param_store() before building it" in message
+    pyro.clear_param_store()  # the fix the message proposes
+    assert math.isfinite(svi_step(second, guide_cls(second), x, y))
 
 
 def test_parameters_without_site_names_are_checked_by_size():

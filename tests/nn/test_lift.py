@@ -172,6 +172,23 @@ def test_bad_rules_and_priors_raise_before_changing_the_module(bad, error):
     assert len(list(net.parameters())) == 4
 
 
+@pytest.mark.parametrize(
+    "prior, match",
+    [
+        (dist.Normal(0.0, 1.0), r"got the distribution Normal.*bdl\.priors\.Normal\(loc, scale\)"),
+        (priors.Normal, r"got the class Normal\. Pass an instance: bdl\.priors\.Normal\(\)"),
+    ],
+    ids=["a Pyro distribution", "a prior class"],
+)
+def test_a_prior_that_is_callable_but_not_a_prior_names_the_fix(prior, match):
+    # Both are callable, so they passed the check and failed at the first site with torch's
+    # "takes from 1 to 2 positional arguments but 4 were given".
+    net = _mlp()
+    with pytest.raises(TypeError, match=match):
+        bayesianize(net, prior=prior)
+    assert not isinstance(net, PyroModule)
+
+
 def test_non_module_and_unlifted_module_errors():
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         bayesianize(lambda x: x)

@@ -56,9 +56,15 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
     elif isinstance(data, Iterable) and not isinstance(data, (torch.Tensor, str, Mapping)):
         batches = data
     else:
+        if isinstance(data, torch.utils.data.Dataset):
+            fix = " Wrap it: torch.utils.data.DataLoader(data, batch_size=...)."
+        elif isinstance(data, (torch.Tensor, Mapping)):
+            fix = " Pass (x, y), the inputs with their labels."
+        else:
+            fix = ""
         raise TypeError(
             "data must be a tuple of tensors (x, y), x possibly a dict of tensors, or a "
-            f"DataLoader yielding (x, y); got {type(data).__name__}."
+            f"DataLoader yielding (x, y); got {type(data).__name__}.{fix}"
         )
     empty = True
     for batch in batches:
