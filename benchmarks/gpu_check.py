@@ -320,7 +320,7 @@ def step_profile(fn: Callable[[], object], device: str, steps: int = PROFILED_ST
     events = prof.key_averages()
     count = lambda names: sum(e.count for e in events if e.key in names)  # noqa: E731
     kernel_us = sum(
-        e.self_device_time_total
+        getattr(e, "self_device_time_total", 0.0)
         for e in events
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
     )
