@@ -17,6 +17,8 @@ Conventions:
   broadcasts against the particle plate.
 - Inputs, hidden (non-lifted) parameters and buffers are shared by all samples.
 - Random operations in the forward (dropout) draw independently per sample.
+- An object in the output other than a tensor or a plain constant (a transformer's key/value
+  cache, built per sample inside ``vmap``) comes back as ``None``.
 - BatchNorm must be in eval mode: its running statistics are one buffer shared by the samples,
   which K batched forwards cannot update at once (a clear error says so, and puts back what
   Pyro's unvectorized inspection passes before it wrote: :mod:`~pyro_bdl.nn.running_stats`).
@@ -51,7 +53,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.plate_messenger import PlateMessenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from pyro_bdl.nn.running_stats import note_unvectorized_pass, refuse_training_mode
 
@@ -158,6 +160,15 @@ def _stack(first: Any, *rest: Any) -> Any:
     return torch.stack((first, *rest)) if isinstance(first, torch.Tensor) else first
 
 
+def _batched_leaf(leaf: Any, tensors: Any) -> Any:
+    """A leaf of the vectorized output: the next batched tensor for a tensor, a plain constant
+    as it is, and ``None`` for any other object the forward built per sample (a transformer's
+    key/value cache), whose tensors cannot leave ``vmap``."""
+    if isinstance(leaf, torch.Tensor):
+        return next(tensors)
+    return leaf if isinstance(leaf, (bool, int, float, str, type(None))) else None
+
+
 def _vmapped(one: Callable[..., Any], in_dims: tuple[int | None, ...], flat: tuple) -> Any:
     """``one`` over the samples under :func:`torch.func.vmap`, its refusals explained."""
     try:
@@ -238,10 +249,14 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 flat.append(value.reshape(num, *spec.shape))
                 in_dims.append(0)
 
+        structure: list[tuple[list[Any], TreeSpec]] = []
+
         def one(weights: tuple[torch.Tensor, ...]) -> Any:
             for key, weight in zip(keys, weights):
                 cache[key] = weight
-            return forward(*args, **kwargs)
+            leaves, spec = tree_flatten(forward(*args, **kwargs))
+            structure.append((leaves, spec))
+            return tuple(t for t in leaves if isinstance(t, torch.Tensor))
 
         if any(isinstance(spec.module, nn.RNNBase) for spec in specs):
             outs = [
@@ -250,7 +265,9 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             ]
             out = tree_map(_stack, outs[0], *outs[1:])
         else:
-            out = _vmapped(one, tuple(in_dims), tuple(flat))
+            tensors = iter(_vmapped(one, tuple(in_dims), tuple(flat)))
+            leaves, spec = structure[-1]
+            out = tree_unflatten([_batched_leaf(leaf, tensors) for leaf in leaves], spec)
     finally:
         cache.update(saved)
     return tree_map(
