@@ -16,7 +16,7 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pyro_bdl.nn import adapters, tied
+from pyro_bdl.nn import hf_methods, tied
 from pyro_bdl.nn.convert import convert_, pyro_classes, set_weight
 from pyro_bdl.nn.lift_rules import (
     DEFAULT_HIDE,
@@ -426,7 +426,7 @@ def bayesianize(
         _lift(module, prior, param, uses, inits, registry)
     object.__setattr__(module, _SITES_ATTR, registry)
     install_batched_forward(module)
-    (adapters.guard if _existing_sites(module) else adapters.unguard)(module)
+    (hf_methods.guard if _existing_sites(module) else hf_methods.unguard)(module)
     return module  # type: ignore[return-value]
 
 
@@ -437,7 +437,7 @@ def unlift(module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) 
 
     A Hugging Face/PEFT user saves the adapters trained as random sites this way (PEFT's
     ``save_pretrained``, ``merge_and_unload`` and ``merge_adapter`` are refused on the lifted
-    network, :mod:`pyro_bdl.nn.adapters`)::
+    network, :mod:`pyro_bdl.nn.hf_methods`)::
 
         bdl.nn.unlift(net, guide.median())   # the posterior mean of a Gaussian guide
         net.save_pretrained("adapter")       # or net.merge_and_unload()
@@ -483,7 +483,7 @@ def unlift(module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) 
     for sub in module.modules():
         if not sub.__dict__.get(_SITES_ATTR, True):
             del sub.__dict__[_SITES_ATTR]  # a fresh network again: bayesianize lifts it anew
-    adapters.unguard(module)
+    hf_methods.unguard(module)
     return module
 
 

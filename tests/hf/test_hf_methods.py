@@ -1,6 +1,6 @@
-"""Saving and merging adapters trained as random sites: PEFT's ``save_pretrained`` and
-``merge_and_unload`` are refused on the lifted network, and after ``bdl.nn.unlift(net, values)``
-they save and merge exactly those values."""
+"""The Hugging Face and PEFT methods a lifted network refuses: saving and merging adapters
+trained as random sites (``save_pretrained``, ``merge_and_unload``), which after
+``bdl.nn.unlift(net, values)`` save and merge exactly those values, and gradient checkpointing."""
 
 import warnings
 
@@ -102,3 +102,21 @@ def test_unlift_refuses_wrong_values_before_anything_changes():
     assert len(bdl.sites(net)) == 4
     with pytest.raises(ValueError, match="unlift expects a network lifted by bayesianize"):
         bdl.nn.unlift(torch.nn.Linear(2, 2))
+
+
+def test_gradient_checkpointing_turned_on_after_lifting_is_refused():
+    net = _lifted()
+    net.train()
+    bert = net.base_model.model
+    enable = getattr(type(bert), "activation_checkpointing_enable", None)  # transformers >= 5
+    name = "activation_checkpointing_enable" if enable else "gradient_checkpointing_enable"
+    with pytest.raises(RuntimeError, match=rf"{name} on a network lifted.*freshly drawn"):
+        getattr(net, name)()  # PEFT forwards it to the transformers model
+    assert not _checkpointing(net)
+    bdl.nn.unlift(net)
+    getattr(net, name)()
+    assert _checkpointing(net)
+
+
+def _checkpointing(net):
+    return any(m.__dict__.get("gradient_checkpointing") is True for m in net.modules())
