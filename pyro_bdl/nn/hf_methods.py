@@ -6,6 +6,9 @@
   would write an adapter file without the LoRA matrices (the lifted network's ``state_dict`` has
   none), and the merges would add one prior draw to the base weights, both silently.
   :func:`~pyro_bdl.nn.unlift` makes the sites ordinary parameters again and restores them.
+- ``set_adapter`` (PEFT): the sites are the matrices of the adapters active when the network was
+  lifted (:data:`~pyro_bdl.nn.lora`); after a switch the forward would read another adapter's
+  fixed weights and none of the sites.
 - ``activation_checkpointing_enable`` and ``gradient_checkpointing_enable`` (transformers): the
   checkpointed forward runs again during the backward pass, outside the Pyro trace, where it
   draws fresh weights; :func:`~pyro_bdl.bayesianize` refuses a network with checkpointing on,
@@ -25,8 +28,8 @@ from torch import nn
 
 __all__ = ["ADAPTER_METHODS", "CHECKPOINTING_METHODS", "guard", "unguard"]
 
-#: PEFT's methods that read the adapter weights (``push_to_hub`` calls ``save_pretrained``).
-ADAPTER_METHODS = ("save_pretrained", "merge_and_unload", "merge_adapter")
+#: PEFT's methods refused on a lifted model (``push_to_hub`` calls ``save_pretrained``).
+ADAPTER_METHODS = ("save_pretrained", "merge_and_unload", "merge_adapter", "set_adapter")
 #: transformers' methods that turn on gradient checkpointing (the second, its old name).
 CHECKPOINTING_METHODS = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
 
@@ -53,6 +56,14 @@ def _refuse(method: str, *args: Any, **kwargs: Any) -> Any:
             "again during the backward pass, outside the Pyro trace, and would read freshly "
             "drawn weights. Train the lifted network without it (smaller batches save memory "
             "instead), or call bdl.nn.unlift(net) first to train it as a point estimate."
+        )
+    if method == "set_adapter":
+        raise RuntimeError(
+            "set_adapter on a network lifted by bayesianize: its random sites are the adapters "
+            "that were active when it was lifted, and after the switch the forward pass would "
+            "read another adapter's fixed weights instead. Choose the adapter first: "
+            "bdl.nn.unlift(net, guide.median()); net.set_adapter(name); "
+            "bdl.bayesianize(net, expose=bdl.nn.lora)."
         )
     effect = (
         "write an adapter file without them (the lifted network's state_dict holds none)"

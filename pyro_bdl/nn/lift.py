@@ -20,6 +20,7 @@ from pyro_bdl.nn import hf_methods, tied
 from pyro_bdl.nn.convert import convert_, pyro_classes, set_weight
 from pyro_bdl.nn.lift_rules import (
     DEFAULT_HIDE,
+    ExposeOnly,
     Rule,
     check_prior_value,
     check_rules,
@@ -377,7 +378,11 @@ def bayesianize(
             f"Distribution; got {type(prior).__name__}."
         )
     rules = [(False, r) for r in check_rules("hide", hide)]
-    rules += [(True, r) for r in check_rules("expose", expose)]
+    # An ExposeOnly rule may leave out parts of this network (PEFT's inactive adapters).
+    rules += [
+        (True, r.bound(module) if isinstance(r, ExposeOnly) else r)
+        for r in check_rules("expose", expose)
+    ]
 
     # Decide and validate everything before changing the module (fail at the boundary).
     groups = _parameter_groups(module)
