@@ -1,0 +1,60 @@
+"""PEFT LoRA configurations a user fine-tunes with, each lifted by ``expose=bdl.nn.lora``: the
+lifted network at its initial locations gives the PEFT model's outputs exactly, only the
+adapter tensors become sites, and one mean-field step runs."""
+
+import warnings
+
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO
+from pyro.optim import Adam
+
+from tests.hf import tiny_bert_config
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import pyro_bdl as bdl  # noqa: E402
+
+VOCAB, ROWS = 30, 3
+QV = ["query", "value"]
+
+
+@pytest.mark.parametrize(
+    "options, sites",
+    [
+        (dict(target_modules="all-linear"), 14),  # q, k, v, 3 dense, the pooler; not the head
+        (dict(target_modules=["query", "key", "value", "dense"]), 14),
+        (dict(target_modules=QV, bias="lora_only"), 4),  # the biases stay point estimates
+        (dict(target_modules=QV, bias="all"), 4),
+        (dict(target_modules=QV, use_dora=True), 6),  # and the magnitude vectors
+        (dict(target_modules=QV, use_rslora=True), 4),
+        (dict(target_modules=QV, lora_dropout=0.1), 4),
+        (dict(target_modules=["word_embeddings", "query"]), 4),
+    ],
+    ids=["all_linear", "qkv_dense", "bias_lora_only", "bias_all", "dora", "rslora", "dropout",
+         "embedding"],
+)  # fmt: skip
+def test_lora_configuration_lifts_exactly_and_steps(options, sites):
+    torch.manual_seed(0)
+    net = transformers.BertForSequenceClassification(tiny_bert_config(VOCAB)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
+        net = peft.get_peft_model(net, peft.LoraConfig(r=2, task_type="SEQ_CLS", **options))
+    net.eval()
+    for name, p in net.named_parameters():
+        if "lora_B" in name or "lora_embedding_B" in name:
+            torch.nn.init.normal_(p, std=0.3)  # PEFT starts B at zero
+    ids = torch.randint(1, VOCAB, (ROWS, 5))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    expected = net(**batch).logits
+    bdl.bayesianize(net, expose=bdl.nn.lora)
+    names = list(bdl.sites(net))
+    assert len(names) == sites and all(".lora_" in n for n in names), names
+    data = {name: spec.init_value for name, spec in bdl.sites(net).items()}
+    assert torch.equal(poutine.condition(net, data=data)(**batch).logits, expected)
+    model = bdl.models.classifier(net, 20)
+    guide = bdl.guides.AutoMeanField(model)
+    loss = SVI(model, guide, Adam({"lr": 1e-2}), Trace_ELBO()).step(batch, torch.tensor([0, 1, 0]))
+    assert torch.isfinite(torch.tensor(loss))
