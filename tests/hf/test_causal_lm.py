@@ -86,3 +86,31 @@ def test_vectorized_particles_and_parallel_prediction_drop_the_key_value_cache()
     # Each sample's logits are the plain forward's at that sample's weights.
     data = {name: draws[name][1].reshape(bdl.sites(net)[name].shape) for name in names}
     assert_close(draws["_RETURN"][1], poutine.condition(net, data=data)(**batch).logits)
+
+
+def test_a_bfloat16_base_under_float32_adapters_scores_tokens_in_float32():
+    torch.manual_seed(0)
+    vocab, length = 500, 64
+    config = transformers.GPT2Config(
+        n_embd=16, n_layer=1, n_head=2, vocab_size=vocab, n_positions=length,
+        attn_implementation="eager",
+    )  # fmt: skip
+    net = transformers.GPT2LMHeadModel(config).eval().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
+        lora = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+        net = peft.get_peft_model(net, lora).eval()
+    assert {p.dtype for n, p in net.named_parameters() if "lora_" in n} == {torch.float32}
+    ids = torch.randint(0, vocab, (2, length))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    logits = net(**batch).logits
+    assert logits.dtype == torch.bfloat16
+    # Hugging Face's causal-LM loss upcasts the logits; its sum over the 63 scored tokens.
+    expected = torch.log_softmax(logits[:, :-1].float(), -1)
+    expected = expected.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
+    model = bdl.models.language_model(bdl.bayesianize(net, expose=bdl.nn.lora), N)
+    got = _log_likelihood(model, net, batch, ids)
+    # In bfloat16 each sum of about -400 nats would round to a multiple of 2; in float32 the
+    # sums agree to float32 rounding of 63 terms (relative 1e-6).
+    assert got.dtype == torch.float32
+    assert_close(got, expected, rtol=1e-6, atol=0)
