@@ -2,6 +2,7 @@
 trained as random sites (``save_pretrained``, ``merge_and_unload``), which after
 ``bdl.nn.unlift(net, values)`` save and merge exactly those values, and gradient checkpointing."""
 
+import pickle
 import warnings
 
 import pytest
@@ -118,3 +119,17 @@ def test_gradient_checkpointing_turned_on_after_lifting_is_refused():
 
 def _checkpointing(net):
     return any(m.__dict__.get("gradient_checkpointing") is True for m in net.modules())
+
+
+def test_a_pickled_lifted_network_keeps_its_refusals_and_unlifts():
+    net = _lifted(bdl.nn.lora)
+    batch = _batch()
+    data = {n: s.init_value for n, s in bdl.sites(net).items()}
+    expected = poutine.condition(net, data=data)(**batch).logits
+    twin = pickle.loads(pickle.dumps(net))
+    with pytest.raises(RuntimeError, match="merge_and_unload on a network lifted"):
+        twin.merge_and_unload()
+    bdl.nn.unlift(twin)
+    assert_close(twin.merge_and_unload()(**batch).logits, expected)
+    with pytest.raises(RuntimeError, match="merge_and_unload on a network lifted"):
+        net.merge_and_unload()  # the original is still lifted
