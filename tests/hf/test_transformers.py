@@ -257,16 +257,18 @@ def test_swag_over_lora_collects_and_predicts():
     [(bdl.nn.lora_and_head, "last_layer", "full"), (bdl.nn.lora, "all", "diag")],
 )
 def test_laplace_over_lora_fits_and_predicts(expose, subnetwork, structure):
-    # AutoSubnetLaplace slices the rows of tensor batches only: feed the input ids alone.
+    # The tokenizer's batch as it comes (a mapping, padded rows included), and the ids alone.
     model = bdl.models.classifier(bdl.bayesianize(_lora(), expose=expose), N)
     batch, y = _batch()
-    ids = batch["input_ids"]
     guide = bdl.guides.AutoSubnetLaplace(model, subnetwork=subnetwork, hessian_structure=structure)
-    guide(ids, y)
-    guide.fit((ids, y))
-    probs = guide.predict(ids)
-    assert probs.shape == (4, CLASSES)
-    assert_close(probs.sum(-1), probs.new_ones(4))
+    guide(batch, y)
+    guide.fit([(batch, y)])
+    for x in (batch, batch["input_ids"]):
+        probs = guide.predict(x)
+        assert probs.shape == (4, CLASSES)
+        assert_close(probs.sum(-1), probs.new_ones(4))
+    with pytest.raises(TypeError, match=r"got tuple\. Pass .* as a dict .* reads as \(x, y\)"):
+        guide.predict((batch["input_ids"], batch["attention_mask"]))
 
 
 def test_masked_language_model_with_tied_embeddings_matches_the_hf_loss():
