@@ -133,3 +133,16 @@ def test_a_pickled_lifted_network_keeps_its_refusals_and_unlifts():
     assert_close(twin.merge_and_unload()(**batch).logits, expected)
     with pytest.raises(RuntimeError, match="merge_and_unload on a network lifted"):
         net.merge_and_unload()  # the original is still lifted
+
+
+def test_unlift_keeps_a_tied_language_model_head_tied():
+    torch.manual_seed(0)
+    net = bdl.bayesianize(transformers.BertForMaskedLM(tiny_bert_config(VOCAB)).eval())
+    batch = _batch()
+    values = {n: s.init_value + 0.01 * torch.randn(s.shape) for n, s in bdl.sites(net).items()}
+    expected = poutine.condition(net, data=values)(**batch).logits
+    bdl.nn.unlift(net, values)
+    assert net.cls.predictions.decoder.weight is net.bert.embeddings.word_embeddings.weight
+    plain = transformers.BertForMaskedLM(tiny_bert_config(VOCAB)).eval()
+    plain.load_state_dict(net.state_dict())
+    assert_close(plain(**batch).logits, expected)
