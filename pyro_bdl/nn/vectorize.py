@@ -156,10 +156,6 @@ def _lifted_sites(module: nn.Module) -> list[Any]:
     return list(specs.values())
 
 
-def _stack(first: Any, *rest: Any) -> Any:
-    return torch.stack((first, *rest)) if isinstance(first, torch.Tensor) else first
-
-
 def _batched_leaf(leaf: Any, tensors: Any) -> Any:
     """A leaf of the vectorized output: the next batched tensor for a tensor, a plain constant
     as it is, and ``None`` for any other object the forward built per sample (a transformer's
@@ -263,11 +259,12 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 one(tuple(w if d is None else w[i] for w, d in zip(flat, in_dims)))
                 for i in range(num)
             ]
-            out = tree_map(_stack, outs[0], *outs[1:])
+            stacked = tuple(torch.stack(samples) for samples in zip(*outs))
         else:
-            tensors = iter(_vmapped(one, tuple(in_dims), tuple(flat)))
-            leaves, spec = structure[-1]
-            out = tree_unflatten([_batched_leaf(leaf, tensors) for leaf in leaves], spec)
+            stacked = _vmapped(one, tuple(in_dims), tuple(flat))
+        tensors = iter(stacked)
+        leaves, spec = structure[-1]
+        out = tree_unflatten([_batched_leaf(leaf, tensors) for leaf in leaves], spec)
     finally:
         cache.update(saved)
     return tree_map(
