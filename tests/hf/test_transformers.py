@@ -299,3 +299,22 @@ def test_minilm_loads_offline_and_lifts_with_lora():
     net = _lora(net)
     bdl.bayesianize(net, expose=bdl.nn.lora)
     assert_close(_at_init(net, batch), expected)
+
+
+def test_ivon_over_batches_of_changing_length_then_predicts_under_inference_mode():
+    # A tokenizer pads each batch to its own longest row, gives token_type_ids, and a row may be
+    # all padding; prediction afterwards runs without autograd.
+    model = bdl.models.classifier(bdl.bayesianize(_lora(), expose=bdl.nn.lora), N)
+    ivon = bdl.infer.IVON(model, dataset_size=N, lr=0.05)
+    for length in (6, 9, 4):
+        batch, y = _batch(length=length)
+        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+        batch["attention_mask"][1] = 0
+        assert torch.isfinite(torch.tensor(ivon.step(batch, y)))
+    with torch.inference_mode():
+        for parallel in (False, True):
+            draws = Predictive(
+                model, guide=ivon.guide, num_samples=3, parallel=parallel, return_sites=["_RETURN"]
+            )(batch)
+            assert draws["_RETURN"].shape == (3, 4, CLASSES)
+            assert torch.isfinite(draws["_RETURN"]).all()
