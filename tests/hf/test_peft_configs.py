@@ -21,6 +21,19 @@ VOCAB, ROWS = 30, 3
 QV = ["query", "value"]
 
 
+def _peft_bert(**options):
+    torch.manual_seed(0)
+    net = transformers.BertForSequenceClassification(tiny_bert_config(VOCAB)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
+        net = peft.get_peft_model(net, peft.LoraConfig(r=2, task_type="SEQ_CLS", **options))
+    for name, p in net.named_parameters():
+        if "lora_B" in name or "lora_embedding_B" in name:
+            torch.nn.init.normal_(p, std=0.3)  # PEFT starts B at zero
+    ids = torch.randint(1, VOCAB, (ROWS, 5))
+    return net.eval(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
 @pytest.mark.parametrize(
     "options, sites",
     [
@@ -37,17 +50,7 @@ QV = ["query", "value"]
          "embedding"],
 )  # fmt: skip
 def test_lora_configuration_lifts_exactly_and_steps(options, sites):
-    torch.manual_seed(0)
-    net = transformers.BertForSequenceClassification(tiny_bert_config(VOCAB)).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
-        net = peft.get_peft_model(net, peft.LoraConfig(r=2, task_type="SEQ_CLS", **options))
-    net.eval()
-    for name, p in net.named_parameters():
-        if "lora_B" in name or "lora_embedding_B" in name:
-            torch.nn.init.normal_(p, std=0.3)  # PEFT starts B at zero
-    ids = torch.randint(1, VOCAB, (ROWS, 5))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    net, batch = _peft_bert(**options)
     expected = net(**batch).logits
     bdl.bayesianize(net, expose=bdl.nn.lora)
     names = list(bdl.sites(net))
@@ -58,3 +61,16 @@ def test_lora_configuration_lifts_exactly_and_steps(options, sites):
     guide = bdl.guides.AutoMeanField(model)
     loss = SVI(model, guide, Adam({"lr": 1e-2}), Trace_ELBO()).step(batch, torch.tensor([0, 1, 0]))
     assert torch.isfinite(torch.tensor(loss))
+
+
+def test_vogn_refuses_dora_naming_ivon_and_changes_nothing():
+    # DoRA applies its LoRA matrices to an identity matrix too, which has no per-example form.
+    net, batch = _peft_bert(target_modules=QV, use_dora=True)
+    model = bdl.models.classifier(bdl.bayesianize(net, expose=bdl.nn.lora), 20)
+    y = torch.tensor([0, 1, 0])
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match=r"identity matrix\) has no per-example form.*IVON"):
+        bdl.infer.VOGN(model, dataset_size=20, lr=0.05).step(batch, y)
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+    ivon = bdl.infer.IVON(model, dataset_size=20, lr=0.05)
+    assert torch.isfinite(torch.tensor(ivon.step(batch, y)))
