@@ -454,6 +454,11 @@ def unlift(module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) 
         ``Predictive``); each takes the site's dtype and device.
     :returns: the same object, with no weight sites (:func:`sites` refuses it, as a fresh one).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"unlift expects the lifted torch.nn.Module; got {type(module).__name__}. Pass the "
+            "network bayesianize returned (a ready-made model's is model.net)."
+        )
     existing = _existing_sites(module)
     if not existing:
         raise ValueError(

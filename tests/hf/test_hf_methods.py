@@ -101,6 +101,8 @@ def test_unlift_refuses_wrong_values_before_anything_changes():
     assert len(bdl.sites(net)) == 4
     with pytest.raises(ValueError, match="unlift expects a network lifted by bayesianize"):
         bdl.nn.unlift(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"got NetworkModel\. .* model\.net"):
+        bdl.nn.unlift(bdl.models.classifier(net, 20))
 
 
 def test_gradient_checkpointing_turned_on_after_lifting_is_refused():
