@@ -441,8 +441,9 @@ def unlift(module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) 
     ``values`` leaves out: the network as code that reads its weights directly expects it.
 
     A Hugging Face/PEFT user saves the adapters trained as random sites this way (PEFT's
-    ``save_pretrained``, ``merge_and_unload`` and ``merge_adapter`` are refused on the lifted
-    network, :mod:`pyro_bdl.nn.hf_methods`)::
+    ``save_pretrained``, ``merge_and_unload``, ``merge_adapter`` and ``set_adapter``, and
+    turning gradient checkpointing on, are refused on the lifted network:
+    :mod:`pyro_bdl.nn.hf_methods`)::
 
         bdl.nn.unlift(net, guide.median())   # the posterior mean of a Gaussian guide
         net.save_pretrained("adapter")       # or net.merge_and_unload()
@@ -450,8 +451,8 @@ def unlift(module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) 
     Everything is checked before the network changes. :func:`bayesianize` lifts it again.
 
     :param torch.nn.Module module: a network lifted by :func:`bayesianize`.
-    :param values: the value of each site, by site name (``guide.median()``, one draw of a
-        ``Predictive``); each takes the site's dtype and device.
+    :param values: the value of each site, by site name: ``guide.median()``, or one draw
+        ``{name: draws[name][k]}`` of a ``Predictive``; each takes the site's dtype and device.
     :returns: the same object, with no weight sites (:func:`sites` refuses it, as a fresh one).
     """
     if not isinstance(module, nn.Module):
