@@ -170,16 +170,26 @@ def _vmapped(one: Callable[..., Any], in_dims: tuple[int | None, ...], flat: tup
     try:
         return torch.func.vmap(one, in_dims=(in_dims,), randomness="different")(flat)
     except RuntimeError as err:
-        # vmap's own refusals name vmap; errors of the forward itself pass through unchanged.
-        if "vmap" not in str(err).lower():
+        # vmap's own refusals name vmap, and an in-place update of a tensor shared by the
+        # samples with a per-sample one fails torch's broadcast check with the sample dim in
+        # the shape; errors of the forward itself pass through unchanged.
+        message = str(err)
+        inplace = "doesn't match the broadcast shape" in message
+        if "vmap" not in message.lower() and not inplace:
             raise
+        cause = (
+            "the forward updates in place a tensor that is the same for every sample with one "
+            "that differs per sample (`result += lora(x)`, as PEFT's AdaLoRA does)"
+            if inplace
+            else "the forward branches in Python on a tensor's value (`if x.sum() > 0:`, "
+            "`.item()`), which differs per sample"
+        )
         raise RuntimeError(
             "the network's forward cannot run vectorized over the weight samples (vectorized "
-            "particles or Predictive(parallel=True)): torch.func.vmap refused it, most often "
-            "because the forward branches in Python on a tensor's value (`if x.sum() > 0:`, "
-            "`.item()`), which differs per sample. Use Predictive(parallel=False) or "
-            "Trace_ELBO(vectorize_particles=False), or write the branch as torch.where. "
-            f"vmap said: {err}"
+            f"particles or Predictive(parallel=True)): torch.func.vmap refused it, most likely "
+            f"because {cause}. Use Predictive(parallel=False) or "
+            "Trace_ELBO(vectorize_particles=False), or write the branch as torch.where and the "
+            f"update out of place. vmap said: {err}"
         ) from err
 
 

@@ -74,3 +74,31 @@ def test_vogn_refuses_dora_naming_ivon_and_changes_nothing():
     assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
     ivon = bdl.infer.IVON(model, dataset_size=20, lr=0.05)
     assert torch.isfinite(torch.tensor(ivon.step(batch, y)))
+
+
+def test_adalora_lifts_exactly_and_its_in_place_update_is_refused_vectorized():
+    torch.manual_seed(0)
+    net = transformers.BertForSequenceClassification(tiny_bert_config(VOCAB)).eval()
+    config = peft.AdaLoraConfig(
+        init_r=2, target_r=1, target_modules=QV, task_type="SEQ_CLS", total_step=10
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's, not ours
+        net = peft.get_peft_model(net, config).eval()
+    for name, p in net.named_parameters():
+        if "lora_B" in name or "lora_E" in name:
+            torch.nn.init.normal_(p, std=0.3)  # AdaLoRA starts B and E at zero
+    ids = torch.randint(1, VOCAB, (ROWS, 5))
+    batch, y = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.tensor([0, 1, 0])
+    expected = net(**batch).logits
+    bdl.bayesianize(net, expose=bdl.nn.lora)
+    assert len(bdl.sites(net)) == 6  # A, B and the singular values E of query and value
+    data = {name: spec.init_value for name, spec in bdl.sites(net).items()}
+    assert torch.equal(poutine.condition(net, data=data)(**batch).logits, expected)
+    model = bdl.models.classifier(net, 20)
+    guide = bdl.guides.AutoMeanField(model)
+    assert torch.isfinite(torch.tensor(SVI(model, guide, Adam({}), Trace_ELBO()).step(batch, y)))
+    # AdaLoRA adds its update in place (result += ...) to the base layer's shared output.
+    vectorized = Trace_ELBO(num_particles=2, vectorize_particles=True)
+    with pytest.raises(RuntimeError, match=r"updates in place.*vectorize_particles=False"):
+        SVI(model, guide, Adam({}), vectorized).step(batch, y)
