@@ -345,7 +345,9 @@ def bayesianize(
     the network changes, so a refused call leaves it as it was. To make only a PEFT model's
     LoRA matrices random, pass ``expose=bdl.nn.lora`` (or ``bdl.nn.lora_and_head``): an
     :class:`~pyro_bdl.nn.ExposeOnly` rule, which hides every parameter no ``expose`` rule
-    matches. docs/methods/layers.md says which method supports which layer.
+    matches. docs/methods/layers.md says which method supports which layer. :func:`unlift`
+    turns the sites back into ordinary parameters holding chosen values (a guide's median), for
+    code that reads the weights directly (PEFT's ``save_pretrained``, refused until then).
 
     When the weights carry leading sample dims (``Trace_ELBO(vectorize_particles=True)``,
     ``Predictive(parallel=True)``), the network runs once on the batched weights under
