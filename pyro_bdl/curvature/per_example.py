@@ -337,7 +337,10 @@ class PerExampleGradients:
                 raise ValueError(
                     f"{type(module).__name__} was called with an input of shape "
                     f"{getattr(first, 'shape', None)}; per-example gradients need dim 0 to be "
-                    f"the batch of {batch} examples (the length of losses)."
+                    f"the batch of {batch} examples (the length of losses). A layer applied to "
+                    "something other than the batch (DoRA's LoRA matrices, applied to an "
+                    "identity matrix) has no per-example form: train it with IVON "
+                    "(pyro_bdl.infer.IVON), which takes every layer, or keep it fixed."
                 )
         if not losses.requires_grad:
             raise ValueError(

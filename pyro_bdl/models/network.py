@@ -19,7 +19,6 @@ from pyro_bdl._validation import check_choice, check_positive, check_positive_in
 from pyro_bdl.models.checks import (
     IGNORE_INDEX,
     NetworkShape,
-    autocast_enabled,
     batch_tensors,
     check_batch,
     check_token_range,
@@ -358,9 +357,12 @@ class NetworkModel:
 
     def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
         out = self.network_output(x)
-        if out.dtype in (torch.float16, torch.bfloat16) and autocast_enabled(out):
-            # Autocast runs the layers in 16 bits; the likelihood, a sum over the batch, runs in
-            # float32, as autocast does for torch's own losses (cross_entropy, nll_loss).
+        if out.dtype in (torch.float16, torch.bfloat16):
+            # The layers ran in 16 bits (under autocast, or a network kept in 16 bits: a
+            # bfloat16 base under float32 LoRA adapters); the likelihood, a sum over the batch
+            # and a sequence's tokens, runs in float32, as autocast does for torch's own losses
+            # and Hugging Face's losses do for the logits (in bfloat16 a sequence's
+            # log-likelihood of -1940 nats rounds to a multiple of 8).
             out = out.float()
         if self.likelihood == "categorical":
             fn, value = self._categorical(out, y, rows)

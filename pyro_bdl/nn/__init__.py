@@ -2,7 +2,15 @@
 
 from pyro_bdl.nn import pretrained
 from pyro_bdl.nn.convert import LayerNotLiftable
-from pyro_bdl.nn.lift import DEFAULT_HIDE, SiteSpec, bayesianize, init_to_network, site_spec, sites
+from pyro_bdl.nn.lift import (
+    DEFAULT_HIDE,
+    SiteSpec,
+    bayesianize,
+    init_to_network,
+    site_spec,
+    sites,
+    unlift,
+)
 from pyro_bdl.nn.lift_rules import ExposeOnly, lora, lora_and_head
 
 __all__ = [
@@ -17,4 +25,5 @@ __all__ = [
     "pretrained",
     "site_spec",
     "sites",
+    "unlift",
 ]

@@ -16,10 +16,11 @@ from pyro.nn import PyroModule, PyroSample
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from pyro_bdl.nn import tied
+from pyro_bdl.nn import hf_methods, tied
 from pyro_bdl.nn.convert import convert_, pyro_classes, set_weight
 from pyro_bdl.nn.lift_rules import (
     DEFAULT_HIDE,
+    ExposeOnly,
     Rule,
     check_prior_value,
     check_rules,
@@ -48,6 +49,7 @@ __all__ = [
     "init_to_network",
     "site_spec",
     "sites",
+    "unlift",
 ]
 
 _SITES_ATTR = "_bdl_sites"
@@ -343,7 +345,9 @@ def bayesianize(
     the network changes, so a refused call leaves it as it was. To make only a PEFT model's
     LoRA matrices random, pass ``expose=bdl.nn.lora`` (or ``bdl.nn.lora_and_head``): an
     :class:`~pyro_bdl.nn.ExposeOnly` rule, which hides every parameter no ``expose`` rule
-    matches. docs/methods/layers.md says which method supports which layer.
+    matches. docs/methods/layers.md says which method supports which layer. :func:`unlift`
+    turns the sites back into ordinary parameters holding chosen values (a guide's median), for
+    code that reads the weights directly (PEFT's ``save_pretrained``, refused until then).
 
     When the weights carry leading sample dims (``Trace_ELBO(vectorize_particles=True)``,
     ``Predictive(parallel=True)``), the network runs once on the batched weights under
@@ -395,7 +399,11 @@ def bayesianize(
             f"Distribution; got {type(prior).__name__}."
         )
     rules = [(False, r) for r in check_rules("hide", hide)]
-    rules += [(True, r) for r in check_rules("expose", expose)]
+    # An ExposeOnly rule may leave out parts of this network (PEFT's inactive adapters).
+    rules += [
+        (True, r.bound(module) if isinstance(r, ExposeOnly) else r)
+        for r in check_rules("expose", expose)
+    ]
 
     # Decide and validate everything before changing the module (fail at the boundary).
     groups = _parameter_groups(module)
@@ -444,7 +452,71 @@ def bayesianize(
         _lift(module, prior, param, uses, inits, registry)
     object.__setattr__(module, _SITES_ATTR, registry)
     install_batched_forward(module)
+    (hf_methods.guard if _existing_sites(module) else hf_methods.unguard)(module)
     return module  # type: ignore[return-value]
+
+
+def unlift(module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+    """Make every weight site of a lifted ``module`` an ordinary parameter again (a frozen
+    one a buffer again), holding ``values[name]``, or its initial location for a site that
+    ``values`` leaves out: the network as code that reads its weights directly expects it.
+
+    A Hugging Face/PEFT user saves the adapters trained as random sites this way (PEFT's
+    ``save_pretrained``, ``merge_and_unload``, ``merge_adapter`` and ``set_adapter``, and
+    turning gradient checkpointing on, are refused on the lifted network:
+    :mod:`pyro_bdl.nn.hf_methods`)::
+
+        bdl.nn.unlift(net, guide.median())   # the posterior mean of a Gaussian guide
+        net.save_pretrained("adapter")       # or net.merge_and_unload()
+
+    Everything is checked before the network changes. :func:`bayesianize` lifts it again.
+
+    :param torch.nn.Module module: a network lifted by :func:`bayesianize`.
+    :param values: the value of each site, by site name: ``guide.median()``, or one draw
+        ``{name: draws[name][k]}`` of a ``Predictive``; each takes the site's dtype and device.
+    :returns: the same object, with no weight sites (:func:`sites` refuses it, as a fresh one).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"unlift expects the lifted torch.nn.Module; got {type(module).__name__}. Pass the "
+            "network bayesianize returned (a ready-made model's is model.net)."
+        )
+    existing = _existing_sites(module)
+    if not existing:
+        raise ValueError(
+            f"unlift expects a network lifted by bayesianize; {type(module).__name__} has no "
+            "weight site. Pass the network bayesianize returned."
+        )
+    values = {} if values is None else values
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"values must map site names to tensors (guide.median()); got {type(values).__name__}."
+        )
+    by_name = {name: spec for name, spec, _ in existing}
+    unknown = [k for k in values if k not in by_name]
+    if unknown:
+        raise ValueError(
+            f"values names {unknown}, which are not weight sites of this network (its sites "
+            f"look like {list(by_name)[:3]}). Drop them: {{k: v for k, v in values.items() if "
+            "k in bdl.sites(net)}."
+        )
+    for name, value in values.items():
+        shape = by_name[name].shape
+        if not isinstance(value, torch.Tensor) or value.shape != shape:
+            raise ValueError(
+                f"values[{name!r}] must be a tensor of the site's shape {tuple(shape)}; got "
+                f"{getattr(value, 'shape', type(value).__name__)}."
+            )
+    for name, spec, registry in existing:
+        if name in values:
+            with torch.no_grad():
+                spec.init_value.copy_(values[name].detach())
+        _unlift(module, spec, registry)
+    for sub in module.modules():
+        if not sub.__dict__.get(_SITES_ATTR, True):
+            del sub.__dict__[_SITES_ATTR]  # a fresh network again: bayesianize lifts it anew
+    hf_methods.unguard(module)
+    return module
 
 
 def sites(module: nn.Module) -> Mapping[str, SiteSpec]:

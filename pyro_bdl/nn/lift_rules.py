@@ -53,13 +53,34 @@ class ExposeOnly:
     :param str name: how errors and ``repr`` name the rule.
     :param predicate: ``(module, name, param) -> bool`` on the dotted parameter name.
     :param str missing: what to tell a user whose network has no matching parameter.
+    :param unused: ``root -> prefixes``: the dotted-name prefixes, in the network being lifted,
+        of parameters the rule leaves out there (:meth:`bound`).
     """
 
-    def __init__(self, name: str, predicate: Predicate, missing: str):
-        self.name, self.predicate, self.missing = name, predicate, missing
+    def __init__(
+        self,
+        name: str,
+        predicate: Predicate,
+        missing: str,
+        unused: Callable[[nn.Module], tuple[str, ...]] | None = None,
+    ):
+        self.name, self.predicate, self.missing, self.unused = name, predicate, missing, unused
 
     def __call__(self, module: nn.Module, name: str, param: torch.Tensor) -> bool:
         return bool(self.predicate(module, name, param))
+
+    def bound(self, root: nn.Module) -> ExposeOnly:
+        """This rule for the network ``root``: also false on the names under ``unused(root)``."""
+        if self.unused is None:
+            return self
+        prefixes = self.unused(root)
+        if not prefixes:
+            return self
+
+        def predicate(module: nn.Module, name: str, param: torch.Tensor) -> bool:
+            return self.predicate(module, name, param) and not name.startswith(prefixes)
+
+        return ExposeOnly(self.name, predicate, self.missing)
 
     def __repr__(self) -> str:
         return f"pyro_bdl.nn.{self.name}"
@@ -81,20 +102,43 @@ def _is_head(module: nn.Module, name: str, param: torch.Tensor) -> bool:
     return "modules_to_save" in name.split(".")
 
 
+def _inactive_adapters(root: nn.Module) -> tuple[str, ...]:
+    """The name prefixes of the adapters of ``root`` that no forward pass reads: a PEFT layer
+    (LoRA layer or task-head wrapper; its class lists ``adapter_layer_names``) holds every
+    adapter added to the model, and uses only its ``active_adapters``. Random sites there
+    would be drawn from the prior in every vectorized pass and never learnt."""
+    out = []
+    for path, layer in root.named_modules(remove_duplicate=False):
+        containers = getattr(type(layer), "adapter_layer_names", None)
+        if not containers:
+            continue
+        active = set(getattr(layer, "active_adapters", ()))
+        for container in containers:
+            adapters = layer._modules.get(container)  # a ModuleDict or ParameterDict
+            for adapter in () if adapters is None else adapters.keys():  # type: ignore[operator]
+                if adapter not in active:
+                    out.append(".".join(filter(None, (path, container, adapter))) + ".")
+    return tuple(out)
+
+
 _NO_LORA = (
     "the network has no LoRA parameter (no name with a lora_* part); add the adapters first "
     "(peft.get_peft_model(model, peft.LoraConfig(...))), or pass the parameters to make random "
     "as expose= globs."
 )
 
-#: Only the LoRA matrices are random; the base network (and the task head) stay fixed point
-#: estimates: ``bayesianize(peft_model, expose=bdl.nn.lora)``.
-lora = ExposeOnly("lora", _is_lora, _NO_LORA)
+#: Only the LoRA matrices of the active adapters are random; the base network (and the task
+#: head, and the adapters ``set_adapter`` did not activate) stay fixed point estimates:
+#: ``bayesianize(peft_model, expose=bdl.nn.lora)``.
+lora = ExposeOnly("lora", _is_lora, _NO_LORA, _inactive_adapters)
 
-#: The LoRA matrices and the task head that PEFT trains (``modules_to_save``) are random; the
-#: base network stays a fixed point estimate.
+#: The LoRA matrices and the task head that PEFT trains (``modules_to_save``) of the active
+#: adapters are random; the base network stays a fixed point estimate.
 lora_and_head = ExposeOnly(
-    "lora_and_head", lambda m, n, p: _is_lora(m, n, p) or _is_head(m, n, p), _NO_LORA
+    "lora_and_head",
+    lambda m, n, p: _is_lora(m, n, p) or _is_head(m, n, p),
+    _NO_LORA,
+    _inactive_adapters,
 )
 
 

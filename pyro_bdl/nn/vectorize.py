@@ -17,6 +17,8 @@ Conventions:
   broadcasts against the particle plate.
 - Inputs, hidden (non-lifted) parameters and buffers are shared by all samples.
 - Random operations in the forward (dropout) draw independently per sample.
+- An object in the output other than a tensor or a plain constant (a transformer's key/value
+  cache, built per sample inside ``vmap``) comes back as ``None``.
 - BatchNorm must be in eval mode: its running statistics are one buffer shared by the samples,
   which K batched forwards cannot update at once (a clear error says so, and puts back what
   Pyro's unvectorized inspection passes before it wrote: :mod:`~pyro_bdl.nn.running_stats`).
@@ -51,7 +53,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.plate_messenger import PlateMessenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from pyro_bdl.nn.running_stats import note_unvectorized_pass, refuse_training_mode
 
@@ -154,8 +156,13 @@ def _lifted_sites(module: nn.Module) -> list[Any]:
     return list(specs.values())
 
 
-def _stack(first: Any, *rest: Any) -> Any:
-    return torch.stack((first, *rest)) if isinstance(first, torch.Tensor) else first
+def _batched_leaf(leaf: Any, tensors: Any) -> Any:
+    """A leaf of the vectorized output: the next batched tensor for a tensor, a plain constant
+    as it is, and ``None`` for any other object the forward built per sample (a transformer's
+    key/value cache), whose tensors cannot leave ``vmap``."""
+    if isinstance(leaf, torch.Tensor):
+        return next(tensors)
+    return leaf if isinstance(leaf, (bool, int, float, str, type(None))) else None
 
 
 def _vmapped(one: Callable[..., Any], in_dims: tuple[int | None, ...], flat: tuple) -> Any:
@@ -163,16 +170,26 @@ def _vmapped(one: Callable[..., Any], in_dims: tuple[int | None, ...], flat: tup
     try:
         return torch.func.vmap(one, in_dims=(in_dims,), randomness="different")(flat)
     except RuntimeError as err:
-        # vmap's own refusals name vmap; errors of the forward itself pass through unchanged.
-        if "vmap" not in str(err).lower():
+        # vmap's own refusals name vmap, and an in-place update of a tensor shared by the
+        # samples with a per-sample one fails torch's broadcast check with the sample dim in
+        # the shape; errors of the forward itself pass through unchanged.
+        message = str(err)
+        inplace = "doesn't match the broadcast shape" in message
+        if "vmap" not in message.lower() and not inplace:
             raise
+        cause = (
+            "the forward updates in place a tensor that is the same for every sample with one "
+            "that differs per sample (`result += lora(x)`, as PEFT's AdaLoRA does)"
+            if inplace
+            else "the forward branches in Python on a tensor's value (`if x.sum() > 0:`, "
+            "`.item()`), which differs per sample"
+        )
         raise RuntimeError(
             "the network's forward cannot run vectorized over the weight samples (vectorized "
-            "particles or Predictive(parallel=True)): torch.func.vmap refused it, most often "
-            "because the forward branches in Python on a tensor's value (`if x.sum() > 0:`, "
-            "`.item()`), which differs per sample. Use Predictive(parallel=False) or "
-            "Trace_ELBO(vectorize_particles=False), or write the branch as torch.where. "
-            f"vmap said: {err}"
+            f"particles or Predictive(parallel=True)): torch.func.vmap refused it, most likely "
+            f"because {cause}. Use Predictive(parallel=False) or "
+            "Trace_ELBO(vectorize_particles=False), or write the branch as torch.where and the "
+            f"update out of place. vmap said: {err}"
         ) from err
 
 
@@ -238,19 +255,26 @@ def batched_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
                 flat.append(value.reshape(num, *spec.shape))
                 in_dims.append(0)
 
+        structure: list[tuple[list[Any], TreeSpec]] = []
+
         def one(weights: tuple[torch.Tensor, ...]) -> Any:
             for key, weight in zip(keys, weights):
                 cache[key] = weight
-            return forward(*args, **kwargs)
+            leaves, spec = tree_flatten(forward(*args, **kwargs))
+            structure.append((leaves, spec))
+            return tuple(t for t in leaves if isinstance(t, torch.Tensor))
 
         if any(isinstance(spec.module, nn.RNNBase) for spec in specs):
             outs = [
                 one(tuple(w if d is None else w[i] for w, d in zip(flat, in_dims)))
                 for i in range(num)
             ]
-            out = tree_map(_stack, outs[0], *outs[1:])
+            stacked = tuple(torch.stack(samples) for samples in zip(*outs))
         else:
-            out = _vmapped(one, tuple(in_dims), tuple(flat))
+            stacked = _vmapped(one, tuple(in_dims), tuple(flat))
+        tensors = iter(stacked)
+        leaves, spec = structure[-1]
+        out = tree_unflatten([_batched_leaf(leaf, tensors) for leaf in leaves], spec)
     finally:
         cache.update(saved)
     return tree_map(

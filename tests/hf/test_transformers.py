@@ -257,16 +257,18 @@ def test_swag_over_lora_collects_and_predicts():
     [(bdl.nn.lora_and_head, "last_layer", "full"), (bdl.nn.lora, "all", "diag")],
 )
 def test_laplace_over_lora_fits_and_predicts(expose, subnetwork, structure):
-    # AutoSubnetLaplace slices the rows of tensor batches only: feed the input ids alone.
+    # The tokenizer's batch as it comes (a mapping, padded rows included), and the ids alone.
     model = bdl.models.classifier(bdl.bayesianize(_lora(), expose=expose), N)
     batch, y = _batch()
-    ids = batch["input_ids"]
     guide = bdl.guides.AutoSubnetLaplace(model, subnetwork=subnetwork, hessian_structure=structure)
-    guide(ids, y)
-    guide.fit((ids, y))
-    probs = guide.predict(ids)
-    assert probs.shape == (4, CLASSES)
-    assert_close(probs.sum(-1), probs.new_ones(4))
+    guide(batch, y)
+    guide.fit([(batch, y)])
+    for x in (batch, batch["input_ids"]):
+        probs = guide.predict(x)
+        assert probs.shape == (4, CLASSES)
+        assert_close(probs.sum(-1), probs.new_ones(4))
+    with pytest.raises(TypeError, match=r"got tuple\. Pass .* as a dict .* reads as \(x, y\)"):
+        guide.predict((batch["input_ids"], batch["attention_mask"]))
 
 
 def test_masked_language_model_with_tied_embeddings_matches_the_hf_loss():
@@ -297,3 +299,22 @@ def test_minilm_loads_offline_and_lifts_with_lora():
     net = _lora(net)
     bdl.bayesianize(net, expose=bdl.nn.lora)
     assert_close(_at_init(net, batch), expected)
+
+
+def test_ivon_over_batches_of_changing_length_then_predicts_under_inference_mode():
+    # A tokenizer pads each batch to its own longest row, gives token_type_ids, and a row may be
+    # all padding; prediction afterwards runs without autograd.
+    model = bdl.models.classifier(bdl.bayesianize(_lora(), expose=bdl.nn.lora), N)
+    ivon = bdl.infer.IVON(model, dataset_size=N, lr=0.05)
+    for length in (6, 9, 4):
+        batch, y = _batch(length=length)
+        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+        batch["attention_mask"][1] = 0
+        assert torch.isfinite(torch.tensor(ivon.step(batch, y)))
+    with torch.inference_mode():
+        for parallel in (False, True):
+            draws = Predictive(
+                model, guide=ivon.guide, num_samples=3, parallel=parallel, return_sites=["_RETURN"]
+            )(batch)
+            assert draws["_RETURN"].shape == (3, 4, CLASSES)
+            assert torch.isfinite(draws["_RETURN"]).all()

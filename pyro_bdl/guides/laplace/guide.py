@@ -607,8 +607,8 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
         """``(observation, chunks (MAP outputs, J_S L))`` of the inputs ``x`` (checked)."""
         if not isinstance(x, (torch.Tensor, Mapping)):
             raise TypeError(
-                f"x must be a torch.Tensor or a dict of tensors (a structured batch); got "
-                f"{type(x).__name__}."
+                f"x must be a torch.Tensor or a dict of tensors; got {type(x).__name__}. Pass "
+                "several inputs as a dict of keyword arguments (a tuple reads as (x, y) here)."
             )
         check_weight_dtype(self._raw_model, self.loc)
         read = lambda: self._observe((x,), without_targets=True)  # noqa: E731
