@@ -265,16 +265,17 @@ def test_a_nan_batch_is_refused_with_our_message_before_the_model_runs(name):
 
 
 def test_vogn_warns_when_its_curvature_averages_a_single_example():
-    # B = 1 with the default β₂ = 0.999: s is one example's squared gradient, 0 wherever that
-    # example does not reach (here a zero input column), where the step is α·m/δ̃.
+    # B = 1 with β₂ = 0.999 (Adam's habit; ours weights the new ĥ): s is one example's squared
+    # gradient, 0 wherever that example does not reach (here a zero input column), where the
+    # step is α·m/δ̃.
     _, model, x, y = regression()
     x[:, 2] = 0.0
-    vogn = VOGN(model, dataset_size=N)
+    vogn = VOGN(model, dataset_size=N, betas=(0.9, 0.999))
     with pytest.warns(
         UserWarning,
         match=r"VOGN step 1: batch size 1 with betas\[1\] = 0.999: the curvature s ← \(1 − β₂\)s \+ β₂ĥ holds about B/β₂ = 1 example\(s\) of squared gradients.* a batch size of 16 or more, or a smaller betas\[1\]",
     ):
         vogn.step(x[:1], y[:1])
     vogn.step(x[1:2], y[1:2])  # once per run: no second warning (errors under filterwarnings)
-    averaged = VOGN(model, dataset_size=N, betas=(0.9, 0.01))
-    averaged.step(x[:1], y[:1])  # about 100 examples' worth: no warning
+    averaged = VOGN(model, dataset_size=N)
+    averaged.step(x[:1], y[:1])  # the default β₂ = 0.01, about 100 examples' worth: no warning
