@@ -21,8 +21,10 @@ from collections.abc import Callable, Sequence
 
 import pyro
 import torch
+from pyro.infer.autoguide.guides import prototype_hide_fn
 
 from pyro_bdl.layout import Site, SiteLayout
+from pyro_bdl.models.network import LIKELIHOOD
 
 __all__ = ["SiteAccess", "SiteSetChangedError", "check_quantiles", "check_same_sites"]
 
@@ -100,6 +102,12 @@ class SiteAccess:
 
     layout: SiteLayout
     prototype_trace: object
+    # Pyro's autoguides record every sample site that is not observed: a ready-made model's
+    # likelihood called with y=None (Predictive(model, guide)(x) as the guide's first call)
+    # would become a latent of the guide, refused as discrete or, for a regressor, fitted.
+    _prototype_hide_fn = staticmethod(
+        lambda msg: prototype_hide_fn(msg) or bool(msg.get("infer", {}).get(LIKELIHOOD))
+    )
     #: Attributes caching tensors made from the parameters (views, checked identities): dropped
     #: when the parameters are converted, rebuilt on demand.
     derived_caches: tuple[str, ...] = ()

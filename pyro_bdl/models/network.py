@@ -37,10 +37,15 @@ from pyro_bdl.models.noise import (
 from pyro_bdl.models.structured import Batch, Output, call_network, check_output, select_output
 from pyro_bdl.nn.vectorize import under_plate
 
-__all__ = ["DATA_PLATE", "NetworkModel", "data_plate", "mean_log_variance"]
+__all__ = ["DATA_PLATE", "LIKELIHOOD", "NetworkModel", "data_plate", "mean_log_variance"]
 
 #: The name of the plate over examples; VOGN and the diagnostics look for it.
 DATA_PLATE = "data"
+
+#: Set in the ``infer`` dict of a ready-made model's likelihood site: guides leave that site out
+#: of their prototype even when it is not observed (``y=None``: ``Predictive(model, guide)(x)``
+#: as the guide's first call), as Pyro's autoguides leave out an observed one.
+LIKELIHOOD = "pyro_bdl_likelihood"
 
 # The names of the models alive in this process (a name is the prefix of the params a model
 # creates in Pyro's global param store, so two live models must never share one), and the
@@ -373,7 +378,7 @@ class NetworkModel:
         else:
             fn, value, out = self._gaussian(out, y, rows)
         with data_plate(self.dataset_size, rows, device):
-            pyro.sample("y", fn, obs=value)
+            pyro.sample("y", fn, obs=value, infer={LIKELIHOOD: True})
         return out
 
     def _tokens(self, logits, y, rows, x):
