@@ -62,7 +62,14 @@ def widened(t: torch.Tensor) -> torch.Tensor:
 
 def exact(device: torch.device) -> contextlib.AbstractContextManager:
     """A block where ``torch.autocast`` is off on ``device``, so that the products that
-    accumulate curvature run in their operands' (widened) dtype rather than the autocast one."""
+    accumulate (curvature, sums over samples) run in their operands' (widened) dtype rather
+    than the autocast one; nothing to do where autocast is off or unknown (the meta device)."""
+    try:
+        on = torch.is_autocast_enabled(device.type)
+    except (TypeError, RuntimeError):  # a device type without autocast
+        on = False
+    if not on:
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 

@@ -51,6 +51,7 @@ from torch.distributions import Chi2, Distribution, Laplace, Normal
 
 from pyro_bdl._grad_mode import differentiates
 from pyro_bdl._validation import check_positive_int
+from pyro_bdl.curvature.jacobian import exact
 from pyro_bdl.distributions.radial import Radial, radial_log_density, radial_noise
 from pyro_bdl.distributions.scale_mixture import ScaleMixtureNormal
 
@@ -448,7 +449,7 @@ class _StreamingLogPrior(torch.autograd.Function):
         noise_sum = loc.new_zeros(loc.shape[: loc.dim() - event_dim])
         # The chunk sums run over M samples: under autocast their dot products (vecdot) would
         # round each sum to 16 bits, so they run in the guide's float32 whatever the context.
-        with torch.autocast(loc.device.type, enabled=False):
+        with exact(loc.device):
             for xi in chunks:
                 f, g_mu, g_sigma = chunk_sums(xi, loc, scale)
                 total += f

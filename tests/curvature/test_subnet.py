@@ -340,3 +340,14 @@ def test_kfac_reduce_form_of_a_pooled_sequence():
     assert_close(a[0], first.T @ first, rtol=1e-12, atol=1e-14)
     root = factor(out)[..., 0]
     assert_close(g[0], root.T @ root, rtol=1e-12, atol=1e-14)
+
+
+def test_exact_turns_autocast_off_and_does_nothing_where_autocast_is_unknown():
+    from pyro_bdl.curvature.jacobian import exact
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with exact(torch.device("cpu")):
+            assert not torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu")
+    with exact(torch.device("meta")):  # torch.autocast("meta") itself raises
+        assert torch.ones(2, device="meta").sum().device.type == "meta"
