@@ -74,6 +74,15 @@ def check_choice(name: str, value: str, options: Sequence[str]) -> str:
     return value
 
 
+def autocast_enabled(device: torch.device) -> bool:
+    """Whether ``torch.autocast`` is on for ``device``'s type (``False`` for a type autocast
+    does not know, such as ``meta``, where even asking raises)."""
+    try:
+        return bool(torch.is_autocast_enabled(device.type))
+    except (TypeError, RuntimeError):
+        return False
+
+
 def finite_probe(tensor: torch.Tensor) -> torch.Tensor:
     """A boolean scalar on ``tensor``'s device (not read back): ``False`` where ``tensor`` may
     hold a NaN or inf. One reduction instead of an elementwise mask: a NaN or inf anywhere makes

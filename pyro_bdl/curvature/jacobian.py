@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyro_bdl._grad_mode import differentiates
+from pyro_bdl._validation import autocast_enabled
 
 __all__ = ["ParamSlot", "exact", "subnet_jacobian", "widened"]
 
@@ -64,11 +65,7 @@ def exact(device: torch.device) -> contextlib.AbstractContextManager:
     """A block where ``torch.autocast`` is off on ``device``, so that the products that
     accumulate (curvature, sums over samples) run in their operands' (widened) dtype rather
     than the autocast one; nothing to do where autocast is off or unknown (the meta device)."""
-    try:
-        on = torch.is_autocast_enabled(device.type)
-    except (TypeError, RuntimeError):  # a device type without autocast
-        on = False
-    if not on:
+    if not autocast_enabled(device):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 

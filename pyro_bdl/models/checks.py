@@ -20,13 +20,12 @@ import torch
 from torch import nn
 from torch.nn.modules import activation
 
-from pyro_bdl._validation import check_finite, finite_probe
+from pyro_bdl._validation import autocast_enabled, check_finite, finite_probe
 from pyro_bdl.nn.lift import constant_buffers
 
 __all__ = [
     "IGNORE_INDEX",
     "NetworkShape",
-    "autocast_enabled",
     "batch_tensors",
     "check_batch",
     "check_binary_labels",
@@ -496,7 +495,7 @@ class NetworkShape:
                 ref is not None
                 and x.dtype != ref.dtype
                 and (strict or x.is_floating_point())
-                and not autocast_enabled(x)
+                and not autocast_enabled(x.device)
             ):
                 # Only a floating dtype is one a network can be converted to.
                 convert = (
@@ -541,14 +540,6 @@ def _input_embedding(net: nn.Module) -> nn.Embedding | None:
     except NotImplementedError:  # a model without token embeddings
         return None
     return embedding if isinstance(embedding, nn.Embedding) else None
-
-
-def autocast_enabled(x: torch.Tensor) -> bool:
-    """Whether autocast is on for ``x``'s device type."""
-    try:
-        return bool(torch.is_autocast_enabled(x.device.type))
-    except (TypeError, RuntimeError):  # a device type without autocast
-        return False
 
 
 @contextlib.contextmanager

@@ -112,10 +112,8 @@ class LossScaling:
         """Divide the set-up pass's ``estimates`` by S in place (``curvatures`` by
         S^curvature_power), without the scaler's bookkeeping (the step's own :meth:`unscale`
         follows); an overflow is noted, and settled by :meth:`check_first`."""
-        scale = self.scaler.get_scale()
-        torch._foreach_div_(estimates, scale)
-        if self.curvature_power > 1:
-            torch._foreach_div_(curvatures, scale ** (self.curvature_power - 1))
+        torch._foreach_div_(estimates, self.scaler.get_scale())
+        self._divide_curvatures(curvatures)
         self.first_overflowed, self._first_pending = not all_finite(estimates), True
 
     def check_first(self, state: NaturalGradientState | None, where: str) -> None:
@@ -142,12 +140,16 @@ class LossScaling:
         known = self._optimizer.estimates if self._optimizer is not None else []
         if len(known) != len(estimates) or any(a is not b for a, b in zip(known, estimates)):
             self._optimizer = EstimatesOptimizer(estimates)  # new buffers: set-up, .to()
-        if self.curvature_power > 1:
-            extra = self.scaler.get_scale() ** (self.curvature_power - 1)
-            torch._foreach_div_(curvatures, extra)
+        self._divide_curvatures(curvatures)
         self.scaler.unscale_(self._optimizer)  # type: ignore[arg-type]  # set just above
         self._unscaled = True
         return all_finite(estimates)
+
+    def _divide_curvatures(self, curvatures: list[torch.Tensor]) -> None:
+        """Divide ``curvatures`` by S^(curvature_power − 1): what a square carries beyond the
+        one factor S that every estimate carries."""
+        if self.curvature_power > 1:
+            torch._foreach_div_(curvatures, self.scaler.get_scale() ** (self.curvature_power - 1))
 
     def refuse_below_one(self, refuse: Callable[[], None]) -> None:
         """Before a skip: below S = 1 the scale shrinks the gradients instead of enlarging them,
