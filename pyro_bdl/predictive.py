@@ -5,10 +5,11 @@ posterior draws, in one batched forward pass.
 ``Predictive(parallel=True)`` does) and replays them into the model, whose lifted network runs
 once on the batched weights (:mod:`pyro_bdl.nn.vectorize`). For a
 :class:`~pyro_bdl.models.NetworkModel` it replays them into
-:meth:`~pyro_bdl.models.NetworkModel.network_output` alone (the network on a tensor, mapping or
-tuple batch, its output reduced to the tensor the likelihood reads), so no labels are sampled;
-another model runs whole and must return the network output. It works with every guide
-whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
+:meth:`~pyro_bdl.models.NetworkModel.prediction` alone (what the model returns: the network on a
+tensor, mapping or tuple batch, its output reduced to the tensor the likelihood reads, a
+one-output regressor's as ``(B,)``), so no labels are sampled; another model runs whole and must
+return the network output. Either way the draws are what ``Predictive``'s ``"_RETURN"`` holds.
+It works with every guide whose sites follow Pyro's plates (:class:`~pyro_bdl.guides.AutoMeanField`,
 :class:`~pyro_bdl.guides.AutoRadial`, :class:`~pyro_bdl.guides.AutoSWAG`,
 :class:`~pyro_bdl.guides.AutoSubnetLaplace` after ``fit``, VOGN's ``guide``); guides run under
 ``torch.no_grad()``, as ``Predictive`` runs them. ``max_parallel`` bounds the memory (and, for
@@ -64,7 +65,7 @@ SAMPLES_PLATE = "_num_predictive_samples"
 def _draw(model, guide, args, kwargs, size: int | None, dim: int) -> torch.Tensor:
     """The output for ``size`` draws under a plate at ``dim`` (one draw, no plate, if ``None``)."""
     # A NetworkModel replays its own output path (structured batches, ModelOutput selectors).
-    target = model.network_output if isinstance(model, NetworkModel) else model
+    target = model.prediction if isinstance(model, NetworkModel) else model
     target_args = args[:1] if isinstance(model, NetworkModel) else args
     target_kwargs = {} if isinstance(model, NetworkModel) else kwargs
     # The guide runs for its draws alone, as Predictive runs it: densities masked out (unused
@@ -279,7 +280,9 @@ def sample_outputs(
     max_memory: int = DEFAULT_MAX_MEMORY,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """The model's return value (the network output) for ``num_samples`` posterior draws.
+    """The model's return value (the network output) for ``num_samples`` posterior draws: the
+    values ``Predictive(model, guide, num_samples=S)(x)["_RETURN"]`` holds, e.g. ``(S, B, C)``
+    logits of a classifier and ``(S, B)`` means of a one-output regressor.
 
     :param callable model: a Pyro model that returns the network output, e.g.
         :func:`pyro_bdl.models.classifier`; BatchNorm layers must be in eval mode when

@@ -6,7 +6,7 @@ import torch
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 
-from pyro_bdl import bayesianize, infer, models
+from pyro_bdl import bayesianize, infer, init_to_network, models
 from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.predictive import forget_output_sizes, sample_outputs
@@ -217,3 +217,40 @@ def test_bad_num_samples_is_refused():
         sample_outputs(model, guide, x, num_samples=0.5)
     with pytest.raises(ValueError, match="max_parallel"):
         sample_outputs(model, guide, x, num_samples=4, max_parallel=0)
+
+
+#: task -> (the model of a lifted net, the net's outputs, its labels, the returned shape)
+_ONE_COLUMN = {
+    "regressor": (lambda net: models.regressor(net, N, noise_scale=0.5), 1, torch.randn(12), (12,)),
+    "binary": (lambda net: models.binary_classifier(net, N), 1, torch.arange(12.0) % 2, (12,)),
+    "heteroscedastic": (
+        lambda net: models.heteroscedastic_regressor(net, N),
+        2,
+        torch.randn(12),
+        (12, 2),
+    ),
+    "classifier": (lambda net: models.classifier(net, N), 3, torch.arange(12) % 3, (12, 3)),
+}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("task", list(_ONE_COLUMN))
+def test_the_draws_have_the_shape_and_values_of_predictives_return(task, parallel):
+    """sample_outputs gives what the model returns, as Predictive's "_RETURN" holds it: a
+    one-output regressor's or binary classifier's (B, 1) network output as (B,), so
+    ``draws.mean(0) - y`` cannot broadcast to (B, B). A point guide makes both draws the network
+    at its weights, so their values agree exactly."""
+    build, outputs, y, shape = _ONE_COLUMN[task]
+    torch.manual_seed(0)
+    net = bayesianize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                          torch.nn.Linear(8, outputs)))  # fmt: skip
+    model = build(net)
+    guide = pyro.infer.autoguide.AutoDelta(model, init_loc_fn=init_to_network)
+    x = torch.randn(12, 4)
+    guide(x, y)  # Pyro's AutoDelta sets up on a call with the labels observed
+    draws = sample_outputs(model, guide, x, num_samples=3, parallel=parallel)
+    returned = pyro.infer.Predictive(model, guide=guide, num_samples=3, return_sites=["_RETURN"])(
+        x
+    )["_RETURN"]
+    assert draws.shape == returned.shape == (3, *shape)
+    torch.testing.assert_close(draws, returned)

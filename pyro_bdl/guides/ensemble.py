@@ -356,7 +356,9 @@ class MemberGuide(CheckedLoad, SiteAccess, AutoContinuous):
         max_memory: int = DEFAULT_MAX_MEMORY,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """The network outputs of every member: shape ``(M, num_samples, *output_shape)``.
+        """The model's return values (the network outputs, as for
+        :func:`~pyro_bdl.predictive.sample_outputs`) of every member: shape
+        ``(M, num_samples, *output_shape)``.
 
         Member m's ``num_samples`` draws come from member m alone, in the order m = 0 … M − 1,
         so averaging a predictive over dims 0 and 1 weights each member's predictive exactly

@@ -360,7 +360,12 @@ class NetworkModel:
         own; a method that replays the network alone calls this)."""
         return select_output(call_network(self.net, x), self.output)
 
-    def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
+    def prediction(self, x: Batch) -> torch.Tensor:
+        """What a call of the model on the batch ``x`` returns, without its likelihood site (so
+        :func:`~pyro_bdl.predictive.sample_outputs` draws the same values as ``Predictive``'s
+        ``"_RETURN"``): :meth:`network_output` in float32 if the layers ran in 16 bits, and a
+        one-output regressor's or binary classifier's ``(B, 1)`` as ``(B,)``, the shape of
+        its labels."""
         out = self.network_output(x)
         if out.dtype in (torch.float16, torch.bfloat16):
             # The layers ran in 16 bits (under autocast, or a network kept in 16 bits: a
@@ -369,6 +374,17 @@ class NetworkModel:
             # and Hugging Face's losses do for the logits (in bfloat16 a sequence's
             # log-likelihood of -1940 nats rounds to a multiple of 8).
             out = out.float()
+        one_column = (self.likelihood == "bernoulli" and not self.multilabel) or (
+            self.likelihood == "gaussian" and self.noise != "heteroscedastic"
+        )
+        if one_column and out.dim() >= 2 and out.shape[-1] == 1:
+            rows = next(iter(batch_tensors(x).values())).shape[0]
+            if _rows_at(out, rows, core=2):
+                out = out.squeeze(-1)
+        return out
+
+    def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
+        out = self.prediction(x)
         if self.likelihood == "categorical":
             fn, value = self._categorical(out, y, rows)
         elif self.likelihood == "tokens":
@@ -444,8 +460,6 @@ class NetworkModel:
         return _LogSoftmaxCategorical(logits, checked=y), y
 
     def _bernoulli(self, logits, y, rows):
-        if not self.multilabel and _rows_at(logits, rows, core=2) and logits.shape[-1] == 1:
-            logits = logits.squeeze(-1)
         want = (rows, self._width or logits.shape[-1]) if self.multilabel else (rows,)
         core = len(want)
         if not _rows_at(logits, rows, core) or tuple(logits.shape[-core:]) != want:
@@ -479,7 +493,7 @@ class NetworkModel:
             scale = (0.5 * log_var).exp()
             ret = out
         else:
-            mean = out.squeeze(-1) if _rows_at(out, rows, 2) and out.shape[-1] == 1 else out
+            mean = out  # a (B, 1) output is (B,) by now: see prediction
             if not _rows_at(mean, rows, 1):
                 raise ValueError(_multi_output(f"it gave outputs of shape {tuple(out.shape)}"))
             assert self._sigma is not None
