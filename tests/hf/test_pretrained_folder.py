@@ -56,6 +56,13 @@ def test_folder_from_the_environment_variable(tiny_folder, monkeypatch):
     assert model.classifier.out_features == 2 and model.dtype == torch.float32
 
 
+def test_a_dtype_given_as_dtype_loads_in_it_on_every_transformers_release(tiny_folder):
+    # transformers before 4.56 reads torch_dtype= only; load_minilm passes dtype= on as that.
+    model, _ = pretrained.load_minilm(path=tiny_folder, dtype=torch.float64)
+    assert model.dtype == torch.float64
+    assert model.embeddings.word_embeddings.weight.dtype == torch.float64
+
+
 def test_a_folder_without_config_and_an_export_over_its_source_are_refused(tiny_folder, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         pretrained.minilm_path(tmp_path)
