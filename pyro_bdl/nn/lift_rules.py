@@ -110,9 +110,15 @@ def _inactive_adapters(root: nn.Module) -> tuple[str, ...]:
     out = []
     for path, layer in root.named_modules(remove_duplicate=False):
         containers = getattr(type(layer), "adapter_layer_names", None)
+        if not containers and isinstance(layer._modules.get("modules_to_save"), nn.ModuleDict):
+            containers = ("modules_to_save",)  # PEFT before 0.18 lists none on its head wrapper
         if not containers:
             continue
-        active = set(getattr(layer, "active_adapters", ()))
+        # PEFT before 0.15 gives its head wrapper one active_adapter (a name), no active_adapters.
+        names: Any = getattr(layer, "active_adapters", None)
+        if names is None:
+            names = getattr(layer, "active_adapter", ())
+        active = {names} if isinstance(names, str) else set(names)
         for container in containers:
             adapters = layer._modules.get(container)  # a ModuleDict or ParameterDict
             for adapter in () if adapters is None else adapters.keys():  # type: ignore[operator]

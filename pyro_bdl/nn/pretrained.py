@@ -38,6 +38,13 @@ def _require(name: str) -> Any:
         raise ImportError(f"loading all-MiniLM-L6-v2 needs the package {name!r}. {_INSTALL}") from e
 
 
+def _dtype_keyword(version: str) -> str:
+    # from_pretrained reads dtype= from transformers 4.56 on (torch_dtype= still works there, with
+    # a deprecation notice); older releases pass an unknown dtype= on to the model's __init__.
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def minilm_path(path: str | os.PathLike | None = None) -> Path:
     """The folder holding all-MiniLM-L6-v2's weights, configuration and tokenizer files:
     ``path`` if given, else ``$PYRO_BDL_MINILM`` if set, else the installed package's."""
@@ -80,8 +87,11 @@ def load_minilm(
 
     transformers = _require("transformers")
     folder = minilm_path(path)
+    keyword = _dtype_keyword(transformers.__version__)
     if "dtype" not in kwargs and "torch_dtype" not in kwargs:
-        kwargs["dtype"] = torch.float32
+        kwargs[keyword] = torch.float32
+    elif keyword == "torch_dtype" and "dtype" in kwargs:
+        kwargs["torch_dtype"] = kwargs.pop("dtype")
     if num_labels is None:
         model = transformers.AutoModel.from_pretrained(folder, local_files_only=True, **kwargs)
     else:

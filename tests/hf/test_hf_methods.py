@@ -59,7 +59,11 @@ def test_unlift_saves_the_posterior_mean_and_from_pretrained_loads_it(tmp_path):
     with pytest.raises(ValueError, match="no Bayesian sites"):
         bdl.sites(net)
     assert_close(net(**batch).logits, expected)
-    net.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        # PEFT before 0.21 looks on the Hub for the config of a model built from a config (its
+        # name is "") and warns when it cannot tell; the embeddings here are not adapted.
+        warnings.filterwarnings("ignore", "Could not find a config file", UserWarning)
+        net.save_pretrained(tmp_path)
     torch.manual_seed(0)  # the same random base, with PEFT's fresh adapters
     base = transformers.BertForSequenceClassification(tiny_bert_config(VOCAB)).eval()
     with warnings.catch_warnings():

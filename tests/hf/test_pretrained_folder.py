@@ -2,6 +2,8 @@
 :func:`pyro_bdl.nn.pretrained.save_minilm_fp16`, on a tiny random BERT saved to a temporary
 folder (the real model's files are not needed)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -29,7 +31,11 @@ def tiny_folder(tmp_path):
     transformers.BertModel(config).save_pretrained(folder)
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(VOCAB) + "\n")
-    transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
+    with warnings.catch_warnings():
+        # transformers 5 hands the vocabulary file to tokenizers' WordPiece, which tokenizers
+        # 0.22 (what transformers 5.0 installs) deprecates; 0.23 accepts it without a warning.
+        warnings.filterwarnings("ignore", "Deprecated in 0.9.0: WordPiece", DeprecationWarning)
+        transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
     return folder
 
 
@@ -54,6 +60,13 @@ def test_folder_from_the_environment_variable(tiny_folder, monkeypatch):
     assert pretrained.minilm_path() == tiny_folder
     model, _ = pretrained.load_minilm(num_labels=2)
     assert model.classifier.out_features == 2 and model.dtype == torch.float32
+
+
+def test_a_dtype_given_as_dtype_loads_in_it_on_every_transformers_release(tiny_folder):
+    # transformers before 4.56 reads torch_dtype= only; load_minilm passes dtype= on as that.
+    model, _ = pretrained.load_minilm(path=tiny_folder, dtype=torch.float64)
+    assert model.dtype == torch.float64
+    assert model.embeddings.word_embeddings.weight.dtype == torch.float64
 
 
 def test_a_folder_without_config_and_an_export_over_its_source_are_refused(tiny_folder, tmp_path):
