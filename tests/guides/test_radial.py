@@ -109,8 +109,11 @@ def test_site_kl_is_the_library_radial_kl(prior_kind):
         m, s = torch.randn(3, 4, dtype=f64), torch.rand(3, 4, dtype=f64) + 0.5
     if prior_kind == "learned":
         m.requires_grad_(), s.requires_grad_()
+    # One Normal for both event dims: the terms kept on it depend on the site's size D (12,
+    # then 4), so the second pairing must not read the first one's.
+    base = dist.Normal(m, s)
     for event_dim in (2, 1):
-        prior = dist.Normal(m, s).to_event(event_dim)
+        prior = base.to_event(event_dim)
         expected = kl_divergence(Radial(loc, scale, event_dim=event_dim), prior)
         for _ in range(2):  # the second call reads the terms kept on the prior
             got = kl_divergence(_SiteRadial(loc, scale, event_dim=event_dim), prior)
