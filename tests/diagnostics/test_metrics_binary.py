@@ -1,7 +1,7 @@
+import itertools
 import math
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -61,7 +61,12 @@ def test_binary_metrics_equal_scikit_learn(num_bins):
 
     g = torch.Generator().manual_seed(4)
     # Probabilities on the edges k/20 too (every bin edge of 1, 5 and 10 bins), and 0 and 1.
-    p = torch.cat([torch.rand(300, generator=g, dtype=torch.float64), torch.arange(21.0) / 20])
+    p = torch.cat(
+        [
+            torch.rand(300, generator=g, dtype=torch.float64),
+            torch.arange(21, dtype=torch.float64) / 20,
+        ]
+    )
     y = (torch.rand(len(p), generator=g, dtype=torch.float64) < p).long()
     assert binary_nll(p, y) == pytest.approx(log_loss(y.numpy(), p.numpy()), rel=1e-12)
     assert binary_brier(p, y) == pytest.approx(brier_score_loss(y.numpy(), p.numpy()), rel=1e-12)
@@ -71,7 +76,7 @@ def test_binary_metrics_equal_scikit_learn(num_bins):
     edges = np.linspace(0, 1, num_bins + 1)
     pn = p.numpy()
     counts = [
-        ((pn > lo) | (b == 0)) & (pn <= hi) for b, (lo, hi) in enumerate(zip(edges, edges[1:]))
+        ((pn > lo) | (b == 0)) & (pn <= hi) for b, (lo, hi) in enumerate(itertools.pairwise(edges))
     ]
     counts = np.array([c.sum() for c in counts])
     counts = counts[counts > 0]

@@ -243,8 +243,14 @@ def test_newton_uses_the_gamma_priors_curvature(monkeypatch):
     # with it Newton converges quadratically (5 evaluations observed); with a wrong one (say
     # (a − 1)/(β n)) its steps fail the halving test and bisection takes over (21 observed).
     logits = torch.tensor(
-        [[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [0.5, 0.0, 3.0], [1.0, 2.0, 0.0], [0.0, 0.0, 1.0]]
-        + [[3.0, -1.0, 0.0]],
+        [
+            [2.0, 0.0, -1.0],
+            [0.0, 1.0, 0.0],
+            [0.5, 0.0, 3.0],
+            [1.0, 2.0, 0.0],
+            [0.0, 0.0, 1.0],
+            [3.0, -1.0, 0.0],
+        ],
         dtype=torch.float64,
     )
     y = torch.tensor([0, 1, 2, 0, 2, 1])

@@ -84,6 +84,11 @@ def test_initialisation_from_the_network():
         assert torch.equal(loc, spec.init_value)
         assert_close(scale, torch.full_like(scale, 0.03), rtol=1e-6)
     assert guide.site_names == list(model.net._bdl_sites)
+    # The default initial scale is 0.01 (the docstring's figures say why).
+    pyro.clear_param_store()  # else the new guide takes up the scales kept there
+    default = AutoMeanField(model)
+    default(x, y)
+    assert_close(default.scale, torch.full_like(default.scale, 0.01), rtol=1e-6)
     assert guide.num_latents() == sum(loc.numel() for loc, _ in guide.locs_and_scales().values())
 
 

@@ -123,3 +123,19 @@ def test_site_kl_is_the_library_radial_kl(prior_kind):
                 torch.autograd.grad(got.sum(), [m, s]), torch.autograd.grad(expected.sum(), [m, s])
             ):
                 assert_close(a, b, rtol=1e-12)
+
+
+def test_quantiles_of_a_site_in_a_plate_use_the_size_of_one_draw():
+    # Inside a plate of 4 a (4, 3) site is 4 Radial draws of D = 3 weights each (one direction
+    # per plate element), so its marginals are those of 3-dimensional Radial noise, not 12.
+    def model():
+        with pyro.plate("rows", 4):
+            pyro.sample("z", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    guide = AutoRadial(model, init_scale=0.3)
+    guide()
+    loc, scale = guide.locs_and_scales()["z"]
+    q = guide.quantiles([0.1, 0.9])["z"]
+    expected = loc + scale * radial_marginal_icdf(torch.tensor([0.1, 0.9])[:, None, None], 3)
+    assert q.shape == (2, 4, 3)
+    assert_close(q, expected, rtol=1e-6)
