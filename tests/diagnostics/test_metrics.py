@@ -44,6 +44,19 @@ def test_ece_by_hand():
     assert metrics.ece(PROBS, Y) == pytest.approx((0.05 + 0.75 + 0.35 + 0.45) / 4, abs=1e-15)
 
 
+def test_nll_floors_probabilities_at_eps():
+    # A confident mistake (p_y = 0) costs −log eps, and eps must lie in (0, 1): 0 would make
+    # that cost infinite, 1 would floor every probability at 1.
+    probs = torch.tensor([[1.0, 0.0], [0.5, 0.5]], dtype=torch.float64)
+    y = torch.tensor([1, 0])
+    assert metrics.nll(probs, y, eps=1e-6) == pytest.approx(
+        (-math.log(1e-6) + math.log(2)) / 2, rel=1e-14
+    )
+    for eps in (0, 0.0, 1.0, -1e-3, True):
+        with pytest.raises(ValueError, match=r"eps must be a number in \(0, 1\)"):
+            metrics.nll(probs, y, eps=eps)
+
+
 def test_reliability_data():
     r = metrics.reliability(PROBS, Y, num_bins=5)
     np.testing.assert_allclose(r.edges, [0, 0.2, 0.4, 0.6, 0.8, 1.0])

@@ -87,3 +87,29 @@ def test_bad_inputs_raise():
         ood.fpr_at_tpr(torch.ones(3), torch.ones(3), tpr=1.5)
     with pytest.raises(ValueError, match="sums to"):
         ood.predictive_entropy(torch.tensor([[0.2, 0.2]]))
+
+
+def test_max_prob_score_is_one_minus_the_top_probability():
+    probs = torch.tensor([[0.7, 0.2, 0.1], [1 / 3, 1 / 3, 1 / 3]], dtype=torch.float64)
+    expected = torch.tensor([0.3, 2 / 3], dtype=torch.float64)
+    torch.testing.assert_close(ood.ood_scores(probs, score="max_prob"), expected)
+    # Confident in distribution, flat out of it: a score higher out of distribution separates
+    # the sets perfectly (AUROC 1) and accepts no OOD input at 95% TPR.
+    confident, flat = torch.eye(3, dtype=torch.float64), torch.full((2, 3), 1 / 3).double()
+    assert ood.ood_auroc(confident, flat, score="max_prob") == 1.0
+    assert ood.fpr_at_95_tpr(confident, flat, score="max_prob") == 0.0
+
+
+@pytest.mark.parametrize(
+    "tpr, n, k",
+    [
+        (0.95, 10, 10),  # 9.5 examples: round up to k = 10, the smallest count reaching 95%
+        (0.55, 100, 55),  # 0.55·100 is 55.00000000000001 in float64, yet exactly 55 examples
+        (0.07, 100, 7),  # 7.000000000000001 likewise
+    ],
+)
+def test_fpr_threshold_is_the_kth_smallest_in_score_with_k_the_ceiling_of_tpr_n(tpr, n, k):
+    s_in = torch.arange(float(n))  # the k-th smallest is k − 1
+    # One OOD score at the k-th smallest (accepted) and one just above it (refused).
+    s_out = torch.tensor([k - 1.0, k - 0.5])
+    assert ood.fpr_at_tpr(s_in, s_out, tpr=tpr) == 0.5

@@ -4,6 +4,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
 
 from pyro_bdl.diagnostics import psis
 from tests.scenarios import NormalNormal
@@ -176,3 +177,25 @@ def test_a_subsampled_likelihood_warns_naming_the_fix():
     pyro.clear_param_store()
     full = models.classifier(bayesianize(torch.nn.Linear(3, 2)), 20)
     psis.psis_khat(full, AutoMeanField(full), x, y, num_samples=20)  # no warning: the full data
+    # A scale below 1 (poutine.scale) makes p(θ, y) no less an estimate.
+    pyro.clear_param_store()
+    with pytest.warns(UserWarning, match=r"scales observed site 'y' by 0.5"):
+        psis.psis_khat(poutine.scale(full, scale=0.5), AutoMeanField(full), x, y, num_samples=20)
+
+
+def test_ok_is_strictly_below_the_bad_threshold():
+    # The "bad" band starts at k̂ = 0.7 (khat_band), so a k̂ of exactly 0.7 is not ok.
+    assert not psis.PsisResult(0.7, *psis.khat_band(0.7), torch.zeros(3), 1.0).ok
+    assert psis.PsisResult(0.69, *psis.khat_band(0.69), torch.zeros(3), 1.0).ok
+
+
+def test_constant_ratio_tolerance_is_relative_to_the_dtype():
+    # rtol = 0 still reads exactly equal ratios as a bounded tail (spread 0 ≤ 0).
+    assert psis.pareto_khat(torch.full((10,), 3.0), rtol=0.0) == (-math.inf, 10.0)
+    # The default tolerance is 1000 float64 epsilons (2.2e-13) relative: a spread of 1e-15
+    # is rounding, a spread of 1e-8 is a (tiny) real difference whose tail ArviZ fits.
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(500, generator=g, dtype=torch.float64)
+    assert psis.pareto_khat(2.0 + 1e-15 * noise)[0] == -math.inf
+    khat, ess = psis.pareto_khat(2.0 + 1e-8 * noise)
+    assert math.isfinite(khat) and 0 < ess <= 500

@@ -177,6 +177,9 @@ Y = torch.tensor([0, 2, 2])
         (LOGITS, torch.tensor([0, 1, 2]), ValueError, "T → 0.*larger validation split"),
         # Labels on the lowest logits: uniform (T = ∞) is best.
         (LOGITS, torch.tensor([2, 0, 1]), ValueError, "uniform probabilities are best"),
+        # Labels that score exactly their rows' mean on average: a slope of exactly 0 at T = ∞
+        # is no optimum either (the slope is positive at every finite T).
+        (torch.tensor([[2.0, 0.0]] * 2), torch.tensor([0, 1]), ValueError, "uniform.*are best"),
     ],
 )
 def test_fit_temperature_errors(logits, y, error, match):
@@ -233,3 +236,24 @@ def test_probabilities_passed_as_logits_are_refused():
             temperature_scale(probs, 2.0)
     # The fix it proposes gives the temperature of the logits: log p differs by a row constant.
     assert_close(fit_temperature(z.softmax(-1).log(), y), fit_temperature(z, y), rtol=1e-9)
+
+
+def test_newton_uses_the_gamma_priors_curvature(monkeypatch):
+    # On n = 6 rows the prior's curvature (a − 1)/(β² n) is a large part of h'(u) = β L''(β):
+    # with it Newton converges quadratically (5 evaluations observed); with a wrong one (say
+    # (a − 1)/(β n)) its steps fail the halving test and bisection takes over (21 observed).
+    logits = torch.tensor(
+        [
+            [2.0, 0.0, -1.0],
+            [0.0, 1.0, 0.0],
+            [0.5, 0.0, 3.0],
+            [1.0, 2.0, 0.0],
+            [0.0, 0.0, 1.0],
+            [3.0, -1.0, 0.0],
+        ],
+        dtype=torch.float64,
+    )
+    y = torch.tensor([0, 1, 2, 0, 2, 1])
+    calls = _count_evaluations(monkeypatch)
+    fit_temperature(logits, y, prior_shape=2.0)
+    assert len(calls) <= 10

@@ -84,6 +84,11 @@ def test_initialisation_from_the_network():
         assert torch.equal(loc, spec.init_value)
         assert_close(scale, torch.full_like(scale, 0.03), rtol=1e-6)
     assert guide.site_names == list(model.net._bdl_sites)
+    # The default initial scale is 0.01 (the docstring's figures say why).
+    pyro.clear_param_store()  # else the new guide takes up the scales kept there
+    default = AutoMeanField(model)
+    default(x, y)
+    assert_close(default.scale, torch.full_like(default.scale, 0.01), rtol=1e-6)
     assert guide.num_latents() == sum(loc.numel() for loc, _ in guide.locs_and_scales().values())
 
 
@@ -253,3 +258,53 @@ def test_loc_and_rho_are_rows_of_one_parameter():
     # After an in-place update of loc_rho (as an optimizer does) guide.loc still enters graphs.
     (guide.loc.sum() + guide.rho.sum()).backward()
     assert torch.equal(guide.loc_rho.grad, torch.ones_like(guide.loc_rho))
+
+
+def test_site_kl_follows_a_prior_that_changes():
+    # The prior's terms are kept on it only while its parameters are the same constant tensors:
+    # a learned prior updated in place by its optimizer, or a prior given new tensors, must be
+    # read afresh (stale terms would give the KL of the old prior, and a second backward pass
+    # through a kept graph would fail).
+    from torch.distributions import kl_divergence
+
+    from pyro_bdl.guides.meanfield import _SiteNormal
+
+    torch.manual_seed(0)
+    loc, scale = torch.randn(3, 4, dtype=F64), torch.rand(3, 4, dtype=F64) + 0.1
+    m = torch.randn(3, 4, dtype=F64, requires_grad=True)
+    s = (torch.rand(3, 4, dtype=F64) + 0.5).requires_grad_()
+    base = dist.Normal(m, s)
+    for _ in range(2):
+        got = kl_divergence(_SiteNormal(loc, scale).to_event(2), base.to_event(2))
+        expected = kl_divergence(dist.Normal(loc, scale).to_event(2), dist.Normal(m, s).to_event(2))
+        assert_close(got, expected, rtol=1e-12)
+        got.backward()
+        with torch.no_grad():  # an optimizer step on the learned prior
+            m.sub_(0.1 * m.grad)
+            s.add_(0.5)
+    constant = dist.Normal(torch.zeros(3, 4, dtype=F64), torch.ones(3, 4, dtype=F64))
+    kl_divergence(_SiteNormal(loc, scale).to_event(2), constant.to_event(2))
+    constant.loc, constant.scale = (
+        torch.full((3, 4), 0.5, dtype=F64),
+        torch.full((3, 4), 3.0, dtype=F64),
+    )
+    got = kl_divergence(_SiteNormal(loc, scale).to_event(2), constant.to_event(2))
+    expected = kl_divergence(
+        dist.Normal(loc, scale).to_event(2), dist.Normal(constant.loc, constant.scale).to_event(2)
+    )
+    assert_close(got, expected, rtol=1e-12)
+
+
+def test_a_draw_made_beforehand_serves_only_one_plain_rsample():
+    # The carried draw answers the first rsample() of one value; a call asking for a sample
+    # shape gets that many fresh draws, and later calls draw afresh too.
+    from pyro_bdl.guides.meanfield import _SiteNormal
+
+    loc, scale = torch.zeros(3, dtype=F64), torch.ones(3, dtype=F64)
+    value = torch.full((3,), 7.0, dtype=F64)
+    site = _SiteNormal(loc, scale, value)
+    many = site.rsample((5,))
+    assert many.shape == (5, 3) and not (many == 7.0).any()
+    site = _SiteNormal(loc, scale, value)
+    assert site.rsample() is value
+    assert not torch.equal(site.rsample(), value)

@@ -109,8 +109,11 @@ def test_site_kl_is_the_library_radial_kl(prior_kind):
         m, s = torch.randn(3, 4, dtype=f64), torch.rand(3, 4, dtype=f64) + 0.5
     if prior_kind == "learned":
         m.requires_grad_(), s.requires_grad_()
+    # One Normal for both event dims: the terms kept on it depend on the site's size D (12,
+    # then 4), so the second pairing must not read the first one's.
+    base = dist.Normal(m, s)
     for event_dim in (2, 1):
-        prior = dist.Normal(m, s).to_event(event_dim)
+        prior = base.to_event(event_dim)
         expected = kl_divergence(Radial(loc, scale, event_dim=event_dim), prior)
         for _ in range(2):  # the second call reads the terms kept on the prior
             got = kl_divergence(_SiteRadial(loc, scale, event_dim=event_dim), prior)
@@ -120,3 +123,50 @@ def test_site_kl_is_the_library_radial_kl(prior_kind):
                 torch.autograd.grad(got.sum(), [m, s]), torch.autograd.grad(expected.sum(), [m, s])
             ):
                 assert_close(a, b, rtol=1e-12)
+
+
+def test_quantiles_of_a_site_in_a_plate_use_the_size_of_one_draw():
+    # Inside a plate of 4 a (4, 3) site is 4 Radial draws of D = 3 weights each (one direction
+    # per plate element), so its marginals are those of 3-dimensional Radial noise, not 12.
+    def model():
+        with pyro.plate("rows", 4):
+            pyro.sample("z", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    guide = AutoRadial(model, init_scale=0.3)
+    guide()
+    loc, scale = guide.locs_and_scales()["z"]
+    q = guide.quantiles([0.1, 0.9])["z"]
+    expected = loc + scale * radial_marginal_icdf(torch.tensor([0.1, 0.9])[:, None, None], 3)
+    assert q.shape == (2, 4, 3)
+    assert_close(q, expected, rtol=1e-6)
+
+
+def test_site_kl_reads_a_changed_prior_afresh():
+    # As for the mean-field KL: terms kept on a prior must follow an in-place optimizer step on
+    # a learned prior (and a second backward pass must not run through a kept graph), and new
+    # tensors given to a constant prior.
+    from torch.distributions import kl_divergence
+
+    from pyro_bdl.guides.radial import _SiteRadial
+
+    torch.manual_seed(1)
+    f64 = torch.float64
+    loc, scale = torch.randn(2, 5, dtype=f64), torch.rand(2, 5, dtype=f64) + 0.1
+    m = torch.zeros(2, 5, dtype=f64, requires_grad=True)
+    s = torch.ones(2, 5, dtype=f64, requires_grad=True)
+    learned = dist.Normal(m, s)
+    fixed = dist.Normal(torch.zeros(2, 5, dtype=f64), torch.ones(2, 5, dtype=f64))
+
+    def check(prior):
+        got = kl_divergence(_SiteRadial(loc, scale, event_dim=2), prior.to_event(2))
+        exact = dist.Normal(prior.loc.detach().clone(), prior.scale.detach().clone()).to_event(2)
+        assert_close(got, kl_divergence(Radial(loc, scale), exact), rtol=1e-12)
+        return got
+
+    for _ in range(2):
+        check(learned).backward()
+        with torch.no_grad():  # an optimizer step on the learned prior
+            m.sub_(0.5 * m.grad)
+            s.add_(0.5)
+        check(fixed)
+        fixed.loc, fixed.scale = fixed.loc + 0.5, fixed.scale * 3.0

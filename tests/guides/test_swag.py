@@ -250,6 +250,35 @@ def test_log_prob_and_variance_match_the_dense_gaussian():
         assert_close(posterior.variance, cov.diag(), rtol=1e-12)
 
 
+def test_before_the_ring_fills_only_the_collected_deviations_count():
+    # Three snapshots into a ring of rank 5: D̂ has the 3 deviations collected (K = 3, so the
+    # low-rank term divides by K − 1 = 2), not 5 rows of which 2 are still zero.
+    d, rank = 6, 5
+    iterates = torch.randn(3, d, dtype=F64) * torch.linspace(0.5, 2.0, d, dtype=F64)
+    guide = AutoSWAG(vector_model(d), rank=rank, scale=0.7)
+    guide()
+    feed(guide, iterates)
+    _, var, deviations = brute_force_swag(iterates, rank)
+    assert deviations.shape[0] == 3
+    cov = swag_covariance(var, deviations, 0.7)
+    posterior = guide.get_posterior()
+    assert posterior.deviations.shape == (3, d)
+    dense = torch.distributions.MultivariateNormal(guide.swag_mean, cov)
+    x = dense.sample((5,))
+    assert_close(posterior.log_prob(x), dense.log_prob(x), rtol=1e-10)
+    assert_close(posterior.variance, cov.diag(), rtol=1e-12)
+
+
+def test_one_collection_is_still_the_point_estimate_under_predictive():
+    # Predictive asks for draws, but a SWAG Gaussian needs two snapshots: with one, the guide
+    # keeps returning the point estimate (no NotCollectedError).
+    _bnn, model, guide, x, _y = trained_guide(collections=1)
+    assert guide.num_collected == 1
+    draws = Predictive(model, guide=guide, num_samples=2, return_sites=["2.bias"])(x)["2.bias"]
+    assert torch.equal(draws[0].reshape(-1), guide.loc.detach()[-3:])
+    assert torch.equal(draws[1].reshape(-1), guide.loc.detach()[-3:])
+
+
 def test_marginal_variances_are_swag_diag_per_site():
     _, _, guide, _, _ = trained_guide(rank=4, collections=6)
     variances = guide.marginal_variances()
@@ -456,7 +485,10 @@ def test_per_site_access_reads_the_swag_marginals_through_the_layout():
 
 
 def test_median_is_the_point_estimate_before_two_collections():
-    _, _, guide, x, y = trained_guide(collections=1)
+    _, model, guide, x, y = trained_guide(collections=1)
+    # Training goes on after the one snapshot: the median is the point being trained, not it.
+    SVI(model, guide, pyro.optim.SGD({"lr": 1e-2}), Trace_ELBO()).step(x, y)
+    assert not torch.equal(guide.loc.detach(), guide.swag_mean.float())
     median = guide.median(x, y)
     for site in guide.layout:
         assert torch.equal(median[site.name], guide.loc.detach()[site.slice].view(site.shape))
