@@ -1,7 +1,7 @@
 """TraceSuffStat_ELBO lines whose wrong versions the other ELBO tests let through: the Jacobian
 term of a constrained site whose model and guide halves are scaled differently (checked at one
-draw, without Monte Carlo noise), the average over several particles, a tensor scale, and a
-partial mask on a prior."""
+draw, without Monte Carlo noise), the average over several particles, a tensor scale, a
+partial mask on a prior, and the scales of the one-sample fallback's two halves."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.distributions import kl_divergence
 
 from pyro_bdl.guides import AutoMeanField
 from pyro_bdl.infer import TraceSuffStat_ELBO
+from pyro_bdl.infer.elbo import KLFallbackWarning
 from tests.scenarios import BayesianLinearRegression
 
 F64 = torch.float64
@@ -138,3 +139,29 @@ def test_a_partly_masked_prior_drops_only_its_masked_elements_log_density():
     se = math.sqrt(float((loc[0] * scale[0]) ** 2 + scale[0] ** 4 / 2) / m) + math.sqrt(1.0 / m)
     assert abs(loss - (kept - entropy)) < 5 * se
     assert abs(kept - entropy) > 100 * se
+
+
+@pytest.mark.parametrize("c", [0.25, 3.0])
+def test_the_one_sample_fallback_scales_only_the_prior_half(c):
+    # A site without an M-sample KL (LKJCholesky: the guide's transform changes the site's
+    # shape) enters through Trace_ELBO's term log p(z) − log q(z) at the guide's draw, whose
+    # halves take their own sites' scales: under poutine.scale(model, c) the loss is
+    # −c log p(z) + log q(z). One draw, no Monte Carlo: float32 rounding, 1e-5 relative.
+    def model():
+        pyro.sample("L", dist.LKJCholesky(3, torch.tensor(2.0, dtype=F64)))
+
+    pyro.clear_param_store()
+    guide = AutoMeanField(model)
+    guide()
+    pyro.set_rng_seed(3)
+    site = poutine.trace(guide).get_trace().nodes["L"]
+    z = site["value"].detach()
+    log_q = float(site["fn"].log_prob(z).sum().detach())
+    log_p = float(dist.LKJCholesky(3, torch.tensor(2.0, dtype=F64)).log_prob(z))
+    elbo = TraceSuffStat_ELBO()
+    pyro.set_rng_seed(3)
+    with pytest.warns(KLFallbackWarning, match=r"site 'L'"):
+        loss = elbo.loss(poutine.scale(model, scale=c), guide)
+    assert elbo.kl_methods == {"L": "trace_elbo"}
+    assert abs(log_q) > 0.1 and abs((1 - c) * log_q) > 1e-3 * abs(c * log_p - log_q)
+    assert loss == pytest.approx(-(c * log_p - log_q), rel=1e-10)

@@ -1,8 +1,9 @@
 """VOGN and IVON lines whose wrong versions the by-hand and pinned tests let through: the
 temperature a schedule gives each step's update, evaluate_loss over several particles, the loss a
 skipped step returns, the float64 sums of IVON's fused pass over σ, IVON's clipped path where it
-clips nothing, the mean prior precision that damps a hidden parameter, and the boundary of
-VOGN's warning about a curvature of too few examples."""
+clips nothing, the mean prior precision that damps a hidden parameter, the boundary of VOGN's
+warning about a curvature of too few examples, σ after an update refused at its state check, and
+a first curvature that is non-finite in a hidden parameter only."""
 
 from __future__ import annotations
 
@@ -217,3 +218,43 @@ def test_a_hidden_parameter_is_damped_by_the_mean_prior_precision_over_the_weigh
         # float64, a handful of operations: 1e-12 relative.
         torch.testing.assert_close(new, old - lr * g_hat / (h0 + decay), rtol=1e-12, atol=1e-15)
         assert not torch.equal(new, old)
+
+
+@pytest.mark.parametrize("cls", [VOGN, IVON])
+def test_an_update_refused_after_its_new_sigma_puts_sigma_back(cls):
+    # lr = 1e308 passes the hyperparameter checks, but the update overflows the mean: the
+    # step is refused by the check of the candidate state, after σ was computed from the
+    # candidate's (finite) curvature. σ and the KL's sums go back to the state's, bit for bit.
+    model, x, y = small_classifier()
+    fit = cls(model, dataset_size=len(x), lr=0.05)
+    fit.step(x, y)
+    scale, sums = fit.guide.scale.clone(), fit._var_sums
+    fit.optimizer.param_groups[0]["lr"] = 1e308
+    with pytest.raises(FloatingPointError, match="step 2: the update would make"):
+        fit.step(x, y)
+    assert fit.step_count == 1
+    assert torch.equal(fit.guide.scale, scale) and fit._var_sums == sums
+    fit.optimizer.param_groups[0]["lr"] = 0.05
+    assert math.isfinite(fit.step(x, y)) and fit.step_count == 2
+
+
+def test_vogn_skips_a_first_step_whose_hidden_curvature_alone_is_not_finite():
+    # Under loss scaling the first curvature, averaged by reduce_fn across ranks, is checked
+    # whole before any σ is drawn: a rank whose set-up overflowed only in a hidden parameter's
+    # curvature (here a reduce_fn that poisons it) skips the first step on every rank, as an
+    # overflow, rather than training on (and refusing the step at its state check).
+    calls = []
+
+    def reduce_fn(tensors):
+        calls.append(len(tensors))
+        if len(calls) == 1:  # the first reduction: [s of μ, s of each hidden parameter]
+            tensors[1].fill_(math.inf)
+
+    model, x, y = small_classifier()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    vogn = VOGN(model, dataset_size=len(x), lr=0.05, reduce_fn=reduce_fn, grad_scaler=scaler)
+    loss = vogn.step(x, y)
+    assert calls[0] == 3  # μ's curvature and BatchNorm's weight and bias
+    assert math.isnan(loss) and vogn.skipped_steps == 1 and vogn.needs_setup
+    assert scaler.get_scale() == 2.0**7
+    assert math.isfinite(vogn.step(x, y)) and vogn.step_count == 1
