@@ -466,6 +466,12 @@ def test_the_fused_scale_and_kl_sums_equal_the_plain_passes(case):
     # The plain passes sum 2.6e5 float32 terms in float32: pairwise summation errs by about
     # log2(n)·2⁻²⁴ ≈ 1e-6 relative; the fused sums are taken in float64. 1e-5 is 10 times that.
     assert fused == pytest.approx(plain, rel=1e-5)
+    # Σ log σ² = −Σ log λ(h + δ) in float64 (products of 16 values, their logs, or the exact sum
+    # of logs where a product overflows), the tail of fewer than 16 weights included, against
+    # the float64 sum over every weight: ≈ 1e-15 relative per term, 1e-12 leaves room. Logs
+    # summed in float32 (≈ 1e-6) or a tail left out (5 terms of 2.6e5) are far outside it.
+    x64 = (h + ivon.prior.tilde(1.0, ivon.effective_size)).mul(ivon.effective_size).double()
+    assert fused[1] == pytest.approx(-float(torch.log(x64).sum()), rel=1e-12)
 
 
 def test_one_block_off_the_cpu_computes_what_the_blocks_compute(monkeypatch):

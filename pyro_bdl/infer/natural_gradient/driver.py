@@ -216,11 +216,13 @@ class NaturalGradientVI:
         g_hat: list[torch.Tensor],
         h_hat: list[torch.Tensor],
         out: NaturalGradientState,
+        tau: float,
     ) -> NaturalGradientState:
         """The method's update of ``state`` from the estimates ``g_hat`` and ``h_hat`` (as
-        :meth:`_split` gives them, for the hidden parameters of ``state``): the new mean,
-        momentum and curvature into the tensors of ``out`` (the state's own stay as they were),
-        the hidden parameters and their moments in place; returns the new state."""
+        :meth:`_split` gives them, for the hidden parameters of ``state``) at the step's
+        temperature ``tau``: the new mean, momentum and curvature into the tensors of ``out``
+        (the state's own stay as they were), the hidden parameters and their moments in place;
+        returns the new state."""
         raise NotImplementedError
 
     def _write_scale(
@@ -580,7 +582,7 @@ class NaturalGradientVI:
         rollback.save([*state.hidden, *state.hidden_momentum, *state.hidden_curvature, *unreduced])
         try:
             loss = self._loss(args, kwargs, step, tau)
-            candidate = self._update_trainable(state)
+            candidate = self._update_trainable(state, tau)
             self._refresh_scale(tau, candidate)
             self._check_state(step, candidate)
         except BaseException as err:
@@ -608,17 +610,18 @@ class NaturalGradientVI:
             self._scaling.finish(skipped=False)
         return loss
 
-    def _update_trainable(self, state: NaturalGradientState) -> NaturalGradientState:
-        """The method's update of ``state`` into the spare tensors, leaving out the hidden
-        parameters frozen since set-up (``requires_grad=False``) as ``torch.optim`` skips a
-        parameter without a gradient: their values and moments stay as they were."""
+    def _update_trainable(self, state: NaturalGradientState, tau: float) -> NaturalGradientState:
+        """The method's update of ``state`` at the step's temperature ``tau`` (that of its loss
+        and its new σ) into the spare tensors, leaving out the hidden parameters frozen since
+        set-up (``requires_grad=False``) as ``torch.optim`` skips a parameter without a
+        gradient: their values and moments stay as they were."""
         g_hat, h_hat = self._split()
         keep = [h.param.requires_grad for h in self._hidden]
         if all(keep):
-            return self._update(state, g_hat, h_hat, self._spare)
+            return self._update(state, g_hat, h_hat, self._spare, tau)
         # A method without ĥ of the hidden parameters (IVON) gives only the weights' ĥ.
         g_part, h_part = (xs[:1] + [x for x, k in zip(xs[1:], keep) if k] for xs in (g_hat, h_hat))
-        new = self._update(with_hidden(state, keep), g_part, h_part, self._spare)
+        new = self._update(with_hidden(state, keep), g_part, h_part, self._spare, tau)
         return with_hidden(new, keep, like=state)
 
     @torch.no_grad()

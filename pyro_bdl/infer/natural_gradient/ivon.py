@@ -270,7 +270,9 @@ class IVON(NaturalGradientVI):
         g_hat: list[torch.Tensor],
         h_hat: list[torch.Tensor],
         out: NaturalGradientState,
+        tau: float,
     ) -> NaturalGradientState:
+        """IVON's update (it has no temperature: ``tau`` is 1)."""
         return ivon_update(state, g_hat, h_hat[0], self._hyperparameters(), out)
 
     def _write_scale(

@@ -300,9 +300,11 @@ class VOGN(NaturalGradientVI):
 
     # -- the update ----------------------------------------------------------------------------
 
-    def _hyperparameters(self) -> VOGNHyperparameters:
+    def _hyperparameters(self, tau: float) -> VOGNHyperparameters:
+        """The update's numbers at temperature ``tau``: the step's own τ, which a schedule may
+        change from step to step (δ̃ = τδ/Ñ, as in the step's σ and loss)."""
         assert self.prior is not None
-        tau, n_tilde, prior = self._temperature, self.effective_size, self.prior
+        n_tilde, prior = self.effective_size, self.prior
         return VOGNHyperparameters(
             lr=self.optimizer.lr,
             betas=self.optimizer.betas,
@@ -318,8 +320,9 @@ class VOGN(NaturalGradientVI):
         g_hat: list[torch.Tensor],
         h_hat: list[torch.Tensor],
         out: NaturalGradientState,
+        tau: float,
     ) -> NaturalGradientState:
-        return vogn_update(state, g_hat, h_hat, self._hyperparameters(), out)
+        return vogn_update(state, g_hat, h_hat, self._hyperparameters(tau), out)
 
     def _write_scale(
         self, curvature: torch.Tensor, tau: float, scale: torch.Tensor, log_scale: torch.Tensor
