@@ -211,12 +211,7 @@ class NaturalGradientVI:
         raise NotImplementedError
 
     def _update(
-        self,
-        state: NaturalGradientState,
-        g_hat: list[torch.Tensor],
-        h_hat: list[torch.Tensor],
-        out: NaturalGradientState,
-        tau: float,
+        self, state: NaturalGradientState, g_hat: list, h_hat: list, out, tau: float
     ) -> NaturalGradientState:
         """The method's update of ``state`` from the estimates ``g_hat`` and ``h_hat`` (as
         :meth:`_split` gives them, for the hidden parameters of ``state``) at the step's
