@@ -13,6 +13,7 @@ from pyro_bdl.guides.laplace.evidence import (
     evidence,
     fit_statistics,
     structure_val_ll_score,
+    tune_grid,
     val_ll_score,
 )
 from pyro_bdl.guides.laplace.posterior import DiagPosterior, FullPosterior
@@ -92,3 +93,13 @@ def test_gaussian_evidence_of_several_outputs_counts_every_output():
     # At the model's σ the fit term is the Gaussian log-likelihood of the outputs itself.
     ll = torch.distributions.Normal(out, NOISE).log_prob(y).sum()
     assert float(stats[3]) == pytest.approx(float(ll), rel=1e-12)
+
+
+def test_grid_search_refines_between_the_neighbours_of_the_best_grid_value():
+    # The optimum 0.2 lies 0.46 in log λ from its nearest grid value 10^-0.5 of the half-decade
+    # grid; the refined grid spans the two neighbouring steps (2 × ln(10)/2 = 2.30) in 20 steps
+    # of 0.115, so it finds the optimum to half a step, 0.058.
+    grid = torch.logspace(-2, 2, 9, dtype=F64)
+    score = lambda v: -((v.log() - math.log(0.2)) ** 2)  # noqa: E731
+    assert abs(math.log(tune_grid(score, grid)) - math.log(0.2)) < 0.058
+    assert tune_grid(score, grid, refine=False) == pytest.approx(10**-0.5, rel=1e-12)
