@@ -426,6 +426,21 @@ def test_tune_prior_precision():
         guide.tune_prior_precision(method="val_ll")
 
 
+@pytest.mark.parametrize("search", ["gradient", "grid"])
+def test_a_tuned_prior_under_subnetwork_fraction_scaling_is_lambda_not_lambda_s(search):
+    # prior_scaling="subnetwork_fraction" puts λ_S = λ·S/D on the S = 18 head weights of D = 38:
+    # the tuned value returned and held is λ, the posterior uses λ·S/D, and a later fit keeps it.
+    guide, x, y = _lifted(
+        bdl.priors.Normal(scale=1.0), subnetwork="last_layer", prior_scaling="subnetwork_fraction"
+    )
+    guide.fit((x, y), check_mode=False)
+    lam = guide.tune_prior_precision(search=search)
+    assert float(guide.prior_precision) == pytest.approx(lam, rel=1e-12)
+    expected = torch.linalg.inv(guide.ggn + lam * 18 / 38 * torch.eye(18, dtype=F64))
+    assert_close(guide.covariance, expected, rtol=1e-8, atol=1e-12)
+    assert_close(guide.fit((x, y), check_mode=False).covariance, expected, rtol=1e-8, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("subnetwork", "kwargs", "error", "match"),
     [
