@@ -342,6 +342,27 @@ def test_kfac_reduce_form_of_a_pooled_sequence():
     assert_close(g[0], root.T @ root, rtol=1e-12, atol=1e-14)
 
 
+def test_kfac_reduce_form_gives_an_example_without_curvature_its_mean_input():
+    """An example whose output does not depend on the layer (masked out) has no gradient at the
+    layer output (m = 0): it keeps one unit of weight in A with the positions' mean input, as
+    under the expand form, and adds nothing to G."""
+    from pyro_bdl.curvature.kfac import KronLayer, kfac_sums
+
+    torch.manual_seed(0)
+    q = nn.Linear(3, 2).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    a = [torch.zeros(4, 4, dtype=torch.float64)]
+    g = [torch.zeros(2, 2, dtype=torch.float64)]
+    factor = lambda o: output_hessian_factor(o, "categorical")  # noqa: E731
+    forward = lambda: q(x).sum(1) * mask[:, None]  # noqa: E731
+    out = kfac_sums(forward, [KronLayer(q, "linear", True)], factor, a, g)
+    mean = torch.cat([x, torch.ones(4, 5, 1, dtype=torch.float64)], -1).mean(1)
+    assert_close(a[0], mean.T @ mean, rtol=1e-12, atol=1e-14)
+    root = 5 * factor(out)[..., 0] * mask[:, None]
+    assert_close(g[0], root.T @ root, rtol=1e-12, atol=1e-14)
+
+
 def test_exact_turns_autocast_off_and_does_nothing_where_autocast_is_unknown():
     from pyro_bdl.curvature.jacobian import exact
 

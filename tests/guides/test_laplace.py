@@ -101,6 +101,25 @@ def test_float64_accumulation_of_a_float32_network():
     assert guide32.predict(x.float()).dtype == F64
 
 
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+def test_a_float32_network_accumulates_its_posterior_in_float64_by_default(structure):
+    # Without accumulate_dtype the curvature and its factorisation are float64 (the robustness
+    # that accumulation_dtype documents); a full posterior takes accumulate_dtype=torch.float32
+    # (kron and diag keep their small factors in float64 always).
+    x, y = _data()
+    model = bdl.models.classifier(bdl.bayesianize(_mlp().float(), bdl.priors.Normal(1.0)), 40)
+    requests = [(None, F64)] + ([(torch.float32, torch.float32)] if structure == "full" else [])
+    for requested, expected in requests:
+        guide = AutoSubnetLaplace(
+            model, subnetwork="all", hessian_structure=structure, accumulate_dtype=requested
+        )
+        guide(x.float(), y)
+        guide.fit((x.float(), y))
+        assert guide.posterior.variances().dtype == expected
+        if structure == "full":
+            assert guide.ggn.dtype == guide.scale_tril.dtype == expected
+
+
 @pytest.mark.parametrize("scaling", ["per_weight", "subnetwork_fraction", None])
 def test_last_layer_equals_last_layer_laplace(scaling):
     kwargs = {} if scaling is None else {"prior_scaling": scaling}
@@ -424,6 +443,21 @@ def test_tune_prior_precision():
         guide.tune_prior_precision(method="bic")
     with pytest.raises(ValueError, match="needs validation data"):
         guide.tune_prior_precision(method="val_ll")
+
+
+@pytest.mark.parametrize("search", ["gradient", "grid"])
+def test_a_tuned_prior_under_subnetwork_fraction_scaling_is_lambda_not_lambda_s(search):
+    # prior_scaling="subnetwork_fraction" puts λ_S = λ·S/D on the S = 18 head weights of D = 38:
+    # the tuned value returned and held is λ, the posterior uses λ·S/D, and a later fit keeps it.
+    guide, x, y = _lifted(
+        bdl.priors.Normal(scale=1.0), subnetwork="last_layer", prior_scaling="subnetwork_fraction"
+    )
+    guide.fit((x, y), check_mode=False)
+    lam = guide.tune_prior_precision(search=search)
+    assert float(guide.prior_precision) == pytest.approx(lam, rel=1e-12)
+    expected = torch.linalg.inv(guide.ggn + lam * 18 / 38 * torch.eye(18, dtype=F64))
+    assert_close(guide.covariance, expected, rtol=1e-8, atol=1e-12)
+    assert_close(guide.fit((x, y), check_mode=False).covariance, expected, rtol=1e-8, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -326,3 +326,17 @@ def test_the_state_round_trips(structure):
     for a, b in zip(mine, theirs):
         assert_close(a, b, rtol=1e-12)
     assert_close(other.marginal_likelihood(), guide.marginal_likelihood(), rtol=1e-12)
+
+
+def test_the_standard_draws_have_exactly_mean_zero_and_covariance_identity():
+    # Matched moments: mean 0 and zᵀz / M = I to round-off, which makes the mixture's mean and
+    # the mean's share of its variance exact (a divisor M - 1 would inflate that share by
+    # M/(M - 1), 1e-2 for M = 100).
+    from pyro_bdl.guides.laplace.predictive import standard_draws
+
+    z = standard_draws(100, 3, torch.Generator().manual_seed(0))
+    assert z.shape == (100, 3) and z.dtype == F64
+    assert_close(z.mean(0), torch.zeros(3, dtype=F64), atol=1e-14)
+    assert_close(z.T @ z / 100, torch.eye(3, dtype=F64), rtol=0.0, atol=1e-13)
+    with pytest.raises(ValueError, match="num_samples must exceed the 3 outputs"):
+        standard_draws(3, 3)

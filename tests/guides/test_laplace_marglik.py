@@ -134,3 +134,22 @@ def test_grid_and_gradient_searches_warn_alike_at_a_bound():
     grid = torch.logspace(-2, 2, 5, dtype=F64)
     with pytest.warns(PriorPrecisionBoundWarning, match="edge of the grid.*MAP limit"):
         tune_grid(lambda v: v, grid)
+
+
+@pytest.mark.parametrize("structure", ["full", "kron", "diag"])
+def test_a_tuned_noise_rescales_the_posterior_and_the_predictive(structure):
+    # After tune_noise the posterior is N(θ*, (XᵀX/σ² + λI)⁻¹) at the tuned σ and λ (the GGN was
+    # computed at the model's σ₀ and is rescaled by σ₀²/σ²), and predict adds σ²: exact for a
+    # linear model in float64, diagonal structure on the diagonal of that precision.
+    guide, xa, _ = _blr(structure)
+    lam = guide.tune_prior_precision(tune_noise=True)
+    sigma = guide.noise_scale
+    assert abs(sigma / NOISE - 1) > 0.2  # c = σ₀²/σ² ≈ 0.64 differs from 1 and from σ₀/σ
+    gram = xa.T @ xa / sigma**2
+    if structure == "diag":
+        gram = torch.diag(gram.diagonal())
+    cov = torch.linalg.inv(gram + lam * torch.eye(D + 1, dtype=F64))
+    assert_close(guide.posterior.variances(), cov.diagonal(), rtol=1e-10)
+    mean, var = guide.predict(xa[:5, :D])
+    assert_close(mean, xa[:5] @ guide.map_loc, rtol=1e-10)
+    assert_close(var, torch.einsum("bs,st,bt->b", xa[:5], cov, xa[:5]) + sigma**2, rtol=1e-10)

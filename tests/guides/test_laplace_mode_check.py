@@ -118,3 +118,23 @@ def test_the_check_reads_its_gradient_from_the_fit_passes(kwargs, monkeypatch):
     )
     guide.fit(data, check_mode=False)
     assert_close(guide.posterior.variances(), checked_variances, rtol=1e-10, atol=0.0)
+
+
+def test_the_residual_is_the_written_out_gradient_of_each_likelihood():
+    # r = ∂(-log p(y | f))/∂f: (f - y)/σ² (Gaussian), σ(f) - y (Bernoulli), softmax(f) - onehot(y)
+    # (categorical). The mode check's gradient Σ Jᵀ r and training_loss_gradient share this NLL,
+    # so only a formula written out here pins its scale.
+    from pyro_bdl.guides.laplace.model import Observation, residual
+
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(6, 3, generator=g, dtype=F64)
+    y = torch.randn(6, 3, generator=g, dtype=F64)
+    gaussian = Observation("y", "gaussian", 0.4, 3, False, None)
+    assert_close(residual(f, y, gaussian), (f - y) / 0.4**2, rtol=1e-12)
+    labels = (y > 0).to(F64)
+    bernoulli = Observation("y", "bernoulli", None, 3, False, None)
+    assert_close(residual(f, labels, bernoulli), f.sigmoid() - labels, rtol=1e-12)
+    classes = torch.tensor([0, 2, 1, 1, 0, 2])
+    categorical = Observation("y", "categorical", None, 3, False, None)
+    onehot = nn.functional.one_hot(classes, 3).to(F64)
+    assert_close(residual(f, classes, categorical), f.softmax(-1) - onehot, rtol=1e-12)
