@@ -167,9 +167,9 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
         rows (≤ ``batch_size``) as fit. Default: ``max(2·S², batch_size·C·S)`` numbers (at least
         4 MiB), the size of the S-dependent part, so that the peak memory of :meth:`fit` hardly
         grows with the network. Raise it for speed on a network with large activations.
-    :param accumulate_dtype: dtype of H_S and the covariance (default float64, which a small
-        prior precision needs; see
-        :func:`~pyro_bdl.guides.laplace.posterior.accumulation_dtype`).
+    :param accumulate_dtype: dtype of the ``"full"`` H_S and covariance (default float64, which a
+        small prior precision needs: :func:`~pyro_bdl.guides.laplace.posterior.accumulation_dtype`);
+        ``"kron"`` and ``"diag"`` always accumulate in float64 (far smaller than S × S).
     :param int max_memory: bytes :meth:`fit` may use for the S × S matrices and one Jacobian
         chunk (default: the memory available on the device).
     :param callable init_loc_fn: initial MAP values (default: the network's own weights).
