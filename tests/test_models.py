@@ -467,3 +467,56 @@ def test_a_fixed_noise_scale_tensor_that_requires_grad_or_holds_several_is_refus
         models.regressor(net, 10, noise_scale=torch.tensor([0.5, 0.6]))
     # A point σ's start is only a value: any one-number tensor will do.
     assert models.regressor(net, 10, learnable, noise="point").noise_scale == 0.5
+
+
+class _OpaqueClassifier(nn.Module):
+    """A network whose last layer the model cannot see (not an ``nn.Sequential``): the output
+    width, and so the label range, is known only after its first forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_labels_of_an_opaque_network_are_checked_against_the_width_of_its_output():
+    model = models.classifier(bayesianize(_OpaqueClassifier()), dataset_size=100)
+    assert model.shape.outputs is None
+    x = torch.randn(4, 3)
+    # Label 4 of 4 classes is one past the last: refused by the model, not by torch's gather.
+    with pytest.raises(ValueError, match=r"class labels must lie in \[0, 4\); got min 0, max 4"):
+        model(x, torch.tensor([0, 1, 2, 4]))
+    model(x, torch.tensor([0, 1, 2, 3]))  # the last class itself is in range
+
+
+def test_a_refused_gaussian_step_after_the_first_changes_no_random_stream_nor_running_stats():
+    # The range check of a Gaussian likelihood reads the network's output, so every call that
+    # scores one (not only the first) runs under rollback.
+    net = bayesianize(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
+    model = models.regressor(net, dataset_size=100, noise_scale=1.0)
+    x = torch.randn(6, 3)
+    model(x, torch.randn(6))  # the first call, whose output shape is checked
+    stats = [b.clone() for b in net[1].buffers()]
+    rng = torch.get_rng_state()
+    # Finite targets whose square overflows float32 (3e19² = 9e38 > 3.4e38).
+    with pytest.raises(ValueError, match=r"overflows torch\.float32"):
+        model(x, torch.full((6,), 3e19))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(b, old) for b, old in zip(net[1].buffers(), stats))
+
+
+def test_a_token_label_equal_to_the_vocabulary_size_is_refused_on_every_call():
+    # V = 7: label 7 is one past the last token. The first call checks it after the forward
+    # pass (the opaque network's width is unknown before), later ones before it.
+    model = models.language_model(bayesianize(_TokenLM()), dataset_size=8)
+    batch = _tokens(vocab=7)
+    bad = batch["input_ids"].clone()
+    bad[1, 2] = 7  # a scored position: row 1 is unmasked, and position 2 is past the shift
+    match = r"token labels must lie in \[0, 7\) or be -100 \(skipped\); got min \d, max 7"
+    with pytest.raises(ValueError, match=match):
+        model(batch, bad)
+    model(batch, batch["input_ids"])
+    with pytest.raises(ValueError, match=match):
+        model(batch, bad)

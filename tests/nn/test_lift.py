@@ -162,6 +162,13 @@ def test_lifted_network_trains_with_svi():
         (dict(expose=[3.5]), TypeError),
         (dict(prior=42), TypeError),
         (dict(prior=lambda m, n, p: dist.Normal(0.0, 1.0)), ValueError),
+        # The weight's event shape, but a batch of 2 draws: every weight would get a dim more.
+        (
+            dict(
+                prior=lambda m, n, p: dist.Normal(0.0, 1.0).expand((2, *p.shape)).to_event(p.dim())
+            ),
+            ValueError,
+        ),
     ],
 )
 def test_bad_rules_and_priors_raise_before_changing_the_module(bad, error):
