@@ -8,7 +8,7 @@ from pyro import poutine
 from torch import nn
 
 import pyro_bdl as bdl
-from pyro_bdl.layout import SiteLayout
+from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.priors import NonGaussianPriorError
 
 
@@ -146,3 +146,16 @@ def test_a_subsampled_local_site_is_repeated_along_its_plate_dim_not_its_event_d
     assert torch.equal(flat[site.slice].view(6, 2), torch.cat([z, z]))
     local, values = SiteLayout.from_trace(trace, full_plates=False)
     assert local["z"].shape == (3, 2) and torch.equal(values, z.reshape(-1))
+
+
+def test_sites_that_do_not_tile_the_flat_vector_are_refused():
+    a = Site("a", 0, 4, torch.Size([2, 2]), 2)
+    SiteLayout([a, Site("b", 4, 7, torch.Size([3]), 1)])
+    with pytest.raises(
+        ValueError, match=r"site 'b' must take the flat indices \[4, 7\).*got \[5, 8\)"
+    ):
+        SiteLayout([a, Site("b", 5, 8, torch.Size([3]), 1)])  # a gap at index 4
+    with pytest.raises(
+        ValueError, match=r"site 'b' must take the flat indices \[4, 7\).*got \[4, 6\)"
+    ):
+        SiteLayout([a, Site("b", 4, 6, torch.Size([3]), 1)])  # 2 indices for 3 numbers

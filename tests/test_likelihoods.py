@@ -438,3 +438,12 @@ def test_a_noise_prior_with_mass_on_negative_sigma_is_refused(prior):
     net = bayesianize(nn.Linear(1, 1))
     with pytest.raises(ValueError, match=r"noise_prior must put its mass on σ > 0"):
         models.regressor(net, dataset_size=10, noise="learned", noise_prior=prior)
+
+
+def test_a_finite_loss_whose_sigma_gradient_overflows_is_refused():
+    # r = 0.1, σ = 1e-18 in float32: the loss term r²/2σ² = 5e33 is finite, but its σ-gradient
+    # r²/σ³ = 1e52 is not (max 3.4e38). σ = 1e-10 gives r²/σ³ = 1e28: scored.
+    y, mean = torch.tensor([0.1]), torch.zeros(1)
+    check_likelihood_range(y, mean, torch.tensor(1e-10), 1.0, where="fixed")
+    with pytest.raises(ValueError, match=r"N/B·Σ\(y - mean\)²/σ³ is not finite"):
+        check_likelihood_range(y, mean, torch.tensor(1e-18), 1.0, where="fixed")
