@@ -115,8 +115,14 @@ class SiteLayout(Sequence[Site]):
             )
         start = 0
         for site in sites:
-            if site.start != start or site.stop - site.start != math.prod(site.shape):
-                raise ValueError(f"site {site.name!r} does not follow the previous site directly.")
+            numel = math.prod(site.shape)
+            if site.start != start or site.stop - site.start != numel:
+                raise ValueError(
+                    f"site {site.name!r} must take the flat indices [{start}, {start + numel}): "
+                    f"right after the previous site, one per number of its shape "
+                    f"{tuple(site.shape)}; got [{site.start}, {site.stop}). Build the sites with "
+                    "consecutive slices, or use SiteLayout.from_trace / from_specs."
+                )
             start = site.stop
         self._sites = sites
         self._by_name = {s.name: s for s in sites}

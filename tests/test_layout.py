@@ -8,7 +8,7 @@ from pyro import poutine
 from torch import nn
 
 import pyro_bdl as bdl
-from pyro_bdl.layout import SiteLayout
+from pyro_bdl.layout import Site, SiteLayout
 from pyro_bdl.priors import NonGaussianPriorError
 
 
@@ -118,3 +118,44 @@ def test_a_site_that_is_not_a_lifted_weight_has_no_known_prior():
     layout, _ = SiteLayout.from_trace(_trace(model))
     with pytest.raises(NonGaussianPriorError, match="'z' is not a weight lifted"):
         layout.gaussian_prior()
+
+
+def test_a_site_whose_unconstrained_value_has_fewer_dims_counts_its_event_dims_there():
+    # A 3×3 correlation Cholesky factor is 3 unconstrained numbers: one event dim, not two.
+    def model():
+        pyro.sample("L", dist.LKJCholesky(3, 1.0))
+
+    trace = _trace(model)
+    layout, flat = SiteLayout.from_trace(trace)
+    site = layout["L"]
+    assert site.shape == (3,) and site.event_dim == 1 and site.whole
+    assert torch.allclose(site.constrain(flat[site.slice]), trace.nodes["L"]["value"], atol=1e-6)
+
+
+def test_a_subsampled_local_site_is_repeated_along_its_plate_dim_not_its_event_dim():
+    def model():
+        with pyro.plate("data", 6, subsample=torch.tensor([3, 4, 5])):
+            pyro.sample("z", dist.Normal(torch.zeros(3, 2), 1.0).to_event(1))
+
+    trace = _trace(model)
+    z = trace.nodes["z"]["value"]  # (3, 2): 3 of the 6 rows, 2 numbers each
+    layout, flat = SiteLayout.from_trace(trace)
+    site = layout["z"]
+    assert site.shape == (6, 2) and site.event_dim == 1 and site.frames == (("data", -1),)
+    # Periodically repeated along the plate to the full size, as Pyro's autoguides do.
+    assert torch.equal(flat[site.slice].view(6, 2), torch.cat([z, z]))
+    local, values = SiteLayout.from_trace(trace, full_plates=False)
+    assert local["z"].shape == (3, 2) and torch.equal(values, z.reshape(-1))
+
+
+def test_sites_that_do_not_tile_the_flat_vector_are_refused():
+    a = Site("a", 0, 4, torch.Size([2, 2]), 2)
+    SiteLayout([a, Site("b", 4, 7, torch.Size([3]), 1)])
+    with pytest.raises(
+        ValueError, match=r"site 'b' must take the flat indices \[4, 7\).*got \[5, 8\)"
+    ):
+        SiteLayout([a, Site("b", 5, 8, torch.Size([3]), 1)])  # a gap at index 4
+    with pytest.raises(
+        ValueError, match=r"site 'b' must take the flat indices \[4, 7\).*got \[4, 6\)"
+    ):
+        SiteLayout([a, Site("b", 4, 6, torch.Size([3]), 1)])  # 2 indices for 3 numbers

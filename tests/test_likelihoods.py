@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from pyro_bdl.curvature.ggn import output_hessian_factor
 from pyro_bdl.diagnostics.metrics_binary import binary_brier, binary_ece, binary_nll
 from pyro_bdl.guides import AutoMeanField, AutoRadial, AutoSubnetLaplace, AutoSWAG
 from pyro_bdl.infer import VOGN, TraceSuffStat_ELBO
+from pyro_bdl.models.noise import check_likelihood_range
 from tests.test_host_reads import _CountReads
 from tests.test_models import _TokenLM, _tokens
 
@@ -396,3 +398,52 @@ def test_a_known_sigma_is_not_copied_from_the_host_on_every_step(kind):
         m = poutine.trace(poutine.replay(model, trace=g)).get_trace(x, y)
         m.nodes["y"]["fn"].log_prob(y)
     assert counted.made == []
+
+
+def test_the_range_check_scales_the_squared_residuals_by_n_over_b():
+    # The loss holds N/B · Σ r²/2σ²: 2 rows with r = 3e18 give Σ r²/σ² = 1.8e37 (finite in
+    # float32, max 3.4e38); times N/B = 500 it is 9e39, which overflows. The same batch with
+    # N = B (factor 1) is scored.
+    net = bayesianize(nn.Linear(1, 1))
+    x, y = torch.zeros(2, 1), torch.full((2,), 3e18)
+    fixed = {"weight": torch.zeros(1, 1), "bias": torch.zeros(1)}  # mean 0
+    small = models.regressor(net, dataset_size=2, noise_scale=1.0)
+    poutine.condition(small, data=fixed)(x, y)
+    large = models.regressor(net, dataset_size=1000, noise_scale=1.0)
+    with pytest.raises(ValueError, match=r"overflows torch\.float32.*N/B = 500"):
+        poutine.condition(large, data=fixed)(x, y)
+
+
+def test_the_default_prior_of_a_learned_sigma_is_lognormal_0_1():
+    # Documented: median 1 and 95% of the mass in [exp(-1.96), exp(1.96)] = [0.14, 7.1].
+    model = models.regressor(bayesianize(nn.Linear(1, 1)), dataset_size=10, noise="learned")
+    tr = poutine.trace(model).get_trace(torch.zeros(2, 1), torch.zeros(2))
+    prior = tr.nodes["sigma"]["fn"]
+    assert isinstance(prior, torch.distributions.LogNormal)
+    assert (float(prior.loc), float(prior.scale)) == (0.0, 1.0)
+    cdf = prior.cdf(torch.tensor([1.0, math.exp(-1.96), math.exp(1.96)]))
+    torch.testing.assert_close(cdf, torch.tensor([0.5, 0.025, 0.975]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("sigma", [0.0, -0.5])
+def test_a_sigma_that_is_not_positive_is_named_as_the_cause(sigma):
+    # Finite targets and mean: the refusal must blame σ, not an overflow or the network.
+    y, mean = torch.tensor([1.0, 2.0]), torch.zeros(2)
+    with pytest.raises(ValueError, match=rf"noise scale σ \(fixed\) is {sigma!r}; it must be"):
+        check_likelihood_range(y, mean, torch.tensor(sigma), 1.0, where="fixed")
+
+
+@pytest.mark.parametrize("prior", [dist.Normal(1.0, 1.0), dist.Uniform(-1.0, 1.0)])
+def test_a_noise_prior_with_mass_on_negative_sigma_is_refused(prior):
+    net = bayesianize(nn.Linear(1, 1))
+    with pytest.raises(ValueError, match=r"noise_prior must put its mass on σ > 0"):
+        models.regressor(net, dataset_size=10, noise="learned", noise_prior=prior)
+
+
+def test_a_finite_loss_whose_sigma_gradient_overflows_is_refused():
+    # r = 0.1, σ = 1e-18 in float32: the loss term r²/2σ² = 5e33 is finite, but its σ-gradient
+    # r²/σ³ = 1e52 is not (max 3.4e38). σ = 1e-10 gives r²/σ³ = 1e28: scored.
+    y, mean = torch.tensor([0.1]), torch.zeros(1)
+    check_likelihood_range(y, mean, torch.tensor(1e-10), 1.0, where="fixed")
+    with pytest.raises(ValueError, match=r"N/B·Σ\(y - mean\)²/σ³ is not finite"):
+        check_likelihood_range(y, mean, torch.tensor(1e-18), 1.0, where="fixed")

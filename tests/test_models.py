@@ -9,6 +9,7 @@ from pyro import poutine
 from torch import nn
 
 from pyro_bdl import bayesianize, models
+from pyro_bdl.models.structured import select_output
 
 
 def _classifier(n=100):
@@ -467,3 +468,120 @@ def test_a_fixed_noise_scale_tensor_that_requires_grad_or_holds_several_is_refus
         models.regressor(net, 10, noise_scale=torch.tensor([0.5, 0.6]))
     # A point σ's start is only a value: any one-number tensor will do.
     assert models.regressor(net, 10, learnable, noise="point").noise_scale == 0.5
+
+
+class _OpaqueClassifier(nn.Module):
+    """A network whose last layer the model cannot see (not an ``nn.Sequential``): the output
+    width, and so the label range, is known only after its first forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_labels_of_an_opaque_network_are_checked_against_the_width_of_its_output():
+    model = models.classifier(bayesianize(_OpaqueClassifier()), dataset_size=100)
+    assert model.shape.outputs is None
+    x = torch.randn(4, 3)
+    # Label 4 of 4 classes is one past the last: refused by the model, not by torch's gather.
+    with pytest.raises(ValueError, match=r"class labels must lie in \[0, 4\); got min 0, max 4"):
+        model(x, torch.tensor([0, 1, 2, 4]))
+    model(x, torch.tensor([0, 1, 2, 3]))  # the last class itself is in range
+
+
+def test_a_refused_gaussian_step_after_the_first_changes_no_random_stream_nor_running_stats():
+    # The range check of a Gaussian likelihood reads the network's output, so every call that
+    # scores one (not only the first) runs under rollback.
+    net = bayesianize(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
+    model = models.regressor(net, dataset_size=100, noise_scale=1.0)
+    x = torch.randn(6, 3)
+    model(x, torch.randn(6))  # the first call, whose output shape is checked
+    stats = [b.clone() for b in net[1].buffers()]
+    rng = torch.get_rng_state()
+    # Finite targets whose square overflows float32 (3e19² = 9e38 > 3.4e38).
+    with pytest.raises(ValueError, match=r"overflows torch\.float32"):
+        model(x, torch.full((6,), 3e19))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(b, old) for b, old in zip(net[1].buffers(), stats))
+
+
+def test_a_token_label_equal_to_the_vocabulary_size_is_refused_on_every_call():
+    # V = 7: label 7 is one past the last token. The first call checks it after the forward
+    # pass (the opaque network's width is unknown before), later ones before it.
+    model = models.language_model(bayesianize(_TokenLM()), dataset_size=8)
+    batch = _tokens(vocab=7)
+    bad = batch["input_ids"].clone()
+    bad[1, 2] = 7  # a scored position: row 1 is unmasked, and position 2 is past the shift
+    match = r"token labels must lie in \[0, 7\) or be -100 \(skipped\); got min \d, max 7"
+    with pytest.raises(ValueError, match=match):
+        model(batch, bad)
+    model(batch, batch["input_ids"])
+    with pytest.raises(ValueError, match=match):
+        model(batch, bad)
+
+
+def test_a_16_bit_network_is_scored_and_returned_in_float32():
+    # A sum of many log-probabilities in bfloat16 (8 bits of mantissa) would round to a
+    # multiple of a power of two; the model scores and returns float32.
+    net = bayesianize(nn.Linear(3, 4).to(torch.bfloat16))
+    model = models.classifier(net, dataset_size=10)
+    x, y = torch.randn(5, 3, dtype=torch.bfloat16), torch.tensor([0, 1, 2, 3, 0])
+    tr = poutine.trace(model).get_trace(x, y)
+    out = tr.nodes["_RETURN"]["value"]
+    assert out.dtype == torch.float32
+    assert tr.nodes["y"]["fn"].log_prob(y).dtype == torch.float32
+    assert model.prediction(x).dtype == torch.float32
+
+
+def test_a_first_call_refused_after_the_forward_pass_leaves_no_param_behind():
+    # The point σ's param is created before the range check refuses the targets; the refusal
+    # must take it back out of the param store, as every check promises.
+    pyro.clear_param_store()
+    model = models.regressor(bayesianize(nn.Linear(3, 1)), 10, noise="point", noise_scale=0.5)
+    with pytest.raises(ValueError, match=r"overflows torch\.float32"):
+        model(torch.randn(4, 3), torch.full((4,), 3e19))
+    assert model.param_names[0] not in pyro.get_param_store()
+    model(torch.randn(4, 3), torch.randn(4))
+    assert model.param_names[0] in pyro.get_param_store()
+
+
+def test_a_negative_output_index_counts_from_the_end_as_in_python():
+    a, b = torch.randn(2), torch.randn(3)
+    assert select_output((a, b), -1) is b and select_output((a, b), -2) is a
+    assert select_output({"logits": a, "hidden": b}, -1) is b
+    with pytest.raises(TypeError, match=r"output=-3, but the network returned tuple of 2"):
+        select_output((a, b), -3)
+
+
+def test_a_fixed_sigma_follows_the_network_to_float64():
+    net = bayesianize(nn.Linear(3, 1))
+    model = models.regressor(net, dataset_size=10, noise_scale=0.1)
+    model(torch.randn(4, 3), torch.randn(4))  # σ made once for float32
+    net.double()
+    tr = poutine.trace(model).get_trace(torch.randn(4, 3).double(), torch.randn(4).double())
+    scale = tr.nodes["y"]["fn"].scale
+    # 0.1 in float32 is 0.10000000149: a float64 model would score a σ that is off by 1.5e-8.
+    assert scale.dtype == torch.float64 and scale.unique().tolist() == [0.1]
+
+
+class _TwoCopies(nn.Module):
+    """A network whose output has a leading dim of 2 that no plate made."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x):
+        out = self.fc(x)
+        return torch.stack([out, out])
+
+
+def test_an_output_with_a_leading_dim_outside_any_plate_is_refused():
+    # Only a plate (particles, parallel draws) may add leading dims; else the likelihood would
+    # broadcast (2, B) terms into the data plate and count every example twice.
+    model = models.classifier(bayesianize(_TwoCopies()), dataset_size=10)
+    with pytest.raises(ValueError, match=r"a classifier needs network outputs of shape \(5, C\)"):
+        model(torch.randn(5, 3), torch.zeros(5, dtype=torch.long))

@@ -254,3 +254,20 @@ def test_the_draws_have_the_shape_and_values_of_predictives_return(task, paralle
     )["_RETURN"]
     assert draws.shape == returned.shape == (3, *shape)
     torch.testing.assert_close(draws, returned)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["measured", "kept"])
+def test_max_memory_bounds_the_bytes_of_the_whole_batchs_outputs(kept):
+    # 4 draws of the (12, 3) float32 logits are 4·12·3·4 = 576 bytes, though the measuring
+    # draw sees one row (48 bytes for the 4 draws): a bound of 576 takes them, 575 does not.
+    model, guide, x = _fit("meanfield", "mlp")
+
+    def draws(max_memory):
+        forget_output_sizes(model)
+        if kept:  # a first call measures the row's output and keeps its size
+            sample_outputs(model, guide, x, num_samples=2)
+        return sample_outputs(model, guide, x, num_samples=4, max_memory=max_memory)
+
+    assert draws(576).shape == (4, 12, 3)
+    with pytest.raises(ValueError, match=r"need 576 bytes .* more than max_memory=575"):
+        draws(575)

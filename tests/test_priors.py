@@ -127,3 +127,22 @@ def test_a_hyperparameter_that_requires_grad_is_refused_not_cut_from_the_graph(b
     with pytest.raises(ValueError, match=r"one number; got a tensor of shape \(2,\)"):
         build(torch.ones(2))
     build(torch.tensor(0.5))  # a plain one-number tensor is a number
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Conv2d(4, 6, kernel_size=3, groups=2),  # each output channel sees 4/2 input channels
+        nn.Linear(3, 5),  # fan_in 3, fan_out 5: not to be swapped
+        nn.Embedding(10, 4),  # no fan attributes: read from the weight's shape, as torch does
+        nn.Bilinear(2, 3, 4),  # in1_features, no in_features: the weight (4, 2, 3)
+    ],
+    ids=["grouped-conv", "linear", "embedding", "bilinear"],
+)
+def test_fan_in_and_out_agree_with_torch_for_every_layer_kind(layer):
+    weight = layer.weight
+    expected = torch.nn.init._calculate_fan_in_and_fan_out(weight)
+    assert priors.fan_in_out(layer, weight) == expected
+    # And the Kaiming scale follows the fan-in: s = sqrt(2 / fan_in).
+    d = priors.LayerwiseNormal("kaiming")(layer, "weight", weight)
+    assert_close(d.base_dist.scale.unique(), [math.sqrt(2 / expected[0])])

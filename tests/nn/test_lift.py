@@ -162,6 +162,13 @@ def test_lifted_network_trains_with_svi():
         (dict(expose=[3.5]), TypeError),
         (dict(prior=42), TypeError),
         (dict(prior=lambda m, n, p: dist.Normal(0.0, 1.0)), ValueError),
+        # The weight's event shape, but a batch of 2 draws: every weight would get a dim more.
+        (
+            dict(
+                prior=lambda m, n, p: dist.Normal(0.0, 1.0).expand((2, *p.shape)).to_event(p.dim())
+            ),
+            ValueError,
+        ),
     ],
 )
 def test_bad_rules_and_priors_raise_before_changing_the_module(bad, error):
@@ -391,6 +398,20 @@ def test_relift_with_rules_hides_sites_and_exposes_frozen_parameters():
     assert not sites(net)["2.bias"].trainable
     samples, params = _trace(net, torch.randn(1, 4))
     assert set(samples) == {"0.weight", "2.weight", "2.bias"} and params == {"0.bias"}
+
+
+def test_a_frozen_parameter_exposed_by_a_relift_is_an_ordinary_site_for_later_calls():
+    # Once lifted, the parameter is no longer a hidden frozen buffer: a later call with the same
+    # rules changes nothing, and moving the network reads no frozen copy of it.
+    net = _mlp()
+    net[2].bias.requires_grad_(False)
+    bayesianize(net)
+    bayesianize(net, expose=["2.bias"], relift=True)
+    bayesianize(net, expose=["2.bias"])
+    assert set(sites(net)) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    net.double()
+    samples, _ = _trace(net, torch.randn(1, 4, dtype=torch.float64))
+    assert samples["2.bias"]["value"].dtype == torch.float64
 
 
 def test_relift_of_a_tied_site_restores_one_shared_parameter():

@@ -8,13 +8,14 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import Trace_ELBO
+from pyro.nn import PyroModule
 from torch import nn
 
 from pyro_bdl import bayesianize, models
 from pyro_bdl.app.compare.problem import cnn, mlp
 from pyro_bdl.guides import AutoMeanField
 from pyro_bdl.infer import TraceSuffStat_ELBO
-from pyro_bdl.nn.vectorize import batched_forward
+from pyro_bdl.nn.vectorize import batched_forward, restore_plate_dims
 from tests.common import assert_close
 
 K = 4
@@ -174,3 +175,39 @@ def test_the_lifted_forward_survives_deepcopy_and_pickle_and_lifting_twice():
         assert clone.forward.args[0] is clone
         x = torch.randn(2, 1, 6, 6)
         assert clone(x).shape == (2, 3)
+
+
+def test_restore_plate_dims_puts_back_only_singleton_plate_dims():
+    # A (5, 8, 4) draw of a weight whose prior is batched (5, 1): the singleton plate dim
+    # comes back, so the value scores (5, 1), not (5, 5).
+    value = torch.randn(5, 8, 4)
+    restored = restore_plate_dims(value, torch.Size([5, 1]), 2)
+    assert restored.shape == (5, 1, 8, 4) and torch.equal(restored.reshape(5, 8, 4), value)
+    # Already broadcastable: unchanged (the same tensor).
+    assert restore_plate_dims(value, torch.Size([5]), 2) is value
+    # Other non-singleton dims (3 draws against a batch of 2): not a missing plate dim, so left
+    # for the distribution to refuse, not reshaped into the wrong draws.
+    for other, batch in ((torch.randn(3, 4), (2, 1)), (torch.randn(6, 4), (2, 3))):
+        assert restore_plate_dims(other, torch.Size(batch), 1) is other
+
+
+class _CalledTwice(PyroModule):
+    """A wrapper whose one forward pass runs the lifted network twice."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x), self.net(x)
+
+
+def test_a_network_called_twice_in_one_pass_reads_the_same_batched_weights_twice():
+    # The vectorized forward writes each sample's slice into Pyro's cache of the pass, and
+    # must put the batched draws back: a second call in the same pass reads them again.
+    net = bayesianize(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x = torch.randn(5, 3)
+    with pyro.plate("particles", 3, dim=-2):
+        first, second = poutine.trace(_CalledTwice(net)).get_trace(x).nodes["_RETURN"]["value"]
+    assert first.shape == (3, 5, 2) and torch.equal(first, second)
+    assert not torch.equal(first[0], first[1])  # three different draws
