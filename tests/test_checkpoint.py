@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -400,6 +401,44 @@ def test_no_rng_state_warns(tmp_path):
     assert info["rng_restored"] is False
 
 
+def _draws() -> list:
+    """One draw of each generator, Gaussians first (they use the cached second Gaussian)."""
+    return [
+        random.gauss(0.0, 1.0),
+        random.random(),
+        float(np.random.standard_normal()),  # noqa: NPY002
+        float(np.random.rand()),  # noqa: NPY002
+        torch.rand(3).tolist(),
+    ]
+
+
+def test_every_rng_resumes_with_its_cached_gaussian(tmp_path):
+    """Python's ``random.gauss`` and NumPy's legacy ``standard_normal`` draw Gaussians in pairs
+    and keep the second for the next call; a resumed run must get that very number."""
+    random.seed(1)
+    np.random.seed(2)  # noqa: NPY002
+    torch.manual_seed(3)
+    random.gauss(0.0, 1.0)
+    np.random.standard_normal()  # noqa: NPY002
+    save_checkpoint(tmp_path / "c.ckpt")
+    expected = _draws()
+    random.seed(9)  # another state, with no Gaussian cached
+    np.random.seed(9)  # noqa: NPY002
+    torch.manual_seed(9)
+    assert load_checkpoint(tmp_path / "c.ckpt")["rng_restored"]
+    assert _draws() == expected
+
+
+def test_rng_false_leaves_every_generator_alone(tmp_path):
+    save_checkpoint(tmp_path / "c.ckpt")
+    _draws()  # move past the saved state
+    state = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())  # noqa: NPY002
+    info = load_checkpoint(tmp_path / "c.ckpt", rng=False)
+    assert info["rng_restored"] is False
+    assert random.getstate() == state[0] and torch.equal(torch.get_rng_state(), state[2])
+    assert (np.random.get_state()[1] == state[1]).all()  # noqa: NPY002
+
+
 def test_lazy_guide_needs_example_args(tmp_path, f64):
     _, guide, _, _, _, _ = _setup()
     with pytest.raises(ValueError, match=r"has not created its parameters yet.*example_args"):
@@ -454,6 +493,27 @@ def test_rng_must_be_restored_after_the_lazy_set_up(tmp_path, f64):
     _, guide, optim, svi, x, y = _setup()
     load_checkpoint(tmp_path / "c.ckpt", optim=optim)
     assert [svi.step(x, y) for _ in range(3)] != expected
+
+
+class _DrawsWhenLoaded(torch.nn.Module):
+    """A module whose ``load_state_dict`` draws a random number, as one that re-samples a
+    buffer on loading would."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.zeros(2))
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        torch.rand(1)
+        return super().load_state_dict(state_dict, strict, assign)
+
+
+def test_the_rng_is_restored_after_every_part_has_loaded(tmp_path):
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "c.ckpt", modules={"m": _DrawsWhenLoaded()})
+    expected = torch.rand(3)
+    load_checkpoint(tmp_path / "c.ckpt", modules={"m": _DrawsWhenLoaded()})
+    assert torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
