@@ -516,6 +516,66 @@ def test_the_rng_is_restored_after_every_part_has_loaded(tmp_path):
     assert torch.equal(torch.rand(3), expected)
 
 
+def _point_sigma_run():
+    """A regressor with a point σ (param ``model.param_names[0]``) after one Adam step."""
+    torch.manual_seed(0)
+    net = bdl.bayesianize(
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    )
+    model = bdl.models.regressor(net, 12, 2.0, noise="point")
+    x, y = torch.randn(6, 3), torch.randn(6)
+    guide, optim = AutoNormal(model), pyro.optim.Adam({"lr": 0.1})
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    svi.step(x, y)
+    return model, guide, optim, svi, x, y
+
+
+def test_an_old_plain_sigma_entry_resumes_with_its_optimizer_state(tmp_path):
+    """A file from before per-model param names holds the point σ, and its Adam state, under
+    plain ``"sigma"``; resumed into today's model the next step is the uninterrupted one."""
+    model, guide, optim, svi, x, y = _point_sigma_run()
+    (name,) = model.param_names
+    path = tmp_path / "old.ckpt"
+    save_checkpoint(path, guide=guide, optim=optim)
+    svi.step(x, y)
+    expected = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    payload = torch.load(path, weights_only=True)
+    for part in (
+        payload["param_store"]["values"],
+        payload["param_store"]["constraints"],
+        payload["fingerprint"]["params"],
+        payload["optim"],
+    ):
+        part["sigma"] = part.pop(name)
+    payload.pop("checksums")  # such a file had none
+    torch.save(payload, path)
+
+    pyro.clear_param_store()
+    guide, optim = AutoNormal(model), pyro.optim.Adam({"lr": 0.1})
+    load_checkpoint(path, guide=guide, optim=optim, example_args=(x, y))
+    SVI(model, guide, optim, Trace_ELBO()).step(x, y)
+    store = pyro.get_param_store()
+    assert sorted(store.keys()) == sorted(expected) and "sigma" not in store
+    for n, value in expected.items():
+        assert torch.equal(store[n].detach(), value), n
+
+
+def test_a_users_own_sigma_param_is_not_taken_for_an_old_point_sigma(tmp_path):
+    """The rename applies only to files without the model's own entry: a param the user named
+    ``"sigma"`` beside it keeps its value, and so does the model's σ."""
+    model, guide, optim, _, x, y = _point_sigma_run()
+    (name,) = model.param_names
+    pyro.param("sigma", torch.tensor(7.0))
+    expected = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    pyro.clear_param_store()
+    pyro.param("sigma", torch.tensor(0.0))  # the user's set-up creates it again
+    load_checkpoint(tmp_path / "c.ckpt", guide=AutoNormal(model), example_args=(x, y))
+    store = pyro.get_param_store()
+    assert store["sigma"].detach().item() == 7.0
+    assert torch.equal(store[name].detach(), expected[name])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_resume_on_device_restores_its_generator(tmp_path, f64, device):
     """On CUDA the guide's noise comes from the CUDA generator, which must be restored too."""
