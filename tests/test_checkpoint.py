@@ -476,6 +476,47 @@ def test_resume_in_the_same_process_restores_live_optimizers(tmp_path, f64):
     assert [svi.step(x, y) for _ in range(3)] == losses
 
 
+def test_a_live_lr_scheduler_gets_its_schedule_and_its_optimizers_moments_back(tmp_path, f64):
+    """A Pyro scheduler holds a torch scheduler and its optimizer per parameter: both states
+    go back, so the resumed steps use the saved rate and Adam moments."""
+    _, guide, _, _, x, y = _setup()
+    optim = pyro.optim.ExponentialLR(
+        {"optimizer": torch.optim.Adam, "optim_args": {"lr": 0.05}, "gamma": 0.5}
+    )
+    svi = SVI(guide.model, guide, optim, Trace_ELBO())
+
+    def steps(n):
+        losses = []
+        for _ in range(n):
+            losses.append(svi.step(x, y))
+            optim.step()
+        return losses
+
+    steps(2)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    expected = steps(3)
+    assert load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)["optim_restored"]
+    assert steps(3) == expected
+
+
+def test_a_save_right_after_a_load_keeps_the_optimizer_state_not_used_yet(tmp_path, f64):
+    """Into a fresh run the optimizer state waits for the first step; a checkpoint written
+    before that step must still hold it, or a run resumed from it restarts Adam."""
+    _, guide, optim, svi, x, y = _setup()
+    for _ in range(2):
+        svi.step(x, y)
+    save_checkpoint(tmp_path / "a.ckpt", guide=guide, optim=optim)
+    expected = [svi.step(x, y) for _ in range(2)]
+    pyro.clear_param_store()
+    _, guide, optim, svi, x, y = _setup()
+    load_checkpoint(tmp_path / "a.ckpt", guide=guide, optim=optim, example_args=(x, y))
+    save_checkpoint(tmp_path / "b.ckpt", guide=guide, optim=optim)
+    pyro.clear_param_store()
+    _, guide, optim, svi, x, y = _setup()
+    load_checkpoint(tmp_path / "b.ckpt", guide=guide, optim=optim, example_args=(x, y))
+    assert [svi.step(x, y) for _ in range(2)] == expected
+
+
 def test_rng_must_be_restored_after_the_lazy_set_up(tmp_path, f64):
     """The ordering rule: Pyro's guide draws random numbers while it sets itself up."""
     _, guide, optim, svi, x, y = _setup()

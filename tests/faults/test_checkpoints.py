@@ -779,3 +779,23 @@ def test_a_checksums_entry_missing_a_tensor_is_refused_naming_it(tmp_path):
     torch.save(payload, path)
     message = load_refused(path, fresh(), r"is corrupt: the data of", error=CheckpointError)
     assert where in message
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads zombies from /proc")
+def test_stale_cleanup_removes_the_temporary_of_a_dead_writer_not_reaped_yet(tmp_path):
+    """A writer killed mid-write whose parent has not reaped it is a zombie: its pid still
+    answers ``os.kill(pid, 0)``, yet it will never finish the file."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10.0
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit within 10 s"
+            time.sleep(0.01)
+        path = tmp_path / "c.ckpt"
+        stale = Path(temporary_name(str(path), pid))
+        stale.write_bytes(b"partial")
+        assert remove_stale(str(path)) == [stale.name] and not stale.exists()
+    finally:
+        os.waitpid(pid, 0)
