@@ -659,6 +659,24 @@ def test_fitted_laplace_guide_resumes_into_an_unfitted_one(tmp_path, f64):
     )
 
 
+def test_unfitted_laplace_guide_resumes_into_a_fitted_one_as_unfitted(tmp_path, f64):
+    """The other way round: a run saved before fit() resumes into a guide fitted since; the
+    file's empty placeholders fit any live shape, and the guide is unfitted again, as saved."""
+    from pyro_bdl.guides import AutoSubnetLaplace
+
+    laplace = functools.partial(AutoSubnetLaplace, subnetwork="last_layer")
+    _, guide, optim, svi, x, y = _setup(guide_cls=laplace)
+    for _ in range(3):
+        svi.step(x, y)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    expected = {k: v.clone() for k, v in guide.state_dict().items() if torch.is_tensor(v)}
+    guide.fit((x, y))
+    assert guide.fitted and guide.state_dict()["scale_tril"].numel() > 0
+    load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    assert not guide.fitted
+    _assert_identical({k: v for k, v in guide.state_dict().items() if torch.is_tensor(v)}, expected)
+
+
 def test_empty_param_store_is_filled_from_the_file(tmp_path):
     pyro.param("loc", torch.randn(2, 3))
     pyro.param("scale", torch.rand(3) + 0.1, constraint=constraints.softplus_positive)

@@ -12,6 +12,7 @@ import torch
 
 from pyro_bdl.app.compare import METHODS, Problem, run, tuning, write_json
 from pyro_bdl.app.compare import temperature as map_ts
+from pyro_bdl.app.compare.checks import MAX_SEED
 from pyro_bdl.app.compare.evaluate import evaluate
 from pyro_bdl.app.compare.problem import split_validation
 from pyro_bdl.app.data import Dataset, load_digits
@@ -246,3 +247,20 @@ def test_write_json_turns_an_infinite_validation_score_into_null(tmp_path):
     write_json([row], problem, tmp_path / "r.json", tune=True)
     (saved,) = json.loads((tmp_path / "r.json").read_text())["results"]
     assert saved["nll"] is None and saved["tuning"]["grid"][0]["val_nll"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry and the Problem's checks
+
+
+@pytest.mark.parametrize(("name", "diagonal"), [("swag", False), ("swag_diag", True)])
+def test_swag_and_swag_diag_entries_fit_their_own_covariance(name, diagonal):
+    problem = Problem(_classes(), epochs=2, batch_size=30, num_samples=2, progress=False)
+    predict = METHODS[name](problem)
+    assert predict.guide.diag_only is diagonal
+
+
+def test_the_largest_seed_numpy_accepts_is_a_valid_problem_seed():
+    assert Problem(_classes(), progress=False, seed=MAX_SEED).seed == 2**32 - 1
+    with pytest.raises(ValueError, match=r"Problem.seed must be an int in \[0, 4294967295\]"):
+        Problem(_classes(), progress=False, seed=MAX_SEED + 1)

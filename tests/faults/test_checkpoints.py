@@ -445,6 +445,12 @@ DAMAGED_PARTS = {
         lambda p: p["param_store"]["values"].__setitem__("AutoMeanField.loc_rho", 1.5),
         r"param 'AutoMeanField.loc_rho': the file holds a float",
     ),
+    "param value of another shape than its fingerprint says": (
+        lambda p: p["param_store"]["values"].__setitem__(
+            "AutoMeanField.loc_rho", torch.zeros(2, 7)
+        ),
+        r"param 'AutoMeanField.loc_rho': the file has shape \(2, 7\), this process \(2, 38\)",
+    ),
     "step not a number": (lambda p: p.__setitem__("step", "5"), r"step: expected an int >= 0"),
     "extra not a dict": (lambda p: p.__setitem__("extra", [1]), r"extra: expected a dict"),
     "fingerprint of another form": (
