@@ -499,39 +499,43 @@ def test_a_live_lr_scheduler_gets_its_schedule_and_its_optimizers_moments_back(t
     assert steps(3) == expected
 
 
-def test_a_save_right_after_a_load_keeps_the_optimizer_state_not_used_yet(tmp_path, f64):
-    """Into a fresh run the optimizer state waits for the first step; a checkpoint written
-    before that step must still hold it, or a run resumed from it restarts Adam."""
+def _saved_after_two_steps(path: Path, then: int) -> list[float]:
+    """Save a run of :func:`_setup` after two steps; returns the losses of ``then`` more."""
     _, guide, optim, svi, x, y = _setup()
     for _ in range(2):
         svi.step(x, y)
-    save_checkpoint(tmp_path / "a.ckpt", guide=guide, optim=optim)
-    expected = [svi.step(x, y) for _ in range(2)]
+    save_checkpoint(path, guide=guide, optim=optim)
+    return [svi.step(x, y) for _ in range(then)]
+
+
+def _resumed(path: Path):
+    """``(guide, optim, svi, x, y)`` of a fresh run (new store, guide and optimizer) restored
+    from ``path`` the way a new process would."""
     pyro.clear_param_store()
     _, guide, optim, svi, x, y = _setup()
-    load_checkpoint(tmp_path / "a.ckpt", guide=guide, optim=optim, example_args=(x, y))
+    load_checkpoint(path, guide=guide, optim=optim, example_args=(x, y))
+    return guide, optim, svi, x, y
+
+
+def test_a_save_right_after_a_load_keeps_the_optimizer_state_not_used_yet(tmp_path, f64):
+    """Into a fresh run the optimizer state waits for the first step; a checkpoint written
+    before that step must still hold it, or a run resumed from it restarts Adam."""
+    expected = _saved_after_two_steps(tmp_path / "a.ckpt", then=2)
+    guide, optim, _, _, _ = _resumed(tmp_path / "a.ckpt")
     save_checkpoint(tmp_path / "b.ckpt", guide=guide, optim=optim)
-    pyro.clear_param_store()
-    _, guide, optim, svi, x, y = _setup()
-    load_checkpoint(tmp_path / "b.ckpt", guide=guide, optim=optim, example_args=(x, y))
+    _, _, svi, x, y = _resumed(tmp_path / "b.ckpt")
     assert [svi.step(x, y) for _ in range(2)] == expected
 
 
 def test_rng_must_be_restored_after_the_lazy_set_up(tmp_path, f64):
     """The ordering rule: Pyro's guide draws random numbers while it sets itself up."""
-    _, guide, optim, svi, x, y = _setup()
-    for _ in range(2):
-        svi.step(x, y)
-    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
-    expected = [svi.step(x, y) for _ in range(3)]
-    pyro.clear_param_store()
-    _, guide, optim, svi, x, y = _setup()
-    load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim, example_args=(x, y))
+    expected = _saved_after_two_steps(tmp_path / "c.ckpt", then=3)
+    _, _, svi, x, y = _resumed(tmp_path / "c.ckpt")
     assert [svi.step(x, y) for _ in range(3)] == expected
     # Wrong order: everything restored first (guide=None fills the store), and the guide sets
     # itself up inside the first step, drawing from the restored stream.
     pyro.clear_param_store()
-    _, guide, optim, svi, x, y = _setup()
+    _, _, optim, svi, x, y = _setup()
     load_checkpoint(tmp_path / "c.ckpt", optim=optim)
     assert [svi.step(x, y) for _ in range(3)] != expected
 
