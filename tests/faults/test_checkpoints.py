@@ -805,3 +805,17 @@ def test_stale_cleanup_removes_the_temporary_of_a_dead_writer_not_reaped_yet(tmp
         assert remove_stale(str(path)) == [stale.name] and not stale.exists()
     finally:
         os.waitpid(pid, 0)
+
+
+def test_a_file_of_a_newer_format_version_is_refused_naming_both_versions(tmp_path):
+    """A newer release may store a part differently: reading it as this version's would
+    restore the wrong values, so the header's version is checked before anything else."""
+    path = tmp_path / "c.ckpt"
+    save_run(path)
+    forge(path, lambda p: p.__setitem__("version", VERSION + 1))
+    load_refused(
+        path,
+        fresh(),
+        rf"of format version {VERSION + 1} .*this version reads version {VERSION}",
+        error=CheckpointError,
+    )
