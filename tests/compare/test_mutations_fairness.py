@@ -67,7 +67,7 @@ def test_every_setting_of_every_grid_starts_from_the_problems_seed(name):
 
     def fit(p: Problem, **keywords):
         draws.append(float(torch.rand(())))  # what a network's initialisation would draw
-        settings.append((p.lr, p.prior.scale, tuple(sorted(keywords.items()))))
+        settings.append((p.lr, repr(p.prior), tuple(sorted(keywords.items()))))
         return _lr_predictor(p)
 
     torch.manual_seed(12345)  # whatever the caller's state, each setting restarts at seed 7
