@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -400,6 +401,44 @@ def test_no_rng_state_warns(tmp_path):
     assert info["rng_restored"] is False
 
 
+def _draws() -> list:
+    """One draw of each generator, Gaussians first (they use the cached second Gaussian)."""
+    return [
+        random.gauss(0.0, 1.0),
+        random.random(),
+        float(np.random.standard_normal()),  # noqa: NPY002
+        float(np.random.rand()),  # noqa: NPY002
+        torch.rand(3).tolist(),
+    ]
+
+
+def test_every_rng_resumes_with_its_cached_gaussian(tmp_path):
+    """Python's ``random.gauss`` and NumPy's legacy ``standard_normal`` draw Gaussians in pairs
+    and keep the second for the next call; a resumed run must get that very number."""
+    random.seed(1)
+    np.random.seed(2)  # noqa: NPY002
+    torch.manual_seed(3)
+    random.gauss(0.0, 1.0)
+    np.random.standard_normal()  # noqa: NPY002
+    save_checkpoint(tmp_path / "c.ckpt")
+    expected = _draws()
+    random.seed(9)  # another state, with no Gaussian cached
+    np.random.seed(9)  # noqa: NPY002
+    torch.manual_seed(9)
+    assert load_checkpoint(tmp_path / "c.ckpt")["rng_restored"]
+    assert _draws() == expected
+
+
+def test_rng_false_leaves_every_generator_alone(tmp_path):
+    save_checkpoint(tmp_path / "c.ckpt")
+    _draws()  # move past the saved state
+    state = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())  # noqa: NPY002
+    info = load_checkpoint(tmp_path / "c.ckpt", rng=False)
+    assert info["rng_restored"] is False
+    assert random.getstate() == state[0] and torch.equal(torch.get_rng_state(), state[2])
+    assert (np.random.get_state()[1] == state[1]).all()  # noqa: NPY002
+
+
 def test_lazy_guide_needs_example_args(tmp_path, f64):
     _, guide, _, _, _, _ = _setup()
     with pytest.raises(ValueError, match=r"has not created its parameters yet.*example_args"):
@@ -437,23 +476,149 @@ def test_resume_in_the_same_process_restores_live_optimizers(tmp_path, f64):
     assert [svi.step(x, y) for _ in range(3)] == losses
 
 
-def test_rng_must_be_restored_after_the_lazy_set_up(tmp_path, f64):
-    """The ordering rule: Pyro's guide draws random numbers while it sets itself up."""
+def test_a_live_lr_scheduler_gets_its_schedule_and_its_optimizers_moments_back(tmp_path, f64):
+    """A Pyro scheduler holds a torch scheduler and its optimizer per parameter: both states
+    go back, so the resumed steps use the saved rate and Adam moments."""
+    _, guide, _, _, x, y = _setup()
+    optim = pyro.optim.ExponentialLR(
+        {"optimizer": torch.optim.Adam, "optim_args": {"lr": 0.05}, "gamma": 0.5}
+    )
+    svi = SVI(guide.model, guide, optim, Trace_ELBO())
+
+    def steps(n):
+        losses = []
+        for _ in range(n):
+            losses.append(svi.step(x, y))
+            optim.step()
+        return losses
+
+    steps(2)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    expected = steps(3)
+    assert load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)["optim_restored"]
+    assert steps(3) == expected
+
+
+def _saved_after_two_steps(path: Path, then: int) -> list[float]:
+    """Save a run of :func:`_setup` after two steps; returns the losses of ``then`` more."""
     _, guide, optim, svi, x, y = _setup()
     for _ in range(2):
         svi.step(x, y)
-    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
-    expected = [svi.step(x, y) for _ in range(3)]
+    save_checkpoint(path, guide=guide, optim=optim)
+    return [svi.step(x, y) for _ in range(then)]
+
+
+def _resumed(path: Path):
+    """``(guide, optim, svi, x, y)`` of a fresh run (new store, guide and optimizer) restored
+    from ``path`` the way a new process would."""
     pyro.clear_param_store()
     _, guide, optim, svi, x, y = _setup()
-    load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim, example_args=(x, y))
+    load_checkpoint(path, guide=guide, optim=optim, example_args=(x, y))
+    return guide, optim, svi, x, y
+
+
+def test_a_save_right_after_a_load_keeps_the_optimizer_state_not_used_yet(tmp_path, f64):
+    """Into a fresh run the optimizer state waits for the first step; a checkpoint written
+    before that step must still hold it, or a run resumed from it restarts Adam."""
+    expected = _saved_after_two_steps(tmp_path / "a.ckpt", then=2)
+    guide, optim, _, _, _ = _resumed(tmp_path / "a.ckpt")
+    save_checkpoint(tmp_path / "b.ckpt", guide=guide, optim=optim)
+    _, _, svi, x, y = _resumed(tmp_path / "b.ckpt")
+    assert [svi.step(x, y) for _ in range(2)] == expected
+
+
+def test_rng_must_be_restored_after_the_lazy_set_up(tmp_path, f64):
+    """The ordering rule: Pyro's guide draws random numbers while it sets itself up."""
+    expected = _saved_after_two_steps(tmp_path / "c.ckpt", then=3)
+    _, _, svi, x, y = _resumed(tmp_path / "c.ckpt")
     assert [svi.step(x, y) for _ in range(3)] == expected
     # Wrong order: everything restored first (guide=None fills the store), and the guide sets
     # itself up inside the first step, drawing from the restored stream.
     pyro.clear_param_store()
-    _, guide, optim, svi, x, y = _setup()
+    _, _, optim, svi, x, y = _setup()
     load_checkpoint(tmp_path / "c.ckpt", optim=optim)
     assert [svi.step(x, y) for _ in range(3)] != expected
+
+
+class _DrawsWhenLoaded(torch.nn.Module):
+    """A module whose ``load_state_dict`` draws a random number, as one that re-samples a
+    buffer on loading would."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.zeros(2))
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        torch.rand(1)
+        return super().load_state_dict(state_dict, strict, assign)
+
+
+def test_the_rng_is_restored_after_every_part_has_loaded(tmp_path):
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "c.ckpt", modules={"m": _DrawsWhenLoaded()})
+    expected = torch.rand(3)
+    load_checkpoint(tmp_path / "c.ckpt", modules={"m": _DrawsWhenLoaded()})
+    assert torch.equal(torch.rand(3), expected)
+
+
+def _point_sigma_run():
+    """A regressor with a point σ (param ``model.param_names[0]``) after one Adam step."""
+    torch.manual_seed(0)
+    net = bdl.bayesianize(
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    )
+    model = bdl.models.regressor(net, 12, 2.0, noise="point")
+    x, y = torch.randn(6, 3), torch.randn(6)
+    guide, optim = AutoNormal(model), pyro.optim.Adam({"lr": 0.1})
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    svi.step(x, y)
+    return model, guide, optim, svi, x, y
+
+
+def test_an_old_plain_sigma_entry_resumes_with_its_optimizer_state(tmp_path):
+    """A file from before per-model param names holds the point σ, and its Adam state, under
+    plain ``"sigma"``; resumed into today's model the next step is the uninterrupted one."""
+    model, guide, optim, svi, x, y = _point_sigma_run()
+    (name,) = model.param_names
+    path = tmp_path / "old.ckpt"
+    save_checkpoint(path, guide=guide, optim=optim)
+    svi.step(x, y)
+    expected = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    payload = torch.load(path, weights_only=True)
+    for part in (
+        payload["param_store"]["values"],
+        payload["param_store"]["constraints"],
+        payload["fingerprint"]["params"],
+        payload["optim"],
+    ):
+        part["sigma"] = part.pop(name)
+    payload.pop("checksums")  # such a file had none
+    torch.save(payload, path)
+
+    pyro.clear_param_store()
+    guide, optim = AutoNormal(model), pyro.optim.Adam({"lr": 0.1})
+    load_checkpoint(path, guide=guide, optim=optim, example_args=(x, y))
+    SVI(model, guide, optim, Trace_ELBO()).step(x, y)
+    store = pyro.get_param_store()
+    assert sorted(store.keys()) == sorted(expected) and "sigma" not in store
+    for n, value in expected.items():
+        assert torch.equal(store[n].detach(), value), n
+
+
+def test_a_users_own_sigma_param_is_not_taken_for_an_old_point_sigma(tmp_path):
+    """The rename applies only to files without the model's own entry: a param the user named
+    ``"sigma"`` beside it keeps its value, and so does the model's σ."""
+    model, guide, optim, _, x, y = _point_sigma_run()
+    (name,) = model.param_names
+    pyro.param("sigma", torch.tensor(7.0))
+    expected = {n: v.detach().clone() for n, v in pyro.get_param_store().items()}
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    pyro.clear_param_store()
+    pyro.param("sigma", torch.tensor(0.0))  # the user's set-up creates it again
+    load_checkpoint(tmp_path / "c.ckpt", guide=AutoNormal(model), example_args=(x, y))
+    store = pyro.get_param_store()
+    assert store["sigma"].detach().item() == 7.0
+    assert torch.equal(store[name].detach(), expected[name])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -496,6 +661,24 @@ def test_fitted_laplace_guide_resumes_into_an_unfitted_one(tmp_path, f64):
     torch.testing.assert_close(
         guide.covariance, expected["scale_tril"] @ expected["scale_tril"].T, rtol=0, atol=0
     )
+
+
+def test_unfitted_laplace_guide_resumes_into_a_fitted_one_as_unfitted(tmp_path, f64):
+    """The other way round: a run saved before fit() resumes into a guide fitted since; the
+    file's empty placeholders fit any live shape, and the guide is unfitted again, as saved."""
+    from pyro_bdl.guides import AutoSubnetLaplace
+
+    laplace = functools.partial(AutoSubnetLaplace, subnetwork="last_layer")
+    _, guide, optim, svi, x, y = _setup(guide_cls=laplace)
+    for _ in range(3):
+        svi.step(x, y)
+    save_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    expected = {k: v.clone() for k, v in guide.state_dict().items() if torch.is_tensor(v)}
+    guide.fit((x, y))
+    assert guide.fitted and guide.state_dict()["scale_tril"].numel() > 0
+    load_checkpoint(tmp_path / "c.ckpt", guide=guide, optim=optim)
+    assert not guide.fitted
+    _assert_identical({k: v for k, v in guide.state_dict().items() if torch.is_tensor(v)}, expected)
 
 
 def test_empty_param_store_is_filled_from_the_file(tmp_path):

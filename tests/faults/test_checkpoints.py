@@ -445,6 +445,12 @@ DAMAGED_PARTS = {
         lambda p: p["param_store"]["values"].__setitem__("AutoMeanField.loc_rho", 1.5),
         r"param 'AutoMeanField.loc_rho': the file holds a float",
     ),
+    "param value of another shape than its fingerprint says": (
+        lambda p: p["param_store"]["values"].__setitem__(
+            "AutoMeanField.loc_rho", torch.zeros(2, 7)
+        ),
+        r"param 'AutoMeanField.loc_rho': the file has shape \(2, 7\), this process \(2, 38\)",
+    ),
     "step not a number": (lambda p: p.__setitem__("step", "5"), r"step: expected an int >= 0"),
     "extra not a dict": (lambda p: p.__setitem__("extra", [1]), r"extra: expected a dict"),
     "fingerprint of another form": (
@@ -729,3 +735,87 @@ def test_a_guide_nested_in_a_module_is_checked_whole_too():
     with pytest.raises(StateDictMismatchError, match=r"'guide\.swag_deviations'"):
         holder.load_state_dict(state)
     assert_same(before, snapshot(guide))
+
+
+# ---------------------------------------------------------------------------------------------
+# Each part goes back where it came from, and a damaged or missing part is named
+
+
+def test_several_modules_and_generators_each_get_their_own_state_back(tmp_path):
+    """Two modules of the same shape and two generators: every state goes back to the object
+    of its own name (a state restored into a namesake of the same shape would load silently)."""
+    torch.manual_seed(0)
+    saved = {"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)}
+    gens = {"a": torch.Generator().manual_seed(1), "b": torch.Generator().manual_seed(2)}
+    path = tmp_path / "c.ckpt"
+    save_checkpoint(path, modules=saved, generators=gens)
+    modules = {"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)}
+    generators = {"a": torch.Generator(), "b": torch.Generator()}
+    load_checkpoint(path, modules=modules, generators=generators)
+    for name in ("a", "b"):
+        assert torch.equal(modules[name].weight, saved[name].weight), name
+        assert torch.equal(generators[name].get_state(), gens[name].get_state()), name
+
+
+def test_a_module_the_file_does_not_hold_is_named(tmp_path):
+    path = tmp_path / "c.ckpt"
+    save_run(path)
+    net, guide, optim, gen = fresh()
+    before = snapshot(net, guide, optim, gen)
+    with pytest.raises(CheckpointMismatchError, match=r"module 'other': only in this process"):
+        load_checkpoint(path, guide=guide, optim=optim, modules={"net": net, "other": net})
+    assert_same(before, snapshot(net, guide, optim, gen))
+
+
+def test_a_negative_step_in_the_file_is_refused(tmp_path):
+    path = tmp_path / "c.ckpt"
+    save_run(path)
+    forge(path, lambda p: p.__setitem__("step", -1))
+    load_refused(path, fresh(), r"step: expected an int >= 0; got -1", error=CheckpointError)
+
+
+def test_a_checksums_entry_missing_a_tensor_is_refused_naming_it(tmp_path):
+    """The checksums entry must cover every tensor of the file: a digest gone missing (a
+    damaged checksums entry) is a mismatch too, not a tensor that goes unchecked."""
+    path = tmp_path / "c.ckpt"
+    save_run(path)
+    payload = torch.load(path, weights_only=True)
+    where = "rng['torch']"
+    del payload["checksums"][where]
+    torch.save(payload, path)
+    message = load_refused(path, fresh(), r"is corrupt: the data of", error=CheckpointError)
+    assert where in message
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads zombies from /proc")
+def test_stale_cleanup_removes_the_temporary_of_a_dead_writer_not_reaped_yet(tmp_path):
+    """A writer killed mid-write whose parent has not reaped it is a zombie: its pid still
+    answers ``os.kill(pid, 0)``, yet it will never finish the file."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10.0
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit within 10 s"
+            time.sleep(0.01)
+        path = tmp_path / "c.ckpt"
+        stale = Path(temporary_name(str(path), pid))
+        stale.write_bytes(b"partial")
+        assert remove_stale(str(path)) == [stale.name] and not stale.exists()
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_a_file_of_a_newer_format_version_is_refused_naming_both_versions(tmp_path):
+    """A newer release may store a part differently: reading it as this version's would
+    restore the wrong values, so the header's version is checked before anything else."""
+    path = tmp_path / "c.ckpt"
+    save_run(path)
+    forge(path, lambda p: p.__setitem__("version", VERSION + 1))
+    load_refused(
+        path,
+        fresh(),
+        rf"of format version {VERSION + 1} .*this version reads version {VERSION}",
+        error=CheckpointError,
+    )
