@@ -180,6 +180,22 @@ def _phase_partial(rank: int) -> dict:
     return {"loss": loss, "w": store["w"].item(), "b": store["b"].item()}
 
 
+def _half_square(model, guide, x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (x - pyro.param("w")) ** 2
+
+
+def _nothing(x: torch.Tensor) -> None:
+    pass
+
+
+def _phase_evaluate(rank: int) -> dict:
+    """A deterministic loss, ½(x − w)² at w = 1 with x = 2 on rank 0 and x = 4 on rank 1."""
+    pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    svi = DataParallelSVI(_nothing, _nothing, pyro.optim.SGD({"lr": 1.0}), _half_square)
+    x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
+    return {"loss": svi.evaluate_loss(x), "w": pyro.param("w").item()}
+
+
 def _single_process_trajectory() -> tuple[torch.Tensor, torch.Tensor]:
     """The shared-noise run of :func:`_phase_shared` in one process on the concatenated batch."""
     x, y = _dataset()
@@ -203,7 +219,9 @@ def test_two_gloo_ranks(tmp_path):
     """One spawn of two ranks checks every two-rank promise (importing the package dominates a
     rank's start-up, so a spawn per promise would multiply the time)."""
     phases = {"shared": _phase_shared, "independent": _phase_independent}
-    ranks = spawn_phases(tmp_path, {**phases, "partial": _phase_partial})
+    ranks = spawn_phases(
+        tmp_path, {**phases, "partial": _phase_partial, "evaluate": _phase_evaluate}
+    )
     shared = [r["shared"] for r in ranks]
     independent = [r["independent"] for r in ranks]
 
@@ -235,6 +253,10 @@ def test_two_gloo_ranks(tmp_path):
     for r in ranks:
         assert (r["partial"]["w"], r["partial"]["b"]) == (2.0, 0.5)
     assert ranks[0]["partial"]["loss"] == ranks[1]["partial"]["loss"]
+
+    # 4b. evaluate_loss averages the ranks' losses, ½·1² = ½ and ½·3² = 9/2, into 5/2 (exact in
+    #     float64) on every rank, and changes no parameter.
+    assert [r["evaluate"] for r in ranks] == [{"loss": 2.5, "w": 1.0}] * WORLD
 
     # 5. BatchNorm: one warning per rank, and the running statistics are rank 0's everywhere.
     assert torch.equal(independent[0]["running"], independent[1]["running"])
