@@ -127,3 +127,43 @@ def test_a_guide_state_missing_its_parameter_is_refused_and_nothing_loads():
     guide(torch.arange(FULL))
     with pytest.raises(StateDictMismatchError, match="'loc_rho': missing from the state"):
         guide.load_state_dict({})
+
+
+def _positive_model() -> None:
+    pyro.sample("s", dist.LogNormal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1))
+
+
+def _positive_guide() -> AutoMeanField:
+    """σ and loc set by hand: s = exp(u) with u ~ N(loc, scale), that is LogNormal(loc, scale)."""
+    pyro.clear_param_store()
+    guide = AutoMeanField(_positive_model)
+    guide()
+    loc = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    scale = torch.tensor([0.1, 0.3, 0.2], dtype=torch.float64)
+    guide.set_loc_scale("s", loc=loc, scale=scale)
+    return guide
+
+
+def test_locs_and_scales_are_the_unconstrained_location_and_scale():
+    guide = _positive_guide()
+    loc, scale = guide.locs_and_scales()["s"]
+    torch.testing.assert_close(loc, torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+    torch.testing.assert_close(scale, torch.tensor([0.1, 0.3, 0.2], dtype=torch.float64))
+
+
+def test_a_positive_site_has_lognormal_median_quantiles_and_posterior():
+    guide = _positive_guide()
+    loc, scale = guide.locs_and_scales()["s"]
+    torch.testing.assert_close(guide.median()["s"], loc.exp())
+    q = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    want = (loc + scale * torch.special.ndtri(q).unsqueeze(-1)).exp()  # exp is monotone
+    torch.testing.assert_close(guide.quantiles(q.tolist())["s"], want)
+    posterior = guide.get_posterior("s")
+    x = torch.tensor([1.5, 0.4, 7.0], dtype=torch.float64)
+    # The site is a 3-vector event (to_event(1)): one log density, the sum over its entries.
+    lognormal = dist.LogNormal(loc, scale).to_event(1)
+    torch.testing.assert_close(posterior.log_prob(x), lognormal.log_prob(x))
+    trace = poutine.trace(guide).get_trace()
+    value = trace.nodes["s"]["value"]
+    assert bool((value > 0).all())
+    torch.testing.assert_close(trace.nodes["s"]["fn"].log_prob(value), lognormal.log_prob(value))
