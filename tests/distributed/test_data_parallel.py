@@ -191,9 +191,10 @@ def _nothing(x: torch.Tensor) -> None:
 def _phase_evaluate(rank: int) -> dict:
     """A deterministic loss, ½(x − w)² at w = 1 with x = 2 on rank 0 and x = 4 on rank 1."""
     pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    torch.manual_seed(100 + rank)  # different generators: the drawn base seed must be rank 0's
     svi = DataParallelSVI(_nothing, _nothing, pyro.optim.SGD({"lr": 1.0}), _half_square)
     x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
-    return {"loss": svi.evaluate_loss(x), "w": pyro.param("w").item()}
+    return {"loss": svi.evaluate_loss(x), "w": pyro.param("w").item(), "seed": svi.seed}
 
 
 def _late_model(x: torch.Tensor, late: bool) -> None:
@@ -278,7 +279,10 @@ def test_two_gloo_ranks(tmp_path):
 
     # 4b. evaluate_loss averages the ranks' losses, ½·1² = ½ and ½·3² = 9/2, into 5/2 (exact in
     #     float64) on every rank, and changes no parameter.
-    assert [r["evaluate"] for r in ranks] == [{"loss": 2.5, "w": 1.0}] * WORLD
+    evaluated = [r["evaluate"] for r in ranks]
+    assert [(r["loss"], r["w"]) for r in evaluated] == [(2.5, 1.0)] * WORLD
+    # seed=None: one base seed, drawn on rank 0 and broadcast, whatever each rank's generator.
+    assert evaluated[0]["seed"] == evaluated[1]["seed"]
 
     # 4c. A parameter created after wrapping on rank 1 only is refused on both ranks.
     late = [r["late"] for r in ranks]
@@ -487,6 +491,18 @@ def _tied_trajectory(svi_class) -> torch.Tensor:
     for _ in range(3):
         svi.step(x, y)
     return net.a.weight.detach().clone()
+
+
+def test_batchnorm_in_one_process_does_not_warn():
+    # One process normalises over its whole batch: nothing to warn about (the script that runs
+    # on several ranks runs unchanged on a laptop).
+    x, y = _dataset()
+    model = _model(batchnorm=True)
+    guide = AutoNormal(model, init_loc_fn=init_to_network, init_scale=0.05)
+    guide(x[:4], y[:4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchNormWarning)
+        DataParallelSVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
 
 
 def test_tied_weights_are_stepped_once_as_in_svi():

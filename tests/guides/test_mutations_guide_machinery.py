@@ -167,3 +167,13 @@ def test_a_positive_site_has_lognormal_median_quantiles_and_posterior():
     value = trace.nodes["s"]["value"]
     assert bool((value > 0).all())
     torch.testing.assert_close(trace.nodes["s"]["fn"].log_prob(value), lognormal.log_prob(value))
+
+
+def test_under_an_outer_plate_every_particle_draws_its_own_sites():
+    # Vectorised particles (an outer plate left of the site's dims): the flat draw of one value
+    # per site would give every particle the same weights.
+    guide = _positive_guide()
+    with pyro.plate("particles", 5, dim=-1):
+        value = poutine.trace(guide).get_trace().nodes["s"]["value"]
+    assert value.shape == (5, 3)
+    assert len({tuple(row.tolist()) for row in value}) == 5
