@@ -5,6 +5,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 import xarray as xr
+from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoNormal
 from torch import nn
@@ -173,6 +174,10 @@ def test_batches_and_summaries_do_not_change_draws():
     )
     np.testing.assert_allclose(small.posterior["0.weight_std"].values[0], w.std(dim=-1), rtol=1e-12)
     assert small.posterior["0.weight_mean"].dims == ("chain", "draw")
+    # Only sites with more elements are summarised: 2.weight, of exactly 3 · 5 = 15, stays whole.
+    edge = export.to_inference_data(model, guide, x, y, num_samples=2, max_site_size=15)
+    assert {"2.weight", "0.weight_mean"} <= set(edge.posterior.data_vars)
+    assert "2.weight_mean" not in edge.posterior.data_vars
 
 
 def test_var_names_and_no_observations():
@@ -290,3 +295,25 @@ def test_half_precision_sites_export_and_round_trip(tmp_path, dtype):
     loaded = export.load_inference_data(path)
     for name in export.GROUPS:
         xr.testing.assert_identical(group(loaded, name), group(data, name))
+
+
+@pytest.mark.parametrize("mask", ["tensor", "false"])
+def test_masked_observations_add_nothing_to_the_pointwise_log_likelihood(mask):
+    """A masked-out observation has log-likelihood 0 (the site's mask applies); the others are
+    log N(y_i | loc, 1) at the exported draw of loc."""
+    keep = torch.tensor([True, False, True, True, False]) if mask == "tensor" else False
+
+    def model(y):
+        loc = pyro.sample("loc", dist.Normal(torch.zeros((), dtype=y.dtype), 1.0))
+        with pyro.plate("data", len(y)), poutine.mask(mask=keep):
+            pyro.sample("y", dist.Normal(loc, 1.0), obs=y)
+
+    y = torch.randn(5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    guide = AutoNormal(model)
+    guide(y)
+    data = export.to_inference_data(model, guide, y, num_samples=3)
+    loc = torch.as_tensor(data.posterior["loc"].values[0]).unsqueeze(-1)  # (draws, 1)
+    hand = dist.Normal(loc, 1.0).log_prob(y) * torch.as_tensor(keep, dtype=torch.float64)
+    ll = data.log_likelihood["y"].values[0]
+    np.testing.assert_allclose(ll, hand.numpy(), rtol=0, atol=1e-12)
+    assert (ll != 0).sum() == (3 * 3 if mask == "tensor" else 0)

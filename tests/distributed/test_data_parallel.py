@@ -180,6 +180,44 @@ def _phase_partial(rank: int) -> dict:
     return {"loss": loss, "w": store["w"].item(), "b": store["b"].item()}
 
 
+def _half_square(model, guide, x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (x - pyro.param("w")) ** 2
+
+
+def _nothing(x: torch.Tensor) -> None:
+    pass
+
+
+def _phase_evaluate(rank: int) -> dict:
+    """A deterministic loss, ½(x − w)² at w = 1 with x = 2 on rank 0 and x = 4 on rank 1."""
+    pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    torch.manual_seed(100 + rank)  # different generators: the drawn base seed must be rank 0's
+    svi = DataParallelSVI(_nothing, _nothing, pyro.optim.SGD({"lr": 1.0}), _half_square)
+    x = torch.tensor(2.0 if rank == 0 else 4.0, dtype=torch.float64)
+    return {"loss": svi.evaluate_loss(x), "w": pyro.param("w").item(), "seed": svi.seed}
+
+
+def _late_model(x: torch.Tensor, late: bool) -> None:
+    w = pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    if late:  # a parameter that only this rank creates, after DataParallelSVI was built
+        w = w + pyro.param("late", torch.tensor(0.0, dtype=torch.float64))
+    with pyro.plate("data", len(x)):
+        pyro.sample("obs", pdist.Normal(w, 1.0), obs=x)
+
+
+def _phase_late(rank: int) -> dict:
+    """Rank 1 alone creates a parameter in the step: every rank refuses it, none updates."""
+    x = torch.tensor([2.0], dtype=torch.float64)
+    _late_model(x, late=False)
+    svi = DataParallelSVI(_late_model, _no_latents, pyro.optim.SGD({"lr": 1.0}), Trace_ELBO())
+    try:
+        svi.step(x, rank == 1)
+        error = None
+    except GuideNotInitializedError as refusal:
+        error = str(refusal)
+    return {"error": error, "w": pyro.param("w").item()}
+
+
 def _single_process_trajectory() -> tuple[torch.Tensor, torch.Tensor]:
     """The shared-noise run of :func:`_phase_shared` in one process on the concatenated batch."""
     x, y = _dataset()
@@ -203,7 +241,10 @@ def test_two_gloo_ranks(tmp_path):
     """One spawn of two ranks checks every two-rank promise (importing the package dominates a
     rank's start-up, so a spawn per promise would multiply the time)."""
     phases = {"shared": _phase_shared, "independent": _phase_independent}
-    ranks = spawn_phases(tmp_path, {**phases, "partial": _phase_partial})
+    ranks = spawn_phases(
+        tmp_path,
+        {**phases, "partial": _phase_partial, "evaluate": _phase_evaluate, "late": _phase_late},
+    )
     shared = [r["shared"] for r in ranks]
     independent = [r["independent"] for r in ranks]
 
@@ -235,6 +276,19 @@ def test_two_gloo_ranks(tmp_path):
     for r in ranks:
         assert (r["partial"]["w"], r["partial"]["b"]) == (2.0, 0.5)
     assert ranks[0]["partial"]["loss"] == ranks[1]["partial"]["loss"]
+
+    # 4b. evaluate_loss averages the ranks' losses, ½·1² = ½ and ½·3² = 9/2, into 5/2 (exact in
+    #     float64) on every rank, and changes no parameter.
+    evaluated = [r["evaluate"] for r in ranks]
+    assert [(r["loss"], r["w"]) for r in evaluated] == [(2.5, 1.0)] * WORLD
+    # seed=None: one base seed, drawn on rank 0 and broadcast, whatever each rank's generator.
+    assert evaluated[0]["seed"] == evaluated[1]["seed"]
+
+    # 4c. A parameter created after wrapping on rank 1 only is refused on both ranks.
+    late = [r["late"] for r in ranks]
+    assert [r["error"] is not None for r in late] == [True] * WORLD, late
+    assert "(on another rank)" in late[0]["error"] and "(here: late)" in late[1]["error"]
+    assert [r["w"] for r in late] == [1.0] * WORLD
 
     # 5. BatchNorm: one warning per rank, and the running statistics are rank 0's everywhere.
     assert torch.equal(independent[0]["running"], independent[1]["running"])
@@ -340,6 +394,24 @@ def test_non_finite_loss_stops_before_updating():
     assert all(p.grad is None or not p.grad.any() for _, p in store.named_parameters())
 
 
+def _nan_gradient_loss(model, guide, x: torch.Tensor) -> float:
+    """(w − x)² + √(0·w) at w = x = 1: the loss is 0, finite, and its gradient is
+    2(w − x) + 0·∞ = NaN."""
+    w = pyro.param("w")
+    loss = (w - x) ** 2 + torch.sqrt(0.0 * w)
+    loss.backward()
+    return loss.item()
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_stops_before_updating():
+    pyro.param("w", torch.tensor(1.0, dtype=torch.float64))
+    one = torch.tensor(1.0, dtype=torch.float64)
+    svi = DataParallelSVI(_nothing, _nothing, pyro.optim.SGD({"lr": 1.0}), _nan_gradient_loss)
+    with pytest.raises(FloatingPointError, match="non-finite gradient is 'w'"):
+        svi.step(one)
+    assert pyro.param("w").item() == 1.0
+
+
 def test_a_loss_that_raises_after_backward_leaves_no_gradient():
     x, y, model, guide = _single_process_parts()
     guide(x[:2], y[:2])
@@ -419,6 +491,18 @@ def _tied_trajectory(svi_class) -> torch.Tensor:
     for _ in range(3):
         svi.step(x, y)
     return net.a.weight.detach().clone()
+
+
+def test_batchnorm_in_one_process_does_not_warn():
+    # One process normalises over its whole batch: nothing to warn about (the script that runs
+    # on several ranks runs unchanged on a laptop).
+    x, y = _dataset()
+    model = _model(batchnorm=True)
+    guide = AutoNormal(model, init_loc_fn=init_to_network, init_scale=0.05)
+    guide(x[:4], y[:4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchNormWarning)
+        DataParallelSVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
 
 
 def test_tied_weights_are_stepped_once_as_in_svi():

@@ -57,7 +57,16 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 # loaded two-core machine; the cases themselves take well under a second each.
 JOIN_TIMEOUT_S = 300
 
-SVI_CASES = ["nan", "labels", "shape", "nonfinite_loss", "nonfinite_grad", "both", "evaluate"]
+SVI_CASES = [
+    "nan",
+    "labels",
+    "shape",
+    "nonfinite_loss",
+    "nonfinite_grad",
+    "both",
+    "kinds",
+    "evaluate",
+]
 VOGN_CASES = ["vogn_nan", "vogn_labels"]
 CASES = SVI_CASES + VOGN_CASES
 
@@ -88,6 +97,8 @@ def _batch(case: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]
     kind = "nan" if case == "evaluate" else case.removeprefix("vogn_")
     if kind == "both":  # rank 0's labels and rank 1's values are both bad
         kind = "labels" if rank == 0 else "nan"
+    elif kind == "kinds":  # rank 0's labels are bad; rank 1's loss becomes NaN (_svi_case)
+        kind = "labels" if rank == 0 else "good"
     elif rank != 1:
         return x, y
     if kind == "nan":
@@ -169,8 +180,9 @@ def _svi_case(case: str, rank: int) -> dict:
     guide = AutoNormal(model, init_loc_fn=init_to_network, init_scale=0.05)
     guide(*_batch(case, 0, rank))
     poison = {"on": False}
-    nonfinite = case.startswith("nonfinite_")
-    loss = _poisoned_loss(poison, case.removeprefix("nonfinite_")) if nonfinite else Trace_ELBO()
+    nonfinite = case.startswith("nonfinite_") or case == "kinds"
+    where = "loss" if case == "kinds" else case.removeprefix("nonfinite_")
+    loss = _poisoned_loss(poison, where) if nonfinite else Trace_ELBO()
     optim = pyro.optim.Adam({"lr": 0.05})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the BatchNormWarning, checked in tests/distributed
@@ -386,6 +398,16 @@ def test_both_ranks_refuse_with_different_reasons(verdicts):
     prefix = f"ranks 0, 1 refused their batches at step {BAD_STEP}: rank 0: "
     _assert_agreed(ranks, ValueError, prefix, [0, 1])
     assert "[0, 3)" in ranks[0]["message"] and "rank 1: " in ranks[0]["message"]
+    assert torch.equal(ranks[0]["after"], ranks[1]["after"])
+
+
+def test_the_lowest_refusing_ranks_kind_of_error_wins(verdicts):
+    """Rank 0 refuses its labels (ValueError), rank 1 its NaN loss (FloatingPointError): every
+    rank raises rank 0's kind, quoting both reasons."""
+    ranks = _ranks(verdicts, "kinds")
+    prefix = f"ranks 0, 1 refused their batches at step {BAD_STEP}: rank 0: "
+    _assert_agreed(ranks, ValueError, prefix, [0, 1])
+    assert "rank 1: its loss is nan" in ranks[0]["message"]
     assert torch.equal(ranks[0]["after"], ranks[1]["after"])
 
 
