@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.hf import lora_bert, tiny_bert_config
-
 import pyro_bdl as bdl
+from tests.hf import lora_bert, tiny_bert_config
 
 
 class _HeadWrapper(nn.Module):
