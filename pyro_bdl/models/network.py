@@ -366,7 +366,11 @@ class NetworkModel:
         ``"_RETURN"``): :meth:`network_output` in float32 if the layers ran in 16 bits, and a
         one-output regressor's or binary classifier's ``(B, 1)`` as ``(B,)``, the shape of
         its labels."""
-        out = self.network_output(x)
+        rows = next(iter(batch_tensors(x).values())).shape[0]
+        return self._returned(self.network_output(x), rows)
+
+    def _returned(self, out: torch.Tensor, rows: int) -> torch.Tensor:
+        """:meth:`prediction` of the network output ``out`` of a batch of ``rows`` rows."""
         if out.dtype in (torch.float16, torch.bfloat16):
             # The layers ran in 16 bits (under autocast, or a network kept in 16 bits: a
             # bfloat16 base under float32 LoRA adapters); the likelihood, a sum over the batch
@@ -377,14 +381,12 @@ class NetworkModel:
         one_column = (self.likelihood == "bernoulli" and not self.multilabel) or (
             self.likelihood == "gaussian" and self.noise != "heteroscedastic"
         )
-        if one_column and out.dim() >= 2 and out.shape[-1] == 1:
-            rows = next(iter(batch_tensors(x).values())).shape[0]
-            if _rows_at(out, rows, core=2):
-                out = out.squeeze(-1)
+        if one_column and out.dim() >= 2 and out.shape[-1] == 1 and _rows_at(out, rows, core=2):
+            out = out.squeeze(-1)
         return out
 
     def _run(self, x: Batch, y: torch.Tensor | None, rows: int, device) -> torch.Tensor:
-        out = self.prediction(x)
+        out = self._returned(self.network_output(x), rows)
         if self.likelihood == "categorical":
             fn, value = self._categorical(out, y, rows)
         elif self.likelihood == "tokens":

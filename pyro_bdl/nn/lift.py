@@ -379,24 +379,18 @@ def bayesianize(
         "Use bdl.priors.Normal(loc, scale) (or Laplace, ScaleMixtureNormal), or a callable "
         "returning dist.Normal(0, 1).expand(param.shape).to_event(param.dim())."
     )
+    got = None
     if isinstance(prior, torch.distributions.Distribution):
+        got = f"the distribution {type(prior).__name__}, which has no shape for each weight. {use}"
+    elif isinstance(prior, type):
+        instance = f"Pass an instance: bdl.priors.{prior.__name__}()."
+        got = f"the class {prior.__name__}. {instance if issubclass(prior, Prior) else use}"
+    elif not callable(prior):
+        got = f"{type(prior).__name__}."
+    if got is not None:
         raise TypeError(
-            f"prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "
-            f"Distribution; got the distribution {type(prior).__name__}, which has no shape "
-            f"for each weight. {use}"
-        )
-    if isinstance(prior, type):
-        fix = (
-            f"Pass an instance: bdl.priors.{prior.__name__}()." if issubclass(prior, Prior) else use
-        )
-        raise TypeError(
-            f"prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "
-            f"Distribution; got the class {prior.__name__}. {fix}"
-        )
-    if not callable(prior):
-        raise TypeError(
-            f"prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "
-            f"Distribution; got {type(prior).__name__}."
+            "prior must be a pyro_bdl.priors.Prior or a callable (module, name, param) -> "
+            f"Distribution; got {got}"
         )
     rules = [(False, r) for r in check_rules("hide", hide)]
     # An ExposeOnly rule may leave out parts of this network (PEFT's inactive adapters).
