@@ -216,7 +216,10 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
         if accumulate_dtype is not None and not (
             isinstance(accumulate_dtype, torch.dtype) and accumulate_dtype.is_floating_point
         ):
-            raise TypeError(f"accumulate_dtype must be a float dtype; got {accumulate_dtype!r}.")
+            raise TypeError(
+                f"accumulate_dtype must be a float dtype; got {accumulate_dtype!r}. Pass for "
+                "example torch.float64, or None for the default."
+            )
         check_supported(model)  # a NetworkModel's likelihood, before the MAP phase trains it
         super().__init__(model, init_loc_fn=init_loc_fn)
         self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
@@ -446,7 +449,10 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
         """
         check_reduce_fn(reduce_fn)
         if not isinstance(trim_padding, bool):
-            raise TypeError(f"trim_padding must be True or False; got {trim_padding!r}.")
+            raise TypeError(
+                f"trim_padding must be True or False; got {type(trim_padding).__name__} "
+                f"{trim_padding!r}. Pass a bool."
+            )
         try:
             return self._fit(data, reduce_fn, check_mode, trim_padding)
         except BaseException as err:
@@ -757,7 +763,10 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
         if method == "val_ll":
             first = next(iter_batches(data, self.batch_size))
             if len(first) < 2:
-                raise ValueError("validation data must be (x, y).")
+                raise ValueError(
+                    f"validation data must be (x, y); a batch held {len(first)} tensor(s). Pass "
+                    "data=(x_val, y_val), or a DataLoader yielding (x, y)."
+                )
             obs = self._observe(first)
             transform = jacobian_transform(obs.likelihood)  # the probit predict() returns
             parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs, transform))
