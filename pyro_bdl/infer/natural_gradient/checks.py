@@ -52,7 +52,10 @@ def check_real(name: str, value: object) -> float:
     a string, a bool), before the range checks, whose messages assume a number."""
     number = as_float(value)
     if number is None:
-        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}.")
+        raise TypeError(
+            f"{name} must be a real number; got {type(value).__name__} {value!r}. Pass a Python "
+            "float (float(x) converts a one-element tensor)."
+        )
     return number
 
 
