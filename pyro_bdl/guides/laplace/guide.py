@@ -73,7 +73,7 @@ from pyro_bdl.guides.laplace.model import (
     raised_by_reduction,
     warn_if_not_at_mode,
 )
-from pyro_bdl.guides.laplace.padding import ByLength
+from pyro_bdl.guides.laplace.padding import ByLength, check_trim_padding
 from pyro_bdl.guides.laplace.posterior import (
     DiagPosterior,
     FullPosterior,
@@ -81,6 +81,7 @@ from pyro_bdl.guides.laplace.posterior import (
     StructuredNormal,
     SubnetNormal,
     accumulation_dtype,
+    check_accumulate_dtype,
     check_blockwise,
     posterior_factor,
 )
@@ -213,13 +214,7 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
             check_positive_int("max_memory", max_memory)
         if chunk_memory is not None:
             check_positive_int("chunk_memory", chunk_memory)
-        if accumulate_dtype is not None and not (
-            isinstance(accumulate_dtype, torch.dtype) and accumulate_dtype.is_floating_point
-        ):
-            raise TypeError(
-                f"accumulate_dtype must be a float dtype; got {accumulate_dtype!r}. Pass for "
-                "example torch.float64, or None for the default."
-            )
+        check_accumulate_dtype(accumulate_dtype)
         check_supported(model)  # a NetworkModel's likelihood, before the MAP phase trains it
         super().__init__(model, init_loc_fn=init_loc_fn)
         self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
@@ -448,11 +443,7 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
             declared prior is not Gaussian (before anything changes).
         """
         check_reduce_fn(reduce_fn)
-        if not isinstance(trim_padding, bool):
-            raise TypeError(
-                f"trim_padding must be True or False; got {type(trim_padding).__name__} "
-                f"{trim_padding!r}. Pass a bool."
-            )
+        check_trim_padding(trim_padding)
         try:
             return self._fit(data, reduce_fn, check_mode, trim_padding)
         except BaseException as err:
