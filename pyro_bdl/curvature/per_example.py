@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from pyro_bdl._validation import check_positive_int
 from pyro_bdl.curvature.layer_rules import (
     accumulate_sums,
     batch_slices,
@@ -175,18 +176,9 @@ class PerExampleGradients:
                 f"{sorted({type(m).__name__ for m in layers})}. Pass layers=[...] of modules with "
                 "module=None."
             )
-        for name, value in (("chunk_size", chunk_size), ("max_chunk_elements", max_chunk_elements)):
-            if value is None and name == "chunk_size":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"{name} must be an int >= 1 (or None); got {type(value).__name__} {value!r}. "
-                    "Pass a Python int."
-                )
-            if value < 1:
-                raise ValueError(
-                    f"{name} must be an int >= 1 (or None); got {value!r}. Pass at least 1."
-                )
+        if chunk_size is not None:
+            check_positive_int("chunk_size", chunk_size)
+        check_positive_int("max_chunk_elements", max_chunk_elements)
         if form is not None and form not in FORMS:
             raise ValueError(
                 f"form must be one of {FORMS} or None; got {form!r}. Pass one of them, or None "
