@@ -34,7 +34,10 @@ def check_positive(name: str, value: float | torch.Tensor, *, fix: str = "") -> 
         else value
     )
     if t.numel() == 0:
-        raise ValueError(f"{name} must be a finite positive number; got an empty tensor. {fix}")
+        raise ValueError(
+            f"{name} must be a finite positive number; got an empty tensor. "
+            + (fix or f"Pass a positive {name}.")
+        )
     bad = ~torch.isfinite(t) | (t <= 0)
     if bad.any():
         first = t.flatten()[bad.flatten().nonzero()[0, 0]].item()
@@ -50,7 +53,9 @@ def check_probability(name: str, value: float, *, open_interval: bool = True) ->
     ok = (0.0 < v < 1.0) if open_interval else (0.0 <= v < 1.0)
     if not ok or math.isnan(v):
         interval = "(0, 1)" if open_interval else "[0, 1)"
-        raise ValueError(f"{name} must lie in {interval}; got {value!r}.")
+        raise ValueError(
+            f"{name} must lie in {interval}; got {value!r}. Pass a number in {interval}."
+        )
 
 
 def check_positive_int(name: str, value: object) -> int:

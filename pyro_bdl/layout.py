@@ -226,8 +226,9 @@ class SiteLayout(Sequence[Site]):
         """Views of every site's block of ``flat`` (last dim D), shaped ``batch + site.shape``."""
         if flat.shape[-1] != self.size:
             raise ValueError(
-                f"expected a flat vector of length {self.size} (the layout's D) in its last dim; "
-                f"got shape {tuple(flat.shape)}."
+                f"flat must have length {self.size} (the layout's D) in its last dim; got shape "
+                f"{tuple(flat.shape)}. Pass a vector packed by this layout (layout.pack(values)), "
+                "with optional leading batch dims."
             )
         batch = flat.shape[:-1]
         return [
@@ -243,7 +244,10 @@ class SiteLayout(Sequence[Site]):
         """The flat vector of ``{name: value}`` (every site, each of its own shape)."""
         missing = [n for n in self._by_name if n not in values]
         if missing:
-            raise ValueError(f"pack needs a value for every site; missing {missing}.")
+            raise ValueError(
+                f"values must hold a tensor for every site; missing {missing} (got "
+                f"{sorted(values)}). Pass {{name: tensor}} for every name in layout.names."
+            )
         parts = []
         for site in self._sites:
             value = values[site.name]
@@ -251,7 +255,8 @@ class SiteLayout(Sequence[Site]):
             if lead < 0 or value.shape[lead:] != site.shape:
                 raise ValueError(
                     f"value of site {site.name!r} must end in shape {tuple(site.shape)}; got "
-                    f"{tuple(value.shape)}."
+                    f"{tuple(value.shape)}. Give it the site's shape, with optional leading "
+                    "batch dims."
                 )
             parts.append(value.reshape((*value.shape[:lead], -1)))
         return torch.cat(parts, dim=-1)

@@ -124,7 +124,10 @@ class Normal(Prior):
         super().__init__(init=init)
         loc, scale = _number("Normal prior loc", loc), _number("Normal prior scale", scale)
         if not math.isfinite(float(loc)):
-            raise ValueError(f"Normal prior loc must be finite; got {loc!r}.")
+            raise ValueError(
+                f"Normal prior loc must be finite; got {loc!r}. Pass a finite loc, for example "
+                "loc=0.0."
+            )
         check_positive("Normal prior scale", scale, fix="Pass scale > 0, for example scale=1.0.")
         self.loc, self.scale = float(loc), float(scale)
 
@@ -238,7 +241,10 @@ class Laplace(Prior):
         loc, scale = _number("Laplace prior loc", loc), _number("Laplace prior scale", scale)
         check_positive("Laplace prior scale", scale, fix="Pass scale > 0, for example scale=1.0.")
         if not math.isfinite(float(loc)):
-            raise ValueError(f"Laplace prior loc must be finite; got {loc!r}.")
+            raise ValueError(
+                f"Laplace prior loc must be finite; got {loc!r}. Pass a finite loc, for example "
+                "loc=0.0."
+            )
         self.loc, self.scale = float(loc), float(scale)
 
     def element(self, module, name, param):

@@ -279,7 +279,8 @@ def load_uci(
     folder = spec.path
     if not 0 <= split < spec.n_splits:
         raise ValueError(
-            f"split must lie in [0, {spec.n_splits}) for UCI dataset {name!r}; got {split}."
+            f"split must lie in [0, {spec.n_splits}) for UCI dataset {name!r}; got {split}. Pass "
+            f"a split index below {spec.n_splits}."
         )
     train_file, test_file = spec.split_files(split)
     for file in (train_file, test_file):
@@ -299,7 +300,7 @@ def load_uci(
     if target.size != 1:
         raise ValueError(
             f"{str(folder / 'index_target.txt')!r} must name one target column; got "
-            f"{target.tolist()}."
+            f"{target.tolist()}. Write the one target column's index in it."
         )
     _check_indices(train_file, train, rows, "row")
     _check_indices(test_file, test, rows, "row")
@@ -460,7 +461,8 @@ def _read_sst2(path: Path) -> dict[str, int]:
             label, _, text = line.rstrip("\n").partition("\t")
             if label not in ("0", "1"):
                 raise ValueError(
-                    f"{str(path)!r} line {number}: label must be 0 or 1; got {label!r}."
+                    f"{str(path)!r} line {number}: label must be 0 or 1; got {label!r}. Pass "
+                    "GLUE's SST-2 train.tsv as it is distributed."
                 )
             text = text.strip()
             if text:
@@ -520,7 +522,10 @@ def load_sst2(
     for name, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
         check_positive_int(name, value)
     if not 0.0 < holdout_fraction < 0.5:
-        raise ValueError(f"holdout_fraction must lie in (0, 0.5); got {holdout_fraction!r}.")
+        raise ValueError(
+            f"holdout_fraction must lie in (0, 0.5); got {holdout_fraction!r}. Pass for example "
+            "0.1."
+        )
     file = Path(path) if path is not None else resolve_data_dir(None, "sst2")
     if file.is_dir():
         file = file / SST2_FILE
@@ -543,7 +548,10 @@ def load_sst2(
         pools[split_of.get(root, 2)].append(i)
     pools = [[pool[j] for j in rng.permutation(len(pool))] for pool in pools]
     if len(pools[2]) < n_train:
-        raise ValueError(f"n_train={n_train} exceeds the {len(pools[2])} training phrases.")
+        raise ValueError(
+            f"n_train={n_train} exceeds the {len(pools[2])} training phrases; lower n_train or "
+            "holdout_fraction."
+        )
     train = pools[2][:n_train]
     seen = "\n".join(phrases[i] for i in train)
     held: list[list[int]] = []

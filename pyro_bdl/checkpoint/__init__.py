@@ -134,11 +134,20 @@ def save_checkpoint(
     """
     path = check_path(path)
     if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be an int >= 0; got {type(step).__name__} {step!r}.")
+        raise TypeError(
+            f"step must be an int >= 0; got {type(step).__name__} {step!r}. Pass the number of "
+            "steps done as a Python int (int(x) converts a whole float or a one-element tensor)."
+        )
     if step < 0:
-        raise ValueError(f"step must be >= 0 (the number of steps done); got {step}.")
+        raise ValueError(
+            f"step must be >= 0 (the number of steps done); got {step}. Pass 0 before the first "
+            "step."
+        )
     if extra is not None and not isinstance(extra, Mapping):
-        raise TypeError(f"extra must be a dict of plain values; got {type(extra).__name__}.")
+        raise TypeError(
+            f"extra must be a dict of plain values; got {type(extra).__name__}. Wrap it in a "
+            "dict, for example extra={'epoch': 3}."
+        )
     check_targets(optim, modules, generators)
     if getattr(guide, "prototype_trace", False) is None:
         # Its state is incomplete until then (an AutoEnsemble's members wait unpacked, outside

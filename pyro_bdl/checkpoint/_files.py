@@ -203,7 +203,10 @@ def read(path: str, map_location) -> dict[str, Any]:
             "run from step 0)."
         )
     if os.path.isdir(path):
-        raise IsADirectoryError(f"cannot read checkpoint {path!r}: it is a folder, not a file.")
+        raise IsADirectoryError(
+            f"cannot read checkpoint {path!r}: it is a folder, not a file. Pass the file that "
+            "save_checkpoint wrote inside it."
+        )
     try:
         # weights_only: tensors and plain values only; a pickled object is refused, never run.
         payload = torch.load(path, map_location=map_location, weights_only=True)
@@ -222,7 +225,8 @@ def read(path: str, map_location) -> dict[str, Any]:
     if payload.get("version") != VERSION or any(k not in payload for k in _KEYS):
         raise CheckpointError(
             f"{path!r} is a pyro_bdl checkpoint of format version {payload.get('version')!r} "
-            f"with keys {sorted(payload)}; this version reads version {VERSION}."
+            f"with keys {sorted(payload)}; this version reads version {VERSION}. Load it with the "
+            "pyro_bdl version that wrote it, or restart the run."
         )
     _verify(payload, path)
     return payload

@@ -268,7 +268,8 @@ def check_targets(optim, modules, generators) -> None:
     ):
         raise TypeError(
             f"optim must be a pyro.optim.PyroOptim (get_state/set_state) or have "
-            f"state_dict/load_state_dict; got {type(optim).__name__}."
+            f"state_dict/load_state_dict; got {type(optim).__name__}. Pass the optimizer the run "
+            "steps with (svi.optim), or leave optim out."
         )
     if modules is not None:
         if not isinstance(modules, Mapping):
@@ -280,7 +281,7 @@ def check_targets(optim, modules, generators) -> None:
             if not isinstance(name, str) or not has(m, "state_dict", "load_state_dict"):
                 raise TypeError(
                     f"modules[{name!r}] must be keyed by a str and have state_dict and "
-                    f"load_state_dict; got {type(m).__name__}."
+                    f"load_state_dict; got {type(m).__name__}. Write modules={{'net': net}}."
                 )
     if generators is not None:
         if not isinstance(generators, Mapping) or not all(
@@ -288,13 +289,16 @@ def check_targets(optim, modules, generators) -> None:
         ):
             raise TypeError(
                 "generators must be a dict name -> torch.Generator (for example the generator "
-                "that shuffles the data); got " + repr(generators)
+                f"that shuffles the data); got {generators!r}. Write generators={{'data': g}}."
             )
 
 
 def check_path(path) -> str:
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike; got {type(path).__name__} {path!r}.")
+        raise TypeError(
+            f"path must be a str or os.PathLike; got {type(path).__name__} {path!r}. Pass a file "
+            "name such as 'run.ckpt'."
+        )
     return os.fspath(path)
 
 

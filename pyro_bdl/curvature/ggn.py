@@ -128,7 +128,8 @@ def output_hessian_factor(
         if split is None:
             raise ValueError(
                 "a heteroscedastic Gaussian likelihood needs split, the map outputs -> (mean, "
-                "log σ²) (pyro_bdl.models.mean_log_variance or the model's own split)."
+                "log σ²); got None. Pass split=pyro_bdl.models.mean_log_variance or the model's "
+                "own split."
             )
         return heteroscedastic_factor(outputs, split)
     out = widened(as_matrix(outputs).detach())
@@ -147,7 +148,10 @@ def output_hessian_factor(
         return torch.diag_embed((p * (1 - p)).sqrt())
     if likelihood == "gaussian":
         if noise_scale is None:
-            raise ValueError("a Gaussian likelihood needs noise_scale (the observation noise σ).")
+            raise ValueError(
+                "a Gaussian likelihood needs noise_scale (the observation noise σ); got None. "
+                "Pass noise_scale=σ, the model's fixed observation noise."
+            )
         eye = torch.eye(c, dtype=out.dtype, device=out.device)
         return (eye / noise_scale).expand(b, c, c)
     raise ValueError(

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from pyro_bdl._validation import check_positive_int
 from pyro_bdl.curvature.layer_rules import (
     accumulate_sums,
     batch_slices,
@@ -163,21 +164,26 @@ class PerExampleGradients:
     ):
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(
-                f"module must be a torch.nn.Module or None; got {type(module).__name__}."
+                f"module must be a torch.nn.Module or None; got {type(module).__name__}. Pass the "
+                "network (or the layer) whose per-example gradients to record."
             )
         if layers is not None and (
             module is not None or not all(isinstance(m, nn.Module) for m in layers)
         ):
             raise TypeError(
-                "layers must be a list of torch.nn.Module, given instead of module (not with it)."
+                "layers must be a list of torch.nn.Module, given instead of module (not with it); "
+                f"got module={type(module).__name__} and layers of "
+                f"{sorted({type(m).__name__ for m in layers})}. Pass layers=[...] of modules with "
+                "module=None."
             )
-        for name, value in (("chunk_size", chunk_size), ("max_chunk_elements", max_chunk_elements)):
-            if value is None and name == "chunk_size":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (or None); got {value!r}.")
+        if chunk_size is not None:
+            check_positive_int("chunk_size", chunk_size)
+        check_positive_int("max_chunk_elements", max_chunk_elements)
         if form is not None and form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS} or None; got {form!r}.")
+            raise ValueError(
+                f"form must be one of {FORMS} or None; got {form!r}. Pass one of them, or None "
+                "for the cost model's choice per call."
+            )
         self.form = form
         self.module = module
         self.chunk_size = chunk_size
@@ -330,7 +336,9 @@ class PerExampleGradients:
             if tuple(t._version for t in tensors) != call.versions:
                 raise RuntimeError(
                     f"the input of {type(module).__name__} was modified in place after the layer "
-                    "used it; per-example gradients need the input as the layer saw it."
+                    "used it; per-example gradients need the input as the layer saw it. Make the "
+                    "later operation out of place (for example ReLU(inplace=False), x = x + y "
+                    "instead of x += y)."
                 )
             first = call.args[0] if call.args else None
             if not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] != batch:

@@ -88,7 +88,10 @@ def vmap_squared_gradients(
     :param int chunk_size: examples per vmap call (default: the whole batch).
     """
     if not batch:
-        raise ValueError("vmap_squared_gradients needs at least one batched tensor.")
+        raise ValueError(
+            "vmap_squared_gradients needs at least one batched tensor; got none. Pass the batch "
+            "after params: vmap_squared_gradients(loss_fn, params, x, y)."
+        )
     size = batch[0].shape[0]
     params = {k: v.detach() for k, v in params.items()}
     per_example = vmap(grad(loss_fn), in_dims=(None, *(0,) * len(batch)))

@@ -291,7 +291,10 @@ def to_inference_data(
     if max_site_size is not None:
         check_positive_int("max_site_size", max_site_size)
     if isinstance(var_names, str):
-        raise TypeError(f"var_names must be a list of site names; got the string {var_names!r}.")
+        raise TypeError(
+            f"var_names must be a list of site names; got the string {var_names!r}. Wrap it in a "
+            f"list: var_names=[{var_names!r}]."
+        )
     variables: list[_Variable] = []
     observed: dict[str, np.ndarray] = {}
     dims_of: dict[str, tuple[str, ...]] = {}
@@ -384,7 +387,10 @@ def load_inference_data(path: str | os.PathLike, *, major: int | None = None):
     ArviZ 0.x, ``DataTree`` on ArviZ ≥ 1)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no netCDF file at {path!r}.")
+        raise FileNotFoundError(
+            f"no netCDF file at {path!r}. Check the path, or write the file first with "
+            "save_inference_data."
+        )
     try:
         return read_netcdf(path, major=major)
     except OSError as err:

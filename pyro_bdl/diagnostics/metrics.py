@@ -51,7 +51,10 @@ def as_tensor(name: str, value) -> torch.Tensor:
         return value
     if isinstance(value, (np.ndarray, list, tuple)):
         return torch.as_tensor(np.asarray(value))
-    raise TypeError(f"{name} must be a torch.Tensor or numpy array; got {type(value).__name__}.")
+    raise TypeError(
+        f"{name} must be a torch.Tensor or numpy array; got {type(value).__name__}. Convert it "
+        "with torch.as_tensor or np.asarray."
+    )
 
 
 #: The fix for non-finite predictions: they come from the predictor, not from the data.
@@ -90,7 +93,10 @@ def check_probs(probs, y=None, *, atol: float = 1e-4, name: str = "probs") -> No
     if probs.shape[0] == 0:
         raise ValueError(f"{name} has zero rows; evaluate on at least one example.")
     if not probs.is_floating_point():
-        raise TypeError(f"{name} must be floating point; got dtype {probs.dtype}.")
+        raise TypeError(
+            f"{name} must be floating point; got dtype {probs.dtype}. Pass class probabilities "
+            f"(logits.softmax(-1)), or {name}.float()."
+        )
     check_finite_values(name, probs, PREDICTION_FIX)
     # Each entry of a softmax rounded to the dtype is off by at most half an ulp, so a row's
     # exact sum is off by about half the machine epsilon: 5e-4 in float16 and 4e-3 in bfloat16,
@@ -286,7 +292,10 @@ def _regression_inputs(mean, y) -> tuple[torch.Tensor, torch.Tensor]:
     if mean.shape[0] == 0:
         raise ValueError("mean has zero draws; pass at least one predictive draw.")
     if not (mean.is_floating_point() and y.is_floating_point()):
-        raise TypeError(f"mean and y must be floating point; got {mean.dtype} and {y.dtype}.")
+        raise TypeError(
+            f"mean and y must be floating point; got {mean.dtype} and {y.dtype}. Use .float() "
+            "(or .double())."
+        )
     check_finite_values("mean", mean, PREDICTION_FIX)
     check_finite_values("y", y, "Clean or impute the targets before scoring.")
     mean = mean.double()

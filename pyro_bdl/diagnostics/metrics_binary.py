@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from pyro_bdl._validation import check_positive_int
 from pyro_bdl.models.checks import check_binary_labels
 
 __all__ = ["binary_brier", "binary_ece", "binary_nll"]
@@ -24,7 +25,10 @@ def _checked(p, y) -> tuple[torch.Tensor, torch.Tensor]:
     # Detached: a metric is a number, and p straight from a network still carries its graph.
     p, y = torch.as_tensor(p).detach(), torch.as_tensor(y).detach()
     if not p.is_floating_point():
-        raise TypeError(f"p must hold probabilities P(y = 1) (floating point); got {p.dtype}.")
+        raise TypeError(
+            f"p must hold probabilities P(y = 1) (floating point); got {p.dtype}. Pass "
+            "torch.sigmoid(logits), or p.float() for 0/1 probabilities."
+        )
     if p.shape != y.shape or p.numel() == 0:
         fix = "Pass one probability P(y = 1) per label."
         if p.dim() == 2 and p.shape[0] == y.numel() and y.dim() == 1:
@@ -38,7 +42,8 @@ def _checked(p, y) -> tuple[torch.Tensor, torch.Tensor]:
         )
     if not bool(((p >= 0) & (p <= 1)).all()):
         raise ValueError(
-            "p must hold probabilities in [0, 1] (NaN refused); apply torch.sigmoid to logits."
+            f"p must hold probabilities in [0, 1] (NaN refused); got min {float(p.min()):.6g}, "
+            f"max {float(p.max()):.6g}. Apply torch.sigmoid to logits."
         )
     check_binary_labels(y)
     return p.double().reshape(-1), y.double().reshape(-1)
@@ -71,8 +76,7 @@ def binary_ece(p, y, *, num_bins: int = 10) -> float:
     :math:`\sum_b \frac{n_b}{N} |\bar y_b - \bar p_b|` (the gaps that scikit-learn's
     ``calibration_curve(strategy="uniform")`` draws, weighted by the bins' counts)."""
     p, y = _checked(p, y)
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be an int >= 1; got {num_bins!r}.")
+    check_positive_int("num_bins", num_bins)
     # The bin of p as calibration_curve finds it: a left search over the inner edges.
     edges = torch.linspace(0, 1, num_bins + 1, dtype=torch.float64)[1:-1]
     bins = torch.searchsorted(edges, p)

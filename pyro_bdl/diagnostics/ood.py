@@ -62,9 +62,12 @@ def ood_scores(probs, *, score: str = "entropy") -> torch.Tensor:
 def _scores(name: str, value) -> np.ndarray:
     t = as_tensor(name, value)
     if t.dim() != 1 or t.shape[0] == 0:
-        raise ValueError(f"{name} must have shape (n,) with n ≥ 1; got {tuple(t.shape)}.")
+        raise ValueError(
+            f"{name} must have shape (n,) with n ≥ 1; got {tuple(t.shape)}. Pass one score per "
+            "example (t.reshape(-1) for a trailing dim of 1)."
+        )
     if t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"{name} must be real numbers; got dtype {t.dtype}.")
+        raise TypeError(f"{name} must be real numbers; got dtype {t.dtype}. Use {name}.float().")
     check_finite_values(
         name,
         t.double(),

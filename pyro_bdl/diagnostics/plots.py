@@ -99,7 +99,8 @@ def plot_entropy(
         t = as_tensor(f"entropy ({label})", values)
         if t.dim() != 1 or t.numel() == 0:
             raise ValueError(
-                f"entropy ({label}) must have shape (n,) with n ≥ 1; got {tuple(t.shape)}."
+                f"entropy ({label}) must have shape (n,) with n ≥ 1; got {tuple(t.shape)}. Pass "
+                "one entropy per example (metrics.predictive_entropy(probs))."
             )
         check_finite_values(
             f"entropy ({label})",

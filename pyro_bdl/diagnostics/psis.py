@@ -103,20 +103,26 @@ def pareto_khat(log_ratios, *, rtol: float | None = None) -> tuple[float, float]
     when *every* ratio is −inf there is no importance weight to fit, and :class:`ValueError` says
     so (no k̂ value would be honest: the guide has no mass where the posterior has any).
     """
-    if rtol is not None and (
-        isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < math.inf
-    ):
+    if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float))):
+        raise TypeError(
+            f"rtol must be a finite number >= 0 (or None for 1000 machine epsilons); got "
+            f"{type(rtol).__name__} {rtol!r}. Pass a Python float, or None."
+        )
+    if rtol is not None and not 0 <= rtol < math.inf:
         raise ValueError(
-            f"rtol must be a finite number >= 0 (or None for 1000 machine epsilons); got {rtol!r}."
+            f"rtol must be a finite number >= 0 (or None for 1000 machine epsilons); got {rtol!r}. "
+            "Pass a number >= 0, or None."
         )
     t = as_tensor("log_ratios", log_ratios)
     if t.dim() != 1 or t.numel() == 0:
         raise ValueError(
             f"log_ratios must have shape (num_samples,) with at least one draw; got "
-            f"{tuple(t.shape)}."
+            f"{tuple(t.shape)}. Pass one log p(θ, data) - log q(θ) per guide draw θ."
         )
     if not t.is_floating_point():
-        raise TypeError(f"log_ratios must be floating point; got dtype {t.dtype}.")
+        raise TypeError(
+            f"log_ratios must be floating point; got dtype {t.dtype}. Use log_ratios.double()."
+        )
     if torch.isnan(t).any() or torch.isposinf(t).any():
         raise ValueError(
             "log_ratios contain NaN or +inf: the model or guide density is not finite at some "
@@ -232,7 +238,8 @@ def psis_khat(
         ):
             raise ValueError(
                 f"vectorize=True needs max_plate_nesting, an int >= 0 (the number of nested "
-                f"plates in the model); got {max_plate_nesting!r}."
+                f"plates in the model); got {max_plate_nesting!r}. Pass it, for example "
+                "max_plate_nesting=1 for one data plate, or vectorize=False."
             )
         chunks = []
         first: list[torch.Tensor] | None = None  # the first draw, which every other is compared to

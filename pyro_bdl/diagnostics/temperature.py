@@ -216,7 +216,9 @@ def fit_temperature(
         if abs(u) >= _LOG_BETA_LIMIT:
             raise ValueError(
                 f"the NLL's minimum lies at |log T| > {_LOG_BETA_LIMIT:g}; the logits are too "
-                "close to a degenerate case (all labels top-scoring, or uninformative logits)."
+                "close to a degenerate case (all labels top-scoring, or uninformative logits). "
+                "Fit on held-out data the network sometimes gets wrong, and check that y "
+                "matches the rows and classes of logits."
             )
         # A positive slope puts the root at smaller β (larger T), a negative one at larger β.
         u = min(max(u - step if value > 0 else u + step, -_LOG_BETA_LIMIT), _LOG_BETA_LIMIT)

@@ -147,9 +147,11 @@ def broadcast_(tensors: Sequence[torch.Tensor], process_group=None, *, src: int 
 
 def _check_nonnegative_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= 0; got {type(value).__name__} {value!r}.")
+        raise TypeError(
+            f"{name} must be an int >= 0; got {type(value).__name__} {value!r}. Pass a Python int."
+        )
     if value < 0:
-        raise ValueError(f"{name} must be >= 0; got {value}.")
+        raise ValueError(f"{name} must be >= 0; got {value}. Pass 0 or more.")
     return int(value)
 
 

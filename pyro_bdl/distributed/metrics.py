@@ -53,8 +53,16 @@ def shard_range(dataset_size: int, *, rank: int | None = None, world_size: int |
     world = get_world_size() if world_size is None else world_size
     rank = get_rank() if rank is None else rank
     check_positive_int("world_size", world)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank must be an int in [0, world_size) = [0, {world}); got {rank!r}.")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(
+            f"rank must be an int in [0, world_size) = [0, {world}); got {type(rank).__name__} "
+            f"{rank!r}. Pass the process's rank (torch.distributed.get_rank()), or leave it out."
+        )
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"rank must be an int in [0, world_size) = [0, {world}); got {rank!r}. Pass the "
+            "process's rank (torch.distributed.get_rank()), or leave it out."
+        )
     base, extra = divmod(dataset_size, world)
     start = rank * base + min(rank, extra)
     return slice(start, start + base + (rank < extra))

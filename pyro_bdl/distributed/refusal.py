@@ -236,7 +236,10 @@ class StepAgreement:
         self.process_group = process_group
         self.modules = list(modules)
         if not all(isinstance(m, nn.Module) for m in self.modules):
-            raise TypeError("modules must be torch.nn.Module instances (the network).")
+            raise TypeError(
+                "modules must be torch.nn.Module instances (the network); got "
+                f"{[type(m).__name__ for m in self.modules]}. Pass modules=[net]."
+            )
         self.num_steps_taken = 0
         self._active = False
         self._agreed = False
@@ -246,7 +249,10 @@ class StepAgreement:
         """``reduce_fn`` preceded by the exchange of statuses: pass the result as VOGN's
         ``reduce_fn``. Called outside :meth:`step` it raises ``RuntimeError``."""
         if not callable(reduce_fn):
-            raise TypeError(f"reduce_fn must be callable; got {type(reduce_fn).__name__}.")
+            raise TypeError(
+                f"reduce_fn must be callable; got {type(reduce_fn).__name__}. Pass the function "
+                "that sums a list of tensors over the ranks (an all-reduce)."
+            )
         return AgreedStepReduce(self, reduce_fn)
 
     def agree(self, error: BaseException | None = None) -> None:
@@ -264,12 +270,18 @@ class StepAgreement:
     def step(self) -> StepAgreement:
         """The context of one step (``with agreement.step(): ...``)."""
         if self._active:
-            raise RuntimeError("agreement.step() contexts cannot be nested.")
+            raise RuntimeError(
+                "agreement.step() contexts cannot be nested; this one is already open. Run one "
+                "step per `with agreement.step():` block, one block after another."
+            )
         return self
 
     def __enter__(self) -> StepAgreement:
         if self._active:
-            raise RuntimeError("agreement.step() contexts cannot be nested.")
+            raise RuntimeError(
+                "agreement.step() contexts cannot be nested; this one is already open. Run one "
+                "step per `with agreement.step():` block, one block after another."
+            )
         # The modules' layers are looked up at every step: the network may change between steps.
         self._snapshot = Rollback.saved(norm_layer_buffers(self.modules))
         self._active, self._agreed = True, False

@@ -24,9 +24,12 @@ def item(value) -> float:
 
 def check_seed(seed: object) -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None; got {type(seed).__name__} {seed!r}.")
+        raise TypeError(
+            f"seed must be an int or None; got {type(seed).__name__} {seed!r}. Pass a Python int, "
+            "or None to draw one."
+        )
     if seed is not None and not 0 <= seed < SEED_RANGE:
-        raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}.")
+        raise ValueError(f"seed must lie in [0, 2**31 - 1); got {seed}. Pass a seed in that range.")
 
 
 def grads_of(trained: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:

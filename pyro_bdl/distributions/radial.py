@@ -51,9 +51,15 @@ def _log_sphere_area(dim: int) -> float:
 
 def _check_dim(name: str, dim: object) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{name} must be an int >= 1; got {type(dim).__name__} {dim!r}.")
+        raise TypeError(
+            f"{name} must be an int >= 1; got {type(dim).__name__} {dim!r}. Pass a Python int "
+            "(the number of weights in the site, param.numel())."
+        )
     if dim < 1:
-        raise ValueError(f"{name} must be >= 1 (the number of weights in the site); got {dim}.")
+        raise ValueError(
+            f"{name} must be >= 1 (the number of weights in the site); got {dim}. Pass the "
+            "site's param.numel()."
+        )
     return dim
 
 
@@ -218,10 +224,15 @@ class Radial(TorchDistribution):
         loc, scale = broadcast_all(loc, scale)
         event_dim = loc.dim() if event_dim is None else event_dim
         if isinstance(event_dim, bool) or not isinstance(event_dim, int):
-            raise TypeError(f"event_dim must be an int; got {type(event_dim).__name__}.")
+            raise TypeError(
+                f"event_dim must be an int; got {type(event_dim).__name__} {event_dim!r}. Pass a "
+                "Python int, or leave it out for loc.dim()."
+            )
         if not 0 <= event_dim <= loc.dim():
             raise ValueError(
-                f"event_dim must lie in [0, loc.dim()] = [0, {loc.dim()}]; got {event_dim}."
+                f"event_dim must lie in [0, loc.dim()] = [0, {loc.dim()}]; got {event_dim}. Pass "
+                "the number of trailing dims of loc that form one site (loc.dim(), the default, "
+                "for the whole tensor)."
             )
         self.loc, self.scale = loc, scale
         split = loc.dim() - event_dim

@@ -34,7 +34,8 @@ def check_quantiles(quantiles, like: torch.Tensor) -> torch.Tensor:
     q = torch.as_tensor(quantiles, dtype=like.dtype, device=like.device)
     if q.dim() != 1 or q.numel() == 0 or not bool(((q > 0) & (q < 1)).all()):
         raise ValueError(
-            f"quantiles must be a non-empty 1-d list of numbers in (0, 1); got {quantiles!r}."
+            f"quantiles must be a non-empty 1-d list of numbers in (0, 1); got {quantiles!r}. "
+            "Pass for example [0.05, 0.5, 0.95]."
         )
     return q
 

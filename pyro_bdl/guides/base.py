@@ -102,7 +102,8 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
     ):
         if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)):
             raise TypeError(
-                f"init_scale must be a float > 0; got {type(init_scale).__name__} {init_scale!r}."
+                f"init_scale must be a float > 0; got {type(init_scale).__name__} {init_scale!r}. "
+                "Pass a small positive Python float, e.g. 1e-2."
             )
         check_positive(
             "init_scale", float(init_scale), fix="Pass a small positive scale, e.g. 1e-2."
@@ -110,7 +111,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
         if not callable(init_loc_fn):
             raise TypeError(
                 f"init_loc_fn must be callable (site -> tensor), e.g. pyro_bdl.init_to_network; "
-                f"got {type(init_loc_fn).__name__}."
+                f"got {type(init_loc_fn).__name__}. Pass a function, or leave it out."
             )
         self._init_scale = float(init_scale)
         self.init_loc_fn = init_loc_fn
@@ -487,7 +488,7 @@ class AutoLocScaleGuide(CheckedLoad, SiteAccess, AutoGuide):
             except RuntimeError:
                 raise ValueError(
                     f"{what} for site {name!r} must broadcast to {tuple(site.shape)}; got shape "
-                    f"{tuple(value.shape)}."
+                    f"{tuple(value.shape)}. Pass a number or a tensor of the site's shape."
                 ) from None
         if "loc" in new:
             self.loc[site.start : site.stop] = new["loc"]

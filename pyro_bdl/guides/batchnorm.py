@@ -58,7 +58,7 @@ def _input_batches(
     if not isinstance(data, Iterable):
         raise TypeError(
             f"data must be a tensor of inputs or an iterable of batches (a DataLoader); got "
-            f"{type(data).__name__}."
+            f"{type(data).__name__}. Pass the training inputs x_train or their DataLoader."
         )
     num_batches = None
     if fraction < 1.0:
@@ -120,7 +120,10 @@ def refresh_batchnorm(
     [1] `A Simple Baseline for Bayesian Uncertainty in Deep Learning`, Maddox et al. (NeurIPS 2019)
     """
     if not isinstance(net, nn.Module):
-        raise TypeError(f"net must be a torch.nn.Module; got {type(net).__name__}.")
+        raise TypeError(
+            f"net must be a torch.nn.Module; got {type(net).__name__}. Pass the network (a "
+            "ready-made model's is model.net)."
+        )
     _check_fraction(fraction)
     check_positive_int("batch_size", batch_size)
     if weights is None and _is_lifted(net):
@@ -210,8 +213,16 @@ def predict_with_bn_refresh(
     check_positive_int("num_samples", num_samples)
     check_positive_int("batch_size", batch_size)
     _check_fraction(bn_fraction)
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == 0:
-        raise ValueError("x must be a tensor with at least one row of test inputs.")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"x must be a tensor of test inputs; got {type(x).__name__}. Convert it with "
+            "torch.as_tensor."
+        )
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise ValueError(
+            f"x must be a tensor with at least one row of test inputs; got shape "
+            f"{tuple(x.shape)}. Pass at least one example."
+        )
     check_network_input(NetworkShape(net), x)
     layers = batchnorm_layers(net)
     if layers and bn_data is None:

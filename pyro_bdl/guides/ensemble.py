@@ -181,7 +181,10 @@ class MemberMixture(TorchDistribution):
 def _count(members: object) -> int | None:
     """M when ``members`` is a count (a guide to be filled by ``load_state_dict``), else None."""
     if isinstance(members, bool):
-        raise TypeError("members must be a sequence of trained members or an int M >= 1; got bool.")
+        raise TypeError(
+            f"members must be a sequence of trained members or an int M >= 1; got the bool "
+            f"{members!r}. Pass a list of members, or the count M as an int."
+        )
     return check_positive_int("members", members) if isinstance(members, int) else None
 
 
@@ -189,10 +192,13 @@ def _as_list(members: object, what: str) -> list:
     if isinstance(members, (str, bytes, Mapping)) or not isinstance(members, Sequence):
         raise TypeError(
             f"members must be a list of {what} (or an int M >= 1 for an empty guide to load a "
-            f"state into); got {type(members).__name__}."
+            f"state into); got {type(members).__name__}. Pass a list, e.g. members=[g1, g2]."
         )
     if not members:
-        raise ValueError(f"members must hold at least one of {what}; got an empty list (M = 0).")
+        raise ValueError(
+            f"members must hold at least one of {what}; got an empty list (M = 0). Pass at least "
+            "one member."
+        )
     return list(members)
 
 
@@ -547,7 +553,8 @@ class AutoEnsemble(MemberGuide):
         for name, value in member.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
-                    f"members[{k}][{name!r}] must be a tensor; got {type(value).__name__}."
+                    f"members[{k}][{name!r}] must be a tensor; got {type(value).__name__}. Pass "
+                    "the member's site values as tensors (guide.median())."
                 )
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(
@@ -651,13 +658,15 @@ class AutoMultiSWAG(MemberGuide):
             if swag_options:
                 raise TypeError(
                     f"swag_options {sorted(swag_options)} only apply to fresh members (an int "
-                    "members); trained members keep their own options."
+                    f"members); got {type(members).__name__} members, trained ones, which keep "
+                    "their own options. Drop the options, or pass members=M for fresh ones."
                 )
             guides = _as_list(members, "trained AutoSWAG guides")
             for k, guide in enumerate(guides):
                 if not isinstance(guide, AutoSWAG):
                     raise TypeError(
-                        f"members[{k}] must be an AutoSWAG guide; got {type(guide).__name__}."
+                        f"members[{k}] must be an AutoSWAG guide; got {type(guide).__name__}. "
+                        "Pass trained AutoSWAG guides, or members=M for fresh ones."
                     )
                 guide.require_collected(f"join a MultiSWAG ensemble (members[{k}])")
                 loc = guide._parameters["loc"]

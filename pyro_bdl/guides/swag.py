@@ -202,10 +202,14 @@ class SWAGNormal(TorchDistribution):
     ):
         if deviations.dim() != 2 or deviations.shape[-1] != mean.shape[-1]:
             raise ValueError(
-                f"deviations must have shape (K, {mean.shape[-1]}); got {tuple(deviations.shape)}."
+                f"deviations must have shape (K, {mean.shape[-1]}), K rows of mean's length; got "
+                f"{tuple(deviations.shape)}. Stack one deviation θ - θ̄ per row."
             )
         if deviations.shape[0] == 1:
-            raise ValueError("deviations must have 0 rows (SWAG-diag) or at least 2; got 1.")
+            raise ValueError(
+                "deviations must have 0 rows (SWAG-diag) or at least 2; got 1. Collect at least "
+                "one more deviation, or pass 0 rows for SWAG-diag."
+            )
         self.loc = mean
         self._variance = variance
         self._moments: tuple[torch.Tensor, int, float] | None = None
@@ -453,7 +457,10 @@ class AutoSWAG(CheckedLoad, SiteAccess, AutoContinuous):
         check_positive_int("rank", rank)
         for name, flag in (("diag_only", diag_only), ("cache_std", cache_std)):
             if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool; got {type(flag).__name__}.")
+                raise TypeError(
+                    f"{name} must be a bool; got {type(flag).__name__} {flag!r}. Pass True or "
+                    "False."
+                )
         if not diag_only and rank < 2:
             raise ValueError(
                 f"rank must be >= 2 for SWAG (the low-rank term divides by K − 1); got {rank}. "

@@ -466,7 +466,10 @@ class TraceSuffStat_ELBO(Trace_ELBO):
                     f"({float(value)}); nothing was updated. Lower the learning rate, check the "
                     "data for NaN/inf, or check the initial scales of the guide."
                 )
-        raise ValueError(f"TraceSuffStat_ELBO{where}: the loss overflowed ({loss}).")
+        raise ValueError(
+            f"TraceSuffStat_ELBO{where}: the loss overflowed ({loss}), though every term is "
+            "finite; nothing was updated. Standardise the data, or lower the learning rate."
+        )
 
     def _site_elbo(self, name: str, model_site, guide_site) -> torch.Tensor:
         """E_q[log p] (model scale/mask) − E_q[log q] (guide scale/mask) for one latent site."""

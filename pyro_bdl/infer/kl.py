@@ -229,7 +229,8 @@ def _prepare(loc, scale, event_dim, xi, num_samples):
     event_dim = loc.dim() if event_dim is None else event_dim
     if not 0 <= event_dim <= loc.dim():
         raise ValueError(
-            f"event_dim must lie in [0, loc.dim()] = [0, {loc.dim()}]; got {event_dim}."
+            f"event_dim must lie in [0, loc.dim()] = [0, {loc.dim()}]; got {event_dim}. Pass the "
+            "number of trailing dims of loc that form one KL, or None for all of them."
         )
     if xi is not None:
         if xi.shape[1:] != loc.shape:
@@ -305,7 +306,8 @@ def kl_sufficient_statistics(
     """
     if not isinstance(prior, Normal):
         raise NotImplementedError(
-            f"sufficient statistics need a Normal prior; got {type(prior).__name__}."
+            f"sufficient statistics need a Normal prior; got {type(prior).__name__}. Use "
+            "kl_streaming (an element-wise prior) or kl_direct (any prior) instead."
         )
     family = noise_family(noise)
     loc, scale, event_dim, m = _prepare(loc, scale, event_dim, xi, num_samples)
@@ -500,7 +502,7 @@ def kl_streaming(
     if prior.event_shape != torch.Size():
         raise NotImplementedError(
             f"the streaming estimator needs an element-wise prior; {type(prior).__name__} has "
-            f"event shape {tuple(prior.event_shape)}."
+            f"event shape {tuple(prior.event_shape)}. Use kl_direct for this prior."
         )
     if torch.is_grad_enabled():
         for key in prior.arg_constraints:
@@ -509,7 +511,7 @@ def kl_streaming(
                 raise NotImplementedError(
                     f"the streaming estimator treats the prior as fixed, but its parameter "
                     f"{key!r} requires grad; use kl='direct' (memory linear in M) or a Normal "
-                    "prior (sufficient statistics carry prior gradients)"
+                    "prior (sufficient statistics carry prior gradients)."
                 )
     family = noise_family(noise)
     loc, scale, event_dim, m = _prepare(loc, scale, event_dim, xi, num_samples)
@@ -545,7 +547,8 @@ def register_kl_estimator(noise: str, prior_type: type) -> Callable[[Estimator],
     if not isinstance(noise, str) or not isinstance(prior_type, type):
         raise TypeError(
             f"register_kl_estimator expects (noise name: str, prior type); got "
-            f"({noise!r}, {prior_type!r})."
+            f"({noise!r}, {prior_type!r}). Write for example "
+            "@register_kl_estimator('normal', dist.StudentT)."
         )
 
     def decorator(fn: Estimator) -> Estimator:

@@ -179,7 +179,10 @@ def check_batch(
             )
     for name, t in tensors.items():
         if t.dim() == 0 or t.shape[0] == 0:
-            raise ValueError(f"{name} must have at least one row; got shape {tuple(t.shape)}.")
+            raise ValueError(
+                f"{name} must have at least one row; got shape {tuple(t.shape)}. Pass at least one "
+                "example, with the examples along dim 0."
+            )
     counts = {name: t.shape[0] for name, t in tensors.items()}
     if len(set(counts.values())) > 1:
         raise ValueError(

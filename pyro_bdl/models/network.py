@@ -57,7 +57,12 @@ _DEFAULT_NAMES = itertools.count()
 def _claim_name(name: str | None, model: NetworkModel) -> str:
     if name is None:
         name = next(n for n in (f"model_{k}" for k in _DEFAULT_NAMES) if n not in _LIVE)
-    elif not isinstance(name, str) or not name or "." in name:
+    elif not isinstance(name, str):
+        raise TypeError(
+            f"name must be a non-empty str without '.', the prefix of the params the model "
+            f"creates; got {type(name).__name__} {name!r}. Pass e.g. name='regressor'."
+        )
+    elif not name or "." in name:
         raise ValueError(
             f"name must be a non-empty str without '.', the prefix of the params the model "
             f"creates; got {name!r}. Pass e.g. name='regressor'."
@@ -87,7 +92,10 @@ class _LogSoftmaxCategorical(dist.Categorical):
         self, logits: torch.Tensor, validate_args=None, checked: torch.Tensor | None = None
     ):
         if logits.dim() < 1:
-            raise ValueError("`logits` parameter must be at least one-dimensional.")
+            raise ValueError(
+                "`logits` parameter must be at least one-dimensional; got a 0-d tensor. Give "
+                "the network one logit per class."
+            )
         self.logits = torch.log_softmax(logits, dim=-1)
         self._param = self.logits
         self._num_events = logits.shape[-1]
@@ -186,7 +194,10 @@ class NetworkModel:
         name: str | None = None,
     ):
         if not isinstance(net, nn.Module):
-            raise TypeError(f"net must be a torch.nn.Module; got {type(net).__name__}.")
+            raise TypeError(
+                f"net must be a torch.nn.Module; got {type(net).__name__}. Pass the network, "
+                "lifted with pyro_bdl.bayesianize(net)."
+            )
         if likelihood not in self.LIKELIHOODS:
             raise ValueError(f"likelihood must be one of {self.LIKELIHOODS}; got {likelihood!r}.")
         check_positive_int("dataset_size", dataset_size)
@@ -230,7 +241,10 @@ class NetworkModel:
                 "Use models.heteroscedastic_regressor, or drop split."
             )
         if split is not None and not callable(split):
-            raise TypeError(f"split must be callable out -> (mean, log_var); got {split!r}.")
+            raise TypeError(
+                f"split must be callable out -> (mean, log_var); got {split!r}. Pass a function, "
+                "e.g. split=lambda out: (out[:, 0], out[:, 1])."
+            )
         if noise == "learned":
             noise_prior = check_noise_prior(
                 default_noise_prior() if noise_prior is None else noise_prior
@@ -285,7 +299,8 @@ class NetworkModel:
         if likelihood == "tokens" and k is not None and k < 2:
             raise ValueError(
                 f"a token-level likelihood needs one logit per vocabulary entry; the network's "
-                f"last layer gives {k}."
+                f"last layer gives {k}. Pass output= selecting the language-model logits, or "
+                "give the last layer one output per vocabulary entry."
             )
         if likelihood == "bernoulli" and not multilabel and k != 1:
             raise ValueError(

@@ -71,7 +71,8 @@ def check_noise_prior(prior: object) -> Distribution:
     if prior.batch_shape or prior.event_shape:
         raise ValueError(
             f"noise_prior must be a distribution over one scalar σ; got batch shape "
-            f"{tuple(prior.batch_shape)} and event shape {tuple(prior.event_shape)}."
+            f"{tuple(prior.batch_shape)} and event shape {tuple(prior.event_shape)}. Pass a prior "
+            "with scalar parameters, e.g. dist.LogNormal(0., 1.)."
         )
     for name, constraint in prior.arg_constraints.items():
         value = torch.as_tensor(getattr(prior, name))

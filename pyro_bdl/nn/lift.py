@@ -496,10 +496,17 @@ def unlift(module: nn.Module, values: Mapping[str, torch.Tensor] | None = None) 
         )
     for name, value in values.items():
         shape = by_name[name].shape
-        if not isinstance(value, torch.Tensor) or value.shape != shape:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"values[{name!r}] must be a tensor of the site's shape {tuple(shape)}; got "
+                f"{type(value).__name__}. Pass one tensor of that shape per site (guide.median() "
+                "gives them)."
+            )
+        if value.shape != shape:
             raise ValueError(
                 f"values[{name!r}] must be a tensor of the site's shape {tuple(shape)}; got "
-                f"{getattr(value, 'shape', type(value).__name__)}."
+                f"{tuple(value.shape)}. Pass one tensor of that shape per site (guide.median() "
+                "gives them)."
             )
     for name, spec, registry in existing:
         if name in values:

@@ -95,8 +95,9 @@ def load_minilm(
     if num_labels is None:
         model = transformers.AutoModel.from_pretrained(folder, local_files_only=True, **kwargs)
     else:
-        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
-            raise ValueError(f"num_labels must be a positive int or None; got {num_labels!r}.")
+        from pyro_bdl._validation import check_positive_int
+
+        check_positive_int("num_labels", num_labels)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
             folder, num_labels=num_labels, local_files_only=True, **kwargs
         )
@@ -124,7 +125,10 @@ def save_minilm_fp16(
             f"source (its files are copied, subfolders included); got {str(dest)!r}."
         )
     if not (src / _WEIGHTS).is_file():
-        raise FileNotFoundError(f"source must hold {_WEIGHTS}; {str(src)!r} has none.")
+        raise FileNotFoundError(
+            f"source must hold {_WEIGHTS}; {str(src)!r} has none. Pass the folder of the "
+            "all-MiniLM-L6-v2 model (minilm_path()) or a copy of it."
+        )
     dest.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
         if item.name == _WEIGHTS or item.suffix in (".bin", ".h5", ".onnx", ".msgpack"):

@@ -243,7 +243,8 @@ def _probs(predict: Callable, x: torch.Tensor) -> torch.Tensor:
     probs = predict(x)
     if not isinstance(probs, torch.Tensor):  # a classifier's predictor returns probabilities
         raise TypeError(
-            f"a predictor returned {type(probs).__name__}; expected class probabilities."
+            f"a predictor returned {type(probs).__name__}; expected class probabilities, a tensor "
+            "of shape (n, C). Make the method's predict(x) return probs (logits.softmax(-1))."
         )
     return probs
 

@@ -49,7 +49,8 @@ def fit_laplace(
     """
     if isinstance(prior_precision, str) and prior_precision != "marglik":
         raise ValueError(
-            f"prior_precision must be a number > 0, 'marglik' or None; got {prior_precision!r}."
+            f"prior_precision must be a number > 0, 'marglik' or None; got {prior_precision!r}. "
+            "Pass 'marglik' to tune it, or a number such as 1.0."
         )
     if problem.init is None:
         _, _, delta = train_map(problem, "laplace")

@@ -75,7 +75,8 @@ def iter_batches(data: Any, batch_size: int) -> Iterator[tuple]:
         if not leaves:
             raise TypeError(
                 "data must be a tuple of tensors (x, y) or a DataLoader yielding (x, y); a "
-                f"batch held {', '.join(type(t).__name__ for t in batch[:3])}."
+                f"batch held {', '.join(type(t).__name__ for t in batch[:3])}. Pass data=(x, y) "
+                "with tensors, or a DataLoader over them."
             )
         for name, t in leaves.items():
             check_finite(f"data tensor {name}", t)

@@ -73,7 +73,7 @@ from pyro_bdl.guides.laplace.model import (
     raised_by_reduction,
     warn_if_not_at_mode,
 )
-from pyro_bdl.guides.laplace.padding import ByLength
+from pyro_bdl.guides.laplace.padding import ByLength, check_trim_padding
 from pyro_bdl.guides.laplace.posterior import (
     DiagPosterior,
     FullPosterior,
@@ -81,6 +81,7 @@ from pyro_bdl.guides.laplace.posterior import (
     StructuredNormal,
     SubnetNormal,
     accumulation_dtype,
+    check_accumulate_dtype,
     check_blockwise,
     posterior_factor,
 )
@@ -213,10 +214,7 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
             check_positive_int("max_memory", max_memory)
         if chunk_memory is not None:
             check_positive_int("chunk_memory", chunk_memory)
-        if accumulate_dtype is not None and not (
-            isinstance(accumulate_dtype, torch.dtype) and accumulate_dtype.is_floating_point
-        ):
-            raise TypeError(f"accumulate_dtype must be a float dtype; got {accumulate_dtype!r}.")
+        check_accumulate_dtype(accumulate_dtype)
         check_supported(model)  # a NetworkModel's likelihood, before the MAP phase trains it
         super().__init__(model, init_loc_fn=init_loc_fn)
         self._user_model: tuple | None = (model,)  # as AutoGuide keeps it: no submodule
@@ -445,8 +443,7 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
             declared prior is not Gaussian (before anything changes).
         """
         check_reduce_fn(reduce_fn)
-        if not isinstance(trim_padding, bool):
-            raise TypeError(f"trim_padding must be True or False; got {trim_padding!r}.")
+        check_trim_padding(trim_padding)
         try:
             return self._fit(data, reduce_fn, check_mode, trim_padding)
         except BaseException as err:
@@ -757,7 +754,10 @@ class AutoSubnetLaplace(KeepsModelOnCopy, PackedState, CheckedLoad, SiteAccess, 
         if method == "val_ll":
             first = next(iter_batches(data, self.batch_size))
             if len(first) < 2:
-                raise ValueError("validation data must be (x, y).")
+                raise ValueError(
+                    f"validation data must be (x, y); a batch held {len(first)} tensor(s). Pass "
+                    "data=(x_val, y_val), or a DataLoader yielding (x, y)."
+                )
             obs = self._observe(first)
             transform = jacobian_transform(obs.likelihood)  # the probit predict() returns
             parts = ((out, jac, b[1]) for out, jac, b in self._jacobians(data, obs, transform))

@@ -399,7 +399,11 @@ def forward_fn(
         if check is not None:
             check(trace)
         if obs_name not in trace.nodes:
-            raise ValueError(f"the model has no site {obs_name!r} any more.")
+            raise ValueError(
+                f"the model has no site {obs_name!r} any more; the guide read it as the observed "
+                "site when it was set up. Give the model the same observed site at every call, "
+                "or build a new guide for the changed model."
+            )
         if returned:
             return trace.nodes["_RETURN"]["value"]
         return read_outputs(trace.nodes[obs_name]["fn"])

@@ -32,7 +32,14 @@ import torch
 from pyro_bdl.guides.laplace.batches import iter_batches
 from pyro_bdl.models.structured import rows_of
 
-__all__ = ["CALL_TOKENS", "SEQUENCE_KEYS", "ByLength", "plan_groups", "row_lengths"]
+__all__ = [
+    "CALL_TOKENS",
+    "SEQUENCE_KEYS",
+    "ByLength",
+    "check_trim_padding",
+    "plan_groups",
+    "row_lengths",
+]
 
 #: The keys of a Hugging Face text batch that hold one entry per position (B, T, ...): those
 #: trimmed to a group's width. Any other entry of the mapping keeps its columns (rows are
@@ -45,6 +52,15 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids"
 #: took 1.18 s for 3,808 positions, groups of 8 1.33 s for 3,592, about 9 ms a call against
 #: 0.3 ms a position, so one call is worth about 30 positions).
 CALL_TOKENS = 32
+
+
+def check_trim_padding(trim_padding: object) -> None:
+    """Refuse a ``trim_padding`` that is not a bool (a truthy mask or string would read as True)."""
+    if not isinstance(trim_padding, bool):
+        raise TypeError(
+            f"trim_padding must be True or False; got {type(trim_padding).__name__} "
+            f"{trim_padding!r}. Pass a bool."
+        )
 
 
 def row_lengths(mask: Any, min_length: int = 1, what: str = "x['attention_mask']") -> torch.Tensor:

@@ -55,6 +55,7 @@ __all__ = [
     "StructuredNormal",
     "SubnetNormal",
     "accumulation_dtype",
+    "check_accumulate_dtype",
     "check_blockwise",
     "cholesky_jitter",
     "kron_blocks",
@@ -135,6 +136,15 @@ class RoundOffWarning(UserWarning):
 #: is under the Monte Carlo error of any predictive estimated from fewer than 10⁴ draws (1/√10⁴);
 #: above it the jitter, not the data or the prior, sets some variances, and that is never silent.
 MATERIAL_JITTER = 1e-2
+
+
+def check_accumulate_dtype(dtype: object) -> None:
+    """Refuse an ``accumulate_dtype`` that is neither ``None`` nor a floating-point dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            f"accumulate_dtype must be a float dtype; got {dtype!r}. Pass for example "
+            "torch.float64, or None for the default."
+        )
 
 
 def accumulation_dtype(requested: torch.dtype | None, weights: torch.dtype) -> torch.dtype:

@@ -126,12 +126,17 @@ class SubnetworkRule:
             if v.numel() != s.numel:
                 raise ValueError(
                     f"variances[{s.name!r}] must have {s.numel} entries (shape "
-                    f"{tuple(s.shape)}); got shape {tuple(v.shape)}."
+                    f"{tuple(s.shape)}); got shape {tuple(v.shape)}. Pass one variance per weight "
+                    "of the site."
                 )
             parts.append(v.reshape(-1).to(torch.float64).cpu())
         flat = torch.cat(parts)
         if not torch.isfinite(flat).all() or (flat < 0).any():
-            raise ValueError("variances must be finite and >= 0; check the SWAG moments.")
+            bad = int((~torch.isfinite(flat) | (flat < 0)).sum())
+            raise ValueError(
+                f"variances must be finite and >= 0; got {bad} entries that are negative, NaN or "
+                "inf. Check the SWAG moments (collect more, or train with a lower learning rate)."
+            )
         return flat
 
 
@@ -139,10 +144,13 @@ def _parse_size(size: object) -> int | float:
     if isinstance(size, bool) or not isinstance(size, (int, float)):
         raise TypeError(
             f"size must be an int count or a float fraction in (0, 1]; got "
-            f"{type(size).__name__} {size!r}."
+            f"{type(size).__name__} {size!r}. Pass for example size=1000 or size=0.1."
         )
     if isinstance(size, float) and not 0.0 < size <= 1.0:
-        raise ValueError(f"size as a fraction must lie in (0, 1]; got {size!r}.")
+        raise ValueError(
+            f"size as a fraction must lie in (0, 1]; got {size!r}. Pass for example 0.1, or an int "
+            "count."
+        )
     if isinstance(size, int) and size < 1:
         raise ValueError(f"size must be >= 1; got {size}. Use at least one weight.")
     return size
@@ -194,7 +202,10 @@ def parse_subnetwork(
                 )
             size = _parse_size(size)
         elif size is not None:
-            raise ValueError(f"size is only used with 'random' or 'largest_variance'; got {size}.")
+            raise ValueError(
+                f"size is only used with 'random' or 'largest_variance'; got size={size} with "
+                f"subnetwork={subnetwork!r}. Drop size, or pick one of those rules."
+            )
         if isinstance(variances, str) and variances not in VARIANCE_SOURCES:
             raise ValueError(
                 f"unknown variances {variances!r}; expected 'diagonal_laplace', a mapping site "
@@ -209,7 +220,10 @@ def parse_subnetwork(
         return SubnetworkRule("names", names=tuple(subnetwork))
     if isinstance(subnetwork, (list, tuple, torch.Tensor)):
         if isinstance(subnetwork, (list, tuple)) and any(isinstance(n, str) for n in subnetwork):
-            raise TypeError("subnetwork must be all names or all indices, not a mixture.")
+            raise TypeError(
+                f"subnetwork must be all names or all indices, not a mixture; got "
+                f"{list(subnetwork)[:5]!r}. Pass site names only, or packed indices only."
+            )
         if isinstance(subnetwork, (list, tuple)) and any(
             isinstance(n, (float, bool)) for n in subnetwork
         ):

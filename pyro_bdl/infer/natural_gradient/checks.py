@@ -17,13 +17,16 @@ from pyro_bdl.layout import SiteLayout
 __all__ = [
     "as_float",
     "betas_ok",
+    "check_betas_pair",
     "check_candidate",
     "check_hyperparameters",
     "check_inputs",
     "check_loss",
+    "check_model",
     "check_not_meta",
     "check_range",
     "check_real",
+    "check_reduce_fn",
     "first_non_finite",
     "layer_kinds",
     "lr_ok",
@@ -52,7 +55,10 @@ def check_real(name: str, value: object) -> float:
     a string, a bool), before the range checks, whose messages assume a number."""
     number = as_float(value)
     if number is None:
-        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}.")
+        raise TypeError(
+            f"{name} must be a real number; got {type(value).__name__} {value!r}. Pass a Python "
+            "float (float(x) converts a one-element tensor)."
+        )
     return number
 
 
@@ -68,6 +74,30 @@ def betas_ok(betas: object) -> bool:
     [0, 1)."""
     pair = [as_float(b) for b in betas] if isinstance(betas, (tuple, list)) else []
     return len(pair) == 2 and all(b is not None and 0.0 <= b < 1.0 for b in pair)
+
+
+def check_model(model: object) -> None:
+    if not callable(model):
+        raise TypeError(
+            f"model must be a callable Pyro model; got {type(model).__name__}. Pass the model, for "
+            "example pyro_bdl.models.classifier(net, N)."
+        )
+
+
+def check_betas_pair(betas: object) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(
+            f"betas must be a pair (beta1, beta2); got {betas!r}. Pass two numbers in [0, 1), or "
+            "leave betas out for the method's default."
+        )
+
+
+def check_reduce_fn(reduce_fn: object) -> None:
+    if reduce_fn is not None and not callable(reduce_fn):
+        raise TypeError(
+            f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}. Pass a function "
+            "that sums a list of tensors over the ranks, or None on one process."
+        )
 
 
 def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: str) -> None:

@@ -47,13 +47,16 @@ from pyro_bdl._validation import (
 from pyro_bdl.curvature.per_example import PerExampleGradients
 from pyro_bdl.guides.natural_gradient import NaturalGradientGuide
 from pyro_bdl.infer.natural_gradient.checks import (
+    check_betas_pair,
     check_candidate,
     check_guide_reads,
     check_hyperparameters,
     check_inputs,
     check_loss,
+    check_model,
     check_not_meta,
     check_real,
+    check_reduce_fn,
     first_non_finite,
     layer_kinds,
     raise_if_moved,
@@ -140,13 +143,11 @@ class NaturalGradientVI:
         reduce_fn: Callable[[list[torch.Tensor]], None] | None,
         grad_scaler: torch.amp.GradScaler | None = None,
     ):
-        if not callable(model):
-            raise TypeError(f"model must be a callable Pyro model; got {type(model).__name__}.")
+        check_model(model)
         check_positive_int("dataset_size", dataset_size)
         lr = check_real("lr", lr)
         check_positive("lr", lr, fix="Pass a learning rate > 0, for example lr=1e-3.")
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
+        check_betas_pair(betas)
         for i, name in enumerate(("betas[0] (beta1)", "betas[1] (beta2)")):
             check_probability(name, check_real(name, betas[i]), open_interval=False)
         if prior_precision is not None:
@@ -158,8 +159,7 @@ class NaturalGradientVI:
         check_positive_int("num_particles", num_particles)
         if chunk_size is not None:
             check_positive_int("chunk_size", chunk_size)
-        if reduce_fn is not None and not callable(reduce_fn):
-            raise TypeError(f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}.")
+        check_reduce_fn(reduce_fn)
         self.model, self.dataset_size = model, dataset_size
         self.num_particles, self.chunk_size = num_particles, chunk_size
         self.reduce_fn = reduce_fn

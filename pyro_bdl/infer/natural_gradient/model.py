@@ -94,7 +94,9 @@ def inspect_model(
             )
         if site["cond_indep_stack"]:
             raise ValueError(
-                f"weight site {name!r} lies inside a plate; {method} needs global weights."
+                f"weight site {name!r} lies inside a plate; {method} needs global weights. "
+                "Sample the weights outside every plate (as pyro_bdl.bayesianize does), or use "
+                "SVI with a guide."
             )
         sites.append(spec)
     if not sites:
@@ -120,7 +122,10 @@ def inspect_model(
             )
     dtypes = {spec.init_value.dtype for spec in sites}
     if len(dtypes) > 1:
-        raise ValueError(f"all weight sites must share one dtype; got {sorted(map(str, dtypes))}.")
+        raise ValueError(
+            f"all weight sites must share one dtype; got {sorted(map(str, dtypes))}. Convert the "
+            "network to one dtype (net.float()) before lifting it."
+        )
     hidden, covered = [], set()
     for module in layers:
         prefix = module.__dict__.get("_pyro_name")

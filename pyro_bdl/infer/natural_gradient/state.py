@@ -156,6 +156,7 @@ def check_state_dict(
     :raises ValueError: with the reason and the way out.
     """
     method, fmt, version, keys = spec.method, spec.name, spec.version, spec.keys
+    fix = f"Nothing was loaded; pass a state_dict that {method.lower()}.state_dict() returned."
     if (
         spec.earlier_keys
         and isinstance(state, Mapping)
@@ -171,29 +172,31 @@ def check_state_dict(
         got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(
             f"not a {method} state_dict: expected format {fmt!r} and keys {sorted(keys)}; got "
-            f"{got} (format {state.get('format') if isinstance(state, Mapping) else None!r})."
+            f"{got} (format {state.get('format') if isinstance(state, Mapping) else None!r}). "
+            + fix
         )
     if state["version"] != version:
         raise ValueError(
             f"this {method} state_dict has format version {state['version']!r}; this version of "
-            f"pyro_bdl reads version {version}."
+            f"pyro_bdl reads version {version}. Resume it with the pyro_bdl version that wrote "
+            "it, or restart the run."
         )
     try:
         sites = [(str(n), tuple(int(d) for d in s)) for n, s in state["sites"]]
     except (TypeError, ValueError):
         raise ValueError(
             f"the {method} state_dict is damaged: 'sites' must be a list of (name, shape) pairs; "
-            f"got {state['sites']!r:.80}."
+            f"got {state['sites']!r:.80}. " + fix
         ) from None
     step, temperature = state["step"], state.get("temperature", 1.0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(
-            f"the {method} state_dict is damaged: 'step' must be an int >= 0; got {step!r}."
+            f"the {method} state_dict is damaged: 'step' must be an int >= 0; got {step!r}. " + fix
         )
     if not isinstance(temperature, (int, float)) or not 0 < float(temperature) < float("inf"):
         raise ValueError(
             f"the {method} state_dict is damaged: 'temperature' must be a number > 0; got "
-            f"{temperature!r}."
+            f"{temperature!r}. " + fix
         )
     size = sum(int(torch.Size(s).numel()) for _, s in sites)
     for key in ("mean", "momentum", "curvature"):
@@ -205,7 +208,7 @@ def check_state_dict(
         ):
             raise ValueError(
                 f"the {method} state_dict is damaged: {key!r} must have shape ({size},), the total "
-                f"size of its sites; got {getattr(state[key], 'shape', type(state[key]))}."
+                f"size of its sites; got {getattr(state[key], 'shape', type(state[key]))}. " + fix
             )
     groups = (
         state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
@@ -221,13 +224,13 @@ def check_state_dict(
         raise ValueError(
             f"the {method} state_dict is damaged: 'optimizer' must be the state_dict of {method}'s "
             "optimizer (a 'state' dict and one parameter group with 'lr', 'betas' and its one "
-            "placeholder parameter)."
+            f"placeholder parameter); got {type(state['optimizer']).__name__}. " + fix
         )
     if not (lr_ok(groups[0]["lr"]) and betas_ok(groups[0]["betas"])):
         raise ValueError(
             f"the {method} state_dict is damaged: its optimizer needs a finite lr >= 0 (a "
             f"schedule may end at 0) and betas, two numbers in [0, 1); got "
-            f"lr={groups[0]['lr']!r}, betas={groups[0]['betas']!r}."
+            f"lr={groups[0]['lr']!r}, betas={groups[0]['betas']!r}. " + fix
         )
     shapes = {}
     for key in ("hidden", "hidden_momentum", "hidden_curvature"):
@@ -235,7 +238,8 @@ def check_state_dict(
             isinstance(t, torch.Tensor) for t in state[key].values()
         ):
             raise ValueError(
-                f"the {method} state_dict is damaged: {key!r} must map names to tensors."
+                f"the {method} state_dict is damaged: {key!r} must map names to tensors; got "
+                f"{state[key]!r:.80}. " + fix
             )
         shapes[key] = {str(n): tuple(t.shape) for n, t in state[key].items()}
     for key in ("hidden_momentum", "hidden_curvature"):
@@ -243,7 +247,7 @@ def check_state_dict(
             raise ValueError(
                 f"the {method} state_dict is damaged: {key!r} has entries "
                 f"{sorted(shapes[key].items())}, its hidden parameters are "
-                f"{sorted(shapes['hidden'].items())} (name, shape)."
+                f"{sorted(shapes['hidden'].items())} (name, shape). " + fix
             )
     check_values(state, spec)
     if layout is None or hidden is None:

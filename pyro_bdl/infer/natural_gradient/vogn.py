@@ -175,7 +175,10 @@ class VOGN(NaturalGradientVI):
             "ρ scales the dataset size (Ñ = ρN) for data augmentation; pass e.g. 1.0.",
         )
         if not math.isfinite(check_real("damping", damping)) or damping < 0:
-            raise ValueError(f"damping must be a finite number >= 0; got {damping!r}.")
+            raise ValueError(
+                f"damping must be a finite number >= 0; got {damping!r}. Pass 0.0 (the default) "
+                "or a small positive number."
+            )
         self.effective_size = float(augmentation_factor) * dataset_size
         self.damping = float(damping)
         self._schedule = temperature if callable(temperature) else None
