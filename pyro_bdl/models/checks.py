@@ -528,9 +528,10 @@ class NetworkShape:
             got, where = x.shape[1], "x.shape[1] (channels)"
         if got != self.width:
             raise ValueError(
-                f"x has {got} features ({where}, shape {tuple(x.shape)}) but the network's first "
-                f"layer ({self._entry_name()}) expects {self.width}. Pass inputs with "
-                f"{self.width} features (check the feature columns and any reshaping)."
+                f"x has {got} features ({where}; rows of shape {tuple(x.shape[1:])}) but the "
+                f"network's first layer ({self._entry_name()}) expects {self.width}. Pass "
+                f"inputs with {self.width} features (check the feature columns and any "
+                "reshaping)."
             )
 
 

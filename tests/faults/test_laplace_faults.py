@@ -125,6 +125,17 @@ def test_data_that_is_not_batches_is_refused_with_the_fix():
     guide.fit(torch.utils.data.DataLoader(dataset, batch_size=8), check_mode=False)  # the fix
 
 
+def test_inputs_of_the_wrong_width_are_refused_naming_the_rows_not_the_probe():
+    """The fit reads the network's outputs on one row of the first batch; the refusal names the
+    width and the rows' shape the user passed, not the one-row slice it ran on."""
+    guide, (_, y) = _fitted("diag")
+    wide = torch.randn(8, 4)
+    _refuses(guide, lambda: guide.fit((wide, y[:8])), ValueError, r"rows of shape \(4,\)")
+    with pytest.raises(ValueError) as info:
+        guide.fit((wide, y[:8]))
+    assert "(1, 4)" not in str(info.value), info.value
+
+
 def test_a_grown_model_is_refused_naming_the_new_site():
     with_b = [False]
     guide, x, y = _switchable(with_b)
