@@ -219,9 +219,12 @@ def test_sites_and_shapes(fitted):
 def test_median(fitted):
     _, case, x, y = fitted
     median = case.guide.median(x, y)
+    pyro.set_rng_seed(1)
+    again = case.guide.median(x, y)  # a summary of the posterior, not a draw: no seed moves it
     for name, shape in weight_shapes(case.model).items():
         assert median[name].shape == shape, name
         assert torch.isfinite(median[name]).all()
+        assert torch.equal(again[name], median[name]), name
 
 
 def test_quantiles(fitted):

@@ -193,8 +193,12 @@ def test_trains_with_trace_elbo_too():
     model = small_model()
     guide = AutoMeanField(model)
     x, y = data()
+    guide(x, y)
+    before = guide.loc.detach().clone(), guide.rho.detach().clone()
     svi_fit(model, guide, steps=2, elbo=pyro.infer.Trace_ELBO())(x, y)
     assert torch.isfinite(guide.loc).all() and torch.isfinite(guide.rho).all()
+    # Trace_ELBO's gradients reached both parameters (Adam moves every coordinate by ~lr).
+    assert not torch.equal(guide.loc, before[0]) and not torch.equal(guide.rho, before[1])
 
 
 def test_set_loc_scale_checks_before_changing_anything():
