@@ -8,7 +8,13 @@ from torch import nn
 
 
 def assert_close(actual, expected, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = "") -> None:
-    """``torch.testing.assert_close`` on tensors or numbers, with dtype/device of ``actual``."""
+    """``torch.testing.assert_close`` on tensors or numbers, with dtype/device of ``actual``.
+
+    A Python number (or list of them) is compared in float64: ``torch.as_tensor`` would make it
+    float32, where two values 1e-8 apart round to the same number and an ``rtol`` below float32's
+    epsilon (1.2e-7) checks nothing."""
+    if not isinstance(actual, torch.Tensor) and not hasattr(actual, "dtype"):
+        actual = torch.as_tensor(actual, dtype=torch.float64)
     actual = torch.as_tensor(actual)
     expected = torch.as_tensor(expected, dtype=actual.dtype, device=actual.device)
     torch.testing.assert_close(
