@@ -7,9 +7,24 @@ import torch
 from torch import nn
 
 
-def assert_close(actual, expected, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = "") -> None:
-    """``torch.testing.assert_close`` on tensors or numbers, with dtype/device of ``actual``."""
+def assert_close(
+    actual, expected, *, rtol: float | None = None, atol: float = 0.0, msg: str = ""
+) -> None:
+    """``torch.testing.assert_close`` on tensors or numbers, with dtype/device of ``actual``.
+
+    A Python number (or list of them) is compared in float64: ``torch.as_tensor`` would make it
+    float32, where two values 1e-8 apart round to the same number and an ``rtol`` below float32's
+    epsilon (1.2e-7) checks nothing.
+
+    Without ``rtol``, the round-off of the same arithmetic done another way: 1e-10 in float64
+    (sums of up to ~1e4 terms reordered err by ≲ 1e4 · 1.1e-16 ≈ 1e-12; every float64 use of the
+    default measured ≤ 1e-11) and 1e-6 otherwise (float32: ~8 ulps of ε = 1.2e-7). A comparison
+    whose reference is computed less precisely passes its own ``rtol`` and says why."""
+    if not isinstance(actual, torch.Tensor) and not hasattr(actual, "dtype"):
+        actual = torch.as_tensor(actual, dtype=torch.float64)
     actual = torch.as_tensor(actual)
+    if rtol is None:
+        rtol = 1e-10 if actual.dtype == torch.float64 else 1e-6
     expected = torch.as_tensor(expected, dtype=actual.dtype, device=actual.device)
     torch.testing.assert_close(
         actual, expected, rtol=rtol, atol=atol, msg=(lambda m: f"{msg}\n{m}") if msg else None

@@ -73,8 +73,10 @@ def test_meanfield_predicts_with_its_draws_of_a_latent_noise():
     assert scales.shape == (3, 16)
     assert torch.equal(scales[0], scales[1])  # one σ per draw, shared by every row
     assert scales[0].std() > 0  # σ is drawn, not fixed
-    # The posterior over σ concentrates near the true 0.3 (mean-field's σ median 0.3 ± 0.05, the
-    # same sampling sd as the MAP's plus the guide's spread of each draw).
+    # The posterior over σ concentrates near the true 0.3: around the MLE σ̂ (sampling sd 0.011,
+    # see the MAP test: 0.05 is 4.7 sd) the guide's median sits within 0.008 (data seeds 0–3),
+    # and the median of 16 draws of spread ≤ 0.010 varies by 1.25 · 0.010/√16 ≈ 0.003: 0.08
+    # leaves 0.02 beyond the sum, and a σ left near its start (1.0) fails.
     assert float(scales[0].median()) == pytest.approx(0.3, abs=0.08)
 
 
@@ -82,4 +84,7 @@ def test_swag_learns_a_point_noise_from_the_problems_starting_value():
     pyro.clear_param_store()
     problem = _problem(epochs=40, batch_size=50, noise=0.5)
     predict = METHODS["swag"](problem, optimizer="adam", swa_lr=1e-2, snapshots=10)
-    assert predict.noise != 0.5 and predict.noise == pytest.approx(0.3, abs=0.1)
+    # A point estimate: the MLE σ̂ (within 0.05 = 4.7 sampling sd of 0.3, as for MAP) plus the
+    # offset of the SWA average from it (≤ 0.003, data seeds 0–3); a σ that moved only partway
+    # from its start at 0.5 (0.39, say) does not pass.
+    assert predict.noise != 0.5 and predict.noise == pytest.approx(0.3, abs=0.06)

@@ -147,6 +147,11 @@ def test_a_guide_with_a_spread_drawn_one_particle_a_pass_is_not_a_point_mass():
         batch_size=1,
     )
     assert result.log_weights.shape == (50,)
+    # The draws differ across passes: log p(θ) − log q(θ) = |θ|²(1/0.81 − 1)/2 + c varies with θ
+    # for q = N(0, 0.9²I) against p = N(0, I), so equal log weights would mean one θ copied into
+    # every pass (smoothing may tie a few tail weights, never all of them).
+    assert torch.isfinite(result.log_weights).all()
+    assert result.log_weights.unique().numel() > 1
 
 
 @pytest.mark.parametrize("vectorize", [False, True])

@@ -121,8 +121,10 @@ def test_temperature_scale_values():
     assert probs.dtype == logits.dtype and probs.shape == logits.shape
     assert_close(probs, (logits / 2.0).softmax(-1), rtol=0, atol=0)
     assert_close(temperature_scale(logits, 1.0), logits.softmax(-1), rtol=0, atol=0)
+    # A float32 sum of 4 probabilities: ≤ 4 roundings of ε/2 = 6e-8 (1.2e-7 measured).
     assert_close(probs.sum(-1), torch.ones(3, 6), rtol=1e-6)
-    # Very hot: uniform; very cold: one-hot on the argmax.
+    # Very hot: uniform (logits/T ~ 1e-9 move each probability by ~1e-9, below float32's 6e-8
+    # at 0.25); very cold: one-hot on the argmax.
     assert_close(temperature_scale(logits, 1e9), torch.full_like(logits, 0.25), rtol=1e-6)
     cold = temperature_scale(logits.double(), 1e-6)
     assert torch.equal(cold, torch.nn.functional.one_hot(logits.argmax(-1), 4).double())

@@ -73,6 +73,7 @@ def test_a_network_at_its_map_fits_silently(kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         guide.fit(data)
+    assert guide.fitted
 
 
 def test_check_mode_false_fits_an_untrained_network_silently():
@@ -80,6 +81,7 @@ def test_check_mode_false_fits_an_untrained_network_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         guide.fit(data, check_mode=False)
+    assert guide.fitted
 
 
 FOLDED = [

@@ -82,6 +82,8 @@ def test_initialisation_from_the_network():
     for name, (loc, scale) in guide.locs_and_scales().items():
         spec = model.net._bdl_sites[name]
         assert torch.equal(loc, spec.init_value)
+        # 0.03 stored as ρ = softplus⁻¹(0.03) and read back as softplus(ρ) in float32: each step
+        # rounds once, ~2 ulps (float32 ε = 1.2e-7) in all; rtol 1e-6 is ~8 ulps.
         assert_close(scale, torch.full_like(scale, 0.03), rtol=1e-6)
     assert guide.site_names == list(model.net._bdl_sites)
     # The default initial scale is 0.01 (the docstring's figures say why).
@@ -133,6 +135,7 @@ def test_get_posterior_is_the_site_distribution():
     loc, scale = guide.locs_and_scales()["0.weight"]
     assert post.event_shape == loc.shape
     assert_close(post.mean, loc)
+    # float32: the posterior squares the same scale tensor; a rounding or two (ε = 1.2e-7).
     assert_close(post.variance, scale**2, rtol=1e-6)
 
 
@@ -190,8 +193,12 @@ def test_trains_with_trace_elbo_too():
     model = small_model()
     guide = AutoMeanField(model)
     x, y = data()
+    guide(x, y)
+    before = guide.loc.detach().clone(), guide.rho.detach().clone()
     svi_fit(model, guide, steps=2, elbo=pyro.infer.Trace_ELBO())(x, y)
     assert torch.isfinite(guide.loc).all() and torch.isfinite(guide.rho).all()
+    # Trace_ELBO's gradients reached both parameters (Adam moves every coordinate by ~lr).
+    assert not torch.equal(guide.loc, before[0]) and not torch.equal(guide.rho, before[1])
 
 
 def test_set_loc_scale_checks_before_changing_anything():
@@ -201,6 +208,7 @@ def test_set_loc_scale_checks_before_changing_anything():
     guide.set_loc_scale("0.weight", loc=1.5, scale=torch.full((6, 5), 0.25))
     loc, scale = guide.locs_and_scales()["0.weight"]
     assert_close(loc, torch.full((6, 5), 1.5))
+    # float32 softplus⁻¹ then softplus of 0.25: ~2 ulps of round-off, rtol 1e-6 ≈ 8 ulps.
     assert_close(scale, torch.full((6, 5), 0.25), rtol=1e-6)
     before = guide.loc.detach().clone()
     with pytest.raises(ValueError, match="broadcast"):
