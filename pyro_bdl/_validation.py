@@ -70,6 +70,15 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_callable(
+    name: str, value: object, *, what: str, fix: str, optional: bool = False
+) -> None:
+    """Require a callable (or ``None`` when ``optional``): ``what`` says what it should be."""
+    if not (callable(value) or (optional and value is None)):
+        either = " or None" if optional else ""
+        raise TypeError(f"{name} must be {what}{either}; got {type(value).__name__}. {fix}")
+
+
 def check_choice(name: str, value: str, options: Sequence[str]) -> str:
     """Require ``value`` to be one of ``options`` (listed in the error)."""
     if value not in options:

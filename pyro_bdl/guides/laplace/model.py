@@ -41,6 +41,7 @@ from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 from torch import nn
 
+from pyro_bdl._validation import check_callable
 from pyro_bdl.curvature.ggn import (
     LIKELIHOODS,
     Split,
@@ -464,11 +465,13 @@ def raised_by_reduction(err: BaseException) -> bool:
 
 
 def check_reduce_fn(reduce_fn: Any) -> None:
-    if reduce_fn is not None and not callable(reduce_fn):
-        raise TypeError(
-            f"reduce_fn must be a callable summing a tensor over ranks (for example "
-            f"pyro_bdl.distributed's all-reduce) or None; got {type(reduce_fn).__name__}."
-        )
+    check_callable(
+        "reduce_fn",
+        reduce_fn,
+        what="a callable summing a tensor over ranks",
+        optional=True,
+        fix="Pass pyro_bdl.distributed's all-reduce (allreduce_sum), or None on one process.",
+    )
 
 
 def _reduce(reduce_fn: ReduceFn | None, t: torch.Tensor, what: str) -> torch.Tensor:

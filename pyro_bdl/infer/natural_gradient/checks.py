@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pyro_bdl._validation import all_finite, check_finite
+from pyro_bdl._validation import all_finite, check_callable, check_finite
 from pyro_bdl.layout import SiteLayout
 
 __all__ = [
@@ -77,11 +77,12 @@ def betas_ok(betas: object) -> bool:
 
 
 def check_model(model: object) -> None:
-    if not callable(model):
-        raise TypeError(
-            f"model must be a callable Pyro model; got {type(model).__name__}. Pass the model, for "
-            "example pyro_bdl.models.classifier(net, N)."
-        )
+    check_callable(
+        "model",
+        model,
+        what="a callable Pyro model",
+        fix="Pass the model, for example pyro_bdl.models.classifier(net, N).",
+    )
 
 
 def check_betas_pair(betas: object) -> None:
@@ -93,11 +94,13 @@ def check_betas_pair(betas: object) -> None:
 
 
 def check_reduce_fn(reduce_fn: object) -> None:
-    if reduce_fn is not None and not callable(reduce_fn):
-        raise TypeError(
-            f"reduce_fn must be callable or None; got {type(reduce_fn).__name__}. Pass a function "
-            "that sums a list of tensors over the ranks, or None on one process."
-        )
+    check_callable(
+        "reduce_fn",
+        reduce_fn,
+        what="callable",
+        optional=True,
+        fix="Pass a function that sums a list of tensors over the ranks, or None on one process.",
+    )
 
 
 def check_hyperparameters(optimizer: torch.optim.Optimizer, step: int, method: str) -> None:
