@@ -42,7 +42,7 @@ class Rollback:
     def __init__(self, buffers: Iterable[tuple[nn.Module, str]]):
         self._entries = list(buffers)
         self._last: list[torch.Tensor] = []  # the buffers of the last save ...
-        self._saved: list[torch.Tensor] = []  # ... and their copies
+        self._pairs = _Pairs([], [])  # ... with their copies
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
         self._state = _Copies()  # the tensors given to save(), and their copies
@@ -63,11 +63,10 @@ class Rollback:
         buffers = [module._buffers[name] for module, name in self._entries]
         live = cast(list[torch.Tensor], buffers)  # written() lists no None buffer
         if len(live) == len(self._last) and all(map(operator.is_, live, self._last)):
-            if live:
-                torch._foreach_copy_(self._saved, live)
+            self._pairs.copy_back()
         else:
             self._last = live
-            self._saved = [b.detach().clone() for b in live]
+            self._pairs = _Pairs(live, [b.detach().clone() for b in live])
         self._state.save(tensors)
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -78,8 +77,7 @@ class Rollback:
         for (module, name), tensor in zip(self._entries, self._last):
             if module._buffers.get(name) is not tensor:  # the pass assigned a new tensor
                 module._buffers[name] = tensor
-        if self._saved:
-            torch._foreach_copy_(self._last, self._saved)
+        self._pairs.copy()
         self._state.restore()
         if self._cpu_rng is not None:
             torch.set_rng_state(self._cpu_rng)
@@ -87,27 +85,54 @@ class Rollback:
             torch.cuda.set_rng_state_all(self._cuda_rng)
 
 
+class _Pairs:
+    """Tensors and their copies, grouped by dtype and device for the fused copies between them.
+
+    On CUDA, ``torch._foreach_copy_`` is one multi-tensor kernel only when every source shares
+    the first one's dtype; a mixed list (BatchNorm's float statistics with its int64
+    ``num_batches_tracked``) falls back to one copy per tensor, a launch each (124 per ResNet-18
+    step). One call per group keeps it a few kernels.
+    """
+
+    def __init__(self, live: Sequence[torch.Tensor], copies: Sequence[torch.Tensor]):
+        groups: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
+        for t, c in zip(live, copies):
+            pair = groups.setdefault((t.dtype, t.device), ([], []))
+            pair[0].append(t)
+            pair[1].append(c)
+        self._groups = list(groups.values())
+
+    def copy(self) -> None:
+        """Copies into the live tensors."""
+        for live, copies in self._groups:
+            torch._foreach_copy_(live, copies)
+
+    def copy_back(self) -> None:
+        """The live tensors into the copies."""
+        for live, copies in self._groups:
+            torch._foreach_copy_(copies, live)
+
+
 class _Copies:
     """Copies of some tensors, in storage reused while the same tensors are saved again."""
 
     def __init__(self) -> None:
         self.live: list[torch.Tensor] = []
-        self.copies: list[torch.Tensor] = []
+        self._pairs = _Pairs([], [])
 
     @torch.no_grad()
     @torch.inference_mode(False)  # as Rollback.save
     def save(self, tensors: Sequence[torch.Tensor]) -> None:
         live = list(tensors)
         if len(live) == len(self.live) and all(map(operator.is_, live, self.live)):
-            if live:
-                torch._foreach_copy_(self.copies, live)
+            self._pairs.copy_back()
         else:
-            self.live, self.copies = live, [t.detach().clone() for t in live]
+            self.live = live
+            self._pairs = _Pairs(live, [t.detach().clone() for t in live])
 
     @torch.no_grad()
     def restore(self) -> None:
-        if self.live:
-            torch._foreach_copy_(self.live, self.copies)
+        self._pairs.copy()
 
 
 def norm_layer_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
