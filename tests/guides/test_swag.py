@@ -634,26 +634,38 @@ def test_signed_rank_p_value_matches_the_exact_null_distribution():
     assert signed_rank_p_value([-d if d in (10, 1) else d for d in ten]) == 54 / 1024
 
 
-def assert_swag_beats_sgd(runs: list[dict[str, tuple[float, float, float]]]) -> None:
-    """SWAG's NLL lower than SGD's in every seed, its ECE lower by a one-sided signed-rank
-    test at the 5% level, and accuracy within 1 point in each seed.
+def assert_swag_lowers_nll(runs: list[dict[str, tuple[float, float, float]]]) -> None:
+    """SWAG's NLL lower than SGD's in every seed, and its accuracy within 1 point of SGD's in
+    each seed.
 
-    NLL is a proper scoring rule and its paired differences d_s = NLL_SGD − NLL_SWAG are
-    positive in every seed we have run on either machine; under "SWAG no better" (median
-    d = 0) all 10 positive has probability 2⁻¹⁰ < 0.1%. ECE is a binned, non-proper statistic
-    whose differences are heavy-tailed and, in the seeds where the SWAG-phase iterates stay
-    close, smaller than its own noise (a calibrated predictor's ECE on 2,000 points varies by
-    ~0.004): on MNIST three of ten seeds favour SGD by at most 0.0008 while seed 4 favours
-    SWAG by 0.014. A per-seed ECE claim is therefore not what the data support; Wilcoxon's
-    signed-rank test uses the sizes of the differences without assuming a distribution (the
-    Student-t bound is dominated by seed 4's spread). The seeds are fixed, so the test itself
-    is deterministic; the test was chosen before seeds 5–9 were run.
+    NLL is a proper scoring rule. Its paired differences d_s = NLL_SGD − NLL_SWAG were positive
+    in all 25 MNIST seed-runs measured (5 on the Intel Xeon on 2026-11-21, 10 on 2026-11-23 and
+    10 on 2026-11-28 on AMD EPYCs whose round-off sends training along different trajectories),
+    the smallest 0.0021 against round-off of ~1e-7; under "SWAG no better" (median d = 0,
+    signs exchangeable) all 10 positive has probability 2⁻¹⁰ < 0.1%.
+
+    Accuracy: two predictors' accuracies on the same n points differ by (c − b)/n, b and c the
+    points only one of them gets right, with sd √(b + c)/n when their accuracies are equal.
+    SWAG and SGD disagree on b + c ≤ 35 of the 2,000 MNIST test points in a seed (measured
+    2026-11-28), so the sd is ≤ √35/2000 = 0.003 and a 1-point gap is ≥ 3.4 sd: harm, not
+    noise. The 1e-9 absorbs the float round-off of two accuracies that are multiples of 1/n.
     """
     print(runs)
     for run in runs:
         sgd, swag = run["sgd"], run["swag"]
         assert swag[1] < sgd[1], run
         assert abs(swag[0] - sgd[0]) <= 0.01 + 1e-9, run
+
+
+def assert_swag_beats_sgd(runs: list[dict[str, tuple[float, float, float]]]) -> None:
+    """:func:`assert_swag_lowers_nll` and SWAG's ECE lower by a one-sided signed-rank test at
+    the 5% level (the digits claim; MNIST's ECE part was dropped, see its test).
+
+    ECE is a binned, non-proper statistic whose paired differences are heavy-tailed, so
+    Wilcoxon's signed-rank test uses their sizes without assuming a distribution. With 5 seeds
+    its smallest p-value is 2⁻⁵ ≈ 0.031 (every gain positive), the only one ≤ 0.05.
+    """
+    assert_swag_lowers_nll(runs)
     ece_gains = [run["sgd"][2] - run["swag"][2] for run in runs]
     assert signed_rank_p_value(ece_gains) <= 0.05, ece_gains
 
@@ -677,22 +689,39 @@ def mnist_or_skip():
 
 @pytest.mark.slow
 def test_mnist_swag_beats_the_sgd_point_estimate_of_the_same_run():
-    """SWAG vs the SGD point estimate of the same run on the MNIST test-set split, seeds 0–9.
+    """SWAG vs the SGD point estimate of the same run on the MNIST test-set split, seeds 0–9:
+    SWAG's NLL lower in every seed, accuracy within 1 point (:func:`assert_swag_lowers_nll`).
 
     Protocol (chosen once, on a validation split carved from the training set, and then run
     once on the test split): :func:`sgd_vs_swag`, i.e. compare's SWAG untouched — prior N(0, 1),
     40 epochs, rank 20, scale 0.5, 32 draws, ECE with 15 bins on 2,000 test points. In this
     regime — an MLP with ~89k weights that fits 8,000 images — SGD is overconfident (mean
-    confidence 0.982 at accuracy 0.960), which is what SWAG is for. Measured on 2026-11-23
-    (AMD EPYC, torch 2.14.1, seeds 0–9, means): SGD accuracy 0.9611, NLL 0.1529, ECE 0.0234;
-    SWAG 0.9615, 0.1449, 0.0212; NLL lower in 10 of 10 seeds, ECE in 7 of 10 (signed-rank
-    p = 0.032); ~5 min on one core.
+    confidence 0.982 at accuracy 0.961), which is what SWAG is for. Measured on 2026-11-28
+    (2-core AMD EPYC, torch 2.14.1, one thread, seeds 0–9, means): SGD accuracy 0.9610, NLL
+    0.1525, ECE 0.0229; SWAG 0.9615, 0.1414, 0.0202; NLL lower in 10 of 10 seeds (gains
+    0.0021–0.0313), accuracy within 0.4 points; 5–8 min on one core.
+
+    No ECE claim: this test also asked for SWAG's ECE gains to pass a one-sided signed-rank
+    test at 5%. That held on 2026-11-23 (another AMD EPYC, torch 2.14.1: ECE lower in 7 of 10
+    seeds, p = 0.032) and fails on 2026-11-28 (6 of 10, p = 0.35), where the commit that
+    recorded p = 0.032 gives the same per-seed numbers as this code: the machine changed, not
+    the code. The SGD means already differ in the fourth digit (2026-11-23: 0.9611, 0.1529,
+    0.0234), so the two machines' round-off sends training along different trajectories. The
+    ECE gain is concentrated in the seeds whose SWAG-phase iterates leave the SGD solution: on
+    2026-11-28 seeds 4, 6 and 7 (SWAG's marginal variances sum to 16–18 against 0.1 in the
+    other seeds, its mean lies at Euclidean distance 4–9 from the SGD weights against 0.8),
+    with ECE gains of 0.015 in seeds 4 and 6 and 0.0003 in seed 7, where SWAG turns
+    underconfident (confidence 0.940 at accuracy 0.961). In the other seven SWAG's ECE differs
+    from SGD's by at most 0.0019 either way, and those signs do not carry over between machines
+    (three seeds favoured SGD by ≤ 0.0008 on 2026-11-23, four by ≤ 0.0019 on 2026-11-28).
+    Whether p ≤ 0.05 thus depends on how many of the 10 seeds escape and on signs that
+    round-off sets, so neither a passing test nor a strict xfail of it would check SWAG.
     """
     ds = mnist_or_skip()
     # One thread: a 64-row MLP step is too small to gain from two, and on a shared 2-core
     # machine two threads made it ~8× slower in CPU time (the autouse fixture restores it).
     torch.set_num_threads(1)
-    assert_swag_beats_sgd([sgd_vs_swag(ds, seed) for seed in SEEDS])
+    assert_swag_lowers_nll([sgd_vs_swag(ds, seed) for seed in SEEDS])
 
 
 @pytest.mark.slow
@@ -705,7 +734,8 @@ def test_mnist_swag_beats_the_sgd_point_estimate_of_the_same_run():
     ),
 )
 def test_digits_swag_beats_the_sgd_point_estimate_of_the_same_run():
-    """The same protocol and assertion as the MNIST check, on ``load_digits`` (360 test points).
+    """The MNIST check's protocol on ``load_digits`` (360 test points), with the claim that check
+    made until 2026-11-28 (:func:`assert_swag_beats_sgd`: NLL and ECE).
 
     Measured (seeds 0–4, means): SGD accuracy 0.977, NLL 0.0863, ECE 0.0187; SWAG 0.982,
     0.0852, 0.0219. SWAG's NLL is lower in 2 of 5 seeds, its ECE in 2 of 5. Diagnosis (seed 0):
