@@ -233,9 +233,9 @@ class IVON(NaturalGradientVI):
                     copy_or_zero([*views, *g_hidden], grads)
                 else:
                     copy_or_zero(views, grads[: len(views)])
-                    present = [(out, gr) for out, gr in zip(g_hidden, hidden) if gr is not None]
-                    if present:
-                        torch._foreach_add_(*map(list, zip(*present)))
+                    targets = [out for out, gr in zip(g_hidden, hidden) if gr is not None]
+                    if targets:
+                        torch._foreach_add_(targets, [gr for gr in hidden if gr is not None])
                 if k > 0:
                     g.add_(draw)
                 # ĥ of this draw: ĝ ε/σ.
@@ -421,9 +421,9 @@ BLOCK = 1 << 17
 def copy_or_zero(outs: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
     """Each gradient into its output, zeros where there is none: one fused copy, not a copy per
     tensor (on CUDA each would be a launch of its own)."""
-    present = [(out, grad) for out, grad in zip(outs, grads) if grad is not None]
-    if present:
-        torch._foreach_copy_(*map(list, zip(*present)))
+    targets = [out for out, grad in zip(outs, grads) if grad is not None]
+    if targets:
+        torch._foreach_copy_(targets, [grad for grad in grads if grad is not None])
     absent = [out for out, grad in zip(outs, grads) if grad is None]
     if absent:
         torch._foreach_zero_(absent)
