@@ -118,12 +118,14 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    for group in groups.values():
-        if math.isfinite(float(torch.stack(torch._foreach_norm(group, 2.0)).max())):
-            continue
-        if not all(bool(torch.isfinite(t).all()) for t in group):
-            return False
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    # no_grad rather than a detach per tensor: two hundred views a VOGN step on the host.
+    with torch.no_grad():
+        for group in groups.values():
+            if math.isfinite(float(torch.stack(torch._foreach_norm(group, 2.0)).max())):
+                continue
+            if not all(bool(torch.isfinite(t).all()) for t in group):
+                return False
     return True
 
 
