@@ -292,8 +292,8 @@ def _vogn_digits_miss(claim: str, measured: str):
             "VOGN's accuracy is within one point of Adam's in 5 of 10 seeds (means 98.2% vs "
             "98.9%; sign test p = 0.62)",
         ),
-        _vogn_digits_miss("nll", "VOGN's NLL is above Adam's in 10 of 10 seeds (0.093 vs 0.050)"),
-        _vogn_digits_miss("ece", "VOGN's ECE is above Adam's in 10 of 10 seeds (0.049 vs 0.020)"),
+        _vogn_digits_miss("nll", "VOGN's NLL is above Adam's in all 10 seeds (mean .093 vs .049)"),
+        _vogn_digits_miss("ece", "VOGN's ECE is above Adam's in all 10 seeds (mean .049 vs .020)"),
     ],
 )
 def test_vogn_on_digits(claim):
