@@ -27,11 +27,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
 
+# --dist loadgroup: the tests of one `xdist_group` share a worker, and with it the runs they
+# cache (the IVON/VOGN quality check trains every method once per data set for all its claims).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m slow
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m slow
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m ''
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m ''
 
 lint: $(STAMP)
 	$(BIN)/ruff check pyro_bdl tests benchmarks examples docs/conf.py

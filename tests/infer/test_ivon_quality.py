@@ -58,6 +58,10 @@ from pyro_bdl.app.data import load_digits
 from pyro_bdl.diagnostics.metrics import accuracy, ece, nll
 from tests.guides.test_swag import mnist_or_skip, signed_rank_p_value
 
+#: One worker for all of this module's tests under ``--dist loadgroup`` (``make test-slow``): each
+#: data set's runs are cached in the process, and split across workers each would redo them.
+pytestmark = pytest.mark.xdist_group("ivon_quality")
+
 #: Training epochs per data set (MNIST has 5.6× the rows and 12× the pixels of digits).
 EPOCHS = {"digits": 30, "mnist": 5}
 BATCH = 32
