@@ -41,8 +41,7 @@ class Rollback:
 
     def __init__(self, buffers: Iterable[tuple[nn.Module, str]]):
         self._entries = list(buffers)
-        self._last: list[torch.Tensor] = []  # the buffers of the last save ...
-        self._pairs = _Pairs([], [])  # ... with their copies
+        self._buffers = _Copies()  # the buffers of the last save, and their copies
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
         self._state = _Copies()  # the tensors given to save(), and their copies
@@ -61,12 +60,7 @@ class Rollback:
         ``torch.inference_mode()`` (an evaluation first): a later save outside it writes there."""
         # ``_buffers`` directly: a PyroModule's __getattr__ costs microseconds per lookup.
         buffers = [module._buffers[name] for module, name in self._entries]
-        live = cast(list[torch.Tensor], buffers)  # written() lists no None buffer
-        if len(live) == len(self._last) and all(map(operator.is_, live, self._last)):
-            self._pairs.copy_back()
-        else:
-            self._last = live
-            self._pairs = _Pairs(live, [b.detach().clone() for b in live])
+        self._buffers.save(cast(list[torch.Tensor], buffers))  # written() lists no None buffer
         self._state.save(tensors)
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -74,10 +68,10 @@ class Rollback:
     @torch.no_grad()
     def restore(self) -> None:
         """Put back what :meth:`save` copied."""
-        for (module, name), tensor in zip(self._entries, self._last):
+        for (module, name), tensor in zip(self._entries, self._buffers.live):
             if module._buffers.get(name) is not tensor:  # the pass assigned a new tensor
                 module._buffers[name] = tensor
-        self._pairs.copy()
+        self._buffers.restore()
         self._state.restore()
         if self._cpu_rng is not None:
             torch.set_rng_state(self._cpu_rng)
@@ -85,54 +79,39 @@ class Rollback:
             torch.cuda.set_rng_state_all(self._cuda_rng)
 
 
-class _Pairs:
-    """Tensors and their copies, grouped by dtype and device for the fused copies between them.
-
-    On CUDA, ``torch._foreach_copy_`` is one multi-tensor kernel only when every source shares
-    the first one's dtype; a mixed list (BatchNorm's float statistics with its int64
-    ``num_batches_tracked``) falls back to one copy per tensor, a launch each (124 per ResNet-18
-    step). One call per group keeps it a few kernels.
-    """
-
-    def __init__(self, live: Sequence[torch.Tensor], copies: Sequence[torch.Tensor]):
-        groups: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
-        for t, c in zip(live, copies):
-            pair = groups.setdefault((t.dtype, t.device), ([], []))
-            pair[0].append(t)
-            pair[1].append(c)
-        self._groups = list(groups.values())
-
-    def copy(self) -> None:
-        """Copies into the live tensors."""
-        for live, copies in self._groups:
-            torch._foreach_copy_(live, copies)
-
-    def copy_back(self) -> None:
-        """The live tensors into the copies."""
-        for live, copies in self._groups:
-            torch._foreach_copy_(copies, live)
-
-
 class _Copies:
-    """Copies of some tensors, in storage reused while the same tensors are saved again."""
+    """Copies of some tensors, in storage reused while the same tensors are saved again.
+
+    The pairs are grouped by dtype and device: on CUDA ``torch._foreach_copy_`` is one
+    multi-tensor kernel only when every source shares the first one's dtype, and a mixed list
+    (BatchNorm's float statistics with its int64 ``num_batches_tracked``) falls back to one copy
+    per tensor, a launch each (124 per ResNet-18 step). One call per group keeps it a few kernels.
+    """
 
     def __init__(self) -> None:
         self.live: list[torch.Tensor] = []
-        self._pairs = _Pairs([], [])
+        self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (live, copies)
 
     @torch.no_grad()
     @torch.inference_mode(False)  # as Rollback.save
     def save(self, tensors: Sequence[torch.Tensor]) -> None:
         live = list(tensors)
         if len(live) == len(self.live) and all(map(operator.is_, live, self.live)):
-            self._pairs.copy_back()
-        else:
-            self.live = live
-            self._pairs = _Pairs(live, [t.detach().clone() for t in live])
+            for originals, copies in self._groups:
+                torch._foreach_copy_(copies, originals)
+            return
+        self.live = live
+        groups: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
+        for t in live:
+            originals, copies = groups.setdefault((t.dtype, t.device), ([], []))
+            originals.append(t)
+            copies.append(t.detach().clone())
+        self._groups = list(groups.values())
 
     @torch.no_grad()
     def restore(self) -> None:
-        self._pairs.copy()
+        for originals, copies in self._groups:
+            torch._foreach_copy_(originals, copies)
 
 
 def norm_layer_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
