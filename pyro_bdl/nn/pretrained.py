@@ -85,6 +85,10 @@ def load_minilm(
     """
     import torch
 
+    from pyro_bdl._validation import check_positive_int  # imported here as torch is
+
+    if num_labels is not None:
+        check_positive_int("num_labels", num_labels)
     transformers = _require("transformers")
     folder = minilm_path(path)
     keyword = _dtype_keyword(transformers.__version__)
@@ -95,9 +99,6 @@ def load_minilm(
     if num_labels is None:
         model = transformers.AutoModel.from_pretrained(folder, local_files_only=True, **kwargs)
     else:
-        from pyro_bdl._validation import check_positive_int
-
-        check_positive_int("num_labels", num_labels)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
             folder, num_labels=num_labels, local_files_only=True, **kwargs
         )
