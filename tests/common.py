@@ -3,6 +3,9 @@ network."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -78,3 +81,9 @@ def assert_moved_alike(start, fp32, amp, relative: float) -> None:
     moved = (fp32 - start).norm()
     assert moved > 0
     assert (amp - fp32).norm() <= relative * moved, float((amp - fp32).norm() / moved)
+
+
+def data_root() -> Path:
+    """The real-data folder: ``$PYRO_BDL_DATA``, else ``../shared/data`` beside the project."""
+    env = os.environ.get("PYRO_BDL_DATA")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"

